@@ -1,0 +1,55 @@
+# zaec — every entry point a newcomer needs. `make test` and `make demo` work on a fresh machine:
+# they create the virtual environment (and fetch Debian's Fashion-MNIST for the demo) themselves.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.zaec-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export MPLBACKEND := Agg
+
+FMNIST_DIR ?= data/fashion-mnist
+SHARDS ?= data/shards
+RESULTS ?= results
+
+.PHONY: help venv test demo bench bench-extract tables fmnist clean
+
+help:
+	@echo "make demo           run the whole pipeline on the embedded default (small CLIP trained on Fashion-MNIST)"
+	@echo "make test           run the test suite (creates $(VENV) first)"
+	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS)"
+	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
+	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model"
+
+# torch is pinned first: on these machines torch==2.14.1/torchvision==0.29.1 install from local disk;
+# any other resolution downloads several GB or breaks torchvision's import.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[extract,sweep,test]'
+	touch $@
+
+venv: $(STAMP)
+
+fmnist:
+	bash data/fetch_fmnist.sh $(FMNIST_DIR)
+
+test: $(STAMP) fmnist
+	FMNIST_DIR=$(FMNIST_DIR) $(PY) -m pytest -q tests
+
+demo: $(STAMP) fmnist
+	$(VENV)/bin/python -m extract.demo --fmnist-dir $(FMNIST_DIR)
+
+tables: $(STAMP)
+	$(VENV)/bin/zaec-calibrate tables $(SHARDS) --out $(RESULTS)
+
+bench: $(STAMP)
+	$(PY) -m calibrate.bench
+
+bench-extract: $(STAMP)
+	$(PY) -m extract.bench
+
+clean:
+	rm -rf $(RESULTS) bench-out .pytest_cache

@@ -1,0 +1,30 @@
+"""The version-1 shard contract shared by `extract` (writer) and `calibrate` (reader). See `schemas.shard`."""
+
+from schemas.shard import (
+    META_KEYS,
+    OPTIONAL_COLUMNS,
+    PART_TEMPLATE,
+    REQUIRED_COLUMNS,
+    SCHEMA_VERSION,
+    RunKey,
+    Shard,
+    ShardError,
+    ShardMeta,
+    build_table,
+    find_shards,
+    group_shards,
+    iter_run,
+    read_meta,
+    read_shard,
+    shard_dir,
+    shard_path,
+    validate_shard,
+    write_atomic_table,
+    write_shard,
+)
+
+__all__ = [
+    "META_KEYS", "OPTIONAL_COLUMNS", "PART_TEMPLATE", "REQUIRED_COLUMNS", "SCHEMA_VERSION", "RunKey", "Shard",
+    "ShardError", "ShardMeta", "build_table", "find_shards", "group_shards", "iter_run", "read_meta", "read_shard",
+    "shard_dir", "shard_path", "validate_shard", "write_atomic_table", "write_shard",
+]

@@ -1,0 +1,464 @@
+"""The shard contract, version 1: the only coupling between `extract/` and `calibrate/`.
+
+A shard is a Parquet file holding one slice of one run (backbone, dataset, method, seed).
+
+Required columns:
+    sample_id   int64                        index in the dataset's canonical test order
+    label       int32                        ground-truth class index in [0, K)
+    zs_logits   fixed_size_list<float32>[K]  paired zero-shot logits (logit scale included)
+    tta_logits  fixed_size_list<float32>[K]  adapted logits of the same sample
+Optional columns:
+    stream_pos  int64                        position in the adaptation stream
+    (more columns may be added; readers ignore what they do not know)
+
+File key-value metadata (all values are strings): see `META_KEYS`.
+Default layout under an output root:
+    <root>/backbone=<b>/dataset=<d>/method=<m>/seed=<s>/part-<00000>.parquet
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = "1"
+PREFIX = "zaec:"
+
+#: metadata key -> meaning (all stored as strings)
+META_KEYS: dict[str, str] = {
+    "zaec:schema": 'contract version, "1"',
+    "zaec:backbone": "model name as open_clip spells it (ViT-B-16, RN50, ...)",
+    "zaec:pretrained": "pretrained tag, checkpoint path or local-dir:DIR",
+    "zaec:dataset": "canonical dataset key (imagenet_a, dtd, ...)",
+    "zaec:method": "TTA method key (zero-shot, tda, dpe, ...)",
+    "zaec:seed": "seed of the stream permutation and the views (integer as a string)",
+    "zaec:num_classes": "K (integer as a string)",
+    "zaec:class_names": "JSON array of K class names",
+    "zaec:method_config": "JSON object: the method's resolved configuration",
+    "zaec:zs_prompts": "JSON: what produced the zero-shot logits (templates, views)",
+}
+REQUIRED_COLUMNS = ("sample_id", "label", "zs_logits", "tta_logits")
+OPTIONAL_COLUMNS = ("stream_pos",)
+PART_TEMPLATE = "part-{:05d}.parquet"
+
+
+class ShardError(ValueError):
+    """A shard violates the contract. The message names the file and, where relevant, the column."""
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """The identity of one run: every shard of a run shares it."""
+
+    backbone: str
+    dataset: str
+    method: str
+    seed: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"backbone": self.backbone, "dataset": self.dataset, "method": self.method, "seed": self.seed}
+
+    def __str__(self) -> str:  # used in messages and progress bars
+        return f"{self.backbone}/{self.dataset}/{self.method}/seed={self.seed}"
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """File-level metadata of a shard (identical for every shard of a run)."""
+
+    backbone: str
+    pretrained: str
+    dataset: str
+    method: str
+    seed: int
+    class_names: tuple[str, ...]
+    method_config: Mapping[str, Any] = field(default_factory=dict)
+    zs_prompts: Any = field(default_factory=dict)
+    #: further `zaec:*` keys (strings), e.g. warnings recorded by the extractor
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def key(self) -> RunKey:
+        return RunKey(self.backbone, self.dataset, self.method, int(self.seed))
+
+    def to_kv(self) -> dict[bytes, bytes]:
+        kv = {
+            "zaec:schema": SCHEMA_VERSION,
+            "zaec:backbone": self.backbone,
+            "zaec:pretrained": self.pretrained,
+            "zaec:dataset": self.dataset,
+            "zaec:method": self.method,
+            "zaec:seed": str(int(self.seed)),
+            "zaec:num_classes": str(self.num_classes),
+            "zaec:class_names": json.dumps(list(self.class_names)),
+            "zaec:method_config": json.dumps(dict(self.method_config), sort_keys=True, default=str),
+            "zaec:zs_prompts": json.dumps(self.zs_prompts, sort_keys=True, default=str),
+        }
+        for k, v in self.extra.items():
+            name = k if k.startswith(PREFIX) else PREFIX + k
+            if name in kv:
+                raise ValueError(f"extra metadata key {name!r} collides with a contract key")
+            kv[name] = str(v)
+        return {k.encode(): v.encode() for k, v in kv.items()}
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[bytes, bytes] | None, path: str | os.PathLike = "<shard>") -> "ShardMeta":
+        """Parse and validate file metadata; raises ShardError naming the file and the key."""
+        meta = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (kv or {}).items()}
+        if "zaec:schema" not in meta:
+            raise ShardError(f"{path}: not a zaec shard (file metadata has no 'zaec:schema' key)")
+        if meta["zaec:schema"] != SCHEMA_VERSION:
+            raise ShardError(
+                f"{path}: shard schema version {meta['zaec:schema']!r} is not supported; expected {SCHEMA_VERSION!r}"
+            )
+        missing = [k for k in META_KEYS if k not in meta]
+        if missing:
+            raise ShardError(f"{path}: file metadata is missing key(s) {', '.join(missing)}")
+
+        def _json(key: str, kind: type | None = None) -> Any:
+            try:
+                value = json.loads(meta[key])
+            except json.JSONDecodeError as e:
+                raise ShardError(f"{path}: metadata {key!r} is not valid JSON ({e.msg})") from None
+            if kind is not None and not isinstance(value, kind):
+                raise ShardError(f"{path}: metadata {key!r} must be a JSON {kind.__name__}, got {type(value).__name__}")
+            return value
+
+        def _int(key: str) -> int:
+            try:
+                return int(meta[key])
+            except ValueError:
+                raise ShardError(f"{path}: metadata {key!r} must be an integer, got {meta[key]!r}") from None
+
+        names = _json("zaec:class_names", list)
+        k = _int("zaec:num_classes")
+        if len(names) != k:
+            raise ShardError(
+                f"{path}: metadata 'zaec:class_names' has {len(names)} names but 'zaec:num_classes' is {k}"
+            )
+        extra = {key: v for key, v in meta.items() if key.startswith(PREFIX) and key not in META_KEYS}
+        return cls(
+            backbone=meta["zaec:backbone"],
+            pretrained=meta["zaec:pretrained"],
+            dataset=meta["zaec:dataset"],
+            method=meta["zaec:method"],
+            seed=_int("zaec:seed"),
+            class_names=tuple(str(n) for n in names),
+            method_config=_json("zaec:method_config", dict),
+            zs_prompts=_json("zaec:zs_prompts"),
+            extra=extra,
+        )
+
+
+@dataclass
+class Shard:
+    """One shard in memory: metadata plus numpy columns.
+
+    Attributes:
+        sample_id: (N,) int64
+        label: (N,) int32
+        zs_logits: (N, K) float32
+        tta_logits: (N, K) float32
+        stream_pos: (N,) int64 or None
+        extra_columns: further columns as numpy arrays (read only when asked for)
+    """
+
+    path: Path
+    meta: ShardMeta
+    sample_id: np.ndarray
+    label: np.ndarray
+    zs_logits: np.ndarray
+    tta_logits: np.ndarray
+    stream_pos: np.ndarray | None = None
+    extra_columns: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.sample_id.shape[0])
+
+    def nonfinite_rows(self) -> np.ndarray:
+        """(N,) bool: rows where either logit vector holds NaN or inf."""
+        return ~(np.isfinite(self.zs_logits).all(axis=1) & np.isfinite(self.tta_logits).all(axis=1))
+
+    def select(self, rows: np.ndarray) -> "Shard":
+        """A new Shard with only `rows` (bool mask or indices)."""
+        return Shard(
+            self.path,
+            self.meta,
+            self.sample_id[rows],
+            self.label[rows],
+            self.zs_logits[rows],
+            self.tta_logits[rows],
+            None if self.stream_pos is None else self.stream_pos[rows],
+            {k: v[rows] for k, v in self.extra_columns.items()},
+        )
+
+
+def shard_dir(root: str | os.PathLike, key: RunKey) -> Path:
+    """`<root>/backbone=<b>/dataset=<d>/method=<m>/seed=<s>` for a run."""
+    return (
+        Path(root)
+        / f"backbone={key.backbone}"
+        / f"dataset={key.dataset}"
+        / f"method={key.method}"
+        / f"seed={key.seed}"
+    )
+
+
+def shard_path(root: str | os.PathLike, key: RunKey, part: int) -> Path:
+    """Default path of part `part` of a run under `root`."""
+    return shard_dir(root, key) / PART_TEMPLATE.format(part)
+
+
+def _logits_array(x: np.ndarray, name: str) -> pa.FixedSizeListArray:
+    x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if x.ndim != 2:
+        raise ValueError(f"{name} must have shape (N, K), got {x.shape}")
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1), type=pa.float32()), x.shape[1])
+
+
+def build_table(
+    meta: ShardMeta,
+    sample_id: Sequence[int] | np.ndarray,
+    label: Sequence[int] | np.ndarray,
+    zs_logits: np.ndarray,
+    tta_logits: np.ndarray,
+    stream_pos: Sequence[int] | np.ndarray | None = None,
+    extra_columns: Mapping[str, Any] | None = None,
+) -> pa.Table:
+    """Arrow table of one shard with the contract's types and metadata (validated)."""
+    sample_id = np.asarray(sample_id, dtype=np.int64)
+    label = np.asarray(label, dtype=np.int32)
+    n, k = sample_id.shape[0], meta.num_classes
+    for name, arr in (("zs_logits", zs_logits), ("tta_logits", tta_logits)):
+        shape = np.shape(arr)
+        if len(shape) != 2 or shape[0] != n or shape[1] != k:
+            raise ValueError(f"{name} must have shape ({n}, {k}) to match sample_id and class_names; got {shape}")
+    if label.shape != (n,):
+        raise ValueError(f"label must have shape ({n},), got {label.shape}")
+    if n and (label.min() < 0 or label.max() >= k):
+        raise ValueError(f"label values must lie in [0, {k}); got range [{label.min()}, {label.max()}]")
+    cols: dict[str, pa.Array] = {
+        "sample_id": pa.array(sample_id, type=pa.int64()),
+        "label": pa.array(label, type=pa.int32()),
+        "zs_logits": _logits_array(zs_logits, "zs_logits"),
+        "tta_logits": _logits_array(tta_logits, "tta_logits"),
+    }
+    if stream_pos is not None:
+        sp = np.asarray(stream_pos, dtype=np.int64)
+        if sp.shape != (n,):
+            raise ValueError(f"stream_pos must have shape ({n},), got {sp.shape}")
+        cols["stream_pos"] = pa.array(sp, type=pa.int64())
+    for name, values in (extra_columns or {}).items():
+        if name in cols:
+            raise ValueError(f"extra column {name!r} collides with a contract column")
+        cols[name] = pa.array(values)
+    table = pa.table(cols)
+    return table.replace_schema_metadata(meta.to_kv())
+
+
+def write_atomic_table(table: pa.Table, path: str | os.PathLike) -> Path:
+    """Write a Parquet table to `path` atomically (temporary name in the same folder, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_shard(
+    path: str | os.PathLike,
+    meta: ShardMeta,
+    sample_id: Sequence[int] | np.ndarray,
+    label: Sequence[int] | np.ndarray,
+    zs_logits: np.ndarray,
+    tta_logits: np.ndarray,
+    stream_pos: Sequence[int] | np.ndarray | None = None,
+    extra_columns: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write one shard atomically (temporary name, then rename). Returns the final path.
+
+    Example:
+        >>> meta = ShardMeta("RN50", "openai", "dtd", "tda", 1, ("a", "b"))
+        >>> write_shard(shard_path("out", meta.key, 0), meta, [0], [1], [[1.0, 2.0]], [[0.5, 3.0]])  # doctest: +SKIP
+    """
+    table = build_table(meta, sample_id, label, zs_logits, tta_logits, stream_pos, extra_columns)
+    return write_atomic_table(table, path)
+
+
+def _fixed_list_to_numpy(col: pa.ChunkedArray | pa.Array, k: int) -> np.ndarray:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    flat = arr.flatten() if len(arr) else pa.array([], type=pa.float32())
+    out = flat.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    return out.reshape(len(arr), k)
+
+
+def read_meta(path: str | os.PathLike) -> ShardMeta:
+    """Read and validate only the file metadata of a shard (cheap: the footer)."""
+    path = Path(path)
+    try:
+        schema = pq.read_schema(path)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no such file") from None
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: not a readable Parquet file ({_short(e)})") from None
+    return ShardMeta.from_kv(schema.metadata, path)
+
+
+def _short(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _check_schema(path: Path, schema: pa.Schema, k: int) -> None:
+    names = set(schema.names)
+    for col in REQUIRED_COLUMNS:
+        if col not in names:
+            raise ShardError(f"{path}: missing required column {col!r} (required: {', '.join(REQUIRED_COLUMNS)})")
+    expect_int = {"sample_id": pa.int64(), "label": pa.int32(), "stream_pos": pa.int64()}
+    for col, typ in expect_int.items():
+        if col in names and not pa.types.is_integer(schema.field(col).type):
+            raise ShardError(f"{path}: column {col!r} must be {typ}, got {schema.field(col).type}")
+    for col in ("zs_logits", "tta_logits"):
+        typ = schema.field(col).type
+        if not pa.types.is_fixed_size_list(typ) or not pa.types.is_floating(typ.value_type):
+            raise ShardError(f"{path}: column {col!r} must be fixed_size_list<float32>[{k}], got {typ}")
+        if typ.list_size != k:
+            raise ShardError(
+                f"{path}: column {col!r} has {typ.list_size} logits per row but 'zaec:num_classes' is {k}"
+            )
+
+
+def read_shard(path: str | os.PathLike, *, columns: Iterable[str] = ()) -> Shard:
+    """Read and validate one shard.
+
+    Validation: metadata (version, keys, K), column presence and types, both logit widths equal K,
+    labels in [0, K), sample_id unique within the shard. Non-finite logits are NOT rejected here
+    (callers decide: see `Shard.nonfinite_rows`).
+
+    Args:
+        path: the Parquet file.
+        columns: extra (non-contract) columns to load into `Shard.extra_columns`.
+
+    Raises:
+        ShardError: one message naming the file and the column.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    k = meta.num_classes
+    try:
+        pf = pq.ParquetFile(path)
+        _check_schema(path, pf.schema_arrow, k)
+        want = list(REQUIRED_COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in pf.schema_arrow.names]
+        want += [c for c in columns if c not in want]
+        table = pf.read(columns=want)
+    except ShardError:
+        raise
+    except KeyError as e:
+        raise ShardError(f"{path}: requested column {e} is not in the shard") from None
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: Parquet data cannot be read ({_short(e)})") from None
+    for col in REQUIRED_COLUMNS:
+        if table.column(col).null_count:
+            raise ShardError(f"{path}: column {col!r} has {table.column(col).null_count} null value(s)")
+    sample_id = table.column("sample_id").to_numpy().astype(np.int64, copy=False)
+    label = table.column("label").to_numpy().astype(np.int64, copy=False)
+    if len(label) and (label.min() < 0 or label.max() >= k):
+        bad = int(((label < 0) | (label >= k)).sum())
+        raise ShardError(f"{path}: column 'label' has {bad} value(s) outside [0, {k})")
+    if len(np.unique(sample_id)) != len(sample_id):
+        dup = len(sample_id) - len(np.unique(sample_id))
+        raise ShardError(f"{path}: column 'sample_id' has {dup} duplicate value(s) within the shard")
+    stream_pos = None
+    if "stream_pos" in table.column_names:
+        stream_pos = table.column("stream_pos").to_numpy().astype(np.int64, copy=False)
+    extra = {c: table.column(c).to_numpy(zero_copy_only=False) for c in columns if c not in REQUIRED_COLUMNS}
+    return Shard(
+        path=path,
+        meta=meta,
+        sample_id=sample_id,
+        label=label.astype(np.int32),
+        zs_logits=_fixed_list_to_numpy(table.column("zs_logits"), k),
+        tta_logits=_fixed_list_to_numpy(table.column("tta_logits"), k),
+        stream_pos=stream_pos,
+        extra_columns=extra,
+    )
+
+
+def validate_shard(path: str | os.PathLike) -> list[str]:
+    """All contract violations of one file as messages (empty list: valid). Non-finite logits count as a violation."""
+    try:
+        shard = read_shard(path)
+    except ShardError as e:
+        return [str(e)]
+    bad = shard.nonfinite_rows()
+    if bad.any():
+        return [f"{path}: {int(bad.sum())} row(s) have NaN or inf in 'zs_logits' or 'tta_logits'"]
+    return []
+
+
+def find_shards(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Expand files and directories (searched recursively for *.parquet) into a sorted, de-duplicated list.
+
+    Raises:
+        ShardError: a path does not exist, or nothing was found at all.
+    """
+    found: dict[Path, None] = {}
+    paths = list(paths)
+    for p in map(Path, paths):
+        if p.is_dir():
+            for f in sorted(p.rglob("*.parquet")):
+                if not f.name.startswith("."):
+                    found[f.resolve()] = None
+        elif p.is_file():
+            found[p.resolve()] = None
+        else:
+            raise ShardError(f"{p}: no such file or directory")
+    if not found:
+        where = ", ".join(map(str, paths)) or "(no paths given)"
+        raise ShardError(f"no shards (*.parquet) found under {where}")
+    return list(found)
+
+
+def group_shards(paths: Iterable[Path]) -> dict[RunKey, list[tuple[Path, ShardMeta]]]:
+    """Group shard files by run from their metadata (footers only).
+
+    Shards of one run must agree on every metadata value; a disagreement is a ShardError naming both files.
+    """
+    groups: dict[RunKey, list[tuple[Path, ShardMeta]]] = {}
+    for p in paths:
+        meta = read_meta(p)
+        members = groups.setdefault(meta.key, [])
+        if members:
+            first_path, first = members[0]
+            for name in ("pretrained", "class_names", "method_config", "zs_prompts"):
+                if getattr(first, name) != getattr(meta, name):
+                    raise ShardError(
+                        f"{p}: metadata {name!r} disagrees with {first_path} although both belong to run {meta.key}"
+                    )
+        members.append((p, meta))
+    return groups
+
+
+def iter_run(members: Sequence[tuple[Path, ShardMeta]]) -> Iterator[Shard]:
+    """Read the shards of one run one at a time (memory bounded by one shard)."""
+    for p, _ in members:
+        yield read_shard(p)
