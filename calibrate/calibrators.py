@@ -1,0 +1,644 @@
+"""Calibrators for test-time-adapted logits: none, temperature scaling, SaLS and ZAEC.
+
+Every calibrator here is a per-sample temperature: the calibrated prediction of sample i is
+softmax(tta_logits[i] / T_i). A temperature never changes the class ranking, so no calibrator in this module changes
+a prediction or the accuracy. Calibrators look like scikit-learn estimators: `fit(...)` returns self, fitted state
+ends in `_`, and `temperatures(zs_logits, tta_logits)` returns the (N,) float64 effective temperatures. Label-free
+calibrators (SaLS, ZAEC) take the paired zero-shot logits as their input, never labels.
+
+All computations run in float64 on row chunks (bounded memory) and subtract the row maximum before `exp`, so they
+are exact and stable for logits of any magnitude (1e4 included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
+
+import numpy as np
+
+#: rows per chunk are chosen so that one (rows, K) float64 temporary holds about this many elements
+CHUNK_ELEMENTS = 1 << 17
+
+#: the largest ZAEC temperature. Restoring an entropy of exactly log K needs T = infinity; such samples (and any
+#: whose target needs more than this) are capped here and counted (`ZaecSolution.capped`). At T = 1e6 the entropy of
+#: logits with range R is within about (R / 1e6)^2 nats of log K, far below the 1e-6 tolerance for CLIP-scale logits.
+ZAEC_T_MAX = 1e6
+#: the smallest ZAEC temperature (only the `all` / `increased` ablations sharpen, T < 1). Exact ties at the top make
+#: low entropies unreachable; such samples are capped here and counted.
+ZAEC_T_MIN = 1e-6
+#: |H(T) - target| tolerance of the ZAEC solve, in nats
+ZAEC_TOL = 1e-6
+#: iteration limit of the safeguarded Halley solve (it needs about 3; bisection alone would need < 60)
+ZAEC_MAX_ITER = 100
+
+Subset = Literal["reduced", "all", "increased"]
+SUBSETS: tuple[str, ...] = ("reduced", "all", "increased")
+
+
+def _as_2d(logits: Any, name: str = "logits") -> np.ndarray:
+    x = np.asarray(logits)
+    if x.ndim != 2:
+        raise ValueError(f"{name} must have shape (N, K), got {x.shape}")
+    if x.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one class, got shape {x.shape}")
+    return x
+
+
+def _chunks(n: int, k: int) -> Iterator[slice]:
+    rows = max(1, CHUNK_ELEMENTS // max(k, 1))
+    for start in range(0, n, rows):
+        yield slice(start, min(n, start + rows))
+
+
+def _entropy_chunk(z: np.ndarray) -> np.ndarray:
+    """(n, K) float64 -> (n,) entropy. H = log s - sum_k p_k (z_k - m), with m = max z and s = sum exp(z - m)."""
+    zc = z - z.max(axis=1, keepdims=True)  # <= 0: exp never overflows; 0 * (-huge) stays 0
+    e = np.exp(zc)
+    s = e.sum(axis=1)
+    return np.log(s) - np.einsum("ij,ij->i", e, zc) / s
+
+
+def entropy_from_logits(logits: Any) -> np.ndarray:
+    """Entropy of softmax(logits) per row, in nats, computed in float64.
+
+    H(softmax(z)) = log sum_k exp(z_k - m) - sum_k p_k (z_k - m), m = max_k z_k; exact for |z| ~ 1e4 and beyond.
+
+    Args:
+        logits: (N, K) float logits (float32 or float64).
+
+    Returns:
+        (N,) float64 entropies in [0, log K].
+
+    Example:
+        >>> entropy_from_logits(np.zeros((1, 4)))[0] == np.log(4)
+        True
+    """
+    x = _as_2d(logits)
+    out = np.empty(x.shape[0], dtype=np.float64)
+    for sl in _chunks(x.shape[0], x.shape[1]):
+        out[sl] = _entropy_chunk(x[sl].astype(np.float64))
+    return out
+
+
+@dataclass(frozen=True)
+class SoftmaxStats:
+    """Per-sample results of softmax(logits / T): all (N,) arrays.
+
+    Attributes:
+        prediction: int64 argmax (the first index on ties, like numpy).
+        confidence: float64 top-label probability.
+        entropy: float64 entropy in nats.
+        nll: float64 -log p[label] (None without labels).
+        brier: float64 sum_k (p_k - 1[k = label])^2 (None without labels).
+    """
+
+    prediction: np.ndarray
+    confidence: np.ndarray
+    entropy: np.ndarray
+    nll: np.ndarray | None = None
+    brier: np.ndarray | None = None
+
+
+def softmax_stats(logits: Any, temperatures: Any = 1.0, labels: Any = None) -> SoftmaxStats:
+    """Prediction, confidence and entropy (plus NLL and Brier with labels) of softmax(logits / T) per sample.
+
+    Args:
+        logits: (N, K) float logits.
+        temperatures: scalar or (N,) positive per-sample temperatures.
+        labels: optional (N,) int class indices in [0, K).
+
+    Returns:
+        SoftmaxStats of (N,) arrays, float64.
+
+    Example:
+        >>> s = softmax_stats(np.array([[0.0, np.log(3.0)]]), 1.0, [1])
+        >>> round(float(s.confidence[0]), 6), round(float(s.nll[0]), 6)
+        (0.75, 0.287682)
+    """
+    x = _as_2d(logits)
+    n, k = x.shape
+    t = np.broadcast_to(np.asarray(temperatures, dtype=np.float64), (n,))
+    if n and not (np.all(np.isfinite(t)) and np.all(t > 0)):
+        raise ValueError("temperatures must be finite and > 0")
+    y = None if labels is None else np.asarray(labels, dtype=np.int64)
+    if y is not None and y.shape != (n,):
+        raise ValueError(f"labels must have shape ({n},), got {y.shape}")
+    pred = np.empty(n, dtype=np.int64)
+    conf = np.empty(n, dtype=np.float64)
+    ent = np.empty(n, dtype=np.float64)
+    nll = None if y is None else np.empty(n, dtype=np.float64)
+    brier = None if y is None else np.empty(n, dtype=np.float64)
+    for sl in _chunks(n, k):
+        z = x[sl].astype(np.float64)
+        am = z.argmax(axis=1)
+        rows = np.arange(z.shape[0])
+        zc = (z - z[rows, am][:, None]) / t[sl][:, None]  # <= 0, max exactly 0
+        e = np.exp(zc)
+        s = e.sum(axis=1)
+        log_s = np.log(s)
+        pred[sl] = am
+        conf[sl] = 1.0 / s
+        ent[sl] = log_s - np.einsum("ij,ij->i", e, zc) / s
+        if y is not None:
+            yl = y[sl]
+            nll[sl] = log_s - zc[rows, yl]
+            p_y = np.exp(zc[rows, yl]) / s
+            brier[sl] = np.einsum("ij,ij->i", e, e) / (s * s) - 2.0 * p_y + 1.0
+    return SoftmaxStats(pred, conf, ent, nll, brier)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZAEC
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZaecSolution:
+    """The per-sample result of the ZAEC solve (all (N,) arrays).
+
+    Attributes:
+        temperature: float64 T_i (1 outside the corrected subset).
+        target: float64 target entropy (= h_tta outside the corrected subset).
+        h_zs: float64 zero-shot entropy.
+        h_tta: float64 adapted entropy.
+        corrected: bool, in the corrected subset (and not already at its target).
+        capped: bool, target unreachable within [ZAEC_T_MIN, ZAEC_T_MAX]; T is set to the cap.
+        iterations: the number of solver iterations of the slowest chunk.
+    """
+
+    temperature: np.ndarray
+    target: np.ndarray
+    h_zs: np.ndarray
+    h_tta: np.ndarray
+    corrected: np.ndarray
+    capped: np.ndarray
+    iterations: int = 0
+
+    @property
+    def n_capped(self) -> int:
+        return int(self.capped.sum())
+
+
+def _moments(zc: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """H, Var and third central moment of z under p = softmax(beta * zc), for centred rows zc <= 0 (max 0).
+
+    With mu(beta) = E_p[z]: H = log sum exp(beta zc) - beta mu, dH/dbeta = -beta Var, dVar/dbeta = kappa3.
+    """
+    e = np.multiply(zc, beta[:, None])
+    np.exp(e, out=e)
+    s = e.sum(axis=1)
+    e *= zc
+    m1 = e.sum(axis=1) / s  # E_p[zc] <= 0
+    e *= zc
+    m2 = e.sum(axis=1) / s
+    m3 = np.einsum("ij,ij->i", e, zc) / s
+    h = np.log(s) - beta * m1
+    var = np.maximum(m2 - m1 * m1, 0.0)
+    k3 = m3 - 3.0 * m1 * m2 + 2.0 * m1 * m1 * m1
+    return h, var, k3
+
+
+_X_LO = float(np.log(1.0 / ZAEC_T_MAX))  # log beta at the largest temperature
+_X_HI = float(np.log(1.0 / ZAEC_T_MIN))  # log beta at the smallest temperature
+#: the largest Halley step in log beta (a factor e^2 in T): near-tied top classes give H(log beta) an inflection
+#: that can throw an undamped step decades away
+_MAX_STEP = 2.0
+
+
+def _solve_beta(
+    zc: np.ndarray, target: np.ndarray, h1: np.ndarray, v1: np.ndarray, k1: np.ndarray, tol: float
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Solve H(softmax(beta * zc)) = target for beta in [1/T_MAX, 1/T_MIN], per row, vectorised.
+
+    H is strictly decreasing in beta for non-constant rows (Proposition 1), so the root is unique. The iteration is
+    Halley's method on f(x) = log H - log target in x = log beta (nearly linear in both the sharp and the diffuse
+    regime, so it needs about 3 steps), safeguarded by a bracket [x_lo, x_hi] that every evaluation shrinks: a step
+    that leaves the bracket (or is not finite, e.g. H underflowed to 0) is replaced by bisection in x, and a bracket
+    end that was never evaluated is evaluated first, which detects unreachable targets (capped rows).
+    Starts at beta = 1, where (H, Var, kappa3) = (h1, v1, k1) are already known. Returns (beta, capped, iterations).
+    """
+    n = zc.shape[0]
+    x = np.zeros(n)
+    h, v, k3 = h1.copy(), v1.copy(), k1.copy()
+    lo = np.full(n, _X_LO)
+    hi = np.full(n, _X_HI)
+    lo_seen = np.zeros(n, dtype=bool)  # H(lo) evaluated (and >= target)
+    hi_seen = np.zeros(n, dtype=bool)
+    capped = np.zeros(n, dtype=bool)
+    active = np.flatnonzero(np.abs(h - target) > tol)
+    it = 0
+    while active.size and it < ZAEC_MAX_ITER:
+        it += 1
+        xa, ha, va, ka, ta = x[active], h[active], v[active], k3[active], target[active]
+        below = ha < ta  # entropy too low: the root is at smaller beta
+        lo_a = np.where(below, lo[active], xa)
+        hi_a = np.where(below, xa, hi[active])
+        lo_s = lo_seen[active] | ~below
+        hi_s = hi_seen[active] | below
+        # unreachable: the extreme temperature itself misses the target
+        cap = (below & (xa <= _X_LO)) | (~below & (xa >= _X_HI))
+        b = np.exp(xa)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            f = np.log(ha / ta)
+            g = b * b * va / ha  # -f'
+            f1 = -g
+            f2 = (-2.0 * b * b * va - b * b * b * ka) / ha - g * g
+            step = xa + np.clip(-2.0 * f * f1 / (2.0 * f1 * f1 - f * f2), -_MAX_STEP, _MAX_STEP)
+        ok = np.isfinite(step) & (step > lo_a) & (step < hi_a)
+        mid = 0.5 * (lo_a + hi_a)
+        nxt = np.where(ok, step, mid)
+        nxt = np.where(~ok & below & ~lo_s, lo_a, nxt)  # try the cap once before bisecting
+        nxt = np.where(~ok & ~below & ~hi_s, hi_a, nxt)
+        collapsed = (hi_a - lo_a) <= 1e-15
+        lo[active], hi[active] = lo_a, hi_a
+        lo_seen[active], hi_seen[active] = lo_s | (nxt <= _X_LO), hi_s | (nxt >= _X_HI)
+        done = cap | collapsed
+        capped[active[cap]] = True
+        go = active[~done]
+        if go.size == 0:
+            break
+        x[go] = nxt[~done]
+        h[go], v[go], k3[go] = _moments(zc[go], np.exp(x[go]))
+        active = go[np.abs(h[go] - target[go]) > tol]
+    return np.exp(x), capped, it
+
+
+def solve_zaec(
+    zs_logits: Any,
+    tta_logits: Any,
+    *,
+    strength: float = 1.0,
+    subset: Subset = "reduced",
+    tol: float = ZAEC_TOL,
+) -> ZaecSolution:
+    """Solve ZAEC's per-sample temperatures, with diagnostics. See `zaec_temperature` for the definition."""
+    zs = _as_2d(zs_logits, "zs_logits")
+    tta = _as_2d(tta_logits, "tta_logits")
+    if zs.shape != tta.shape:
+        raise ValueError(f"zs_logits and tta_logits must have the same shape; got {zs.shape} and {tta.shape}")
+    strength = float(strength)
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"strength must lie in [0, 1], got {strength}")
+    if subset not in SUBSETS:
+        raise ValueError(f"unknown subset {subset!r}; valid: {', '.join(SUBSETS)}")
+    n, k = tta.shape
+    temp = np.ones(n)
+    target = np.empty(n)
+    h_zs = np.empty(n)
+    h_tta = np.empty(n)
+    corrected = np.zeros(n, dtype=bool)
+    capped = np.zeros(n, dtype=bool)
+    iters = 0
+    for sl in _chunks(n, k):
+        hz = _entropy_chunk(zs[sl].astype(np.float64))
+        z = tta[sl].astype(np.float64)
+        zc = z - z.max(axis=1, keepdims=True)
+        ht, vt, kt = _moments(zc, np.ones(zc.shape[0]))
+        tg = ht + strength * (hz - ht)
+        if subset == "reduced":
+            sel = ht < hz
+        elif subset == "increased":
+            sel = ht > hz
+        else:
+            sel = np.ones_like(ht, dtype=bool)
+        sel &= np.abs(tg - ht) > tol  # already at the target: T = 1 exactly (lambda = 0 is the identity)
+        h_zs[sl], h_tta[sl] = hz, ht
+        target[sl] = np.where(sel, tg, ht)
+        corrected[sl] = sel
+        # constant logits have entropy log K at every T: nothing to solve (T = 1, capped if the target differs)
+        const = sel & (zc.min(axis=1) == 0)
+        capped[sl] = const
+        idx = np.flatnonzero(sel & ~const)
+        if idx.size:
+            beta, cap, it = _solve_beta(zc[idx], tg[idx], ht[idx], vt[idx], kt[idx], tol)
+            t_sl, cap_sl = temp[sl], capped[sl]
+            t_sl[idx] = 1.0 / beta
+            cap_sl[idx] = cap
+            iters = max(iters, it)
+    return ZaecSolution(temp, target, h_zs, h_tta, corrected, capped, iters)
+
+
+def zaec_temperature(
+    zs_logits: Any,
+    tta_logits: Any,
+    *,
+    strength: float = 1.0,
+    subset: Subset = "reduced",
+) -> np.ndarray:
+    """ZAEC per-sample temperatures (Zero-shot-Anchored Entropy Calibration).
+
+    With H_zs = H(softmax(zs)), H_tta = H(softmax(tta)) and target = H_tta + strength * (H_zs - H_tta):
+    for samples in the corrected subset, T is the unique T with H(softmax(tta / T)) = target, solved in float64 to
+    |H - target| <= 1e-6 nats; T = 1 elsewhere. Subsets: `reduced` (the paper's ZAEC: H_tta < H_zs, so T >= 1 is the
+    smallest temperature reaching the target), `all` (every sample, T < 1 where H_tta > H_zs), `increased`
+    (H_tta > H_zs only). Targets unreachable within [ZAEC_T_MIN, ZAEC_T_MAX] (e.g. H_zs = log K) get the cap; count
+    them with `solve_zaec(...).n_capped`.
+
+    Args:
+        zs_logits: (N, K) float zero-shot logits (logit scale included).
+        tta_logits: (N, K) float adapted logits of the same samples.
+        strength: lambda in [0, 1]; 0 is the identity, 1 is ZAEC.
+        subset: "reduced" | "all" | "increased".
+
+    Returns:
+        (N,) float64 temperatures; calibrated logits are tta_logits / T[:, None].
+
+    Example:
+        >>> zs, tta = np.array([[1.0, 0.0, 0.0]]), np.array([[4.0, 0.0, 0.0]])
+        >>> t = zaec_temperature(zs, tta)
+        >>> bool(abs(entropy_from_logits(tta / t[:, None])[0] - entropy_from_logits(zs)[0]) <= 1e-6)
+        True
+    """
+    return solve_zaec(zs_logits, tta_logits, strength=strength, subset=subset).temperature
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Temperature scaling: NLL is convex in the inverse temperature beta = 1/T
+# ---------------------------------------------------------------------------------------------------------------
+
+#: the fitted temperature is searched in [1/TS_BETA_MAX, 1/TS_BETA_MIN]
+TS_BETA_MIN = 1e-3
+TS_BETA_MAX = 1e3
+
+
+def nll_derivatives(logits: Any, labels: Any, beta: float) -> tuple[float, float, float, int]:
+    """Sums over samples of NLL(beta), dNLL/dbeta and d2NLL/dbeta2 for softmax(beta * logits); and the count.
+
+    NLL_i(beta) = logsumexp(beta z_i) - beta z_{i,y}; its derivative is E_p[z] - z_y and its second derivative
+    Var_p(z) >= 0, so the mean NLL is convex in beta. Sums make the statistics mergeable across shards.
+    """
+    x = _as_2d(logits)
+    y = np.asarray(labels, dtype=np.int64)
+    f = g = h = 0.0
+    for sl in _chunks(x.shape[0], x.shape[1]):
+        z = x[sl].astype(np.float64)
+        zc = z - z.max(axis=1, keepdims=True)
+        rows = np.arange(z.shape[0])
+        a = beta * zc
+        e = np.exp(a)
+        s = e.sum(axis=1)
+        w = e * zc
+        m1 = w.sum(axis=1) / s
+        m2 = np.einsum("ij,ij->i", w, zc) / s
+        zy = zc[rows, y[sl]]
+        f += float((np.log(s) - beta * zy).sum())
+        g += float((m1 - zy).sum())
+        h += float(np.maximum(m2 - m1 * m1, 0.0).sum())
+    return f, g, h, int(x.shape[0])
+
+
+def fit_temperature(
+    batches: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]],
+    *,
+    tol: float = 1e-10,
+    max_iter: int = 100,
+) -> tuple[float, int]:
+    """Fit one temperature by NLL over labelled logits, streaming: Newton on beta = 1/T inside a bisection bracket.
+
+    Args:
+        batches: a callable returning a fresh iterable of ((n, K) logits, (n,) labels) per pass (one pass per step),
+            so the data never need to fit in memory.
+        tol: stop when |mean dNLL/dbeta| * beta <= tol or the bracket collapses.
+
+    Returns:
+        (T, iterations). T is clamped to [1/TS_BETA_MAX, 1/TS_BETA_MIN] when the optimum lies outside (e.g. separable data).
+
+    Raises:
+        ValueError: no labelled samples.
+    """
+
+    def stats(beta: float) -> tuple[float, float, int]:
+        g = h = 0.0
+        n = 0
+        for z, y in batches():
+            _, gi, hi, ni = nll_derivatives(z, y, beta)
+            g, h, n = g + gi, h + hi, n + ni
+        if n == 0:
+            raise ValueError("temperature scaling needs at least one labelled source sample")
+        return g / n, h / n, n
+
+    lo, hi = TS_BETA_MIN, TS_BETA_MAX
+    beta = 1.0
+    for it in range(1, max_iter + 1):
+        g, h, _ = stats(beta)
+        if abs(g) * beta <= tol:
+            return 1.0 / beta, it
+        if g > 0:  # NLL increasing: optimum at smaller beta
+            hi = beta
+        else:
+            lo = beta
+        if hi - lo <= 1e-12 * hi:
+            return 1.0 / beta, it
+        newton = beta - g / h if h > 0 else np.nan
+        beta = newton if np.isfinite(newton) and lo < newton < hi else float(np.sqrt(lo * hi))
+    return 1.0 / beta, max_iter
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibrator classes and their registry
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Calibrator:
+    """Base class. Subclasses are dataclasses whose fields are the spec options (`name:field=value`)."""
+
+    name: ClassVar[str] = ""
+    #: needs labelled source logits (`fit`) before `temperatures`
+    needs_fit: ClassVar[bool] = False
+    spec: str = field(default="", repr=False, compare=False)
+
+    def fit(self, *args: Any, **kwargs: Any) -> "Calibrator":
+        """Label-free calibrators have nothing to fit; returns self."""
+        return self
+
+    def temperatures(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
+        """(N,) float64 effective per-sample temperatures for `tta_logits`."""
+        raise NotImplementedError
+
+    def transform(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
+        """Calibrated logits tta_logits / T[:, None], float64."""
+        t = self.temperatures(zs_logits, tta_logits)
+        return np.asarray(tta_logits, dtype=np.float64) / t[:, None]
+
+
+@dataclass
+class NoCalibration(Calibrator):
+    """`none`: the raw adapted logits (T = 1)."""
+
+    name: ClassVar[str] = "none"
+
+    def temperatures(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
+        return np.ones(_as_2d(tta_logits, "tta_logits").shape[0])
+
+
+@dataclass
+class TemperatureScaling(Calibrator):
+    """`temperature`: one temperature fitted by NLL on labelled source logits (or fixed with `T`).
+
+    Fit once, e.g. on the ImageNet shards of the same backbone and method, then apply to every target set.
+    `T` (spec `temperature:T=1.2`) fixes the temperature and skips the fit.
+    """
+
+    name: ClassVar[str] = "temperature"
+    needs_fit: ClassVar[bool] = True
+    T: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.T is not None:
+            self.T = float(self.T)
+            if not (np.isfinite(self.T) and self.T > 0):
+                raise ValueError(f"temperature T must be finite and > 0, got {self.T}")
+            self.temperature_ = self.T
+            self.n_iter_ = 0
+
+    @property
+    def is_fitted(self) -> bool:
+        return hasattr(self, "temperature_")
+
+    def fit(self, logits: Any = None, labels: Any = None, *, batches: Callable[[], Iterable] | None = None) -> "TemperatureScaling":
+        """Fit by NLL on labelled logits: in-memory `(logits, labels)` or a streaming `batches` callable."""
+        if self.T is not None:
+            return self
+        if batches is None:
+            z, y = _as_2d(logits), np.asarray(labels)
+            batches = lambda: [(z, y)]  # noqa: E731
+        self.temperature_, self.n_iter_ = fit_temperature(batches)
+        return self
+
+    def temperatures(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
+        if not self.is_fitted:
+            raise ValueError("temperature scaling is not fitted: call fit(...) or give T")
+        return np.full(_as_2d(tta_logits, "tta_logits").shape[0], float(self.temperature_))
+
+
+#: SaLS guard: a zero-range row (constant logits) gets T = 1 (its softmax is uniform at every temperature)
+SALS_MIN_RANGE = 1e-12
+
+
+@dataclass
+class SaLS(Calibrator):
+    """`sals`: per-sample min-max rescaling of the adapted logits onto the zero-shot logit range.
+
+    z' = (z_tta - min z_tta) / range(z_tta) * range(z_zs) + min z_zs, which under softmax equals a per-sample
+    temperature T_i = range(z_tta) / range(z_zs). A zero range on either side (constant logits) gives T = 1.
+    """
+
+    name: ClassVar[str] = "sals"
+
+    def temperatures(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
+        zs, tta = _as_2d(zs_logits, "zs_logits"), _as_2d(tta_logits, "tta_logits")
+        if zs.shape != tta.shape:
+            raise ValueError(f"zs_logits and tta_logits must have the same shape; got {zs.shape} and {tta.shape}")
+        r_zs = zs.max(axis=1).astype(np.float64) - zs.min(axis=1)
+        r_tta = tta.max(axis=1).astype(np.float64) - tta.min(axis=1)
+        ok = (r_zs > SALS_MIN_RANGE) & (r_tta > SALS_MIN_RANGE)
+        return np.where(ok, r_tta / np.where(ok, r_zs, 1.0), 1.0)
+
+
+@dataclass
+class ZAEC(Calibrator):
+    """`zaec`: the paper's Zero-shot-Anchored Entropy Calibration (see `zaec_temperature`).
+
+    Options: `strength` (lambda, default 1.0: full restoration, paper §5 ablation) and `subset` (default
+    `reduced`: the paper's method; `all` and `increased` are the corrected-subset ablations).
+    After `temperatures(...)`, `capped_` holds the (N,) bool mask of capped samples of that call.
+    """
+
+    name: ClassVar[str] = "zaec"
+    strength: float = 1.0
+    subset: str = "reduced"
+
+    def __post_init__(self) -> None:
+        self.strength = float(self.strength)
+        if not 0.0 <= self.strength <= 1.0:
+            raise ValueError(f"zaec strength must lie in [0, 1], got {self.strength}")
+        if self.subset not in SUBSETS:
+            raise ValueError(f"unknown zaec subset {self.subset!r}; valid: {', '.join(SUBSETS)}")
+
+    def temperatures(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
+        sol = solve_zaec(zs_logits, tta_logits, strength=self.strength, subset=self.subset)  # type: ignore[arg-type]
+        self.capped_ = sol.capped
+        return sol.temperature
+
+
+#: name -> calibrator class. Adding a calibrator is one class plus one entry here.
+CALIBRATORS: dict[str, type[Calibrator]] = {
+    c.name: c for c in (NoCalibration, TemperatureScaling, SaLS, ZAEC)
+}
+
+
+def _options(cls: type[Calibrator]) -> dict[str, Any]:
+    return {f.name: f.type for f in fields(cls) if f.name != "spec"}
+
+
+def _convert(value: str, default: Any, cls_name: str, key: str) -> Any:
+    if isinstance(default, str) or default is None and key == "subset":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"calibrator {cls_name!r}: option {key!r} expects a number, got {value!r}") from None
+
+
+def parse_calibrator(spec: str) -> Calibrator:
+    """Build a calibrator from a spec string `name[:key=value[,key=value...]]`.
+
+    Examples: `none`, `temperature`, `temperature:T=1.2`, `sals`, `zaec`, `zaec:strength=0.5`, `zaec:subset=all`,
+    `zaec:strength=0.5,subset=all`. The spec string is the calibrator's name in every output.
+
+    Raises:
+        ValueError: unknown name or option (the message lists the valid ones), or a bad value.
+    """
+    text = spec.strip()
+    name, _, opts = text.partition(":")
+    name = name.strip()
+    if name not in CALIBRATORS:
+        raise ValueError(f"unknown calibrator {name!r}; available: {', '.join(CALIBRATORS)}")
+    cls = CALIBRATORS[name]
+    valid = {f.name: f for f in fields(cls) if f.name != "spec"}
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (o.strip() for o in opts.split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key not in valid:
+            choices = ", ".join(valid) or "none"
+            raise ValueError(f"calibrator {name!r} has no option {key!r}; valid options: {choices}")
+        if not eq or not value:
+            raise ValueError(f"calibrator option {key!r} of {name!r} needs a value ({name}:{key}=VALUE)")
+        if key in kwargs:
+            raise ValueError(f"calibrator option {key!r} given twice in {spec!r}")
+        kwargs[key] = value if key == "subset" else _convert(value, valid[key].default, name, key)
+    cal = cls(**kwargs)
+    cal.spec = text
+    return cal
+
+
+def parse_calibrators(specs: str | Iterable[str]) -> list[Calibrator]:
+    """Parse a comma-free list of specs or one string `a;b` / `a,b` where commas between specs are allowed.
+
+    In a single string, specs are split at commas that start a new known calibrator name, so
+    `none,zaec:strength=0.5,subset=all,sals` gives three calibrators. Duplicate specs raise.
+    """
+    if isinstance(specs, str):
+        parts: list[str] = []
+        for piece in specs.split(","):
+            piece = piece.strip()
+            if not piece:
+                continue
+            head = piece.partition(":")[0].strip()
+            if parts and "=" in piece and head not in CALIBRATORS and ":" not in piece:
+                parts[-1] += "," + piece  # an option of the previous spec
+            else:
+                parts.append(piece)
+        specs = parts
+    cals = [parse_calibrator(s) for s in specs]
+    if not cals:
+        raise ValueError(f"no calibrator given; available: {', '.join(CALIBRATORS)}")
+    seen: set[str] = set()
+    for c in cals:
+        if c.spec in seen:
+            raise ValueError(f"calibrator {c.spec!r} given twice")
+        seen.add(c.spec)
+    return cals

@@ -1,0 +1,322 @@
+"""The streaming calibration run behind `zaec-calibrate`: shards in, one metrics DataFrame out.
+
+Every name (calibrator specs, binning, paths, shard metadata, temperature-scaling sources) is resolved before the
+first logit is read. Each run (backbone, dataset, method, seed) is then streamed shard by shard: memory is bounded
+by one shard plus the (N,) per-sample confidence/correctness arrays that equal-mass ECE needs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
+from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
+from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, read_shard
+
+ZERO_SHOT = "zero-shot"
+KEY_COLUMNS = ("backbone", "dataset", "method", "seed")
+METRIC_COLUMNS = (*KEY_COLUMNS, "calibrator", *METRIC_NAMES)
+SAMPLE_COLUMNS = (
+    *KEY_COLUMNS, "sample_id", "label", "calibrator", "temperature", "prediction", "confidence", "entropy",
+)
+DEFAULT_CALIBRATORS = "none,temperature,sals,zaec"
+DEFAULT_TS_SOURCE = "imagenet"
+
+Members = list[tuple[Path, ShardMeta]]
+
+
+@dataclass
+class RunReport:
+    """What a run produced: the metrics table and human-readable notes (fitted T, capped samples, skips, drops)."""
+
+    metrics: pl.DataFrame
+    notes: list[str] = field(default_factory=list)
+    temperatures: dict[str, float] = field(default_factory=dict)
+    capped: dict[str, int] = field(default_factory=dict)
+    dropped_nonfinite: int = 0
+
+
+def _clean(shard: Shard, drop_nonfinite: bool) -> tuple[Shard, int]:
+    bad = shard.nonfinite_rows()
+    n_bad = int(bad.sum())
+    if n_bad and not drop_nonfinite:
+        raise ShardError(
+            f"{shard.path}: {n_bad} row(s) have NaN or inf in 'zs_logits' or 'tta_logits' "
+            "(pass --drop-nonfinite to drop them and report the count)"
+        )
+    return (shard.select(~bad) if n_bad else shard), n_bad
+
+
+class _DuplicateCheck:
+    """Detects a sample_id repeated across the shards of one run; state: the sorted (N,) ids seen so far."""
+
+    def __init__(self, key: RunKey) -> None:
+        self.key = key
+        self.seen = np.zeros(0, dtype=np.int64)
+        self.first: list[tuple[Path, np.ndarray]] = []
+
+    def add(self, path: Path, ids: np.ndarray) -> None:
+        ids = np.sort(ids)
+        if self.seen.size and ids.size:
+            pos = np.clip(np.searchsorted(self.seen, ids), 0, self.seen.size - 1)
+            dup = ids[self.seen[pos] == ids]
+            if dup.size:
+                raise ShardError(
+                    f"{path}: {dup.size} sample_id value(s) (e.g. {int(dup[0])}) already appear in another shard of "
+                    f"run {self.key}; every sample must appear once per run"
+                )
+        self.seen = np.concatenate([self.seen, ids])
+        self.seen.sort(kind="stable")
+
+
+def resolve_ts_sources(
+    groups: dict[RunKey, Members], source: str
+) -> dict[RunKey, tuple[tuple[RunKey, ...], str]]:
+    """For every run: the source runs whose labelled logits fit its temperature, and a description.
+
+    Same backbone and method on the `source` dataset; the same seed when present, else every seed pooled.
+    Runs without a source are absent from the result.
+    """
+    out: dict[RunKey, tuple[tuple[RunKey, ...], str]] = {}
+    for key in groups:
+        cands = [k for k in groups if (k.backbone, k.dataset, k.method) == (key.backbone, source, key.method)]
+        same = [k for k in cands if k.seed == key.seed]
+        chosen = tuple(sorted(same or cands, key=lambda k: k.seed))
+        if chosen:
+            seeds = ",".join(str(k.seed) for k in chosen)
+            out[key] = (chosen, f"{key.backbone}/{source}/{key.method}/seed={seeds}")
+    return out
+
+
+def _batches(members: Members, drop_nonfinite: bool) -> Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]:
+    def gen() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for p, _ in members:
+            shard, _ = _clean(read_shard(p), drop_nonfinite)
+            yield shard.tta_logits, shard.label
+
+    return gen
+
+
+class _SampleWriter:
+    """Streams per-sample rows of one run into one Parquet file (temporary name, renamed on close)."""
+
+    def __init__(self, root: Path, key: RunKey) -> None:
+        self.path = (
+            root / f"backbone={key.backbone}" / f"dataset={key.dataset}" / f"method={key.method}"
+            / f"seed={key.seed}" / "samples.parquet"
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(".samples.parquet.tmp")
+        self.key = key
+        self.writer: pq.ParquetWriter | None = None
+
+    def write(self, calibrator: str, sample_id: np.ndarray, label: np.ndarray, temperature: np.ndarray, stats: Any) -> None:
+        n = len(sample_id)
+        table = pa.table(
+            {
+                "backbone": pa.array([self.key.backbone] * n, pa.string()),
+                "dataset": pa.array([self.key.dataset] * n, pa.string()),
+                "method": pa.array([self.key.method] * n, pa.string()),
+                "seed": pa.array(np.full(n, self.key.seed, dtype=np.int64)),
+                "sample_id": pa.array(sample_id.astype(np.int64)),
+                "label": pa.array(label.astype(np.int32)),
+                "calibrator": pa.array([calibrator] * n, pa.string()),
+                "temperature": pa.array(np.broadcast_to(temperature, (n,)).astype(np.float64)),
+                "prediction": pa.array(stats.prediction.astype(np.int32)),
+                "confidence": pa.array(stats.confidence),
+                "entropy": pa.array(stats.entropy),
+            }
+        )
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.tmp, table.schema, compression="zstd")
+        self.writer.write_table(table)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.tmp.replace(self.path)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def calibrate_paths(
+    paths: Sequence[str | Path],
+    *,
+    calibrators: str | Iterable[str] = DEFAULT_CALIBRATORS,
+    n_bins: int = 20,
+    binning: str = "width",
+    ts_source: str = DEFAULT_TS_SOURCE,
+    temperature: float | None = None,
+    drop_nonfinite: bool = False,
+    samples_dir: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> RunReport:
+    """Run every calibrator on every run found under `paths`; returns the metrics table and notes.
+
+    Args:
+        paths: shard files or directories (searched recursively).
+        calibrators: spec strings (`none`, `temperature`, `temperature:T=1.2`, `sals`, `zaec`, `zaec:strength=0.5`...).
+        n_bins, binning: ECE binning (`width`: TTABC's 20 equal-width bins; `mass`: equal-count bins).
+        ts_source: dataset whose labelled logits (same backbone and method) fit temperature scaling.
+        temperature: fix the temperature-scaling T instead of fitting it.
+        drop_nonfinite: drop rows with NaN/inf logits (counted in the notes) instead of failing.
+        samples_dir: also write per-sample results there.
+        progress: called with the number of rows done after each shard; on_total: called once with the total.
+
+    Raises:
+        ShardError, ValueError: bad input; the message names the file/column or lists the valid choices.
+    """
+    # resolve every name before reading any logit
+    cals = parse_calibrators(calibrators)
+    n_bins = _check_bins(n_bins)
+    _check_binning(binning)
+    if temperature is not None:
+        if not (np.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"--temperature must be finite and > 0, got {temperature}")
+        for c in cals:
+            if isinstance(c, TemperatureScaling) and c.T is None:
+                c.T = c.temperature_ = float(temperature)
+                c.n_iter_ = 0
+    files = find_shards(paths)
+    groups = group_shards(files)
+    if on_total is not None:
+        on_total(sum(pq.ParquetFile(p).metadata.num_rows for p in files))
+    report = RunReport(pl.DataFrame())
+    sources = resolve_ts_sources(groups, ts_source)
+    ts_cals = [c for c in cals if isinstance(c, TemperatureScaling)]
+    fitted: dict[tuple[str, tuple[RunKey, ...]], float] = {}
+
+    rows: list[dict[str, Any]] = []
+    for key in sorted(groups, key=lambda k: (k.backbone, k.dataset, k.method, k.seed)):
+        members = groups[key]
+        # temperature scaling for this run: fixed, fitted on the source runs, or skipped with a note
+        active: list[Calibrator] = []
+        for c in cals:
+            if isinstance(c, TemperatureScaling) and c.T is None:
+                if key not in sources:
+                    report.notes.append(
+                        f"{key}: skipped '{c.spec}': no '{ts_source}' shards of backbone {key.backbone} and method "
+                        f"{key.method} among the inputs (add them, pick another with --ts-source, or fix --temperature)"
+                    )
+                    continue
+                src_keys, desc = sources[key]
+                cache_key = (key.backbone + "\0" + key.method, src_keys)
+                if cache_key not in fitted:
+                    src_members = [m for k in src_keys for m in groups[k]]
+                    t = TemperatureScaling().fit(batches=_batches(src_members, drop_nonfinite)).temperature_
+                    fitted[cache_key] = t
+                    report.temperatures[desc] = t
+                    report.notes.append(f"temperature scaling fitted on {desc}: T = {t:.4f}")
+                fc = TemperatureScaling(T=fitted[cache_key])
+                fc.spec = c.spec
+                active.append(fc)
+            else:
+                active.append(c)
+        rows += _calibrate_run(key, members, active, n_bins, binning, drop_nonfinite, samples_dir, report, progress)
+    for c in ts_cals:
+        if c.T is not None:
+            report.notes.append(f"temperature scaling fixed: T = {c.T:g}")
+    report.metrics = pl.DataFrame(rows, schema=_metric_schema(), orient="row") if rows else pl.DataFrame(
+        schema=_metric_schema()
+    )
+    return report
+
+
+def _metric_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = {c: pl.Float64 for c in METRIC_COLUMNS}
+    schema.update({"backbone": pl.String, "dataset": pl.String, "method": pl.String, "seed": pl.Int64,
+                   "calibrator": pl.String, "n": pl.Int64})
+    return schema
+
+
+def _calibrate_run(
+    key: RunKey,
+    members: Members,
+    cals: list[Calibrator],
+    n_bins: int,
+    binning: str,
+    drop_nonfinite: bool,
+    samples_dir: Path | None,
+    report: RunReport,
+    progress: Callable[[int], None] | None,
+) -> list[dict[str, Any]]:
+    names = [ZERO_SHOT] + [c.spec for c in cals]
+    stats = {name: CalibrationStats(n_bins, binning) for name in names}
+    capped = {c.spec: 0 for c in cals if isinstance(c, ZAEC)}
+    dup = _DuplicateCheck(key)
+    writer = _SampleWriter(samples_dir, key) if samples_dir is not None else None
+    dropped = 0
+    try:
+        for p, _ in members:
+            raw = read_shard(p)
+            shard, n_bad = _clean(raw, drop_nonfinite)
+            dropped += n_bad
+            dup.add(p, raw.sample_id)
+            y = shard.label
+            zs_stats = softmax_stats(shard.zs_logits, 1.0, y)
+            stats[ZERO_SHOT].update(zs_stats.confidence, zs_stats.prediction == y, zs_stats.nll, zs_stats.brier,
+                                    zs_stats.entropy)
+            if writer is not None:
+                writer.write(ZERO_SHOT, shard.sample_id, y, np.ones(len(shard)), zs_stats)
+            for c in cals:
+                t = c.temperatures(shard.zs_logits, shard.tta_logits)
+                if isinstance(c, ZAEC):
+                    capped[c.spec] += int(c.capped_.sum())
+                s = softmax_stats(shard.tta_logits, t, y)
+                stats[c.spec].update(s.confidence, s.prediction == y, s.nll, s.brier, s.entropy)
+                if writer is not None:
+                    writer.write(c.spec, shard.sample_id, y, t, s)
+            if progress is not None:
+                progress(len(raw))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
+    if dropped:
+        report.dropped_nonfinite += dropped
+        report.notes.append(f"{key}: dropped {dropped} row(s) with NaN or inf logits (--drop-nonfinite)")
+    for spec, n in capped.items():
+        report.capped[f"{key}|{spec}"] = n
+        if n:
+            report.notes.append(
+                f"{key}: '{spec}': {n} sample(s) capped (target entropy unreachable at finite temperature, e.g. "
+                "a uniform zero-shot prediction)"
+            )
+    return [{**key.as_dict(), "calibrator": name, **stats[name].compute()} for name in names]
+
+
+def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
+    """Write `out/metrics.parquet`, `out/metrics.csv` and `out/notes.json` (each atomically)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, writer in (("metrics.parquet", report.metrics.write_parquet), ("metrics.csv", report.metrics.write_csv)):
+        final = out / name
+        tmp = out / f".{name}.tmp"
+        writer(tmp)
+        tmp.replace(final)
+        paths.append(final)
+    notes = out / "notes.json"
+    tmp = out / ".notes.json.tmp"
+    tmp.write_text(
+        json.dumps(
+            {"notes": report.notes, "temperatures": report.temperatures, "capped": report.capped,
+             "dropped_nonfinite": report.dropped_nonfinite},
+            indent=2,
+        )
+    )
+    tmp.replace(notes)
+    return paths[0], paths[1]

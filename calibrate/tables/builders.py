@@ -1,0 +1,479 @@
+"""Pure table builders: run summaries (and bootstrap replicates) in, polars DataFrames out.
+
+Units: tables show percent for accuracy, ECE and confidence (like the paper), nats for entropy, percent for the
+relative logit-range deviation (eq. 8). Several seeds of one (backbone, dataset, method) are averaged.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import polars as pl
+from scipy import stats
+
+from calibrate.metrics import ece
+from calibrate.tables import layout
+from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, percentile_interval
+from calibrate.tables.data import RunSummary
+from schemas import RunKey
+
+_KEY = ["backbone", "dataset", "method", "seed"]
+_CELL = ["backbone", "dataset", "method", "calibrator"]
+_METRICS = ["accuracy", "ece", "nll", "mean_confidence", "mean_entropy", "range_deviation", "mean_delta_entropy"]
+
+
+def _range_deviation(tta_range: np.ndarray, temperature: np.ndarray, zs_range: np.ndarray) -> float:
+    """Eq. 8: mean_i |R(z_i / T_i) - R(z_i^ZS)| / R(z_i^ZS) * 100 over samples with a non-zero zero-shot range."""
+    ok = zs_range > 0
+    if not ok.any():
+        return float("nan")
+    dev = np.abs(tta_range[ok] / temperature[ok] - zs_range[ok]) / zs_range[ok]
+    return float(dev.mean() * 100.0)
+
+
+def run_metrics(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
+    """One row per (run, calibrator), plus calibrator `zero-shot` for the run's paired zero-shot prediction.
+
+    Columns: backbone, dataset, method, seed, calibrator, n, accuracy, ece (fractions), nll, mean_confidence
+    (fraction), mean_entropy (nats), range_deviation (eq. 8, percent), mean_delta_entropy (eq. 10 mean; 0 for
+    zero-shot).
+    """
+    rows = []
+    for s in runs:
+        k = s.key
+        base = {"backbone": k.backbone, "dataset": k.dataset, "method": k.method, "seed": k.seed, "n": len(s)}
+        zs_corr = s.zs_correct
+        rows.append({**base, "calibrator": ZERO_SHOT, "accuracy": float(zs_corr.mean()),
+                     "ece": float(ece(s.zs_confidence, zs_corr, n_bins)), "nll": float(s.zs_nll.mean()),
+                     "mean_confidence": float(s.zs_confidence.mean()), "mean_entropy": float(s.zs_entropy.mean()),
+                     "range_deviation": 0.0, "mean_delta_entropy": 0.0})
+        corr = s.tta_correct
+        log_k = np.log(s.num_classes)
+        for spec, c in s.calibrated.items():
+            rows.append({**base, "calibrator": spec, "accuracy": float(corr.mean()),
+                         "ece": float(ece(c.confidence, corr, n_bins)), "nll": float(c.nll.mean()),
+                         "mean_confidence": float(c.confidence.mean()), "mean_entropy": float(c.entropy.mean()),
+                         "range_deviation": _range_deviation(s.tta_range, c.temperature, s.zs_range),
+                         "mean_delta_entropy": float(((c.entropy - s.zs_entropy) / log_k).mean())})
+    schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "n": pl.Int64,
+              "calibrator": pl.Utf8, **{m: pl.Float64 for m in _METRICS}}
+    return pl.DataFrame(rows, schema=schema).select(_KEY + ["calibrator", "n"] + _METRICS)
+
+
+def cell_metrics(run_df: pl.DataFrame) -> pl.DataFrame:
+    """Mean over seeds per (backbone, dataset, method, calibrator); adds n_seeds."""
+    return (
+        run_df.group_by(_CELL, maintain_order=True)
+        .agg([pl.col(m).mean() for m in _METRICS] + [pl.col("n").mean().alias("n"), pl.len().alias("n_seeds")])
+        .sort(_CELL)
+    )
+
+
+def zero_shot_cells(cells: pl.DataFrame) -> pl.DataFrame:
+    """Zero-shot metrics per (backbone, dataset): the `zero-shot` method's run where present, else the mean of the
+    paired zero-shot predictions stored with every method (identical when all runs share the anchor)."""
+    zs = cells.filter(pl.col("calibrator") == ZERO_SHOT)
+    own = zs.filter(pl.col("method") == layout.ZERO_SHOT)
+    rest = zs.join(own.select("backbone", "dataset"), on=["backbone", "dataset"], how="anti")
+    both = pl.concat([own, rest])
+    return both.group_by(["backbone", "dataset"], maintain_order=True).agg(
+        [pl.col(m).mean() for m in _METRICS]).sort(["backbone", "dataset"])
+
+
+class CellReplicates:
+    """Bootstrap replicates per table cell: seeds averaged (each seed paired with its own zero-shot)."""
+
+    def __init__(self, boot: BootstrapResult | None):
+        self.boot = boot
+        self._index: dict[tuple[str, str, str, str], list[np.ndarray]] = {}
+        if boot is not None:
+            for (key, cal), rep in boot.replicates.items():
+                self._index.setdefault((key.backbone, key.dataset, key.method, cal), []).append(rep)
+
+    def get(self, backbone: str, dataset: str, method: str, calibrator: str) -> np.ndarray | None:
+        reps = self._index.get((backbone, dataset, method, calibrator))
+        return None if not reps else np.mean(reps, axis=0)
+
+    def zero_shot(self, backbone: str, dataset: str) -> np.ndarray | None:
+        own = self.get(backbone, dataset, layout.ZERO_SHOT, ZERO_SHOT)
+        if own is not None:
+            return own
+        reps = [np.mean(v, axis=0) for (b, d, m, c), v in self._index.items()
+                if (b, d, c) == (backbone, dataset, ZERO_SHOT)]
+        return None if not reps else np.mean(reps, axis=0)
+
+    def interval(self, reps: np.ndarray | None, scale: float = 100.0) -> tuple[float | None, float | None]:
+        """Percentile interval of replicates (fractions), times `scale` (percent by default)."""
+        if reps is None or self.boot is None:
+            return None, None
+        lo, hi = percentile_interval(np.asarray(reps) * scale, self.boot.level)
+        return float(lo), float(hi)
+
+
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(vals)) if vals else None
+
+
+def _bold_min(values: Sequence[float | None], decimals: int = 2) -> list[bool]:
+    """True where a value equals the minimum at display precision (ties all bold)."""
+    shown = [None if v is None or not np.isfinite(v) else round(v, decimals) for v in values]
+    present = [v for v in shown if v is not None]
+    if len(present) < 2:
+        return [False] * len(values)
+    best = min(present)
+    return [v is not None and v == best for v in shown]
+
+
+_MAIN_SCHEMA = {
+    "backbone": pl.Utf8, "block": pl.Utf8, "block_label": pl.Utf8, "block_pos": pl.Int64, "row": pl.Utf8,
+    "row_label": pl.Utf8, "row_pos": pl.Int64, "metric": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8,
+    "column_label": pl.Utf8, "col_pos": pl.Int64, "value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
+    "n_datasets": pl.Int64, "bold": pl.Boolean,
+}
+
+
+def main_table(
+    cells: pl.DataFrame,
+    backbone: str,
+    replicates: CellReplicates | None = None,
+    calibrators: Sequence[str] = layout.MAIN_CALIBRATORS,
+) -> pl.DataFrame:
+    """The paper's Tables 2/3 for one backbone, long format (one row per table cell), percent.
+
+    Blocks: zero-shot (Acc., ECE) on top, then one block per TTA method (Acc., then ECE for each calibrator present).
+    Columns: datasets grouped like the paper (`layout.order_datasets`), each group followed by its unweighted
+    macro-average (`dataset == "avg"`, over the group's datasets present in that row; `n_datasets` counts them).
+    `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot is never bold.
+    `ci_low`/`ci_high`: percentile bootstrap interval of each ECE (the average's from averaged replicates).
+    """
+    replicates = replicates or CellReplicates(None)
+    cb = cells.filter(pl.col("backbone") == backbone)
+    zs = zero_shot_cells(cb)
+    groups = layout.order_datasets(cb["dataset"].unique().to_list())
+    methods = layout.order_methods(cb["method"].unique().to_list())
+    lookup = {(r["dataset"], r["method"], r["calibrator"]): r for r in cb.iter_rows(named=True)}
+    zs_lookup = {r["dataset"]: r for r in zs.iter_rows(named=True)}
+
+    # (block, block_label, row, row_label, metric, getter(dataset) -> (value, reps))
+    specs = []
+
+    def zs_get(metric):
+        def f(d):
+            r = zs_lookup.get(d)
+            v = None if r is None else r[metric] * 100.0
+            return v, replicates.zero_shot(backbone, d) if metric == "ece" else None
+        return f
+
+    specs.append((layout.ZERO_SHOT, f"Zero-shot {backbone}", "acc", "Acc.", "accuracy", zs_get("accuracy")))
+    specs.append((layout.ZERO_SHOT, f"Zero-shot {backbone}", "ece", "ECE", "ece", zs_get("ece")))
+    for m in methods:
+        present = [c for c in calibrators if any(k[1] == m and k[2] == c for k in lookup)]
+
+        def get(metric, cal, m=m):
+            def f(d):
+                r = lookup.get((d, m, cal))
+                v = None if r is None else r[metric] * 100.0
+                return v, replicates.get(backbone, d, m, cal) if metric == "ece" else None
+            return f
+
+        specs.append((m, layout.method_label(m), "acc", "Acc.", "accuracy", get("accuracy", "none")))
+        for c in present:
+            specs.append((m, layout.method_label(m), c, f"+ {layout.calibrator_label(c)}", "ece", get("ece", c)))
+
+    rows = []
+    block_pos: dict[str, int] = {}
+    for row_pos, (block, block_label, row, row_label, metric, getter) in enumerate(specs):
+        bpos = block_pos.setdefault(block, len(block_pos))
+        col = 0
+        for group, datasets in groups:
+            vals, reps = [], []
+            for d in datasets:
+                v, rep = getter(d)
+                lo, hi = replicates.interval(rep)
+                rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
+                                 row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset=d,
+                                 column_label=layout.dataset_label(d), col_pos=col, value=v, ci_low=lo, ci_high=hi,
+                                 n_datasets=None if v is None else 1, bold=False))
+                vals.append(v)
+                reps.append(rep)
+                col += 1
+            avg = _mean_or_none(vals)
+            have = [r for v, r in zip(vals, reps) if v is not None]
+            avg_rep = np.mean(have, axis=0) if have and all(r is not None for r in have) else None
+            lo, hi = replicates.interval(avg_rep)
+            rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
+                             row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset="avg",
+                             column_label="Avg.", col_pos=col, value=avg, ci_low=lo, ci_high=hi,
+                             n_datasets=sum(v is not None for v in vals), bold=False))
+            col += 1
+    df = pl.DataFrame(rows, schema=_MAIN_SCHEMA)
+    # bold: lowest ECE per (method block, column)
+    bold = np.zeros(df.height, dtype=bool)
+    ece_rows = df.with_row_index("_i").filter((pl.col("metric") == "ece") & (pl.col("block") != layout.ZERO_SHOT))
+    for _, part in ece_rows.group_by(["block", "col_pos"]):
+        marks = _bold_min(part["value"].to_list())
+        bold[np.asarray(part["_i"].to_list())[marks]] = True
+    return df.with_columns(pl.Series("bold", bold)).sort(["block_pos", "row_pos", "col_pos"])
+
+
+#: the differences a main table claims: ZAEC against each other calibrator
+COMPARISONS: tuple[tuple[str, str], ...] = (("zaec", "none"), ("zaec", "sals"), ("zaec", "temperature"))
+
+
+def main_differences(
+    cells: pl.DataFrame, backbone: str, replicates: CellReplicates, comparisons=COMPARISONS
+) -> pl.DataFrame:
+    """ECE differences (percentage points) ZAEC minus each baseline, per method and column, with paired intervals.
+
+    Columns: backbone, method, group, dataset ("avg" for the group macro-average), column_label, comparison,
+    estimate, ci_low, ci_high, contains_zero (the interval includes 0: no claim of a difference).
+    """
+    main = main_table(cells, backbone, replicates, calibrators=layout.MAIN_CALIBRATORS)
+    rows = []
+    for block in main.filter(pl.col("block") != layout.ZERO_SHOT)["block"].unique(maintain_order=True):
+        part = main.filter(pl.col("block") == block)
+        for a, b in comparisons:
+            pa, pb = part.filter(pl.col("row") == a), part.filter(pl.col("row") == b)
+            if pa.is_empty() or pb.is_empty():
+                continue
+            for ra, rb in zip(pa.iter_rows(named=True), pb.iter_rows(named=True)):
+                if ra["value"] is None or rb["value"] is None:
+                    continue
+                if ra["dataset"] == "avg":
+                    ds = [d for d in part.filter((pl.col("group") == ra["group"]) & (pl.col("dataset") != "avg"))
+                          ["dataset"].unique(maintain_order=True).to_list()]
+                    ra_reps = [replicates.get(backbone, d, block, a) for d in ds]
+                    rb_reps = [replicates.get(backbone, d, block, b) for d in ds]
+                    pairs = [(x, y) for x, y in zip(ra_reps, rb_reps) if x is not None and y is not None]
+                    diff = np.mean([x - y for x, y in pairs], axis=0) if pairs and len(pairs) == len(ds) else None
+                    # both averages must span the same datasets for the difference to be a paired one
+                    estimate = (ra["value"] - rb["value"]) if ra["n_datasets"] == rb["n_datasets"] else None
+                else:
+                    x, y = replicates.get(backbone, ra["dataset"], block, a), replicates.get(backbone, ra["dataset"], block, b)
+                    diff = None if x is None or y is None else x - y
+                    estimate = ra["value"] - rb["value"]
+                if estimate is None:
+                    continue
+                lo, hi = replicates.interval(diff)
+                rows.append(dict(backbone=backbone, method=block, group=ra["group"], dataset=ra["dataset"],
+                                 column_label=ra["column_label"], col_pos=ra["col_pos"],
+                                 comparison=f"{layout.calibrator_label(a)} - {layout.calibrator_label(b)}",
+                                 estimate=estimate, ci_low=lo, ci_high=hi,
+                                 contains_zero=None if lo is None else bool(lo <= 0.0 <= hi)))
+    schema = {"backbone": pl.Utf8, "method": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8, "column_label": pl.Utf8,
+              "col_pos": pl.Int64, "comparison": pl.Utf8, "estimate": pl.Float64, "ci_low": pl.Float64,
+              "ci_high": pl.Float64, "contains_zero": pl.Boolean}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def main_intervals(cells: pl.DataFrame, backbone: str, replicates: CellReplicates) -> pl.DataFrame:
+    """ECE cells of the main table with their intervals (the companion table): block, row, column, value, CI."""
+    main = main_table(cells, backbone, replicates)
+    return main.filter(pl.col("metric") == "ece").select(
+        "backbone", "block", "block_label", "block_pos", "row", "row_label", "row_pos", "group", "dataset",
+        "column_label", "col_pos", "value", "ci_low", "ci_high")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Table 1 and Appendix C: prediction agreement / disagreement
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pa_pd_rows(s: RunSummary, n_bins: int = 20) -> list[dict]:
+    """PA (zero-shot and adapted top-1 agree) and PD subsets of one run: ratio and TTA-minus-zero-shot changes.
+
+    Per subset: ratio (% of samples), delta_confidence and delta_accuracy (percentage points), delta_entropy
+    (nats), delta_ece (points; each ECE computed within the subset with `n_bins` bins), and both ECEs.
+    """
+    agree = s.zs_pred == s.tta_pred
+    out = []
+    for subset, mask in (("PA", agree), ("PD", ~agree)):
+        n = int(mask.sum())
+        row = dict(backbone=s.key.backbone, dataset=s.key.dataset, method=s.key.method, seed=s.key.seed,
+                   subset=subset, n=n, ratio=100.0 * n / max(len(s), 1))
+        if n:
+            zc, tc = s.zs_correct[mask], s.tta_correct[mask]
+            zs_e = float(ece(s.zs_confidence[mask], zc, n_bins))
+            tta_e = float(ece(s.tta_confidence[mask], tc, n_bins))
+            row.update(delta_confidence=100.0 * float((s.tta_confidence[mask] - s.zs_confidence[mask]).mean()),
+                       delta_accuracy=100.0 * float(tc.mean() - zc.mean()),
+                       delta_entropy=float((s.tta_entropy[mask] - s.zs_entropy[mask]).mean()),
+                       zs_ece=100.0 * zs_e, tta_ece=100.0 * tta_e, delta_ece=100.0 * (tta_e - zs_e))
+        out.append(row)
+    return out
+
+
+_PAPD_VALUES = ["ratio", "delta_confidence", "delta_accuracy", "delta_entropy", "delta_ece", "zs_ece", "tta_ece"]
+
+
+def pa_pd_table(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
+    """Table 1 (PA) and its PD counterpart for every (backbone, dataset, method), seeds averaged."""
+    rows = [r for s in runs if s.key.method != layout.ZERO_SHOT for r in pa_pd_rows(s, n_bins)]
+    schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "subset": pl.Utf8,
+              "n": pl.Int64, **{v: pl.Float64 for v in _PAPD_VALUES}}
+    df = pl.DataFrame(rows, schema=schema)
+    return _order(
+        df.group_by(["backbone", "dataset", "method", "subset"], maintain_order=True)
+        .agg([pl.col("n").mean()] + [pl.col(v).mean() for v in _PAPD_VALUES])
+    ).sort(["_b", "_d", "_m", "subset"]).drop("_b", "_d", "_m")
+
+
+def _order(df: pl.DataFrame) -> pl.DataFrame:
+    """Add sort keys _b, _d, _m following the paper's backbone, dataset and method order."""
+    bb = {b: i for i, b in enumerate(layout.order_backbones(df["backbone"].unique().to_list()))} if df.height else {}
+    ds = {d: i for i, d in enumerate(d for _, g in layout.order_datasets(df["dataset"].unique().to_list()) for d in g)} \
+        if "dataset" in df.columns and df.height else {}
+    ms = {m: i for i, m in enumerate(layout.order_methods(df["method"].unique().to_list()))} \
+        if "method" in df.columns and df.height else {}
+    out = df.with_columns(pl.col("backbone").replace_strict(bb, default=len(bb), return_dtype=pl.Int64).alias("_b"))
+    out = out.with_columns(
+        (pl.col("dataset").replace_strict(ds, default=len(ds), return_dtype=pl.Int64) if "dataset" in df.columns
+         else pl.lit(0)).alias("_d"),
+        (pl.col("method").replace_strict(ms, default=-1, return_dtype=pl.Int64) if "method" in df.columns
+         else pl.lit(0)).alias("_m"),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figure 2
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def range_deviation_points(cells: pl.DataFrame, calibrators: Sequence[str] = ("none", "sals", "zaec")) -> pl.DataFrame:
+    """Figure 2a: eq. 8 range deviation (percent) vs ECE (percent) per backbone, method and calibrator.
+
+    Per dataset rows plus `dataset == "avg"` rows (unweighted means over the datasets each method has).
+    """
+    df = cells.filter(pl.col("calibrator").is_in(list(calibrators)) & (pl.col("method") != layout.ZERO_SHOT))
+    df = df.select("backbone", "dataset", "method", "calibrator", "range_deviation",
+                   (pl.col("ece") * 100.0).alias("ece"))
+    avg = df.group_by(["backbone", "method", "calibrator"], maintain_order=True).agg(
+        pl.lit("avg").alias("dataset"), pl.col("range_deviation").mean(), pl.col("ece").mean())
+    return pl.concat([df, avg.select(df.columns)])
+
+
+def entropy_ece_points(cells: pl.DataFrame) -> pl.DataFrame:
+    """Figure 2b: one point per (backbone, dataset, method): mean normalised entropy change (eq. 10 mean) and
+    ECE change (raw TTA minus the paired zero-shot, percentage points)."""
+    raw = cells.filter((pl.col("calibrator") == "none") & (pl.col("method") != layout.ZERO_SHOT))
+    zs = cells.filter(pl.col("calibrator") == ZERO_SHOT).select("backbone", "dataset", "method",
+                                                                 pl.col("ece").alias("zs_ece"))
+    df = raw.join(zs, on=["backbone", "dataset", "method"], how="inner")
+    return df.select("backbone", "dataset", "method", "mean_delta_entropy",
+                     ((pl.col("ece") - pl.col("zs_ece")) * 100.0).alias("delta_ece"))
+
+
+def correlations(points: pl.DataFrame, x: str = "mean_delta_entropy", y: str = "delta_ece") -> pl.DataFrame:
+    """Pearson and Spearman correlation (with two-sided p-values) of y on x per backbone (null with < 3 points or a
+    constant variable)."""
+    rows = []
+    for bb in layout.order_backbones(points["backbone"].unique().to_list()):
+        p = points.filter(pl.col("backbone") == bb)
+        xs, ys = p[x].to_numpy(), p[y].to_numpy()
+        row = dict(backbone=bb, n=len(xs), pearson_r=None, pearson_p=None, spearman_rho=None, spearman_p=None)
+        if len(xs) >= 3 and np.ptp(xs) > 0 and np.ptp(ys) > 0:
+            pr = stats.pearsonr(xs, ys)
+            sr = stats.spearmanr(xs, ys)
+            row.update(pearson_r=float(pr.statistic), pearson_p=float(pr.pvalue),
+                       spearman_rho=float(sr.statistic), spearman_p=float(sr.pvalue))
+        rows.append(row)
+    schema = {"backbone": pl.Utf8, "n": pl.Int64, "pearson_r": pl.Float64, "pearson_p": pl.Float64,
+              "spearman_rho": pl.Float64, "spearman_p": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def entropy_gap_bins(s: RunSummary, n_bins: int = 10) -> pl.DataFrame:
+    """Figures 2c/2d for one run: samples split by the sign of delta_i^H (reduced: < 0; not_reduced: >= 0), then
+    `n_bins` equal-frequency bins within each (ordered by delta, ties by sample order); per bin the mean delta, the
+    changes in confidence and accuracy (points) and their difference, the gap Delta G = Delta Conf - Delta Acc."""
+    delta = s.delta_entropy
+    d_conf = (s.tta_confidence - s.zs_confidence) * 100.0
+    d_acc = (s.tta_correct.astype(np.float64) - s.zs_correct) * 100.0
+    rows = []
+    for subset, mask in (("reduced", delta < 0), ("not_reduced", delta >= 0)):
+        idx = np.flatnonzero(mask)
+        if idx.size == 0:
+            continue
+        order = idx[np.argsort(delta[idx], kind="stable")]
+        for b, part in enumerate(np.array_split(order, min(n_bins, idx.size))):
+            dc, da = float(d_conf[part].mean()), float(d_acc[part].mean())
+            rows.append(dict(backbone=s.key.backbone, dataset=s.key.dataset, method=s.key.method, seed=s.key.seed,
+                             subset=subset, bin=b, n=int(part.size), mean_delta_entropy=float(delta[part].mean()),
+                             delta_confidence=dc, delta_accuracy=da, gap=dc - da))
+    schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "subset": pl.Utf8,
+              "bin": pl.Int64, "n": pl.Int64, "mean_delta_entropy": pl.Float64, "delta_confidence": pl.Float64,
+              "delta_accuracy": pl.Float64, "gap": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Table 4, Figure 5, backbone summary
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ablation_table(cells: pl.DataFrame, backbone: str, datasets: Sequence[str]) -> pl.DataFrame:
+    """Table 4: ECE (percent) and NLL of each corrected subset, macro-averaged over `datasets`, per method.
+
+    Columns: backbone, method, subset, calibrator, ece, nll, n_datasets, bold_ece, bold_nll (lowest per method).
+    A subset row is left out for a method missing it on any of the datasets.
+    """
+    rows = []
+    cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets)))
+    for m in layout.order_methods(cb["method"].unique().to_list()):
+        part = []
+        for subset, spec in layout.SUBSET_SPECS.items():
+            r = cb.filter((pl.col("method") == m) & (pl.col("calibrator") == spec))
+            if r.height != len(datasets) or r.height == 0:
+                continue
+            part.append(dict(backbone=backbone, method=m, subset=subset, calibrator=spec,
+                             ece=float(r["ece"].mean()) * 100.0, nll=float(r["nll"].mean()), n_datasets=r.height))
+        be, bn = _bold_min([p["ece"] for p in part]), _bold_min([p["nll"] for p in part])
+        rows += [dict(p, bold_ece=e, bold_nll=n) for p, e, n in zip(part, be, bn)]
+    schema = {"backbone": pl.Utf8, "method": pl.Utf8, "subset": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
+              "nll": pl.Float64, "n_datasets": pl.Int64, "bold_ece": pl.Boolean, "bold_nll": pl.Boolean}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def strength_table(cells: pl.DataFrame, strengths: Sequence[float] = layout.STRENGTHS) -> pl.DataFrame:
+    """Figure 5: ECE (percent) per (backbone, dataset, method) and restoration strength lambda."""
+    rows = []
+    for lam in strengths:
+        spec = layout.strength_spec(lam)
+        part = cells.filter((pl.col("calibrator") == spec) & (pl.col("method") != layout.ZERO_SHOT))
+        rows.append(part.select("backbone", "dataset", "method", pl.lit(float(lam)).alias("strength"),
+                                pl.lit(spec).alias("calibrator"), (pl.col("ece") * 100.0).alias("ece")))
+    df = pl.concat(rows) if rows else pl.DataFrame()
+    return _order(df).sort(["_b", "_d", "_m", "strength"]).drop("_b", "_d", "_m") if df.height else df
+
+
+def backbone_summary(
+    cells: pl.DataFrame, backbone: str, datasets: Sequence[str], calibrators: Sequence[str] = layout.MAIN_CALIBRATORS
+) -> pl.DataFrame:
+    """The paper's RN50 figure for any backbone: average ECE (percent) and mean entropy (nats) over `datasets` per
+    method and calibrator, with the paired zero-shot as calibrator `zero-shot`. Rows missing a dataset are left out."""
+    cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets))
+                      & (pl.col("method") != layout.ZERO_SHOT))
+    rows = []
+    for m in layout.order_methods(cb["method"].unique().to_list()):
+        for c in (ZERO_SHOT, *calibrators):
+            r = cb.filter((pl.col("method") == m) & (pl.col("calibrator") == c))
+            if r.height != len(datasets) or r.height == 0:
+                continue
+            rows.append(dict(backbone=backbone, method=m, calibrator=c, ece=float(r["ece"].mean()) * 100.0,
+                             mean_entropy=float(r["mean_entropy"].mean()), n_datasets=r.height))
+    schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
+              "mean_entropy": pl.Float64, "n_datasets": pl.Int64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def pick_datasets(present: Iterable[str], preferred: Sequence[str]) -> tuple[list[str], bool]:
+    """The preferred datasets that are present, or (when none is) every present dataset in layout order.
+    Returns (datasets, used_preferred)."""
+    present = list(present)
+    chosen = [d for d in preferred if d in present]
+    if chosen:
+        return chosen, True
+    return [d for _, g in layout.order_datasets(present) for d in g], False

@@ -1,0 +1,88 @@
+"""`zaec-calibrate tables`: every table and figure of the paper from shards, with bootstrap intervals.
+
+    zaec-calibrate tables SHARDS... [--out results] [--bootstrap 1000] [--seed 0] [--bins 20]
+                          [--ts-source imagenet] [--temperature T] [--reference-dataset imagenet_a]
+                          [--drop-nonfinite] [--quiet]
+
+A user error ends in one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from calibrate.tables import layout
+from calibrate.tables.bootstrap import bootstrap_runs
+from calibrate.tables.data import load_summaries
+from calibrate.tables.report import ALL_SPECS, ReportOptions, write_report
+from schemas import ShardError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+@app.command()
+def tables(
+    shards: List[Path] = typer.Argument(..., help="shard files or directories (searched recursively)"),
+    out: Path = typer.Option(Path("results"), help="output folder (CSV, Markdown, LaTeX, PNG and README.md)"),
+    bootstrap: int = typer.Option(1000, help="paired bootstrap resamples for the intervals (0: no intervals)"),
+    seed: int = typer.Option(0, help="seed of the bootstrap resamples"),
+    level: float = typer.Option(0.95, help="interval level"),
+    bins: int = typer.Option(20, help="ECE bins (TTABC: 20 equal-width bins)"),
+    reliability_bins: int = typer.Option(10, help="bins of the reliability diagrams (paper, Figure 4: 10)"),
+    gap_bins: int = typer.Option(10, help="equal-frequency bins per entropy-change sign (Figures 2c/2d)"),
+    ts_source: str = typer.Option("imagenet", help="labelled source dataset of temperature scaling"),
+    temperature: Optional[float] = typer.Option(None, help="fix the temperature-scaling T instead of fitting it"),
+    reference_dataset: str = typer.Option(layout.REFERENCE_DATASET,
+                                          help="dataset of Figures 2c/2d and 4 (paper: imagenet_a)"),
+    drop_nonfinite: bool = typer.Option(False, "--drop-nonfinite", help="drop rows with NaN/inf logits (reported)"),
+    quiet: bool = typer.Option(False, "--quiet", help="print only errors"),
+) -> None:
+    """Regenerate the paper's tables and figures from the shards under SHARDS into OUT."""
+    err = Console(stderr=True)
+    say = (lambda s: None) if quiet else (lambda s: err.print(s, markup=False, highlight=False))
+    try:
+        if bootstrap < 0:
+            raise ValueError(f"--bootstrap must be >= 0, got {bootstrap}")
+        if not 0.0 < level < 1.0:
+            raise ValueError(f"--level must lie in (0, 1), got {level}")
+        for name, v in (("--bins", bins), ("--reliability-bins", reliability_bins), ("--gap-bins", gap_bins)):
+            if v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v}")
+        t0 = time.perf_counter()
+        summaries = load_summaries(
+            shards, ALL_SPECS, ts_source=ts_source, temperature=temperature, drop_nonfinite=drop_nonfinite,
+            on_run=lambda key, i, n: say(f"[{i}/{n}] summarised {key}"),
+        )
+        t1 = time.perf_counter()
+        say(f"read {len(summaries.runs)} run(s) in {t1 - t0:.1f} s")
+        boot = None
+        if bootstrap:
+            boot = bootstrap_runs(summaries.runs, layout.MAIN_CALIBRATORS, n_bins=bins, n_resamples=bootstrap,
+                                  seed=seed, level=level)
+            say(f"bootstrap: {bootstrap} resamples in {time.perf_counter() - t1:.1f} s")
+        t2 = time.perf_counter()
+        opts = ReportOptions(n_bins=bins, reliability_bins=reliability_bins, gap_bins=gap_bins,
+                             reference_dataset=reference_dataset, ts_source=ts_source)
+        report = write_report(summaries, out, boot, opts)
+        say(f"tables and figures in {time.perf_counter() - t2:.1f} s")
+    except (ShardError, ValueError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        err.print(f"zaec-calibrate tables: error: {msg}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    for note in report.notes:
+        say(f"note: {note}")
+    n_files = sum(len(p) for _, p in report.outputs)
+    say(f"wrote {n_files} file(s) and {out / 'README.md'}")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    app(args=argv, prog_name="zaec-calibrate tables")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Per-sample summaries of runs: every table and figure is computed from (N,)-sized arrays, never (N, K) logits.
+
+Shards are streamed one at a time. Each shard is reduced to per-sample statistics of the paired zero-shot logits, the
+adapted logits, and the adapted logits under every calibrator that the tables need (none, temperature, SaLS, ZAEC,
+the subset ablation, the strength sweep). The pieces of one run are concatenated (N values each) and sorted by
+`sample_id`, so a run split into any number of shards gives the same summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from calibrate.calibrators import TemperatureScaling, parse_calibrator, softmax_stats
+from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
+
+#: (zs_logits (n, K), tta_logits (n, K)) -> per-sample temperatures (n,)
+TemperatureFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class CalibratedStats:
+    """Per-sample results of the adapted logits divided by a per-sample temperature T (all (N,) float64)."""
+
+    temperature: np.ndarray
+    confidence: np.ndarray
+    entropy: np.ndarray
+    #: -log softmax(z / T)[label]
+    nll: np.ndarray
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run (backbone, dataset, method, seed) reduced to per-sample arrays, sorted by `sample_id`.
+
+    Temperature scaling never changes the arg-max, so every calibrator shares `tta_pred`; `calibrated["none"]`
+    holds the raw adapted confidences. Ranges are max - min of the logits (paper eq. 7).
+    """
+
+    key: RunKey
+    num_classes: int
+    sample_id: np.ndarray
+    label: np.ndarray
+    zs_pred: np.ndarray
+    zs_confidence: np.ndarray
+    zs_entropy: np.ndarray
+    zs_nll: np.ndarray
+    zs_range: np.ndarray
+    tta_pred: np.ndarray
+    tta_range: np.ndarray
+    calibrated: Mapping[str, CalibratedStats]
+
+    def __len__(self) -> int:
+        return int(self.sample_id.shape[0])
+
+    @property
+    def zs_correct(self) -> np.ndarray:
+        return self.zs_pred == self.label
+
+    @property
+    def tta_correct(self) -> np.ndarray:
+        return self.tta_pred == self.label
+
+    @property
+    def tta_confidence(self) -> np.ndarray:
+        return self.calibrated["none"].confidence
+
+    @property
+    def tta_entropy(self) -> np.ndarray:
+        return self.calibrated["none"].entropy
+
+    @property
+    def delta_entropy(self) -> np.ndarray:
+        """Normalised entropy change delta_i^H = (H_tta - H_zs) / log K (paper eq. 9), (N,) float64."""
+        return (self.tta_entropy - self.zs_entropy) / np.log(self.num_classes)
+
+
+def summarise_arrays(
+    key: RunKey,
+    sample_id: np.ndarray,
+    label: np.ndarray,
+    zs_logits: np.ndarray,
+    tta_logits: np.ndarray,
+    calibrators: Mapping[str, TemperatureFn],
+) -> RunSummary:
+    """Reduce one slice of a run (n samples) to a RunSummary (not yet sorted by sample_id).
+
+    Args:
+        key: the run.
+        sample_id, label: (n,) integers.
+        zs_logits, tta_logits: (n, K) paired logits.
+        calibrators: spec -> function giving per-sample temperatures; "none" is added when missing.
+    """
+    label = np.asarray(label, dtype=np.int64)
+    n, k = np.shape(tta_logits)
+    zs = np.asarray(zs_logits)
+    zs_stats = softmax_stats(zs, 1.0, label)
+    cal: dict[str, CalibratedStats] = {}
+    fns = dict(calibrators)
+    fns.setdefault("none", lambda z, t: np.ones(z.shape[0]))
+    for spec, fn in fns.items():
+        t = np.asarray(fn(zs_logits, tta_logits), dtype=np.float64).reshape(-1)
+        if t.shape != (n,):
+            t = np.broadcast_to(t, (n,)).copy()
+        st = softmax_stats(tta_logits, t, label)
+        cal[spec] = CalibratedStats(t, st.confidence, st.entropy, st.nll)
+    tta = np.asarray(tta_logits)
+    return RunSummary(
+        key=key,
+        num_classes=int(k),
+        sample_id=np.asarray(sample_id, dtype=np.int64),
+        label=label,
+        zs_pred=zs_stats.prediction,
+        zs_confidence=zs_stats.confidence,
+        zs_entropy=zs_stats.entropy,
+        zs_nll=zs_stats.nll,
+        zs_range=zs.max(axis=1).astype(np.float64) - zs.min(axis=1),
+        tta_pred=tta.argmax(axis=1).astype(np.int64),
+        tta_range=tta.max(axis=1).astype(np.float64) - tta.min(axis=1),
+        calibrated=cal,
+    )
+
+
+_ARRAYS = ("sample_id", "label", "zs_pred", "zs_confidence", "zs_entropy", "zs_nll", "zs_range", "tta_pred", "tta_range")
+
+
+def merge_summaries(parts: Sequence[RunSummary], where: str = "") -> RunSummary:
+    """Concatenate the slices of one run and sort by sample_id.
+
+    Raises:
+        ShardError: a sample_id occurs in more than one slice.
+    """
+    if not parts:
+        raise ValueError("no parts to merge")
+    first = parts[0]
+    cat = {name: np.concatenate([getattr(p, name) for p in parts]) for name in _ARRAYS}
+    order = np.argsort(cat["sample_id"], kind="stable")
+    sid = cat["sample_id"][order]
+    dup = np.flatnonzero(sid[1:] == sid[:-1])
+    if dup.size:
+        raise ShardError(
+            f"{where or first.key}: column 'sample_id' has {dup.size} value(s) repeated across shards of run "
+            f"{first.key} (e.g. {int(sid[dup[0]])})"
+        )
+    cal = {}
+    for spec in first.calibrated:
+        cal[spec] = CalibratedStats(
+            *(np.concatenate([getattr(p.calibrated[spec], f) for p in parts])[order]
+              for f in ("temperature", "confidence", "entropy", "nll"))
+        )
+    return RunSummary(
+        key=first.key,
+        num_classes=first.num_classes,
+        calibrated=cal,
+        **{name: cat[name][order] for name in _ARRAYS},
+    )
+
+
+def _checked(shard: Shard, drop_nonfinite: bool, notes: list[str]) -> Shard:
+    bad = shard.nonfinite_rows()
+    if bad.any():
+        if not drop_nonfinite:
+            raise ShardError(
+                f"{shard.path}: {int(bad.sum())} row(s) have NaN or inf in 'zs_logits' or 'tta_logits' "
+                "(pass --drop-nonfinite to drop them)"
+            )
+        notes.append(f"{shard.path}: dropped {int(bad.sum())} row(s) with NaN or inf logits")
+        shard = shard.select(~bad)
+    return shard
+
+
+def summarise_run(
+    members: Sequence[tuple[Path, ShardMeta]],
+    calibrators: Mapping[str, TemperatureFn],
+    *,
+    drop_nonfinite: bool = False,
+    notes: list[str] | None = None,
+    on_shard: Callable[[Shard], None] | None = None,
+) -> RunSummary:
+    """Stream the shards of one run (one at a time) into a RunSummary. Memory: one shard plus (N,) arrays."""
+    notes = notes if notes is not None else []
+    key = members[0][1].key
+    parts = []
+    for shard in iter_run(members):
+        shard = _checked(shard, drop_nonfinite, notes)
+        parts.append(summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators))
+        if on_shard is not None:
+            on_shard(shard)
+    return merge_summaries(parts, str(members[0][0].parent))
+
+
+def load_labelled_logits(
+    members: Sequence[tuple[Path, ShardMeta]], *, drop_nonfinite: bool = False, notes: list[str] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """All adapted logits (N, K) float32 and labels (N,) of one run: the labelled source of temperature scaling."""
+    notes = notes if notes is not None else []
+    logits, labels = [], []
+    for shard in iter_run(members):
+        shard = _checked(shard, drop_nonfinite, notes)
+        logits.append(shard.tta_logits)
+        labels.append(shard.label)
+    return np.concatenate(logits), np.concatenate(labels)
+
+
+@dataclass
+class Summaries:
+    """Everything the tables are built from: run summaries, fitted source temperatures, and notes for the reader."""
+
+    runs: dict[RunKey, RunSummary] = field(default_factory=dict)
+    #: (backbone, method) -> fitted or fixed temperature of temperature scaling, with its source
+    temperatures: dict[tuple[str, str], tuple[float, str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def backbones(self) -> list[str]:
+        from calibrate.tables.layout import order_backbones
+
+        return order_backbones({k.backbone for k in self.runs})
+
+    def select(self, **fields) -> list[RunSummary]:
+        """Runs whose key matches every given field, e.g. `select(backbone="RN50", dataset="dtd")`."""
+        return [s for k, s in sorted(self.runs.items(), key=lambda kv: str(kv[0]))
+                if all(getattr(k, f) == v for f, v in fields.items())]
+
+
+def run_keys(runs: Iterable[RunKey]) -> list[RunKey]:
+    return sorted(runs, key=lambda k: (k.backbone, k.dataset, k.method, k.seed))
+
+
+def load_summaries(
+    paths: Iterable[str | Path],
+    specs: Sequence[str],
+    *,
+    ts_source: str | None = "imagenet",
+    temperature: float | None = None,
+    drop_nonfinite: bool = False,
+    on_run: Callable[[RunKey, int, int], None] | None = None,
+) -> Summaries:
+    """Find, group and stream every run under `paths` into per-sample summaries.
+
+    Calibrator specs are resolved before any shard is read (fail fast). `temperature` (temperature scaling) is fitted
+    by NLL once per (backbone, method) on the labelled adapted logits of the `ts_source` dataset (all its seeds
+    pooled, streamed), or fixed to `temperature`; without a source it is skipped with a note.
+
+    Raises:
+        ShardError: no shards, or a shard that violates the contract.
+        ValueError: an unknown calibrator spec.
+    """
+    cals = {spec: parse_calibrator(spec) for spec in specs if spec != "temperature"}
+    groups = group_shards(find_shards(paths))
+    out = Summaries()
+    if "temperature" in specs:
+        for backbone, method in sorted({(k.backbone, k.method) for k in groups}):
+            if temperature is not None:
+                out.temperatures[(backbone, method)] = (float(TemperatureScaling(T=temperature).temperature_), "fixed")
+                continue
+            src = [k for k in run_keys(groups) if (k.backbone, k.method, k.dataset) == (backbone, method, ts_source)]
+            if not src:
+                out.notes.append(
+                    f"temperature scaling skipped for {backbone}/{method}: no labelled source shards of dataset "
+                    f"{ts_source!r} (choose one with --ts-source or fix T with --temperature)"
+                )
+                continue
+            members = [m for k in src for m in groups[k]]
+
+            def batches(members=members):
+                for shard in iter_run(members):
+                    shard = _checked(shard, drop_nonfinite, [])
+                    yield shard.tta_logits, shard.label
+
+            ts = TemperatureScaling().fit(batches=batches)
+            out.temperatures[(backbone, method)] = (float(ts.temperature_), f"fitted on {ts_source}")
+    keys = run_keys(groups)
+    for i, key in enumerate(keys):
+        fns: dict[str, TemperatureFn] = {spec: cal.temperatures for spec, cal in cals.items()}
+        fitted = out.temperatures.get((key.backbone, key.method))
+        if fitted is not None:
+            fns["temperature"] = lambda zs, tta, t=fitted[0]: np.full(np.shape(tta)[0], t)
+        out.runs[key] = summarise_run(groups[key], fns, drop_nonfinite=drop_nonfinite, notes=out.notes)
+        if on_run is not None:
+            on_run(key, i + 1, len(keys))
+    return out

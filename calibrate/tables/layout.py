@@ -1,0 +1,135 @@
+"""The paper's table layout: dataset groups, column labels, method and calibrator order.
+
+Every dataset key present in the shards gets a place: the paper's two groups first (natural shift: Table 2;
+ImageNet and the fine-grained sets: Table 3), then any other dataset (the demo's `fmnist*` sets, a user's own data)
+in a group named `other`. Labels fall back to the key itself, so unknown keys never break a table.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+#: group name -> dataset keys in the paper's column order. Table 2 holds the four ImageNet variants; Table 3 holds
+#: ImageNet itself and the ten fine-grained sets. Aliases of a key share its position (first match wins).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "natural_shift": ("imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"),
+    "fine_grained": (
+        "imagenet",
+        "dtd",
+        "flowers102", "oxford_flowers",
+        "food101",
+        "sun397",
+        "eurosat",
+        "fgvc_aircraft", "aircraft",
+        "oxford_pets", "pets",
+        "caltech101",
+        "ucf101",
+        "stanford_cars", "cars",
+    ),
+}
+OTHER_GROUP = "other"
+GROUP_LABELS: dict[str, str] = {
+    "natural_shift": "Natural distribution shift",
+    "fine_grained": "ImageNet and fine-grained",
+    OTHER_GROUP: "Other datasets",
+}
+#: the paper's column headers
+DATASET_LABELS: dict[str, str] = {
+    "imagenet_a": "I-A", "imagenet_v2": "I-V", "imagenet_r": "I-R", "imagenet_sketch": "I-S",
+    "imagenet": "INet", "dtd": "DTD", "flowers102": "FLOW", "oxford_flowers": "FLOW", "food101": "FOOD",
+    "sun397": "SUN", "eurosat": "EURO", "fgvc_aircraft": "AIR", "aircraft": "AIR", "oxford_pets": "PETS",
+    "pets": "PETS", "caltech101": "CALT", "ucf101": "UCF", "stanford_cars": "CAR", "cars": "CAR",
+}
+#: the "ImageNet family" of the paper's subset ablation (Table 4): ImageNet plus its four variants
+IMAGENET_FAMILY: tuple[str, ...] = ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
+#: datasets of the paper's per-sample figures (2c/2d, 4) and strength ablation (Figure 5)
+REFERENCE_DATASET = "imagenet_a"
+STRENGTH_DATASETS: tuple[str, ...] = ("dtd", "imagenet_v2")
+
+#: the paper's method order (Tables 2 and 3); other methods follow alphabetically
+METHOD_ORDER: tuple[str, ...] = ("tpt", "tps", "tda", "dpe", "dlae")
+METHOD_LABELS: dict[str, str] = {
+    "tpt": "TPT", "tps": "TPS", "tda": "TDA", "dpe": "DPE", "dlae": "DLAE",
+    "c-tpt": "C-TPT", "o-tpt": "O-TPT", "a-tpt": "A-TPT", "zero-shot": "Zero-shot",
+}
+ZERO_SHOT = "zero-shot"
+BACKBONE_ORDER: tuple[str, ...] = ("ViT-B-16", "RN50")
+
+#: the four calibrators of the main tables, in the paper's row order
+MAIN_CALIBRATORS: tuple[str, ...] = ("none", "temperature", "sals", "zaec")
+CALIBRATOR_LABELS: dict[str, str] = {
+    "none": "None", "temperature": "Temp. Scal.", "sals": "SaLS", "zaec": "ZAEC",
+    "zaec:subset=all": "All predictions", "zaec:subset=increased": "Entropy-increased",
+}
+#: Table 4 rows: corrected subset -> calibrator spec ("none" is raw TTA)
+SUBSET_SPECS: dict[str, str] = {
+    "None (raw TTA)": "none",
+    "All predictions": "zaec:subset=all",
+    "Entropy-increased": "zaec:subset=increased",
+    "Entropy-reduced (ZAEC)": "zaec",
+}
+#: Figure 5: restoration strengths lambda (0 is raw TTA, 1 is ZAEC)
+STRENGTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def strength_spec(strength: float) -> str:
+    """Calibrator spec of restoration strength `strength` (0 -> "none", 1 -> "zaec", else "zaec:strength=x")."""
+    if strength == 0.0:
+        return "none"
+    if strength == 1.0:
+        return "zaec"
+    return f"zaec:strength={strength:g}"
+
+
+def dataset_group(dataset: str) -> str:
+    """The group a dataset key belongs to (`other` for keys outside the paper's groups)."""
+    for group, keys in GROUPS.items():
+        if dataset in keys:
+            return group
+    return OTHER_GROUP
+
+
+def dataset_label(dataset: str) -> str:
+    return DATASET_LABELS.get(dataset, dataset)
+
+
+def method_label(method: str) -> str:
+    return METHOD_LABELS.get(method, method.upper() if len(method) <= 5 else method)
+
+
+def calibrator_label(spec: str) -> str:
+    return CALIBRATOR_LABELS.get(spec, spec)
+
+
+def _ordered(keys: Iterable[str], order: Sequence[str]) -> list[str]:
+    keys = set(keys)
+    known = [k for k in order if k in keys]
+    return known + sorted(keys - set(known))
+
+
+def order_datasets(datasets: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """Group and order dataset keys: [(group, [dataset, ...]), ...], empty groups left out.
+
+    Example:
+        >>> order_datasets(["dtd", "fmnist", "imagenet_a", "imagenet"])
+        [('natural_shift', ['imagenet_a']), ('fine_grained', ['imagenet', 'dtd']), ('other', ['fmnist'])]
+    """
+    datasets = set(datasets)
+    out = []
+    for group, keys in GROUPS.items():
+        members = [k for k in keys if k in datasets]
+        if members:
+            out.append((group, members))
+    rest = sorted(d for d in datasets if dataset_group(d) == OTHER_GROUP)
+    if rest:
+        out.append((OTHER_GROUP, rest))
+    return out
+
+
+def order_methods(methods: Iterable[str]) -> list[str]:
+    """TTA methods in the paper's order, others alphabetically; the zero-shot pseudo-method left out."""
+    return _ordered((m for m in methods if m != ZERO_SHOT), METHOD_ORDER)
+
+
+def order_backbones(backbones: Iterable[str]) -> list[str]:
+    return _ordered(backbones, BACKBONE_ORDER)

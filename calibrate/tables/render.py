@@ -1,0 +1,272 @@
+"""Writers: every table as CSV (machines) + Markdown and LaTeX (people), written atomically side by side.
+
+The builders' long DataFrames go to CSV unchanged (with intervals and bold flags as columns); Markdown and LaTeX
+are rendered from them here. Bold is `**x**` in Markdown and `\\textbf{x}` in LaTeX.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import polars as pl
+
+from calibrate.tables import layout
+
+DASH = "–"
+#: marks a difference whose 95% interval contains zero
+NS_MARK = "†"
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write text atomically (temporary name in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_csv(df: pl.DataFrame, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        df.write_csv(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_item(out: Path, stem: str, df: pl.DataFrame, markdown: str, latex: str) -> list[Path]:
+    """`stem.csv`, `stem.md`, `stem.tex` under `out`; returns the paths."""
+    return [write_csv(df, out / f"{stem}.csv"), write_text(out / f"{stem}.md", markdown),
+            write_text(out / f"{stem}.tex", latex)]
+
+
+def fmt(v, decimals: int = 2, signed: bool = False) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return DASH
+    return f"{v:+.{decimals}f}" if signed else f"{v:.{decimals}f}"
+
+
+def tex_escape(s: str) -> str:
+    """Escape LaTeX specials of plain labels (dataset keys, method names) and map a few Unicode marks."""
+    for a, b in (("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("$", r"\$")):
+        s = s.replace(a, b)
+    return s.replace("–", "--").replace("†", r"$^\dagger$").replace("λ", r"$\lambda$")
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
+    align = align or ("l" + "r" * (len(header) - 1))
+    sep = ["---:" if a == "r" else ":---:" if a == "c" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def tex_tabular(header: Sequence[str], rows: Sequence[Sequence[str] | None], align: str | None = None,
+                top: str = "") -> str:
+    """booktabs tabular; a `None` row is a \\midrule. Cells are used as given (escape before)."""
+    align = align or ("l" + "r" * (len(header) - 1))
+    out = [f"\\begin{{tabular}}{{{align}}}", "\\toprule"]
+    if top:
+        out.append(top)
+    out.append(" & ".join(header) + r" \\")
+    out.append("\\midrule")
+    for r in rows:
+        out.append("\\midrule" if r is None else " & ".join(r) + r" \\")
+    out += ["\\bottomrule", "\\end{tabular}"]
+    return "\n".join(out) + "\n"
+
+
+def simple_markdown(df: pl.DataFrame, columns: dict[str, str], formats: dict[str, Callable] | None = None,
+                    bold: dict[str, str] | None = None) -> str:
+    """Markdown of selected columns: {column: header}; formats {column: fn(value) -> str}; bold {column: flag col}."""
+    formats, bold = formats or {}, bold or {}
+    rows = []
+    for r in df.iter_rows(named=True):
+        cells = []
+        for c in columns:
+            s = formats.get(c, _default_fmt)(r[c])
+            if c in bold and r[bold[c]]:
+                s = f"**{s}**"
+            cells.append(s)
+        rows.append(cells)
+    return md_table(list(columns.values()), rows)
+
+
+def simple_latex(df: pl.DataFrame, columns: dict[str, str], formats: dict[str, Callable] | None = None,
+                 bold: dict[str, str] | None = None, caption: str = "", midrule_on: str | None = None) -> str:
+    formats, bold = formats or {}, bold or {}
+    rows: list[list[str] | None] = []
+    prev = None
+    for r in df.iter_rows(named=True):
+        if midrule_on and prev is not None and r[midrule_on] != prev:
+            rows.append(None)
+        prev = r[midrule_on] if midrule_on else None
+        cells = []
+        for c in columns:
+            s = tex_escape(formats.get(c, _default_fmt)(r[c]))
+            if c in bold and r[bold[c]]:
+                s = f"\\textbf{{{s}}}"
+            cells.append(s)
+        rows.append(cells)
+    body = tex_tabular([tex_escape(h) for h in columns.values()], rows)
+    return _wrap_table(body, caption)
+
+
+def _wrap_table(body: str, caption: str) -> str:
+    cap = f"\\caption{{{tex_escape(caption)}}}\n" if caption else ""
+    return "\\begin{table}[t]\n\\centering\n\\small\n" + body + cap + "\\end{table}\n"
+
+
+def _default_fmt(v) -> str:
+    if isinstance(v, float):
+        return fmt(v)
+    if v is None:
+        return DASH
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# main tables (Tables 2 and 3)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _main_rows(main: pl.DataFrame, group: str | None, cell: Callable[[dict], str]) -> tuple[list[str], list]:
+    part = main if group is None else main.filter(pl.col("group") == group)
+    cols = part.select("col_pos", "column_label").unique().sort("col_pos")
+    labels = cols["column_label"].to_list()
+    positions = cols["col_pos"].to_list()
+    out = []
+    prev_block = None
+    for (bpos, rpos), rows in part.group_by(["block_pos", "row_pos"], maintain_order=True):
+        rows = {r["col_pos"]: r for r in rows.iter_rows(named=True)}
+        first = next(iter(rows.values()))
+        block_cell = first["block_label"] if first["block"] != prev_block else ""
+        if first["block"] != prev_block and prev_block is not None:
+            out.append(None)
+        prev_block = first["block"]
+        metric = "Acc." if first["metric"] == "accuracy" else "ECE"
+        row_label = first["row_label"] if first["row"] not in ("acc", "ece") else ""
+        out.append((block_cell, row_label, metric, [cell(rows[p]) if p in rows else DASH for p in positions]))
+    return labels, out
+
+
+def main_markdown(main: pl.DataFrame, title: str) -> str:
+    """One Markdown table per dataset group (like the paper's Tables 2 and 3), best ECE per block in bold."""
+    parts = [f"# {title}\n", "Accuracy and ECE in percent; the best ECE within each TTA block in **bold**; "
+             "Avg. is the unweighted macro-average over the group's datasets.\n"]
+    for group in main["group"].unique(maintain_order=True).to_list():
+        labels, rows = _main_rows(main, group, lambda r: f"**{fmt(r['value'])}**" if r["bold"] else fmt(r["value"]))
+        body = [[f"{b} {rl}".strip() if rl else b, m, *cells] for item in rows if item is not None
+                for b, rl, m, cells in [item]]
+        parts.append(f"## {layout.GROUP_LABELS.get(group, group)}\n")
+        parts.append(md_table(["Method", "Metric", *labels], body, "ll" + "r" * len(labels)))
+    return "\n".join(parts)
+
+
+def main_latex(main: pl.DataFrame, caption: str) -> str:
+    """One LaTeX table with grouped dataset columns (\\multicolumn group headers), bold best ECE per block."""
+    groups = main["group"].unique(maintain_order=True).to_list()
+    labels, rows = _main_rows(main, None,
+                              lambda r: f"\\textbf{{{fmt(r['value'])}}}" if r["bold"] else tex_escape(fmt(r["value"])))
+    spans = [main.filter(pl.col("group") == g).select("col_pos").unique().height for g in groups]
+    top = " & ".join(["", ""] + [f"\\multicolumn{{{n}}}{{c}}{{{tex_escape(layout.GROUP_LABELS.get(g, g))}}}"
+                                 for g, n in zip(groups, spans)]) + r" \\"
+    start = 3
+    rules = []
+    for n in spans:
+        rules.append(f"\\cmidrule(lr){{{start}-{start + n - 1}}}")
+        start += n
+    top += "\n" + "".join(rules)
+    body_rows: list[list[str] | None] = []
+    for item in rows:
+        if item is None:
+            body_rows.append(None)
+            continue
+        b, rl, m, cells = item
+        first = r"\quad " + tex_escape(rl) if rl else tex_escape(b)
+        body_rows.append([first, m, *cells])
+    header = [r"\textbf{Method}", r"\textbf{Metric}", *[f"\\textbf{{{tex_escape(x)}}}" for x in labels]]
+    body = tex_tabular(header, body_rows, "l|l|" + "c" * len(labels), top=top)
+    return "\\begin{table*}[t]\n\\centering\n\\small\n\\setlength{\\tabcolsep}{3.5pt}\n" + body + \
+        f"\\caption{{{tex_escape(caption)}}}\n\\end{{table*}}\n"
+
+
+def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str, n_resamples: int, level: float) -> str:
+    """Companion of a main table: each ECE with its interval, then ZAEC-minus-baseline differences."""
+    pct = int(round(level * 100))
+    parts = [f"# {title}\n",
+             f"Paired bootstrap over samples ({n_resamples} resamples; zero-shot, raw and calibrated predictions "
+             f"resampled together); {pct}% percentile intervals, ECE in percent. Avg. intervals average the "
+             "per-dataset replicates (datasets resampled independently).\n"]
+    for group in intervals["group"].unique(maintain_order=True).to_list():
+        labels, rows = _main_rows(intervals.with_columns(pl.lit("ece").alias("metric")), group,
+                                  lambda r: f"{fmt(r['value'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
+                                  if r["ci_low"] is not None else fmt(r["value"]))
+        body = [[f"{b} {rl}".strip() if rl else b, *cells] for item in rows if item is not None
+                for b, rl, m, cells in [item]]
+        parts.append(f"## ECE with {pct}% intervals: {layout.GROUP_LABELS.get(group, group)}\n")
+        parts.append(md_table(["Method", *labels], body))
+    if diffs.height:
+        parts.append(f"## Differences in ECE (percentage points), {pct}% paired intervals\n")
+        parts.append(f"Negative: ZAEC lower. {NS_MARK} the interval contains zero (no difference claimed).\n")
+        for group in diffs["group"].unique(maintain_order=True).to_list():
+            d = diffs.filter(pl.col("group") == group)
+            cols = d.select("col_pos", "column_label").unique().sort("col_pos")
+            body = []
+            for (m, comp), part in d.group_by(["method", "comparison"], maintain_order=True):
+                cells = {r["col_pos"]: r for r in part.iter_rows(named=True)}
+                row = [f"{layout.method_label(m)}: {comp}"]
+                for p in cols["col_pos"]:
+                    r = cells.get(p)
+                    if r is None:
+                        row.append(DASH)
+                    elif r["ci_low"] is None:
+                        row.append(fmt(r["estimate"], signed=True))
+                    else:
+                        mark = NS_MARK if r["contains_zero"] else ""
+                        row.append(f"{fmt(r['estimate'], signed=True)}{mark} "
+                                   f"[{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]")
+                body.append(row)
+            parts.append(f"### {layout.GROUP_LABELS.get(group, group)}\n")
+            parts.append(md_table(["Comparison", *cols["column_label"].to_list()], body))
+    return "\n".join(parts)
+
+
+def intervals_latex(diffs: pl.DataFrame, caption: str) -> str:
+    """LaTeX of the differences (estimate with interval; dagger where it contains zero), one row per comparison."""
+    cols = diffs.select("col_pos", "column_label", "group").unique().sort("col_pos")
+    rows: list[list[str] | None] = []
+    prev = None
+    for (m, comp), part in diffs.group_by(["method", "comparison"], maintain_order=True):
+        if prev is not None and m != prev:
+            rows.append(None)
+        prev = m
+        cells = {r["col_pos"]: r for r in part.iter_rows(named=True)}
+        row = [tex_escape(f"{layout.method_label(m)}: {comp}")]
+        for p in cols["col_pos"]:
+            r = cells.get(p)
+            if r is None:
+                row.append("--")
+            else:
+                mark = r"$^\dagger$" if r["contains_zero"] else ""
+                ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
+                row.append(f"{fmt(r['estimate'], signed=True)}{mark}{ci}")
+        rows.append(row)
+    header = ["Comparison", *[tex_escape(x) for x in cols["column_label"].to_list()]]
+    return _wrap_table(tex_tabular(header, rows, "l" + "c" * cols.height), caption)

@@ -1,0 +1,200 @@
+"""On-disk caches: image features (per model, dataset, seed and view part) and text prototypes.
+
+The image encoder is frozen in every method of this stage, so features are computed once and reused by every method
+(zero-shot, TDA, DPE, DLAE, ...). Layout under the cache root (default `data/cache`):
+
+    <root>/<model fingerprint>/<dataset>-<test-set fingerprint>/seed=<s>/
+        meta.json                     n_total, chunk size, feature dim, dtype, stream fingerprint
+        view0/chunk-00000.npy         (n, D)      original view of stream positions [0, chunk)
+        augmix/chunk-00000.npy        (n, 63, D)  views 1..63 (AugMix policy)
+        crop_flip/chunk-00000.npy     (n, 63, D)  views 1..63 (crop + flip policy)
+    <root>/<model fingerprint>/text/<prompt-set fingerprint>.npy    (K, D) prototypes
+
+Chunks follow the stream order of the seed, so `--limit N` encodes only the chunks covering the first N positions,
+and every chunk always holds the same samples, encoded in the same micro-batches: a chunk's content never depends on
+which run produced it. View 0 is stored once per (model, dataset, seed) and shared by the single-view and the
+multi-view policies, so a single-view method reuses the original view of a multi-view cache exactly (same numbers).
+Every file is written under a temporary name and renamed: a crash leaves no half-written chunk, and a restarted run
+encodes only the missing chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+Part = Literal["view0", "augmix", "crop_flip"]
+PARTS: tuple[str, ...] = ("view0", "augmix", "crop_flip")
+CHUNK_TEMPLATE = "chunk-{:05d}.npy"
+DEFAULT_CACHE_DIR = Path("data") / "cache"
+CACHE_ENV = "ZAEC_CACHE_DIR"
+
+
+class CacheError(RuntimeError):
+    """The cache on disk disagrees with the run (different chunking or dimension)."""
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+    """`cache_dir`, else $ZAEC_CACHE_DIR, else data/cache."""
+    raw = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV)
+    return Path(raw).expanduser() if raw else DEFAULT_CACHE_DIR
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> Path:
+    """np.save to a temporary file in the same folder, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomic(path: Path, obj: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass
+class FeatureCache:
+    """Chunked feature store of one (model, dataset, seed).
+
+    Args:
+        root: cache root.
+        model_fp: `LoadedModel.fingerprint`.
+        dataset: canonical dataset key.
+        testset_fp: `TestSet.fingerprint()`.
+        seed: the run seed (orders the stream, seeds the views).
+        n_total: number of samples in the test set.
+        dim: feature dimension D.
+        dtype: stored dtype (fp16 for autocast encodings, fp32 otherwise).
+        stream_fp: fingerprint of the stream permutation (guards against a changed stream rule).
+        chunk_size: samples per chunk (fixed once the store exists).
+    """
+
+    root: Path
+    model_fp: str
+    dataset: str
+    testset_fp: str
+    seed: int
+    n_total: int
+    dim: int
+    dtype: np.dtype
+    stream_fp: str
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        self.dir = Path(self.root) / self.model_fp / f"{self.dataset}-{self.testset_fp}" / f"seed={self.seed}"
+        meta = {"n_total": self.n_total, "chunk_size": self.chunk_size, "dim": self.dim,
+                "dtype": np.dtype(self.dtype).name, "stream_fp": self.stream_fp, "dataset": self.dataset,
+                "seed": self.seed}
+        meta_path = self.dir / "meta.json"
+        if meta_path.is_file():
+            try:
+                old = json.loads(meta_path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                old = None
+            if old is not None and old != meta:
+                if {k: v for k, v in old.items() if k != "chunk_size"} == {k: v for k, v in meta.items()
+                                                                           if k != "chunk_size"}:
+                    self.chunk_size = int(old["chunk_size"])  # keep the store's chunking
+                    return
+                raise CacheError(f"feature cache {self.dir} was built for {old}, this run needs {meta}; delete "
+                                 "that folder or use another --cache-dir")
+            if old == meta:
+                return
+        write_json_atomic(meta_path, meta)
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n_total // self.chunk_size)
+
+    def chunk_range(self, c: int) -> tuple[int, int]:
+        """Stream positions [start, stop) of chunk c."""
+        return c * self.chunk_size, min((c + 1) * self.chunk_size, self.n_total)
+
+    def chunks_for(self, n_positions: int) -> range:
+        """Chunks covering stream positions [0, n_positions)."""
+        return range(-(-n_positions // self.chunk_size))
+
+    def path(self, part: Part, c: int) -> Path:
+        return self.dir / part / CHUNK_TEMPLATE.format(c)
+
+    def has(self, part: Part, c: int) -> bool:
+        return self.path(part, c).is_file()
+
+    def expected_shape(self, part: Part, c: int) -> tuple[int, ...]:
+        from extract.views import N_AUG_VIEWS
+        start, stop = self.chunk_range(c)
+        return (stop - start, self.dim) if part == "view0" else (stop - start, N_AUG_VIEWS, self.dim)
+
+    def save(self, part: Part, c: int, array: np.ndarray) -> Path:
+        if array.shape != self.expected_shape(part, c):
+            raise ValueError(f"chunk {c} of {part}: shape {array.shape}, expected {self.expected_shape(part, c)}")
+        return save_npy_atomic(self.path(part, c), array.astype(self.dtype, copy=False))
+
+    def load(self, part: Part, c: int) -> np.ndarray:
+        """A chunk as stored (memory-mapped); raises CacheError if it does not match the expected shape."""
+        p = self.path(part, c)
+        try:
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise CacheError(f"{p}: unreadable cache chunk ({e}); delete it to recompute") from None
+        if arr.shape != self.expected_shape(part, c):
+            raise CacheError(f"{p}: shape {arr.shape}, expected {self.expected_shape(part, c)}; delete it to "
+                             "recompute")
+        return arr
+
+    def missing(self, parts: tuple[str, ...], n_positions: int) -> list[tuple[int, tuple[str, ...]]]:
+        """[(chunk, parts missing in it)] for the chunks covering [0, n_positions)."""
+        out = []
+        for c in self.chunks_for(n_positions):
+            miss = tuple(p for p in parts if not self.has(p, c))  # type: ignore[arg-type]
+            if miss:
+                out.append((c, miss))
+        return out
+
+
+class TextCache:
+    """(K, D) text prototypes per (model, prompt set), as .npy files under `<root>/<model_fp>/text/`."""
+
+    def __init__(self, root: Path, model_fp: str):
+        self.dir = Path(root) / model_fp / "text"
+
+    def path(self, prompt_fp: str) -> Path:
+        return self.dir / f"{prompt_fp}.npy"
+
+    def get(self, prompt_fp: str, k: int) -> np.ndarray | None:
+        p = self.path(prompt_fp)
+        if not p.is_file():
+            return None
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        return arr if arr.ndim == 2 and arr.shape[0] == k else None
+
+    def put(self, prompt_fp: str, array: np.ndarray) -> Path:
+        return save_npy_atomic(self.path(prompt_fp), np.asarray(array, dtype=np.float32))

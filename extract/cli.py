@@ -1,0 +1,93 @@
+"""`zaec-extract`: run one TTA method over one dataset and write paired zero-shot/adapted logits as shards.
+
+    zaec-extract --method dpe --dataset dtd [--backbone ViT-B-16] [--pretrained openai|FILE|local-dir:DIR]
+                 [--data-root DIR] [--out DIR] [--seed S] [--device D] [--limit N] [--set key=value ...]
+
+User errors (unknown names, missing data or weights, bad `--set`) end in one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from extract.cache import CacheError
+    from extract.datasets import DatasetError
+    from extract.models import ModelError
+    from extract.prompts import PromptError
+    from extract.runner import RunError
+    from schemas import ShardError
+    # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it
+    return (DatasetError, ModelError, PromptError, RunError, CacheError, ShardError, ValueError)
+
+
+@app.command()
+def extract(
+    method: str = typer.Option(..., "--method", "-m", help="TTA method: zero-shot, tda, dpe, dlae, ..."),
+    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key: imagenet, imagenet_a, dtd, ..."),
+    backbone: Optional[str] = typer.Option(
+        None, help="open_clip model name (ViT-B-16, RN50); default ViT-B-16, or the local-dir's model"),
+    pretrained: str = typer.Option("openai", help="pretrained tag, checkpoint file, or local-dir:DIR"),
+    data_root: Optional[Path] = typer.Option(None, help="folder holding the datasets (default: $ZAEC_DATA_ROOT, "
+                                                          "else ./data)"),
+    out: Path = typer.Option(Path("data/shards"), help="shard root"),
+    seed: int = typer.Option(1, help="seed of the stream order and the augmented views"),
+    device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
+    limit: Optional[int] = typer.Option(None, help="only the first N samples of the stream"),
+    set_: List[str] = typer.Option([], "--set", help="override a config field: --set key=value (repeatable)"),
+    anchor: str = typer.Option("single", help="zero-shot anchor: 'single' (\"a photo of a {}.\") or 'method' "
+                                              "(the method's own prompts)"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="keep the valid shards of an interrupted run"),
+    force: bool = typer.Option(False, "--force", help="recompute a finished run"),
+    cache_dir: Optional[Path] = typer.Option(None, help="feature cache (default: $ZAEC_CACHE_DIR, else data/cache)"),
+    cupl_dir: Optional[Path] = typer.Option(None, help="folder of CuPL_prompts_*.json (default: $ZAEC_CUPL_DIR)"),
+    tda_sh_filter: bool = typer.Option(False, "--tda-sh-filter",
+                                       help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 (drops file "
+                                            "names containing 'sh'); off by default"),
+    batch_size: int = typer.Option(256, help="images per encoder call"),
+    workers: Optional[int] = typer.Option(None, help="image-loading processes (default: 8 on CUDA, 0 on CPU)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+) -> None:
+    """Run METHOD over DATASET and write shards under OUT."""
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    try:
+        from extract.runner import parse_overrides, plan_run, run_extraction
+
+        overrides = parse_overrides(set_)
+        if backbone is None and not pretrained.startswith("local-dir:"):
+            backbone = "ViT-B-16"
+        # resolve every name before any file is read (run_extraction repeats it; it is cheap)
+        plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
+                 anchor=anchor, limit=limit)
+        paths = run_extraction(
+            method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
+            device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
+            cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, batch_size=batch_size,
+            workers=workers, progress=not quiet)
+    except _user_errors() as e:
+        err.print("[bold red]error:[/bold red]", end=" ")
+        err.print(str(e), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted; rerun the same command to resume")
+        raise typer.Exit(130)
+    where = paths[0].parent if paths else out
+    Console().print(f"{len(paths)} shard(s) in {where}", highlight=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    app(args=argv if argv is not None else sys.argv[1:], prog_name="zaec-extract")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,513 @@
+"""Test sets: one registry, one generic loader.
+
+Every dataset has one canonical key (`imagenet_a`, `dtd`, ...). A registry entry says where the data may lie under
+the data root (the CoOp/TDA layout, the TPT layout, DPE's renamed folders), how its test list is read (a CoOp
+`split_zhou_*.json`, FGVC-Aircraft's variant text files, or ImageNet-style class folders) and which per-method
+hyper-parameters it uses (`hparams_from`). `load_testset` turns an entry into a `TestSet`: absolute image paths in the
+canonical test order (this order defines `sample_id`), labels, and class names. Only the split/list files and the
+folder listing are read here; images are opened later, one by one, by `open_image`.
+
+Canonical order:
+    * JSON splits: the order of the `test` list in the file.
+    * FGVC-Aircraft: the order of `images_variant_test.txt`.
+    * class folders: classes by label, then file names sorted as strings within a class.
+
+Example:
+    >>> spec = get_dataset("dtd")
+    >>> spec.hparams_from, spec.group
+    ('dtd', 'fine_grained')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import os
+import posixpath
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal, Mapping
+
+import numpy as np
+
+#: Class names of the embedded demo (Fashion-MNIST), in label order. Helper modules of the demo import this.
+FASHION_MNIST_CLASSES: tuple[str, ...] = (
+    "t-shirt or top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot",
+)
+
+DATA_ROOT_ENV = "ZAEC_DATA_ROOT"
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+Kind = Literal["json", "aircraft", "folders"]
+Group = Literal["natural", "fine_grained", "demo"]
+#: how class folders map to labels: ImageNet wnids (all 1000), the 200-class A/R subsets, V2's numbered folders
+FolderScheme = Literal["wnid1000", "wnid_a", "wnid_r", "v2_numeric"]
+
+
+class DatasetError(ValueError):
+    """A user-side problem with a dataset (unknown key, missing folder, bad split file). One clear line or block."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One place a dataset may lie, relative to the data root.
+
+    Attributes:
+        name: the layout's name in messages ("CoOp/TDA", "TPT", "DPE").
+        dataset_dir: folder under the data root.
+        image_dir: folder (relative to `dataset_dir`) the split's relative paths start from; "" = the folder itself.
+        split_file: the split/list file relative to `dataset_dir` (JSON split, Aircraft's test list); "" for folders.
+    """
+
+    name: str
+    dataset_dir: str
+    image_dir: str
+    split_file: str = ""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registry entry. `hparams_from` is the canonical key whose per-method hyper-parameters apply."""
+
+    key: str
+    kind: Kind
+    group: Group
+    hparams_from: str
+    layouts: tuple[Layout, ...]
+    #: file name of the CuPL prompts (DPE's `gpt3_prompts/` naming), None where no such file exists
+    cupl_file: str | None = None
+    #: for kind "folders"
+    folder_scheme: FolderScheme | None = None
+    #: fixed class names (demo sets); None = from the split file / ImageNet names
+    class_names: tuple[str, ...] | None = None
+    #: TDA/DPE/DLAE list these folders with a helper that also drops names containing "sh" (spec §13.9)
+    sh_quirk_applies: bool = False
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class TestSet:
+    """A resolved test set.
+
+    Attributes:
+        key: canonical dataset key.
+        dataset_dir: the folder that matched.
+        layout: name of the layout that matched.
+        paths: absolute image paths, canonical test order (index = sample_id).
+        labels: (N,) int64 class indices in [0, K).
+        class_names: K names.
+        imagenet_indices: for ImageNet-family sets, the ImageNet class index of each of the K classes.
+        notes: facts to record in the shard metadata (e.g. how many files the "sh" filter dropped).
+    """
+
+    key: str
+    dataset_dir: Path
+    layout: str
+    paths: tuple[Path, ...]
+    labels: np.ndarray
+    class_names: tuple[str, ...]
+    imagenet_indices: tuple[int, ...] | None = None
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def fingerprint(self) -> str:
+        """sha256 (hex, 16 chars) of the sample list (paths relative to `dataset_dir`, labels) and class names.
+
+        Keys the feature cache: a different split file or folder content gives a different cache entry.
+        """
+        h = hashlib.sha256()
+        for p, y in zip(self.paths, self.labels.tolist()):
+            h.update(f"{p.relative_to(self.dataset_dir).as_posix()}\t{y}\n".encode())
+        h.update(json.dumps(list(self.class_names)).encode())
+        return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the registry
+
+def _json_set(key: str, json_name: str, cupl: str, *, coop: tuple[str, str], tpt: tuple[str, str],
+              dpe: tuple[str, str] | None = None, description: str = "") -> DatasetSpec:
+    layouts = [Layout("CoOp/TDA", coop[0], coop[1], json_name)]
+    if dpe is not None:
+        layouts.append(Layout("DPE", dpe[0], dpe[1], json_name))
+    layouts.append(Layout("TPT", tpt[0], tpt[1], json_name))
+    return DatasetSpec(key, "json", "fine_grained", key, tuple(layouts), cupl_file=cupl, description=description)
+
+
+def _folder_set(key: str, scheme: FolderScheme, layouts: tuple[Layout, ...], *, sh: bool, description: str) -> DatasetSpec:
+    return DatasetSpec(key, "folders", "natural", key, layouts, cupl_file="CuPL_prompts_imagenet.json",
+                       folder_scheme=scheme, sh_quirk_applies=sh, description=description)
+
+
+_REGISTRY_LIST: list[DatasetSpec] = [
+    # ImageNet family: class folders (TDA reads ImageNet through torchvision's ImageNet(split='val'), whose
+    # prepared layout is images/val/<wnid>/; TPT uses ImageFolder(ImageNet/val)).
+    _folder_set("imagenet", "wnid1000", (
+        Layout("CoOp/TDA", "imagenet", "images/val"), Layout("TPT", "ImageNet", "val"),
+        Layout("plain", "imagenet", "val")), sh=False, description="ImageNet validation set (50,000 images)"),
+    _folder_set("imagenet_a", "wnid_a", (
+        Layout("CoOp/TDA", "imagenet-adversarial", "imagenet-a"), Layout("TPT", "imagenet-a", "")),
+        sh=True, description="ImageNet-A (200 classes)"),
+    _folder_set("imagenet_v2", "v2_numeric", (
+        Layout("CoOp/TDA", "imagenetv2", "imagenetv2-matched-frequency-format-val"),
+        Layout("TPT", "imagenetv2-matched-frequency-format-val", "")),
+        sh=True, description="ImageNet-V2 matched-frequency (folders 0..999)"),
+    _folder_set("imagenet_r", "wnid_r", (
+        Layout("CoOp/TDA", "imagenet-rendition", "imagenet-r"), Layout("TPT", "imagenet-r", "")),
+        sh=True, description="ImageNet-R (200 classes)"),
+    _folder_set("imagenet_sketch", "wnid1000", (
+        Layout("CoOp/TDA", "imagenet-sketch", "images"), Layout("TPT", "ImageNet-Sketch", ""),
+        Layout("TPT (unpacked)", "ImageNet-Sketch", "sketch")),
+        sh=True, description="ImageNet-Sketch"),
+    _json_set("caltech101", "split_zhou_Caltech101.json", "CuPL_prompts_caltech101.json",
+              coop=("caltech-101", "101_ObjectCategories"), tpt=("Caltech101", "")),
+    _json_set("dtd", "split_zhou_DescribableTextures.json", "CuPL_prompts_dtd.json",
+              coop=("dtd", "images"), tpt=("DTD", "images")),
+    _json_set("eurosat", "split_zhou_EuroSAT.json", "CuPL_prompts_eurosat.json",
+              coop=("eurosat", "2750"), tpt=("eurosat", "")),
+    DatasetSpec("fgvc_aircraft", "aircraft", "fine_grained", "fgvc_aircraft", (
+        Layout("CoOp/TDA", "fgvc_aircraft", "images", "images_variant_test.txt"),
+        Layout("official archive", "fgvc-aircraft-2013b", "data/images", "data/images_variant_test.txt"),
+        Layout("official archive (data/)", "fgvc_aircraft", "data/images", "data/images_variant_test.txt")),
+        cupl_file="CuPL_prompts_fgvcaircraft.json"),
+    _json_set("food101", "split_zhou_Food101.json", "CuPL_prompts_food101.json",
+              coop=("food-101", "images"), tpt=("Food101", "images")),
+    _json_set("flowers102", "split_zhou_OxfordFlowers.json", "CuPL_prompts_flowers102.json",
+              coop=("oxford_flowers", "jpg"), dpe=("flowers102", "jpg"), tpt=("Flower102", "jpg")),
+    _json_set("oxford_pets", "split_zhou_OxfordPets.json", "CuPL_prompts_oxfordpets.json",
+              coop=("oxford_pets", "images"), dpe=("oxfordpets", "images"), tpt=("OxfordPets", "")),
+    _json_set("stanford_cars", "split_zhou_StanfordCars.json", "CuPL_prompts_stanfordcars.json",
+              coop=("stanford_cars", ""), dpe=("stanfordcars", ""), tpt=("StanfordCars", "")),
+    _json_set("sun397", "split_zhou_SUN397.json", "CuPL_prompts_sun397.json",
+              coop=("sun397", "SUN397"), tpt=("SUN397", "")),
+    _json_set("ucf101", "split_zhou_UCF101.json", "CuPL_prompts_ucf101.json",
+              coop=("ucf101", "UCF-101-midframes"), tpt=("UCF101", "")),
+]
+
+# The embedded demo's Fashion-MNIST sets (written to disk by extract.demo): JSON splits under fashion-mnist/<set>/.
+_DEMO_SETS = {"clean": "imagenet", "noise": "imagenet_a", "blur": "imagenet_a", "contrast": "imagenet_a",
+              "invert": "imagenet_a", "rotate": "imagenet_a"}
+for _name, _hp in _DEMO_SETS.items():
+    _key = "fmnist" if _name == "clean" else f"fmnist_{_name}"
+    _REGISTRY_LIST.append(DatasetSpec(
+        _key, "json", "demo", _hp,
+        (Layout("demo", f"fashion-mnist/{_name}", "images", "split_zhou_FashionMNIST.json"),),
+        class_names=FASHION_MNIST_CLASSES,
+        description=f"Fashion-MNIST test set ({_name}), embedded demo"))
+
+REGISTRY: dict[str, DatasetSpec] = {s.key: s for s in _REGISTRY_LIST}
+#: the 15 datasets of the paper (excludes the demo sets)
+PAPER_DATASETS: tuple[str, ...] = tuple(s.key for s in _REGISTRY_LIST if s.group != "demo")
+
+
+def get_dataset(key: str) -> DatasetSpec:
+    """The registry entry of `key`; raises DatasetError listing the valid keys."""
+    try:
+        return REGISTRY[key]
+    except KeyError:
+        raise DatasetError(f"unknown dataset {key!r}; available: {', '.join(REGISTRY)}") from None
+
+
+def resolve_data_root(data_root: str | os.PathLike | None) -> Path:
+    """`data_root`, else $ZAEC_DATA_ROOT, else ./data. Raises DatasetError if the folder does not exist."""
+    raw = data_root if data_root is not None else os.environ.get(DATA_ROOT_ENV) or "data"
+    root = Path(raw).expanduser()
+    if not root.is_dir():
+        src = "--data-root" if data_root is not None else (
+            f"${DATA_ROOT_ENV}" if os.environ.get(DATA_ROOT_ENV) else "the default ./data")
+        raise DatasetError(f"data root {root} (from {src}) is not a directory; pass --data-root DIR or set "
+                           f"{DATA_ROOT_ENV}")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ImageNet metadata (timm ships the synset lists and the A/R subsets; open_clip ships CLIP's class names)
+
+def _timm_info(name: str) -> list[str]:
+    text = (importlib.resources.files("timm.data") / "_info" / name).read_text()
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+@lru_cache(maxsize=None)
+def imagenet_synsets() -> tuple[str, ...]:
+    """The 1000 ImageNet-1k wnids in class-index order (timm's `imagenet_synsets.txt`)."""
+    return tuple(_timm_info("imagenet_synsets.txt"))
+
+
+@lru_cache(maxsize=None)
+def imagenet_classnames() -> tuple[str, ...]:
+    """CLIP's 1000 cleaned ImageNet class names (open_clip's IMAGENET_CLASSNAMES), class-index order."""
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+    return tuple(IMAGENET_CLASSNAMES)
+
+
+@lru_cache(maxsize=None)
+def imagenet_subset(which: Literal["a", "r"]) -> tuple[int, ...]:
+    """ImageNet class indices of the 200-class ImageNet-A or -R subset, ascending (timm's info files)."""
+    idx = [int(x) for x in _timm_info(f"imagenet_{which}_indices.txt")]
+    syn = _timm_info(f"imagenet_{which}_synsets.txt")
+    all_syn = imagenet_synsets()
+    if len(idx) != 200 or any(all_syn[i] != s for i, s in zip(idx, syn)):
+        raise RuntimeError(f"timm's imagenet_{which} info files are inconsistent with imagenet_synsets.txt")
+    return tuple(sorted(idx))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the generic loader
+
+def expected_layout(spec: DatasetSpec, root: Path) -> str:
+    """A human-readable description of where `spec` may lie under `root` (used in error messages)."""
+    lines = [f"expected one of these layouts under {root}:"]
+    for lay in spec.layouts:
+        base = f"{root}/{lay.dataset_dir}"
+        img = f"{base}/{lay.image_dir}" if lay.image_dir else base
+        if spec.kind == "json":
+            lines.append(f"  [{lay.name}] {base}/{lay.split_file}  (CoOp split: "
+                         f'{{"test": [[relpath, label, classname], ...]}})')
+            lines.append(f"  {' ' * (len(lay.name) + 2)} {img}/<relpath from the split>")
+        elif spec.kind == "aircraft":
+            lines.append(f"  [{lay.name}] {base}/{posixpath.dirname(lay.split_file) or '.'}/variants.txt, "
+                         f"{base}/{lay.split_file}  (lines '<image id> <variant>')")
+            lines.append(f"  {' ' * (len(lay.name) + 2)} {img}/<image id>.jpg")
+        else:
+            sub = {"v2_numeric": "<0..999>", "wnid_a": "<wnid, 200 classes>",
+                   "wnid_r": "<wnid, 200 classes>"}.get(spec.folder_scheme or "", "<wnid>")
+            lines.append(f"  [{lay.name}] {img}/{sub}/<image>")
+    return "\n".join(lines)
+
+
+def _first_test_path(split_path: Path) -> str | None:
+    try:
+        test = json.loads(split_path.read_text(encoding="utf-8")).get("test") or []
+        return str(test[0][0])
+    except (OSError, ValueError, AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
+def _find_layout(spec: DatasetSpec, root: Path) -> Layout:
+    found: list[Layout] = []
+    for lay in spec.layouts:
+        ddir = root / lay.dataset_dir
+        if spec.kind == "folders":
+            if (ddir / lay.image_dir).is_dir() if lay.image_dir else ddir.is_dir():
+                return lay
+        elif (ddir / lay.split_file).is_file():
+            found.append(lay)
+    if len(found) > 1 and spec.kind == "json":
+        # layouts sharing a split file (EuroSAT: eurosat/2750 vs eurosat/): the one whose first image exists wins
+        for lay in found:
+            first = _first_test_path(root / lay.dataset_dir / lay.split_file)
+            img_root = root / lay.dataset_dir / lay.image_dir if lay.image_dir else root / lay.dataset_dir
+            if first is not None and (img_root / first).is_file():
+                return lay
+    if found:
+        return found[0]
+    raise DatasetError(f"dataset {spec.key!r} not found under data root {root}; "
+                       + expected_layout(spec, root)
+                       + f"\nset --data-root DIR (or ${DATA_ROOT_ENV}) to the folder holding it")
+
+
+def safe_relpath(rel: str, *, where: str) -> str:
+    """Validate a relative path taken from a user's split file: no absolute paths, no escaping with '..'.
+
+    Returns the normalised POSIX form. Raises DatasetError naming `where` (file and entry).
+    """
+    if not isinstance(rel, str) or not rel:
+        raise DatasetError(f"{where}: image path must be a non-empty string, got {rel!r}")
+    norm = posixpath.normpath(rel.replace("\\", "/"))
+    if norm.startswith("/") or (len(norm) > 1 and norm[1] == ":") or norm == ".." or norm.startswith("../"):
+        raise DatasetError(f"{where}: image path {rel!r} escapes the dataset folder; split entries must be "
+                           "relative paths inside it")
+    return norm
+
+
+def _clean_name(name: str) -> str:
+    # TDA/DPE/DLAE's clip_classifier replaces '_' by ' ' before formatting the prompts
+    return name.replace("_", " ").strip()
+
+
+def _load_json_split(spec: DatasetSpec, root: Path, lay: Layout) -> tuple[list[Path], list[int], tuple[str, ...]]:
+    ddir = root / lay.dataset_dir
+    img_root = ddir / lay.image_dir if lay.image_dir else ddir
+    split_path = ddir / lay.split_file
+    try:
+        data = json.loads(split_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"{split_path}: not a readable JSON split file ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("test"), list):
+        raise DatasetError(f"{split_path}: expected a JSON object with a 'test' list of [relpath, label, classname]")
+    names: dict[int, str] = {}
+    paths: list[Path] = []
+    labels: list[int] = []
+    for split in ("train", "val", "test"):
+        entries = data.get(split) or []
+        if not isinstance(entries, list):
+            raise DatasetError(f"{split_path}: '{split}' must be a list")
+        for i, entry in enumerate(entries):
+            where = f"{split_path} [{split}][{i}]"
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[1], int)
+                    and not isinstance(entry[1], bool) and isinstance(entry[2], str)):
+                raise DatasetError(f"{where}: expected [relpath, label, classname], got {entry!r}")
+            rel, y, cname = entry
+            if y < 0:
+                raise DatasetError(f"{where}: negative label {y}")
+            cname = _clean_name(cname)
+            if names.setdefault(y, cname) != cname:
+                raise DatasetError(f"{where}: label {y} is named {cname!r} here but {names[y]!r} elsewhere")
+            if split == "test":
+                paths.append(img_root / safe_relpath(rel, where=where))
+                labels.append(y)
+    if not paths:
+        raise DatasetError(f"{split_path}: the 'test' split is empty")
+    if spec.class_names is not None:
+        class_names = spec.class_names
+        if max(names) >= len(class_names):
+            raise DatasetError(f"{split_path}: label {max(names)} out of range for the {len(class_names)} classes "
+                               f"of {spec.key!r}")
+    else:
+        k = max(names) + 1
+        missing = sorted(set(range(k)) - set(names))
+        if missing:
+            raise DatasetError(f"{split_path}: labels must be 0..{k - 1} without gaps; no entry has label(s) "
+                               f"{missing[:10]}")
+        class_names = tuple(names[c] for c in range(k))
+    return paths, labels, class_names
+
+
+def _load_aircraft(spec: DatasetSpec, root: Path, lay: Layout) -> tuple[list[Path], list[int], tuple[str, ...]]:
+    ddir = root / lay.dataset_dir
+    list_path = ddir / lay.split_file
+    variants_path = list_path.parent / "variants.txt"
+    img_root = ddir / lay.image_dir
+    if not variants_path.is_file():
+        raise DatasetError(f"FGVC-Aircraft: {variants_path} is missing (the class list, one variant per line); "
+                           + expected_layout(spec, root))
+    variants = [v.strip() for v in variants_path.read_text(encoding="utf-8").splitlines() if v.strip()]
+    index = {v: i for i, v in enumerate(variants)}
+    paths: list[Path] = []
+    labels: list[int] = []
+    for n, line in enumerate(list_path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        img_id, _, variant = line.strip().partition(" ")
+        where = f"{list_path}:{n}"
+        if variant not in index:
+            raise DatasetError(f"{where}: variant {variant!r} is not in {variants_path.name}")
+        paths.append(img_root / (safe_relpath(img_id, where=where) + ".jpg"))
+        labels.append(index[variant])
+    if not paths:
+        raise DatasetError(f"{list_path}: no test images listed")
+    return paths, labels, tuple(variants)
+
+
+def _listdir(path: Path, *, sh_filter: bool) -> list[str]:
+    # hidden files never count; the optional quirk reproduces TDA/DPE/DLAE's helper, which also drops any name
+    # containing "sh" (spec §13.9)
+    return sorted(n for n in os.listdir(path) if not n.startswith(".") and not (sh_filter and "sh" in n))
+
+
+def _load_folders(spec: DatasetSpec, root: Path, lay: Layout, *, sh_filter: bool
+                  ) -> tuple[list[Path], list[int], tuple[str, ...], tuple[int, ...], dict[str, str]]:
+    img_root = root / lay.dataset_dir / lay.image_dir if lay.image_dir else root / lay.dataset_dir
+    scheme = spec.folder_scheme
+    synsets = imagenet_synsets()
+    if scheme == "wnid_a" or scheme == "wnid_r":
+        subset = imagenet_subset("a" if scheme == "wnid_a" else "r")
+    else:
+        subset = tuple(range(1000))
+    label_of_imagenet = {c: i for i, c in enumerate(subset)}
+    folders = [f for f in _listdir(img_root, sh_filter=False) if (img_root / f).is_dir()]
+    if not folders:
+        raise DatasetError(f"{img_root}: no class folders found; " + expected_layout(spec, root))
+    paths: list[Path] = []
+    labels: list[int] = []
+    dropped = 0
+    by_label: list[tuple[int, str]] = []
+    wnid_index = {w: i for i, w in enumerate(synsets)}
+    for f in folders:
+        if scheme == "v2_numeric":
+            # V2 folders are named 0..999 = the ImageNet class index (never sort them as strings)
+            if not f.isdigit() or not 0 <= int(f) < 1000:
+                raise DatasetError(f"{img_root}/{f}: ImageNet-V2 class folders must be named 0..999")
+            inet = int(f)
+        else:
+            if f not in wnid_index:
+                raise DatasetError(f"{img_root}/{f}: not an ImageNet wnid folder (expected names like n01440764)")
+            inet = wnid_index[f]
+        if inet not in label_of_imagenet:
+            raise DatasetError(f"{img_root}/{f}: class {f} is not one of the 200 classes of {spec.key}")
+        by_label.append((label_of_imagenet[inet], f))
+    for label, f in sorted(by_label):
+        if sh_filter and "sh" in f:
+            dropped += sum(1 for _ in os.scandir(img_root / f))
+            continue
+        all_files = _listdir(img_root / f, sh_filter=False)
+        kept = [n for n in all_files if not (sh_filter and "sh" in n)]
+        dropped += len(all_files) - len(kept)
+        for n in kept:
+            if n.lower().endswith(IMAGE_EXTENSIONS):
+                paths.append(img_root / f / n)
+                labels.append(label)
+    if not paths:
+        raise DatasetError(f"{img_root}: class folders hold no images ({', '.join(IMAGE_EXTENSIONS)})")
+    names = imagenet_classnames()
+    class_names = tuple(names[c] for c in subset)
+    notes = {}
+    if sh_filter:
+        notes["tda_sh_filter"] = (f"on: reproduces TDA/DPE/DLAE's file listing, which drops names containing "
+                                  f"'sh'; {dropped} image file(s) dropped")
+    return paths, labels, class_names, subset, notes
+
+
+def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False) -> TestSet:
+    """Resolve dataset `key` under the data root and list its test samples (no image is opened).
+
+    Args:
+        key: canonical dataset key (see `REGISTRY`).
+        data_root: folder holding the datasets; None = $ZAEC_DATA_ROOT, else ./data.
+        sh_filter: reproduce the TDA/DPE/DLAE listing quirk (drop files/folders whose name contains "sh") on the
+            ImageNet-A/-R/-Sketch/-V2 folders (spec §13.9). Off by default; ignored for the other sets.
+
+    Returns:
+        TestSet with paths in the canonical order.
+
+    Raises:
+        DatasetError: unknown key, missing folder (the message shows the expected layout), a bad split file, or a
+            split entry that escapes the dataset folder.
+    """
+    spec = get_dataset(key)
+    root = resolve_data_root(data_root)
+    lay = _find_layout(spec, root)
+    ddir = root / lay.dataset_dir
+    notes: dict[str, str] = {}
+    inet: tuple[int, ...] | None = None
+    if spec.kind == "json":
+        paths, labels, names = _load_json_split(spec, root, lay)
+    elif spec.kind == "aircraft":
+        paths, labels, names = _load_aircraft(spec, root, lay)
+    else:
+        paths, labels, names, inet, notes = _load_folders(spec, root, lay,
+                                                          sh_filter=sh_filter and spec.sh_quirk_applies)
+    return TestSet(key=key, dataset_dir=ddir, layout=lay.name, paths=tuple(paths),
+                   labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names),
+                   imagenet_indices=inet, notes=notes)
+
+
+def open_image(path: Path):
+    """Open one image as RGB PIL (grey-scale and palette images are converted). Raises DatasetError if unreadable."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: image listed in the test split does not exist") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise DatasetError(f"{path}: cannot read image ({e})") from None

@@ -1,0 +1,37 @@
+"""Test-time adaptation methods: one registry, one class per method (see `base.TTAMethod`).
+
+Adding a method is one new module plus one entry in `REGISTRY`; the tests are parametrised over it.
+"""
+
+from __future__ import annotations
+
+from extract.methods.base import (
+    HPARAMS_KEYS,
+    MethodConfig,
+    TTAMethod,
+    apply_overrides,
+    backbone_family,
+)
+from extract.methods.dlae import DLAE
+from extract.methods.dpe import DPE
+from extract.methods.tda import TDA
+from extract.methods.zero_shot import ZeroShot
+
+REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE)}
+
+
+def get_method(key: str) -> type[TTAMethod]:
+    """The method class registered under `key`.
+
+    Raises:
+        ValueError: unknown key; the message lists the available ones.
+    """
+    try:
+        return REGISTRY[key]
+    except KeyError:
+        raise ValueError(f"unknown method {key!r}; available: {', '.join(REGISTRY)}") from None
+
+
+__all__ = [
+    "HPARAMS_KEYS", "REGISTRY", "MethodConfig", "TTAMethod", "apply_overrides", "backbone_family", "get_method",
+]

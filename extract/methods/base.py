@@ -1,0 +1,250 @@
+"""The contract every TTA method implements, its configuration base class, and `--set` overrides.
+
+A method is a class with a `key`, a frozen `Config` dataclass next to it (the paper's defaults, each with its
+source) and `default_config(hparams_key, backbone)` applying the per-dataset tables of the spec. The runner builds
+the method once per run with the text prototypes and the model's logit scale, then feeds it the view features of
+consecutive samples in stream order:
+
+    >>> cfg = method_cls.default_config("dtd", "ViT-B-16")          # doctest: +SKIP
+    >>> m = method_cls(cfg, text_features, logit_scale, backbone="ViT-B-16", dataset="dtd")  # doctest: +SKIP
+    >>> logits = m.adapt(view_feats)  # (B, V, D) -> (B, K) float32   # doctest: +SKIP
+
+Online methods keep their state across `adapt` calls; episodic ones (the TPT family) reset it per sample. A
+method that needs the text encoder (TPT tunes prompt tokens) sets `needs_text_encoder = True` and receives it as
+the `text_encoder` keyword; adding such a method is one file plus one registry entry.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+# The canonical dataset keys for which the spec has hyper-parameter tables (the columns of §6-§8).
+HPARAMS_KEYS: tuple[str, ...] = (
+    "imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch", "caltech101", "dtd", "eurosat",
+    "fgvc_aircraft", "food101", "flowers102", "oxford_pets", "stanford_cars", "sun397", "ucf101",
+)
+IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"})
+
+# How the runner builds the class prototypes (spec §2.3):
+#   single      "a photo of a {}."
+#   dataset     TDA's per-dataset templates (the 7 Tip-Adapter templates for ImageNet/A/V2/Caltech/Cars/SUN, one
+#               custom template for the others, the 80 CLIP templates for R/Sketch)
+#   imagenet80  the 80 CLIP ImageNet templates
+#   dpe_cars    DPE/DLAE's Stanford Cars pair: "a photo of a {}." and
+#               "A {} featuring a wide range of color options for easy selection." (DPE `datasets/stanford_cars.py`)
+# Each template embedding is L2-normalised, averaged (with the CuPL sentences when `cupl`), and re-normalised.
+PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars"]
+BackboneFamily = Literal["rn", "vit"]
+
+DPE_CARS_TEMPLATES: tuple[str, ...] = (
+    "a photo of a {}.",
+    "A {} featuring a wide range of color options for easy selection.",
+)
+
+
+def backbone_family(backbone: str) -> BackboneFamily:
+    """Which column of a per-backbone table applies: "rn" for names starting with "RN" (RN50, RN50-quickgelu,
+    RN101), "vit" for every other name (ViT-B-16 and the demo's small models).
+
+    >>> backbone_family("RN50"), backbone_family("ViT-B-16"), backbone_family("tiny-vit")
+    ('rn', 'vit', 'vit')
+    """
+    return "rn" if backbone.upper().startswith("RN") else "vit"
+
+
+def check_hparams_key(hparams_key: str) -> None:
+    if hparams_key not in HPARAMS_KEYS:
+        raise ValueError(f"unknown dataset key {hparams_key!r} for the hyper-parameter tables; available: "
+                         f"{', '.join(HPARAMS_KEYS)}")
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Fields the runner reads; every method's `Config` extends this.
+
+    Attributes:
+        n_views: views per sample: 1 (the original) or 1 + 63 augmented (spec §1.2).
+        augmix: views 1.. use AugMix (True) or only RandomResizedCrop + flip (False).
+        prompts: prompt set for the class prototypes (see `PromptSet`).
+        cupl: add the CuPL GPT-3 sentences to the prototypes (DPE/DLAE).
+        episodic: the method resets its state after every sample (a property of the method, not a setting).
+    """
+
+    n_views: int = 1
+    augmix: bool = False
+    prompts: PromptSet = "single"
+    cupl: bool = False
+    episodic: bool = field(default=False, metadata={"fixed": True})
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = _literal_choices(hints[f.name])
+            if choices is not None and value not in choices:
+                raise ValueError(f"{type(self).__qualname__}.{f.name}: expected one of "
+                                 f"{', '.join(map(repr, choices))}, got {value!r}")
+        if self.n_views < 1:
+            raise ValueError(f"{type(self).__qualname__}.n_views must be >= 1, got {self.n_views}")
+
+
+def _literal_choices(tp: Any) -> tuple[Any, ...] | None:
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _convert(name: str, tp: Any, raw: Any) -> Any:
+    """Convert a `--set` value (usually a string) to the field's declared type."""
+    choices = _literal_choices(tp)
+    if choices is not None:
+        for c in choices:
+            if raw == c or str(c) == str(raw):
+                return c
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {raw!r}")
+    if not isinstance(raw, str):
+        if tp is float and isinstance(raw, int) and not isinstance(raw, bool):
+            return float(raw)
+        if isinstance(raw, tp):
+            return raw
+        raise ValueError(f"{name}: expected {tp.__name__}, got {raw!r}")
+    if tp is bool:
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"{name}: expected a boolean (true/false/1/0/yes/no), got {raw!r}")
+    if tp in (int, float):
+        try:
+            return tp(raw)
+        except ValueError:
+            raise ValueError(f"{name}: expected {tp.__name__}, got {raw!r}") from None
+    if tp is str:
+        return raw
+    raise ValueError(f"{name}: cannot set a field of type {tp!r} from the command line")
+
+
+def apply_overrides(config: MethodConfig, overrides: dict[str, Any]) -> MethodConfig:
+    """Return `config` with fields replaced from `--set key=value` pairs, values converted to the field types.
+
+    Args:
+        config: a method's frozen config.
+        overrides: field name -> value (strings are converted: "2.5" -> 2.5, "true" -> True; Literal fields accept
+            one of their choices).
+
+    Returns:
+        A new config (the result passes the config's own validation).
+
+    Raises:
+        ValueError: unknown key (the message lists the valid keys), a fixed field, or a value of the wrong type.
+
+    Example:
+        >>> from extract.methods.tda import TDAConfig
+        >>> apply_overrides(TDAConfig(), {"alpha": "2.5"}).alpha
+        2.5
+    """
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    hints = typing.get_type_hints(type(config))
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        settable = sorted(n for n, f in fields.items() if not f.metadata.get("fixed"))
+        raise ValueError(f"unknown config key(s) {', '.join(map(repr, unknown))} for {type(config).__qualname__}; "
+                         f"valid keys: {', '.join(settable)}")
+    changes = {}
+    for name, raw in overrides.items():
+        if fields[name].metadata.get("fixed"):
+            raise ValueError(f"{name!r} is a property of the method and cannot be overridden")
+        changes[name] = _convert(name, hints[name], raw)
+    return dataclasses.replace(config, **changes)
+
+
+class TTAMethod(abc.ABC):
+    """Base class of every test-time adaptation method.
+
+    Subclasses define `key`, `Config`, `default_config` and `_adapt`. The base class checks inputs, moves the text
+    prototypes to the inputs' device once, and returns float32 logits.
+
+    Args:
+        config: the method's `Config`.
+        text_features: (K, D) float32 L2-normalised class prototypes built with `config.prompts` / `config.cupl`.
+        logit_scale: the model's own exp(logit_scale) (100 for OpenAI CLIP). The official TDA/DPE/DLAE code
+            hard-codes `100.`; using the model's value is the same for OpenAI weights and right for any other.
+        backbone: open_clip model name (recorded; per-backbone tables are applied in `default_config`).
+        dataset: canonical dataset key (recorded).
+        text_encoder: only for methods with `needs_text_encoder` (the TPT family tunes prompt tokens).
+    """
+
+    key: ClassVar[str]
+    Config: ClassVar[type[MethodConfig]]
+    needs_text_encoder: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        config: MethodConfig,
+        text_features: torch.Tensor,
+        logit_scale: float,
+        *,
+        backbone: str,
+        dataset: str,
+        text_encoder: Any = None,
+    ) -> None:
+        if not isinstance(config, self.Config):
+            raise TypeError(f"{type(self).__name__} expects a {self.Config.__qualname__}, got {type(config).__qualname__}")
+        if text_features.ndim != 2:
+            raise ValueError(f"text_features must be (K, D), got shape {tuple(text_features.shape)}")
+        if self.needs_text_encoder and text_encoder is None:
+            raise ValueError(f"method {self.key!r} tunes prompts and needs the text encoder (text_encoder=...)")
+        self.config = config
+        self.text_features = text_features.detach()
+        self.logit_scale = float(logit_scale)
+        self.backbone = backbone
+        self.dataset = dataset
+        self.text_encoder = text_encoder
+        self.n_classes, self.dim = text_features.shape
+        self.n_seen = 0  # samples adapted so far (the stream position of the next sample)
+
+    @classmethod
+    @abc.abstractmethod
+    def default_config(cls, hparams_key: str, backbone: str) -> MethodConfig:
+        """The spec's configuration for a dataset (canonical key) and an open_clip backbone name."""
+
+    def compute_dtype(self, view_feats: torch.Tensor) -> torch.dtype:
+        """float32, or float64 when the inputs are float64 (exact references in tests)."""
+        return torch.promote_types(view_feats.dtype, torch.float32)
+
+    def adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
+        """Adapt on B consecutive samples of the stream and return their adapted logits.
+
+        Args:
+            view_feats: (B, V, D) L2-normalised image features, view 0 = the original image, V = config.n_views.
+
+        Returns:
+            (B, K) float32 logits.
+        """
+        if view_feats.ndim != 3:
+            raise ValueError(f"view_feats must be (B, V, D), got shape {tuple(view_feats.shape)}")
+        b, v, d = view_feats.shape
+        if d != self.dim:
+            raise ValueError(f"view_feats has feature dim {d}, the text prototypes have {self.dim}")
+        if v != self.config.n_views:
+            raise ValueError(f"{self.key}: config.n_views = {self.config.n_views} but view_feats has {v} views")
+        if b == 0:
+            return torch.zeros(0, self.n_classes, dtype=torch.float32, device=view_feats.device)
+        if self.text_features.device != view_feats.device:
+            self.text_features = self.text_features.to(view_feats.device)
+        out = self._adapt(view_feats)
+        self.n_seen += b
+        return out.detach().float()
+
+    @abc.abstractmethod
+    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
+        """Method body: (B, V, D) -> (B, K) logits; inputs already checked."""

@@ -1,0 +1,341 @@
+"""Loading open_clip models the way the official TTA code sees OpenAI CLIP, through one function.
+
+`load_model(backbone, pretrained, device)` accepts three kinds of `pretrained`:
+    * a pretrained tag (`openai`, ...): the weights must already be in the local caches (Hugging Face hub cache or
+      open_clip's `~/.cache/clip`); with the hub offline (`HF_HUB_OFFLINE=1`) a missing file fails at once with a
+      message naming it, instead of hanging in a hub client.
+    * a checkpoint file (`.safetensors`, or a `.pt/.pth/.bin` state dict loaded with `weights_only=True`).
+    * `local-dir:DIR` holding `open_clip_config.json` and `open_clip_model.safetensors` (or another checkpoint name
+      open_clip looks for): the architecture comes from the directory.
+
+QuickGELU (spec §1.1): OpenAI's CLIP uses QuickGELU; open_clip's plain `ViT-B-16`/`RN50` configs use GELU and only
+warn on a mismatch. For tags the tag's own `quick_gelu` flag is applied; for a checkpoint file with one of the OpenAI
+architectures (`OPENAI_ARCHS`) QuickGELU is forced too, since such a file almost always holds OpenAI weights (pass
+`quick_gelu=False` or another open_clip model name otherwise). `local-dir:` follows its config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, Sequence
+
+import numpy as np
+import torch
+
+LOCAL_DIR = "local-dir:"
+#: architectures released by OpenAI with QuickGELU; a checkpoint file for one of these gets QuickGELU forced
+OPENAI_ARCHS = frozenset({"RN50", "RN101", "RN50x4", "RN50x16", "RN50x64", "ViT-B-32", "ViT-B-16", "ViT-L-14",
+                          "ViT-L-14-336"})
+#: checkpoint names looked for in a local dir, in order (open_clip's own preference)
+LOCAL_DIR_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "model.safetensors",
+                     "open_clip_pytorch_model.bin", "pytorch_model.bin", "open_clip_pytorch_model.pth",
+                     "pytorch_model.pth", "model.pth")
+Precision = Literal["amp", "fp32"]
+
+
+class ModelError(ValueError):
+    """A user-side problem loading a model (unknown name or tag, missing weights). One clear message."""
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Image preprocessing of a model (from its own open_clip config, never hard-coded)."""
+
+    size: tuple[int, int]
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    interpolation: str = "bicubic"
+    resize_mode: str = "shortest"
+
+
+@dataclass
+class LoadedModel:
+    """An open_clip model ready for frozen encoding.
+
+    Attributes:
+        model: the open_clip module in eval mode on `device`.
+        backbone: the model name recorded in shards (open_clip spelling, e.g. `ViT-B-16`).
+        pretrained: as given by the user (tag, file path, or `local-dir:DIR`).
+        arch: what open_clip was asked to build (e.g. `ViT-B-16` with quick_gelu, or `local-dir:DIR`).
+        quick_gelu: whether the activation is QuickGELU.
+        preprocess: image size, mean/std, interpolation of this model.
+        logit_scale: the model's own exp(logit_scale) (100 for OpenAI CLIP).
+        fingerprint: hex digest identifying weights + architecture + precision (keys the feature cache).
+        precision: "amp" = autocast fp16 on CUDA; "fp32" otherwise.
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    backbone: str
+    pretrained: str
+    arch: str
+    quick_gelu: bool
+    preprocess: Preprocess
+    logit_scale: float
+    device: torch.device
+    precision: Precision
+    fingerprint: str
+    weights_file: str | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cache_dtype(self) -> np.dtype:
+        """dtype of cached image features: fp16 when encoded under autocast, fp32 otherwise."""
+        return np.dtype(np.float16) if self.precision == "amp" else np.dtype(np.float32)
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        if self.precision == "amp" and self.device.type == "cuda":
+            with torch.autocast(device_type="cuda", dtype=torch.float16):
+                yield
+        else:
+            yield
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) preprocessed images -> (N, D) float32 L2-normalised features on `device`."""
+        with self._autocast():
+            feats = self.model.encode_image(images.to(self.device, non_blocking=True))
+        feats = feats.float()
+        return feats / feats.norm(dim=-1, keepdim=True)
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str]) -> torch.Tensor:
+        """List of N strings -> (N, D) float32 L2-normalised text features on `device`."""
+        tokens = self.tokenizer(list(texts)).to(self.device)
+        with self._autocast():
+            feats = self.model.encode_text(tokens)
+        feats = feats.float()
+        return feats / feats.norm(dim=-1, keepdim=True)
+
+    @torch.no_grad()
+    def text_prototypes(self, prompts_per_class: Sequence[Sequence[str]], batch_size: int = 512) -> torch.Tensor:
+        """Class prototypes as TDA's `clip_classifier`: per prompt L2-normalise, average per class, re-normalise.
+
+        Args:
+            prompts_per_class: K lists of prompts (at least one each).
+            batch_size: prompts per text-encoder call.
+
+        Returns:
+            (K, D) float32, rows L2-normalised, on `device`.
+        """
+        flat = [p for ps in prompts_per_class for p in ps]
+        owner = torch.tensor([k for k, ps in enumerate(prompts_per_class) for _ in ps], device=self.device)
+        if any(len(ps) == 0 for ps in prompts_per_class):
+            raise ValueError("every class needs at least one prompt")
+        feats = torch.cat([self.encode_texts(flat[i:i + batch_size]) for i in range(0, len(flat), batch_size)])
+        k = len(prompts_per_class)
+        sums = torch.zeros(k, feats.shape[1], device=self.device).index_add_(0, owner, feats)
+        counts = torch.bincount(owner, minlength=k).clamp_min(1).unsqueeze(1).float()
+        mean = sums / counts
+        return mean / mean.norm(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def resolve_device(device: str | None) -> torch.device:
+    """`device` or cuda-if-available; raises ModelError for an unknown or unavailable device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ModelError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} requested but CUDA is not available on this machine; use --device cpu")
+    return dev
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _file_digest(path: Path, _memo: dict[tuple[str, int, float], str] = {}) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime)
+    if key not in _memo:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        _memo[key] = h.hexdigest()
+    return _memo[key]
+
+
+def _cached_tag_file(cfg: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """Find a pretrained tag's weights in the local caches without touching the network.
+
+    Returns (path or None, the places looked at).
+    """
+    looked: list[str] = []
+    hub = cfg.get("hf_hub", "")
+    if hub:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:  # pragma: no cover - open_clip pulls huggingface_hub in
+            try_to_load_from_cache = None
+        repo, filename = os.path.split(hub.rstrip("/")) if not hub.endswith("/") else (hub.rstrip("/"), "")
+        names = [filename] if filename else ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+        try:
+            from huggingface_hub.constants import HF_HUB_CACHE as hub_cache
+        except ImportError:  # pragma: no cover
+            hub_cache = "~/.cache/huggingface/hub"
+        for name in names:
+            looked.append(f"{hub_cache}/models--{repo.replace('/', '--')}/snapshots/*/{name}")
+            if try_to_load_from_cache is not None:
+                hit = try_to_load_from_cache(repo_id=repo, filename=name)
+                if isinstance(hit, str) and os.path.isfile(hit):
+                    return hit, looked
+    url = cfg.get("url", "")
+    if url:
+        target = Path(os.path.expanduser("~/.cache/clip")) / os.path.basename(url)
+        looked.append(str(target))
+        if target.is_file():
+            return str(target), looked
+    return None, looked
+
+
+def _local_dir_config(path: Path) -> dict[str, Any]:
+    cfg_path = path / "open_clip_config.json"
+    if not path.is_dir():
+        raise ModelError(f"--pretrained local-dir:{path}: no such directory")
+    if not cfg_path.is_file():
+        raise ModelError(f"--pretrained local-dir:{path}: {cfg_path.name} is missing (expected "
+                         f"{cfg_path} and {path / LOCAL_DIR_WEIGHTS[0]})")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or "model_cfg" not in cfg:
+        raise ModelError(f"{cfg_path}: expected a JSON object with a 'model_cfg' entry (open_clip's format)")
+    return cfg
+
+
+def load_model(
+    backbone: str | None = "ViT-B-16",
+    pretrained: str = "openai",
+    device: str | torch.device | None = None,
+    *,
+    quick_gelu: bool | None = None,
+    precision: Precision | None = None,
+) -> LoadedModel:
+    """Build an open_clip model and load its weights (offline-safe, weights-only).
+
+    Args:
+        backbone: open_clip model name (`ViT-B-16`, `RN50`, ...). May be None with `local-dir:`; then the recorded
+            name is the config's `model_name` entry, else the directory's name.
+        pretrained: a tag (`openai`), a checkpoint file, or `local-dir:DIR`.
+        device: torch device; None = cuda if available.
+        quick_gelu: None = automatic (see the module docstring).
+        precision: "amp" (autocast fp16) or "fp32"; None = amp on CUDA, fp32 on CPU.
+
+    Raises:
+        ModelError: unknown backbone or tag, missing file, weights absent from the caches while the hub is offline.
+
+    Example:
+        >>> m = load_model("ViT-B-16", "openai")  # doctest: +SKIP
+        >>> m.logit_scale  # doctest: +SKIP
+        100.0
+    """
+    import open_clip
+    from open_clip.pretrained import get_pretrained_cfg, list_pretrained_tags_by_model
+
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    if precision is None:
+        precision = "amp" if dev.type == "cuda" else "fp32"
+    if precision not in ("amp", "fp32"):
+        raise ModelError(f"precision must be 'amp' or 'fp32', got {precision!r}")
+    kwargs: dict[str, Any] = {}
+    digest_parts: list[str] = []
+    weights_file: str | None = None
+
+    if pretrained.startswith(LOCAL_DIR):
+        ddir = Path(pretrained[len(LOCAL_DIR):]).expanduser()
+        cfg = _local_dir_config(ddir)
+        weights = next((ddir / n for n in LOCAL_DIR_WEIGHTS if (ddir / n).is_file()), None)
+        if weights is None:
+            raise ModelError(f"--pretrained local-dir:{ddir}: no weights file; expected one of "
+                             f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
+        name = cfg.get("model_name") or backbone or ddir.resolve().name
+        arch = f"{LOCAL_DIR}{ddir}"
+        qg = bool(cfg["model_cfg"].get("quick_gelu", False))
+        if quick_gelu is not None and quick_gelu != qg:
+            kwargs["force_quick_gelu"] = quick_gelu
+            qg = quick_gelu
+        digest_parts += [json.dumps(cfg, sort_keys=True), _file_digest(weights)]
+        weights_file = str(weights)
+        create = dict(model_name=arch, pretrained=None)
+    else:
+        if not backbone:
+            raise ModelError("--backbone is required unless --pretrained is local-dir:DIR")
+        name = backbone
+        if name not in open_clip.list_models():
+            raise ModelError(f"unknown backbone {name!r}; open_clip models include: "
+                             f"{', '.join(m for m in open_clip.list_models() if m in OPENAI_ARCHS)}, ... "
+                             "(see open_clip.list_models())")
+        looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
+        if looks_like_path or Path(pretrained).is_file():
+            path = Path(pretrained).expanduser()
+            if not path.is_file():
+                raise ModelError(f"checkpoint file {path} does not exist (--pretrained takes a tag such as "
+                                 f"'openai', a checkpoint file, or local-dir:DIR)")
+            qg = name in OPENAI_ARCHS if quick_gelu is None else quick_gelu
+            weights_file = str(path)
+            digest_parts.append(_file_digest(path))
+            pre_force = None
+        else:
+            tag_cfg = get_pretrained_cfg(name, pretrained)
+            if not tag_cfg:
+                tags = list_pretrained_tags_by_model(name)
+                raise ModelError(f"unknown pretrained tag {pretrained!r} for {name}; available: "
+                                 f"{', '.join(tags) or '(none)'}; or pass a checkpoint file or local-dir:DIR")
+            found, looked = _cached_tag_file(tag_cfg)
+            if found is None:
+                if _hub_offline():
+                    raise ModelError(
+                        f"weights for {name}/{pretrained} are not on this machine and the hub is offline "
+                        f"(HF_HUB_OFFLINE=1); looked for: {'; '.join(looked)}. Provide them with --pretrained "
+                        f"/path/to/checkpoint or --pretrained local-dir:DIR, or download them once with network "
+                        f"access (unset HF_HUB_OFFLINE)")
+                from open_clip.pretrained import download_pretrained
+                try:
+                    found = download_pretrained(tag_cfg)
+                except Exception as e:  # network errors come in many types
+                    raise ModelError(f"could not download weights for {name}/{pretrained}: {e}; looked for: "
+                                     f"{'; '.join(looked)}") from None
+            qg = bool(tag_cfg.get("quick_gelu", False)) if quick_gelu is None else quick_gelu
+            weights_file = str(found)
+            digest_parts.append(_file_digest(Path(found)))
+            pre_force = {k: tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
+        if qg:
+            kwargs["force_quick_gelu"] = True
+        if pre_force:
+            kwargs["force_preprocess_cfg"] = pre_force
+        arch = name
+        create = dict(model_name=name, pretrained=weights_file)
+
+    try:
+        model = open_clip.create_model(**create, device="cpu", weights_only=True, **kwargs)
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
+    model = model.to(dev).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    pcfg = open_clip.get_model_preprocess_cfg(model)
+    size = pcfg.get("size", 224)
+    size = (int(size), int(size)) if isinstance(size, (int, float)) else (int(size[0]), int(size[1]))
+    pre = Preprocess(size=size, mean=tuple(float(x) for x in pcfg["mean"]), std=tuple(float(x) for x in pcfg["std"]),
+                     interpolation=str(pcfg.get("interpolation", "bicubic")),
+                     resize_mode=str(pcfg.get("resize_mode", "shortest")))
+    tokenizer = open_clip.get_tokenizer(create["model_name"])
+    digest_parts += [arch if not arch.startswith(LOCAL_DIR) else "local-dir", f"quick_gelu={qg}",
+                     f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
+    fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]
+    return LoadedModel(model=model, tokenizer=tokenizer, backbone=name, pretrained=pretrained, arch=arch,
+                       quick_gelu=qg, preprocess=pre, logit_scale=float(model.logit_scale.exp().item()),
+                       device=dev, precision=precision, fingerprint=fp, weights_file=weights_file)

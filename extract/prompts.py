@@ -1,0 +1,209 @@
+"""Prompt tables and prompt sets (spec §2.3). Pure Python: no torch here.
+
+Policies (a method's `Config.prompts`):
+    * "single": "a photo of a {}." (zero-shot anchor, TPT family, TTA-VLM benchmark).
+    * "dataset": TDA's per-dataset CoOp/Tip-Adapter templates (`DATASET_TEMPLATES`).
+    * "imagenet80": the 80 CLIP ImageNet templates for every dataset (TPS), taken from open_clip.
+    * "dpe_cars": DPE/DLAE's Stanford Cars pair (`DPE_STANFORD_CARS`), used with CuPL.
+`cupl=True` adds the CuPL GPT-3 prompts of the dataset (DPE, DLAE). CuPL files are third-party text the project does
+not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) under DPE's file names
+(`CuPL_prompts_<name>.json`, a JSON object class name -> list of sentences). If the directory or the file is absent,
+the prompt set falls back to the templates and carries a warning that the runner records in the shard metadata
+(`zaec:warnings`).
+
+Demo sets (group "demo") use the templates of their `hparams_from` dataset and have no CuPL file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal, Sequence
+
+from extract.datasets import get_dataset
+
+PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars"]
+PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars")
+CUPL_ENV = "ZAEC_CUPL_DIR"
+
+SINGLE_TEMPLATE = "a photo of a {}."
+
+# Tip-Adapter's seven ImageNet templates, used by TDA for ImageNet, -A, -V2, Caltech101, StanfordCars, SUN397
+# (TDA datasets/imagenet.py, caltech101.py, ...; spec §2.3).
+TIP_TEMPLATES: tuple[str, ...] = (
+    "itap of a {}.",
+    "a bad photo of the {}.",
+    "a origami {}.",
+    "a photo of the large {}.",
+    "a {} in a video game.",
+    "art of the {}.",
+    "a photo of the small {}.",
+)
+# DPE datasets/stanford_cars.py (spec §2.3), used together with CuPL.
+DPE_STANFORD_CARS: tuple[str, ...] = (
+    "a photo of a {}.",
+    "A {} featuring a wide range of color options for easy selection.",
+)
+
+
+class PromptError(ValueError):
+    """A user-side problem with prompts (unknown policy, unreadable CuPL file)."""
+
+
+@lru_cache(maxsize=None)
+def imagenet80_templates() -> tuple[str, ...]:
+    """The 80 CLIP ImageNet templates (open_clip's OPENAI_IMAGENET_TEMPLATES) as "{}" format strings."""
+    from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
+    return tuple(t("{}") for t in OPENAI_IMAGENET_TEMPLATES)
+
+
+def _dataset_templates() -> dict[str, tuple[str, ...]]:
+    # TDA datasets/*.py (spec §2.3); ImageNet-R and -Sketch use the 80 CLIP templates
+    return {
+        "imagenet": TIP_TEMPLATES,
+        "imagenet_a": TIP_TEMPLATES,
+        "imagenet_v2": TIP_TEMPLATES,
+        "imagenet_r": imagenet80_templates(),
+        "imagenet_sketch": imagenet80_templates(),
+        "caltech101": TIP_TEMPLATES,
+        "stanford_cars": TIP_TEMPLATES,
+        "sun397": TIP_TEMPLATES,
+        "dtd": ("{} texture.",),
+        "eurosat": ("a centered satellite photo of {}.",),
+        "fgvc_aircraft": ("a photo of a {}, a type of aircraft.",),
+        "food101": ("a photo of {}, a type of food.",),
+        "flowers102": ("a photo of a {}, a type of flower.",),
+        "oxford_pets": ("a photo of a {}, a type of pet.",),
+        "ucf101": ("a photo of a person doing {}.",),
+    }
+
+
+def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
+    """The templates of `policy` for `dataset` (demo sets: those of their `hparams_from` set).
+
+    Raises:
+        PromptError: unknown policy (lists the valid ones).
+    """
+    if policy not in PROMPT_POLICIES:
+        raise PromptError(f"unknown prompt policy {policy!r}; available: {', '.join(PROMPT_POLICIES)}")
+    if policy == "single":
+        return (SINGLE_TEMPLATE,)
+    if policy == "imagenet80":
+        return imagenet80_templates()
+    if policy == "dpe_cars":
+        return DPE_STANFORD_CARS
+    return _dataset_templates()[get_dataset(dataset).hparams_from]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The prompts of every class for one (dataset, policy, cupl) choice.
+
+    Attributes:
+        per_class: K tuples of prompt strings (templates formatted with the class name, then CuPL sentences).
+        templates: the templates used.
+        cupl_source: the CuPL file actually read, or None.
+        warnings: fallbacks that happened (recorded in shard metadata).
+    """
+
+    dataset: str
+    policy: str
+    cupl_requested: bool
+    templates: tuple[str, ...]
+    per_class: tuple[tuple[str, ...], ...]
+    cupl_source: str | None = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def fingerprint(self) -> str:
+        """sha256 (16 hex chars) of every prompt of every class, in order: keys the text-prototype cache."""
+        return hashlib.sha256(json.dumps(self.per_class).encode()).hexdigest()[:16]
+
+    def describe(self) -> dict:
+        """JSON-ready description for shard metadata (no per-class sentences, which can be megabytes)."""
+        counts = [len(p) for p in self.per_class]
+        return {
+            "policy": self.policy,
+            "templates": list(self.templates),
+            "cupl": self.cupl_requested,
+            "cupl_file": None if self.cupl_source is None else Path(self.cupl_source).name,
+            "prompts_per_class": {"min": min(counts), "max": max(counts)},
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def resolve_cupl_dir(cupl_dir: str | os.PathLike | None) -> Path | None:
+    """`cupl_dir`, else $ZAEC_CUPL_DIR, else None."""
+    raw = cupl_dir if cupl_dir is not None else os.environ.get(CUPL_ENV)
+    return Path(raw).expanduser() if raw else None
+
+
+def _lookup(table: dict[str, list[str]], name: str) -> list[str] | None:
+    for cand in (name, name.replace("_", " "), name.replace(" ", "_")):
+        if cand in table:
+            return table[cand]
+    lower = {k.lower(): v for k, v in table.items()}
+    return lower.get(name.lower())
+
+
+def load_cupl(dataset: str, class_names: Sequence[str], cupl_dir: str | os.PathLike | None
+              ) -> tuple[list[list[str]] | None, str | None, list[str]]:
+    """CuPL sentences per class, the file read, and warnings. (None, None, [warning]) when unavailable.
+
+    Raises:
+        PromptError: the file exists but is not a JSON object of class name -> list of strings.
+    """
+    spec = get_dataset(dataset)
+    if spec.cupl_file is None:
+        return None, None, [f"cupl=True but dataset {dataset!r} has no CuPL prompt file; using the templates only"]
+    d = resolve_cupl_dir(cupl_dir)
+    if d is None:
+        return None, None, [f"cupl=True but no CuPL directory was given (--cupl-dir or ${CUPL_ENV}); expected "
+                            f"{spec.cupl_file} there (from the CuPL/DPE repositories); using the templates only"]
+    path = d / spec.cupl_file
+    if not path.is_file():
+        return None, None, [f"cupl=True but {path} does not exist; using the templates only"]
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PromptError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(table, dict) or not all(
+            isinstance(v, list) and all(isinstance(s, str) for s in v) for v in table.values()):
+        raise PromptError(f"{path}: expected a JSON object mapping class names to lists of sentences")
+    out: list[list[str]] = []
+    missing: list[str] = []
+    for name in class_names:
+        found = _lookup(table, name)
+        if found is None:
+            missing.append(name)
+        out.append(list(found or []))
+    warnings = []
+    if missing:
+        warnings.append(f"{path.name}: no CuPL sentences for {len(missing)} of {len(class_names)} classes "
+                        f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); those use the templates "
+                        "only")
+    return out, str(path), warnings
+
+
+def build_prompt_set(dataset: str, class_names: Sequence[str], *, policy: PromptPolicy, cupl: bool = False,
+                     cupl_dir: str | os.PathLike | None = None) -> PromptSet:
+    """All prompts of every class for a method's prompt policy.
+
+    Example:
+        >>> ps = build_prompt_set("dtd", ["banded", "woven"], policy="dataset")
+        >>> ps.per_class
+        (('banded texture.',), ('woven texture.',))
+    """
+    templates = templates_for(dataset, policy)
+    per_class = [[t.format(name) for t in templates] for name in class_names]
+    warnings: list[str] = []
+    source = None
+    if cupl:
+        sentences, source, warnings = load_cupl(dataset, class_names, cupl_dir)
+        if sentences is not None:
+            per_class = [p + s for p, s in zip(per_class, sentences)]
+    return PromptSet(dataset=dataset, policy=policy, cupl_requested=cupl, templates=templates,
+                     per_class=tuple(tuple(p) for p in per_class), cupl_source=source, warnings=tuple(warnings))

@@ -1,0 +1,569 @@
+"""The extraction pipeline: encode once into the feature cache, then stream the cached features through a method.
+
+`run_extraction(method, dataset, ...)`:
+    1. resolve every name (method, dataset, config overrides, anchor, model name) before any image is read;
+    2. list the test set (split files only) and fix the stream: a permutation of sample_id per (dataset, seed);
+    3. skip a finished run (unless `force`); otherwise load the model, build the text prototypes (cached);
+    4. encoding pass: fill the missing chunks of the feature cache (view 0, plus views 1..63 if the method uses them);
+    5. adaptation pass: feed the cached features in stream order, `adapt_batch` samples per `method.adapt` call,
+       pair each adapted logit row with the zero-shot anchor (single prompt "a photo of a {}." on view 0, or the
+       method's own prompts with `anchor="method"`), and write shards of `part_size` rows as the stream advances.
+
+Resume: the shards of a run are parts over fixed stream ranges [p * part_size, (p + 1) * part_size). A restarted run
+keeps every valid part with the same metadata, replays the features of the kept prefix through the (online) method
+to rebuild its state - the same `adapt` calls on the same cached inputs - and continues; the result equals an
+uninterrupted run. A finished run carries a marker file `_zaec_complete.json` next to its parts
+(`run_is_complete`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import zlib
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from extract.cache import PARTS, FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
+from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, open_image
+from extract.models import LOCAL_DIR, LoadedModel, ModelError, _local_dir_config, load_model, resolve_device
+from extract.prompts import PromptSet, build_prompt_set
+from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
+from schemas import RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
+
+Anchor = Literal["single", "method"]
+ANCHORS: tuple[str, ...] = ("single", "method")
+COMPLETE_MARKER = "_zaec_complete.json"
+DEFAULT_OUT = Path("data") / "shards"
+#: TDA, DPE and DLAE seed their stream with 1 (spec §1.4)
+DEFAULT_SEED = 1
+STREAM_RULE = "numpy.random.default_rng([seed, crc32(dataset)]).permutation(N)"
+
+
+class RunError(ValueError):
+    """A user-side problem with a run (bad argument, shards on disk from a different configuration)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small pure helpers
+
+def stream_permutation(dataset: str, seed: int, n: int) -> np.ndarray:
+    """The adaptation stream of a dataset: sample_id at each stream position, (n,) int64.
+
+    Fixed per (dataset, seed) and identical for every method (spec §1.4 recommendation).
+
+    Example:
+        >>> stream_permutation("dtd", 1, 5).tolist() == stream_permutation("dtd", 1, 5).tolist()
+        True
+    """
+    if seed < 0:
+        raise RunError(f"seed must be >= 0, got {seed}")
+    rng = np.random.default_rng([int(seed), zlib.crc32(dataset.encode())])
+    return rng.permutation(n).astype(np.int64)
+
+
+def _marker_path(out: str | os.PathLike, key: RunKey) -> Path:
+    return shard_dir(out, key) / COMPLETE_MARKER
+
+
+def run_is_complete(out: str | os.PathLike, key: RunKey, *, limit: int | None = None) -> bool:
+    """Whether the run `key` under `out` finished (its marker exists and every listed part is on disk).
+
+    Args:
+        out: shard root (the `--out` of the run).
+        key: RunKey(backbone, dataset, method, seed) as recorded in the shards.
+        limit: the `--limit` asked for; a finished full run also satisfies a limited request, a limited run
+            satisfies only the same or a smaller limit.
+    """
+    marker = _marker_path(out, key)
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+        n_done, n_total = int(info["n_samples"]), int(info["n_total"])
+        parts = [marker.parent / p for p in info["parts"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not all(p.is_file() for p in parts):
+        return False
+    wanted = n_total if limit is None else min(int(limit), n_total)
+    return n_done >= wanted
+
+
+def resolve_backbone_name(backbone: str | None, pretrained: str) -> str:
+    """The backbone name a run records, without loading weights (for `local-dir:`, the config's `model_name`)."""
+    if pretrained.startswith(LOCAL_DIR):
+        d = Path(pretrained[len(LOCAL_DIR):]).expanduser()
+        cfg = _local_dir_config(d)
+        return cfg.get("model_name") or backbone or d.resolve().name
+    if not backbone:
+        raise ModelError("--backbone is required unless --pretrained is local-dir:DIR")
+    return backbone
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
+    """["k=v", ...] -> {k: v}; raises RunError for an item without '='."""
+    out: dict[str, str] = {}
+    for item in pairs:
+        k, sep, v = item.partition("=")
+        if not sep or not k.strip():
+            raise RunError(f"--set expects key=value, got {item!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def build_method(cls: type, config: Any, text_features: torch.Tensor, model: LoadedModel, *, backbone: str,
+                 dataset: str) -> Any:
+    """The one place a method object is constructed (episodic methods that tune prompts get the model as
+    `text_encoder`)."""
+    kwargs: dict[str, Any] = {"backbone": backbone, "dataset": dataset}
+    if getattr(cls, "needs_text_encoder", False):
+        kwargs["text_encoder"] = model
+    return cls(config, text_features, model.logit_scale, **kwargs)
+
+
+def text_prototypes(model: LoadedModel, prompts: PromptSet, cache: TextCache | None) -> torch.Tensor:
+    """(K, D) float32 prototypes on the model's device, from the text cache when present."""
+    k = len(prompts.per_class)
+    if cache is not None:
+        hit = cache.get(prompts.fingerprint(), k)
+        if hit is not None:
+            return torch.from_numpy(hit).to(model.device)
+    protos = model.text_prototypes(prompts.per_class)
+    if cache is not None:
+        cache.put(prompts.fingerprint(), protos.cpu().numpy())
+    return protos
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# progress display
+
+class _Progress:
+    """A rich progress bar with samples/s and running accuracy; a no-op when disabled."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._p = None
+
+    def __enter__(self) -> "_Progress":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[info]}"),
+                               TimeRemainingColumn())
+            self._p.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._p is not None:
+            self._p.__exit__(*exc)
+
+    def task(self, description: str, total: int) -> "_Task":
+        return _Task(self._p, description, total)
+
+    def print(self, msg: str) -> None:
+        if self._p is not None:
+            self._p.console.print(msg)
+
+
+class _Task:
+    def __init__(self, progress: Any, description: str, total: int):
+        self.p = progress
+        self.t0 = time.perf_counter()
+        self.done = 0
+        self.id = progress.add_task(description, total=total, rate="", info="") if progress is not None else None
+
+    def advance(self, n: int, info: str = "") -> None:
+        self.done += n
+        if self.p is not None:
+            rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+            self.p.update(self.id, advance=n, rate=f"{rate:,.1f} samples/s", info=info)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# encoding pass
+
+class _ViewData(torch.utils.data.Dataset):
+    """Item i -> (stream position, view 0 (3,S,S), views 1..63 (63,3,S,S) or an empty tensor)."""
+
+    def __init__(self, testset: TestSet, perm: np.ndarray, jobs: list[tuple[int, bool, bool]], gen: ViewGenerator):
+        self.testset, self.perm, self.jobs, self.gen = testset, perm, jobs, gen
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        pos, need0, need_aug = self.jobs[i]
+        sid = int(self.perm[pos])
+        img = open_image(self.testset.paths[sid])
+        v0 = self.gen.original(img) if need0 else torch.empty(0)
+        aug = self.gen.augmented(img, sid) if need_aug else torch.empty(0)
+        return pos, v0, aug
+
+
+class _Batcher:
+    """Encodes images in micro-batches of exactly `batch_size` (the last one of a chunk may be smaller), so a
+    chunk's features depend only on the chunk."""
+
+    def __init__(self, model: LoadedModel, out: np.ndarray, batch_size: int):
+        self.model, self.out, self.bs = model, out.reshape(-1, out.shape[-1]), batch_size
+        self.pending: list[torch.Tensor] = []
+        self.n_pending = 0
+        self.written = 0
+
+    def add(self, images: torch.Tensor) -> None:
+        self.pending.append(images)
+        self.n_pending += images.shape[0]
+        while self.n_pending >= self.bs:
+            self._flush(self.bs)
+
+    def _flush(self, n: int) -> None:
+        if n == 0:
+            return
+        allx = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        batch, rest = allx[:n], allx[n:]
+        self.pending = [rest] if rest.shape[0] else []
+        self.n_pending = rest.shape[0]
+        feats = self.model.encode_images(batch).cpu().numpy()
+        self.out[self.written:self.written + n] = feats
+        self.written += n
+
+    def finish(self) -> None:
+        self._flush(self.n_pending)
+
+
+def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: FeatureCache, policy: ViewPolicy,
+                n_positions: int, *, seed: int, batch_size: int = 256, workers: int = 0,
+                progress: _Progress | None = None) -> int:
+    """Fill the missing feature-cache chunks covering stream positions [0, n_positions). Returns samples encoded.
+
+    View 0 is always stored; views 1..63 only for the multi-view policies.
+    """
+    parts: tuple[str, ...] = ("view0",) if policy == "single" else ("view0", policy)
+    missing = cache.missing(parts, n_positions)
+    if not missing:
+        return 0
+    gen = ViewGenerator(model.preprocess, policy, seed=seed)
+    jobs: list[tuple[int, bool, bool]] = []
+    for c, miss in missing:
+        start, stop = cache.chunk_range(c)
+        jobs += [(pos, "view0" in miss, policy in miss) for pos in range(start, stop)]
+    loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen), batch_size=None, shuffle=False,
+                                         num_workers=workers, pin_memory=model.device.type == "cuda")
+    task = (progress or _Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))
+    it = iter(loader)
+    for c, miss in missing:
+        start, stop = cache.chunk_range(c)
+        n = stop - start
+        v0 = np.empty((n, cache.dim), np.float32) if "view0" in miss else None
+        aug = np.empty((n, N_AUG_VIEWS, cache.dim), np.float32) if policy in miss else None
+        b0 = _Batcher(model, v0, batch_size) if v0 is not None else None
+        ba = _Batcher(model, aug, batch_size) if aug is not None else None
+        for _ in range(n):
+            pos, x0, xa = next(it)
+            if b0 is not None:
+                b0.add(x0.unsqueeze(0))
+            if ba is not None:
+                ba.add(xa)
+            task.advance(1)
+        if b0 is not None:
+            b0.finish()
+            cache.save("view0", c, v0)
+        if ba is not None:
+            ba.finish()
+            cache.save(policy, c, aug)  # type: ignore[arg-type]
+    return len(jobs)
+
+
+class _FeatureReader:
+    """Reads (B, V, D) float32 view features for stream ranges from the cache (keeps the current chunk open)."""
+
+    def __init__(self, cache: FeatureCache, policy: ViewPolicy):
+        self.cache, self.policy = cache, policy
+        self._chunk = -1
+        self._data: tuple[np.ndarray, np.ndarray | None] | None = None
+
+    def _load(self, c: int) -> tuple[np.ndarray, np.ndarray | None]:
+        if c != self._chunk:
+            v0 = self.cache.load("view0", c)
+            aug = None if self.policy == "single" else self.cache.load(self.policy, c)  # type: ignore[arg-type]
+            self._chunk, self._data = c, (v0, aug)
+        assert self._data is not None
+        return self._data
+
+    def get(self, start: int, stop: int) -> np.ndarray:
+        pieces = []
+        pos = start
+        while pos < stop:
+            c = pos // self.cache.chunk_size
+            c0, c1 = self.cache.chunk_range(c)
+            hi = min(stop, c1)
+            v0, aug = self._load(c)
+            a = np.array(v0[pos - c0:hi - c0], dtype=np.float32)[:, None, :]  # a writable copy
+            if aug is not None:
+                a = np.concatenate([a, np.array(aug[pos - c0:hi - c0], dtype=np.float32)], axis=1)
+            pieces.append(a)
+            pos = hi
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything resolved before the first image is read."""
+
+    method_cls: type
+    config: Any
+    spec_key: str
+    backbone: str
+    policy: ViewPolicy
+    key: RunKey
+
+
+def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str, seed: int,
+             overrides: Mapping[str, Any] | None, anchor: str, limit: int | None) -> _Plan:
+    """Resolve method, dataset, backbone name, config (+ overrides) and the view policy; raises on any bad name."""
+    from extract.methods import apply_overrides, get_method
+
+    cls = get_method(method)
+    spec = get_dataset(dataset)
+    if anchor not in ANCHORS:
+        raise RunError(f"unknown anchor {anchor!r}; available: {', '.join(ANCHORS)}")
+    if limit is not None and limit < 1:
+        raise RunError(f"--limit must be >= 1, got {limit}")
+    if seed < 0:
+        raise RunError(f"seed must be >= 0, got {seed}")
+    name = resolve_backbone_name(backbone, pretrained)
+    config = cls.default_config(spec.hparams_from, name)
+    if overrides:
+        config = apply_overrides(config, dict(overrides))
+    try:
+        policy = view_policy(int(config.n_views), bool(config.augmix))
+    except ValueError as e:
+        raise RunError(f"{method}: {e}") from None
+    return _Plan(cls, config, dataset, name, policy, RunKey(name, dataset, method, int(seed)))
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def _existing_parts(sdir: Path) -> list[Path]:
+    return sorted(sdir.glob("part-*.parquet")) if sdir.is_dir() else []
+
+
+def run_extraction(
+    method: str,
+    dataset: str,
+    *,
+    backbone: str | None = "ViT-B-16",
+    pretrained: str = "openai",
+    data_root: str | os.PathLike | None = None,
+    out: str | os.PathLike = DEFAULT_OUT,
+    seed: int = DEFAULT_SEED,
+    device: str | None = None,
+    limit: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    anchor: Anchor = "single",
+    resume: bool = True,
+    force: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    cupl_dir: str | os.PathLike | None = None,
+    sh_filter: bool = False,
+    batch_size: int = 256,
+    workers: int | None = None,
+    chunk_size: int = 512,
+    adapt_batch: int = 64,
+    part_size: int = 4096,
+    progress: bool = True,
+    model: LoadedModel | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[Path]:
+    """Run one TTA method over one dataset and write its shards; returns the shard paths in part order.
+
+    Args:
+        method: method key (`extract.methods.REGISTRY`).
+        dataset: dataset key (`extract.datasets.REGISTRY`).
+        backbone: open_clip model name; may be None with `pretrained="local-dir:DIR"`.
+        pretrained: tag (`openai`), checkpoint file or `local-dir:DIR`.
+        data_root: datasets folder (None: $ZAEC_DATA_ROOT, else ./data).
+        out: shard root; shards go to `<out>/backbone=../dataset=../method=../seed=../part-00000.parquet`.
+        seed: orders the stream and seeds the augmented views.
+        device: torch device (None: cuda if available).
+        limit: only the first `limit` stream positions.
+        overrides: config field -> value (strings converted to the field type), as `--set`.
+        anchor: "single" = zero-shot logits from "a photo of a {}." on view 0; "method" = the method's own prompts.
+        resume: keep valid parts of an interrupted run (default); False recomputes every part.
+        force: recompute even a finished run.
+        cache_dir: feature cache root (None: $ZAEC_CACHE_DIR, else data/cache).
+        cupl_dir: CuPL prompt files (None: $ZAEC_CUPL_DIR).
+        sh_filter: the TDA file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (spec §13.9), off by default.
+        batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, 8 on CUDA).
+        chunk_size: samples per cache chunk. adapt_batch: samples per `method.adapt` call.
+        part_size: rows per shard (a multiple of `adapt_batch`).
+        progress: show the rich progress bar.
+        model: an already loaded model (then `backbone`, `pretrained`, `device` are taken from it).
+        log: where one-line notes go (None: the progress console, or nowhere).
+
+    Returns:
+        Paths of the run's shards.
+
+    Raises:
+        RunError, DatasetError, ModelError, PromptError, ValueError (unknown method/config key): user errors.
+    """
+    if part_size % adapt_batch:
+        raise RunError(f"part_size ({part_size}) must be a multiple of adapt_batch ({adapt_batch})")
+    if model is not None:
+        backbone, pretrained = model.backbone, model.pretrained
+    plan = plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
+                    anchor=anchor, limit=limit)
+    testset = load_testset(dataset, data_root, sh_filter=sh_filter)
+    n_total = len(testset)
+    n_run = n_total if limit is None else min(limit, n_total)
+    out = Path(out)
+    sdir = shard_dir(out, plan.key)
+    # what a finished run must match to be reused without --force
+    settings = {"method_config": _config_dict(plan.config), "pretrained": pretrained, "anchor": anchor,
+                "sh_filter": bool(sh_filter), "samples": testset.fingerprint()}
+    marker = sdir / COMPLETE_MARKER
+    if force:
+        for p in _existing_parts(sdir):
+            p.unlink()
+        marker.unlink(missing_ok=True)
+    elif run_is_complete(out, plan.key, limit=limit):
+        info = json.loads(marker.read_text(encoding="utf-8"))
+        if info.get("settings") != settings:
+            raise RunError(f"a finished run under {sdir} used different settings ({info.get('settings')}); "
+                           "use --force to recompute it or write elsewhere with --out")
+        return [sdir / p for p in info["parts"]]
+
+    if model is None:
+        model = load_model(backbone, pretrained, device)
+    cache_root = resolve_cache_dir(cache_dir)
+    config = plan.config
+    method_prompts = build_prompt_set(dataset, testset.class_names, policy=config.prompts, cupl=bool(config.cupl),
+                                      cupl_dir=cupl_dir)
+    if anchor == "single":
+        anchor_prompts = build_prompt_set(dataset, testset.class_names, policy="single")
+    else:
+        anchor_prompts = method_prompts
+    warnings = list(method_prompts.warnings)
+    text_cache = TextCache(cache_root, model.fingerprint)
+    method_text = text_prototypes(model, method_prompts, text_cache)
+    anchor_text = method_text if anchor_prompts is method_prompts else text_prototypes(model, anchor_prompts,
+                                                                                        text_cache)
+    perm = stream_permutation(dataset, seed, n_total)
+    cache = FeatureCache(cache_root, model.fingerprint, dataset, testset.fingerprint(), int(seed), n_total,
+                         int(method_text.shape[1]), model.cache_dtype,
+                         stream_fp=f"{zlib.crc32(perm.tobytes()):08x}", chunk_size=chunk_size)
+
+    zs_desc = {"anchor": anchor, **anchor_prompts.describe(), "view": 0, "logit_scale": model.logit_scale}
+    extra = {
+        "zaec:warnings": json.dumps(warnings),
+        "zaec:prompts": json.dumps(method_prompts.describe(), sort_keys=True),
+        "zaec:views": plan.policy,
+        "zaec:logit_scale": repr(model.logit_scale),
+        "zaec:stream": STREAM_RULE,
+        "zaec:n_total": str(n_total),
+        "zaec:layout": testset.layout,
+    }
+    if testset.imagenet_indices is not None and len(testset.imagenet_indices) != 1000:
+        extra["zaec:imagenet_indices"] = json.dumps(list(testset.imagenet_indices))
+    for k, v in testset.notes.items():
+        extra[f"zaec:{k}"] = v
+    meta = ShardMeta(backbone=plan.backbone, pretrained=model.pretrained, dataset=dataset, method=method, seed=seed,
+                     class_names=testset.class_names, method_config=_config_dict(config), zs_prompts=zs_desc,
+                     extra=extra)
+    meta_kv = meta.to_kv()
+
+    n_parts = -(-n_run // part_size)
+    marker.unlink(missing_ok=True)
+    start_part = 0
+    kept_stats = [0, 0]  # correct tta, correct zs in the kept parts
+    if resume:
+        for p in range(n_parts):
+            path = shard_path(out, plan.key, p)
+            if not path.is_file():
+                break
+            try:
+                sh = read_shard(path)
+            except ShardError:
+                break
+            if sh.meta.to_kv() != meta_kv:
+                diff = [k.decode() for k in set(meta_kv) | set(sh.meta.to_kv())
+                        if meta_kv.get(k) != sh.meta.to_kv().get(k)]
+                raise RunError(f"{path} was written by a run with different settings ({', '.join(sorted(diff))}); "
+                               f"use --force to overwrite it or write elsewhere with --out")
+            lo, hi = p * part_size, min((p + 1) * part_size, n_run)
+            if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
+                break
+            kept_stats[0] += int((sh.tta_logits.argmax(1) == sh.label).sum())
+            kept_stats[1] += int((sh.zs_logits.argmax(1) == sh.label).sum())
+            start_part = p + 1
+    for p in _existing_parts(sdir):  # parts this run will rewrite, or stale parts of a longer run
+        idx = int(p.stem.split("-")[1])
+        if idx >= start_part:
+            p.unlink()
+
+    dev = model.device
+    if workers is None:
+        workers = 8 if dev.type == "cuda" else 0
+    method_obj = build_method(plan.method_cls, config, method_text, model, backbone=plan.backbone, dataset=dataset)
+    reader = _FeatureReader(cache, plan.policy)
+    start_pos = start_part * part_size
+    written = [shard_path(out, plan.key, p) for p in range(start_part)]
+
+    with _Progress(progress) as prog:
+        say = log or prog.print
+        for w in warnings:
+            if log is None:
+                from rich.markup import escape
+                say(f"[yellow]warning:[/yellow] {escape(w)}")
+            else:
+                say(f"warning: {w}")
+        encode_pass(model, testset, perm, cache, plan.policy, n_run, seed=seed, batch_size=batch_size,
+                    workers=workers, progress=prog)
+        episodic = bool(getattr(config, "episodic", False))
+        if start_pos and not episodic:
+            task = prog.task(f"replaying {start_pos} samples", start_pos)
+            for s in range(0, start_pos, adapt_batch):
+                e = min(s + adapt_batch, start_pos)
+                method_obj.adapt(torch.from_numpy(reader.get(s, e)).to(dev))
+                task.advance(e - s)
+        elif start_pos:
+            method_obj.n_seen = start_pos
+        task = prog.task(f"{method} on {dataset}", n_run - start_pos)
+        correct = list(kept_stats)
+        rows: dict[str, list[np.ndarray]] = {k: [] for k in ("sid", "label", "zs", "tta", "pos")}
+        for s in range(start_pos, n_run, adapt_batch):
+            e = min(s + adapt_batch, n_run)
+            feats = torch.from_numpy(reader.get(s, e)).to(dev)  # (B, V, D), L2-normalised
+            tta = method_obj.adapt(feats)
+            tta = (tta.detach().float().cpu().numpy() if isinstance(tta, torch.Tensor)
+                   else np.asarray(tta, np.float32))
+            zs = (model.logit_scale * feats[:, 0] @ anchor_text.T).float().cpu().numpy()
+            sid = perm[s:e]
+            label = testset.labels[sid]
+            correct[0] += int((tta.argmax(1) == label).sum())
+            correct[1] += int((zs.argmax(1) == label).sum())
+            for k, v in (("sid", sid), ("label", label), ("zs", zs), ("tta", tta), ("pos", np.arange(s, e))):
+                rows[k].append(v)
+            task.advance(e - s, f"acc {100 * correct[0] / e:5.1f}% (zero-shot {100 * correct[1] / e:5.1f}%)")
+            if e % part_size == 0 or e == n_run:
+                p = (e - 1) // part_size
+                cat = {k: np.concatenate(v) for k, v in rows.items()}
+                written.append(write_shard(shard_path(out, plan.key, p), meta, cat["sid"], cat["label"],
+                                           cat["zs"], cat["tta"], stream_pos=cat["pos"]))
+                rows = {k: [] for k in rows}
+    write_json_atomic(marker, {"n_samples": n_run, "n_total": n_total, "limit": limit, "settings": settings,
+                               "parts": [p.name for p in written],
+                               "accuracy": correct[0] / max(n_run, 1),
+                               "zero_shot_accuracy": correct[1] / max(n_run, 1)})
+    return written

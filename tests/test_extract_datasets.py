@@ -1,0 +1,190 @@
+"""Dataset registry and the generic loader, on synthetic layouts written to a temporary folder."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from extract_fixtures import make_aircraft, make_imagenet_folders, make_json_dataset
+
+from extract.datasets import (
+    FASHION_MNIST_CLASSES,
+    PAPER_DATASETS,
+    REGISTRY,
+    DatasetError,
+    get_dataset,
+    imagenet_classnames,
+    imagenet_synsets,
+    load_testset,
+)
+
+JSON_KEYS = [k for k, s in REGISTRY.items() if s.kind == "json"]
+FOLDER_KEYS = [k for k, s in REGISTRY.items() if s.kind == "folders"]
+
+
+def test_registry_shape():
+    assert len(PAPER_DATASETS) == 15
+    for key, spec in REGISTRY.items():
+        assert spec.key == key
+        assert spec.group == ("demo" if key.startswith("fmnist") else
+                              "natural" if key.startswith("imagenet") else "fine_grained")
+        assert spec.hparams_from in PAPER_DATASETS
+        if spec.group != "demo":
+            assert spec.hparams_from == key
+    assert get_dataset("fmnist").hparams_from == "imagenet"
+    assert {get_dataset(f"fmnist_{s}").hparams_from for s in ("noise", "blur", "contrast", "invert", "rotate")} \
+        == {"imagenet_a"}
+
+
+def test_unknown_dataset_lists_keys():
+    with pytest.raises(DatasetError, match=r"unknown dataset 'dtdd'; available: imagenet, .*dtd"):
+        get_dataset("dtdd")
+
+
+@pytest.mark.parametrize("key", JSON_KEYS)
+def test_json_split_every_layout(tmp_path, key):
+    spec = get_dataset(key)
+    for i, lay in enumerate(spec.layouts):
+        root = tmp_path / f"layout{i}"
+        names = list(FASHION_MNIST_CLASSES[:3]) if spec.class_names else ["a_b", "c", "d e"]
+        split = make_json_dataset(root, key, class_names=names, per_class=2, layout=i, seed=i)
+        ts = load_testset(key, root)
+        assert ts.layout == lay.name
+        # canonical order = the JSON order; labels from the file; paths exist
+        want = [(root / lay.dataset_dir / lay.image_dir / rel).resolve() for rel, _, _ in split["test"]]
+        assert [p.resolve() for p in ts.paths] == want
+        assert ts.labels.tolist() == [y for _, y, _ in split["test"]]
+        assert all(p.is_file() for p in ts.paths)
+        if spec.class_names:
+            assert ts.class_names == FASHION_MNIST_CLASSES
+        else:
+            assert ts.class_names == ("a b", "c", "d e")  # '_' -> ' ' as TDA's clip_classifier
+
+
+def test_env_data_root(tmp_path, monkeypatch):
+    make_json_dataset(tmp_path, "dtd", per_class=1)
+    monkeypatch.setenv("ZAEC_DATA_ROOT", str(tmp_path))
+    assert len(load_testset("dtd")) == 3
+
+
+def test_missing_dataset_shows_layout(tmp_path):
+    with pytest.raises(DatasetError) as e:
+        load_testset("oxford_pets", tmp_path)
+    msg = str(e.value)
+    assert "oxford_pets/split_zhou_OxfordPets.json" in msg and "oxford_pets/images" in msg
+    assert "oxfordpets" in msg and "OxfordPets" in msg  # DPE and TPT names are listed too
+    with pytest.raises(DatasetError, match="not a directory"):
+        load_testset("dtd", tmp_path / "nope")
+
+
+@pytest.mark.parametrize("bad", ["../outside.png", "/etc/passwd", "a/../../x.png", "..", "C:/x.png"])
+def test_split_entries_escaping_root_are_rejected(tmp_path, bad):
+    split = make_json_dataset(tmp_path, "dtd", per_class=1)
+    split["test"].append([bad, 0, "class_0"])
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
+    with pytest.raises(DatasetError, match="escapes the dataset folder"):
+        load_testset("dtd", tmp_path)
+
+
+def test_harmless_dotdot_inside_folder_is_accepted(tmp_path):
+    split = make_json_dataset(tmp_path, "dtd", per_class=1, shuffle=False)
+    rel = split["test"][0][0]
+    split["test"][0][0] = "class_0/../" + rel
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
+    ts = load_testset("dtd", tmp_path)
+    assert ts.paths[0] == tmp_path / "dtd" / "images" / rel
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda s: s.update(test=[]), "empty"),
+    (lambda s: s["test"].append(["x.png", 5, "class_5"]), "without gaps"),
+    (lambda s: s["test"].append(["x.png", 0, "other"]), "named"),
+    (lambda s: s["test"].append(["x.png", "0", "class_0"]), "expected"),
+])
+def test_bad_split_files(tmp_path, mutate, match):
+    split = make_json_dataset(tmp_path, "dtd", per_class=1)
+    mutate(split)
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
+    with pytest.raises(DatasetError, match=match):
+        load_testset("dtd", tmp_path)
+
+
+@pytest.mark.parametrize("layout", [0, 1, 2])
+def test_aircraft_variant_files(tmp_path, layout):
+    entries = make_aircraft(tmp_path, layout=layout)
+    ts = load_testset("fgvc_aircraft", tmp_path)
+    assert ts.class_names == ("707-320", "A300B4", "Cessna 172")  # a variant name with a space survives
+    assert ts.labels.tolist() == [ts.class_names.index(v) for _, v in entries]
+    assert [p.stem for p in ts.paths] == [i for i, _ in entries]
+    assert all(p.is_file() for p in ts.paths)
+
+
+def test_imagenet_full_wnid_order(tmp_path):
+    syn = imagenet_synsets()
+    picked = [syn[999], syn[0], syn[500]]
+    make_imagenet_folders(tmp_path, "imagenet", picked, per_class=2)
+    ts = load_testset("imagenet", tmp_path)
+    assert ts.num_classes == 1000 and ts.class_names == imagenet_classnames()
+    assert ts.labels.tolist() == [0, 0, 500, 500, 999, 999]
+    assert ts.class_names[0] == "tench"
+
+
+def test_imagenet_v2_numeric_folders_not_string_sorted(tmp_path):
+    make_imagenet_folders(tmp_path, "imagenet_v2", ["0", "1", "10", "100", "2", "999"], per_class=1)
+    ts = load_testset("imagenet_v2", tmp_path)
+    assert ts.labels.tolist() == [0, 1, 2, 10, 100, 999]
+    assert [p.parent.name for p in ts.paths] == ["0", "1", "2", "10", "100", "999"]
+    assert ts.num_classes == 1000
+    (tmp_path / "imagenetv2" / "imagenetv2-matched-frequency-format-val" / "n01440764").mkdir()
+    with pytest.raises(DatasetError, match="0..999"):
+        load_testset("imagenet_v2", tmp_path)
+
+
+@pytest.mark.parametrize("key, which", [("imagenet_a", "a"), ("imagenet_r", "r")])
+def test_imagenet_a_r_subsets(tmp_path, key, which):
+    import importlib.resources
+    info = importlib.resources.files("timm.data") / "_info"
+    idx = [int(x) for x in (info / f"imagenet_{which}_indices.txt").read_text().split()]
+    syn = imagenet_synsets()
+    # three classes of the subset, written in an order different from the label order
+    chosen = [idx[150], idx[3], idx[77]]
+    make_imagenet_folders(tmp_path, key, [syn[i] for i in chosen], per_class=1, layout=1)
+    ts = load_testset(key, tmp_path)
+    assert ts.num_classes == 200 and ts.layout == "TPT"
+    assert ts.imagenet_indices == tuple(sorted(idx))
+    assert ts.labels.tolist() == [3, 77, 150]
+    names = imagenet_classnames()
+    assert [ts.class_names[y] for y in ts.labels] == [names[idx[3]], names[idx[77]], names[idx[150]]]
+    # a class outside the subset is an error
+    outside = next(i for i in range(1000) if i not in set(idx))
+    make_imagenet_folders(tmp_path, key, [syn[outside]], per_class=1, layout=1)
+    with pytest.raises(DatasetError, match="200 classes"):
+        load_testset(key, tmp_path)
+
+
+def test_sh_filter_quirk_off_by_default(tmp_path):
+    syn = imagenet_synsets()
+    make_imagenet_folders(tmp_path, "imagenet_sketch", [syn[1]], per_class=3,
+                          names=["a.JPEG", "fish_1.JPEG", "b.JPEG"])
+    assert len(load_testset("imagenet_sketch", tmp_path)) == 3
+    ts = load_testset("imagenet_sketch", tmp_path, sh_filter=True)
+    assert [p.name for p in ts.paths] == ["a.JPEG", "b.JPEG"]
+    assert "1 image file(s) dropped" in ts.notes["tda_sh_filter"]
+    # not applied to JSON-split sets, as in the official code
+    make_json_dataset(tmp_path, "dtd", class_names=["fish"], per_class=2)
+    assert len(load_testset("dtd", tmp_path, sh_filter=True)) == 2
+
+
+def test_fingerprint_tracks_sample_list(tmp_path):
+    make_json_dataset(tmp_path, "dtd", per_class=2)
+    a = load_testset("dtd", tmp_path).fingerprint()
+    assert a == load_testset("dtd", tmp_path).fingerprint()
+    make_json_dataset(tmp_path, "dtd", per_class=2, seed=5)  # different order
+    assert load_testset("dtd", tmp_path).fingerprint() != a
+
+
+def test_labels_are_int64_and_in_range(tmp_path):
+    make_json_dataset(tmp_path, "eurosat", n_classes=4, per_class=2)
+    ts = load_testset("eurosat", tmp_path)
+    assert ts.labels.dtype == np.int64 and ts.labels.min() >= 0 and ts.labels.max() < ts.num_classes

@@ -1,0 +1,505 @@
+"""TTA methods (extract.methods): every registered method on small hand-made feature streams, and each method's
+defining behaviour against a slow, obvious reference written here from the spec (tta_methods.md §6-§8, §13)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from extract.methods import HPARAMS_KEYS, REGISTRY, apply_overrides, get_method
+from extract.methods.common import adamw_first_step, info_nce, marginal_entropy
+from extract.methods.dlae import DLAE
+from extract.methods.dpe import DPE
+from extract.methods.tda import TDA
+from extract.methods.zero_shot import ZeroShot
+
+K, D = 5, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: thread hand-offs cost more than the work on a shared 2-core machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_text(seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(K, D, generator=g, dtype=dtype), dim=-1)
+
+
+def make_stream(n: int, v: int, text: torch.Tensor, seed: int = 1, noise: float = 1.0) -> torch.Tensor:
+    """(n, v, D) normalised features clustered around random classes' text prototypes (a plausible stream)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, K, (n,), generator=g)
+    base = text[y][:, None, :] + noise * torch.randn(n, v, D, generator=g, dtype=text.dtype) / math.sqrt(D)
+    return F.normalize(base, dim=-1)
+
+
+def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.float64, **changes):
+    cfg = dataclasses.replace(cls.default_config(dataset, "ViT-B-16"), n_views=v, **changes)
+    return cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset)
+
+
+# ---------------------------------------------------------------------------------------------- registry-wide
+
+METHODS = sorted(REGISTRY)
+
+
+@pytest.mark.parametrize("key", METHODS)
+@pytest.mark.parametrize("v", [1, 20])
+def test_finite_deterministic_and_chunk_invariant(key, v):
+    cls = REGISTRY[key]
+    x = make_stream(30, v, make_text(dtype=torch.float32)).float()
+    whole = build(cls, v, dtype=torch.float32).adapt(x)
+    assert whole.shape == (30, K) and whole.dtype == torch.float32
+    assert torch.isfinite(whole).all()
+    again = build(cls, v, dtype=torch.float32).adapt(x)
+    assert torch.equal(whole, again)
+    for chunk in (1, 7):
+        m = build(cls, v, dtype=torch.float32)
+        parts = torch.cat([m.adapt(x[i:i + chunk]) for i in range(0, len(x), chunk)])
+        torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("key", METHODS)
+def test_default_config_all_datasets_both_backbones(key):
+    cls = REGISTRY[key]
+    for ds in HPARAMS_KEYS:
+        for bb in ("ViT-B-16", "RN50"):
+            cfg = cls.default_config(ds, bb)
+            assert isinstance(cfg, cls.Config)
+            assert cfg.n_views in (1, 64)
+            assert cfg.prompts in ("single", "dataset", "imagenet80", "dpe_cars")
+            assert cfg.episodic is False
+            json.dumps(dataclasses.asdict(cfg))  # recorded in the shard metadata
+    with pytest.raises(ValueError, match="available: imagenet, imagenet_a"):
+        cls.default_config("dtdd", "RN50")
+
+
+@pytest.mark.parametrize("key", METHODS)
+def test_input_checks(key):
+    m = build(REGISTRY[key], 1)
+    with pytest.raises(ValueError, match="n_views"):
+        m.adapt(torch.zeros(2, 3, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="feature dim"):
+        m.adapt(torch.zeros(2, 1, D + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\(B, V, D\)"):
+        m.adapt(torch.zeros(2, D, dtype=torch.float64))
+    assert m.adapt(torch.zeros(0, 1, D, dtype=torch.float64)).shape == (0, K)
+
+
+def test_get_method():
+    assert get_method("tda") is TDA
+    with pytest.raises(ValueError, match=r"unknown method 'tdaa'; available: zero-shot, tda, dpe, dlae"):
+        get_method("tdaa")
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+
+def test_apply_overrides_converts_types():
+    cfg = TDA.default_config("dtd", "RN50")
+    new = apply_overrides(cfg, {"alpha": "2.5", "pos_capacity": "4", "augmix": "true", "prompts": "imagenet80"})
+    assert (new.alpha, new.pos_capacity, new.augmix, new.prompts) == (2.5, 4, True, "imagenet80")
+    assert cfg.alpha == 2.0  # the original is frozen and unchanged
+    assert apply_overrides(cfg, {"alpha": 3}).alpha == 3.0
+    assert apply_overrides(DLAE.default_config("dtd", "RN50"), {"amp_fp16": "0"}).amp_fp16 is False
+
+
+def test_apply_overrides_rejects_bad_input():
+    cfg = DPE.default_config("dtd", "RN50")
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'alpah'.*valid keys: .*alpha.*lr_text"):
+        apply_overrides(cfg, {"alpah": "1"})
+    with pytest.raises(ValueError, match="expected float"):
+        apply_overrides(cfg, {"alpha": "six"})
+    with pytest.raises(ValueError, match="expected a boolean"):
+        apply_overrides(cfg, {"cupl": "maybe"})
+    with pytest.raises(ValueError, match="expected one of"):
+        apply_overrides(cfg, {"prompts": "gpt4"})
+    with pytest.raises(ValueError, match="property of the method"):
+        apply_overrides(cfg, {"episodic": "true"})
+    with pytest.raises(ValueError, match="n_views must be >= 1"):
+        apply_overrides(cfg, {"n_views": "0"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.alpha = 1.0  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------- default_config
+
+def test_tda_tables():
+    c = TDA.default_config("imagenet_sketch", "RN50")
+    assert (c.alpha, c.beta, c.n_views, c.augmix, c.prompts) == (2.363, 7.45, 64, True, "imagenet80")
+    c = TDA.default_config("imagenet", "ViT-B-16")
+    assert (c.alpha, c.beta, c.n_views, c.prompts) == (2.0, 5.0, 1, "dataset")
+    c = TDA.default_config("imagenet_v2", "ViT-B-16")
+    assert (c.alpha, c.beta, c.n_views, c.augmix, c.prompts) == (1.0, 8.0, 64, True, "dataset")
+    c = TDA.default_config("eurosat", "ViT-B-16")
+    assert (c.alpha, c.beta, c.n_views, c.cupl) == (4.0, 8.0, 1, False)
+    assert (c.neg_alpha, c.neg_beta, c.pos_capacity, c.neg_capacity) == (0.117, 1.0, 3, 2)
+    assert TDA.default_config("dtd", "RN50") == TDA.default_config("dtd", "ViT-B-16")
+
+
+def test_dpe_tables():
+    c = DPE.default_config("imagenet", "RN50")
+    assert (c.alpha, c.beta, c.lr_text, c.lr_image, c.align) == (6.0, 5.0, 6e-4, 6e-4, 0.5)
+    assert (c.n_views, c.augmix, c.all_view_inference, c.cupl) == (64, True, False, True)
+    c = DPE.default_config("imagenet_a", "ViT-B-16")
+    assert (c.lr_text, c.align, c.all_view_inference, c.n_views) == (3e-4, 2.5, True, 64)
+    c = DPE.default_config("eurosat", "ViT-B-16")
+    assert (c.alpha, c.beta, c.lr_text, c.align, c.n_views, c.cupl) == (3.0, 8.0, 5e-5, 0.2, 1, True)
+    assert DPE.default_config("stanford_cars", "RN50").prompts == "dpe_cars"
+    assert DPE.default_config("imagenet_r", "RN50").prompts == "imagenet80"
+    assert (c.temperature, c.adamw_eps, c.weight_decay, c.global_threshold) == (0.01, 1e-3, 0.1, 0.1)
+
+
+def test_dlae_tables():
+    rn, vit = DLAE.default_config("imagenet_v2", "RN50"), DLAE.default_config("imagenet_v2", "ViT-B-16")
+    assert (rn.adjust_alpha, rn.reflection_alpha, rn.doubt_rate, rn.backbone_family) == (3.0, 0.5, 0.0, "rn")
+    assert (vit.adjust_alpha, vit.reflection_alpha, vit.doubt_rate, vit.backbone_family) == (2.5, 0.5, 2e-3, "vit")
+    assert (rn.alpha, rn.beta, rn.lr_text, rn.align, rn.n_views, rn.augmix) == (3.0, 8.0, 5e-4, 0.5, 64, False)
+    c = DLAE.default_config("imagenet_r", "ViT-B-16")
+    assert (c.n_views, c.augmix, c.doubt_rate, c.align) == (64, True, 1e-5, 0.0)
+    assert DLAE.default_config("eurosat", "ViT-B-16").cupl is False
+    eu = DLAE.default_config("eurosat", "RN50")
+    assert (eu.cupl, eu.n_views, eu.alpha, eu.beta, eu.reflection_alpha) == (True, 1, 5.0, 8.0, 1.5)
+    assert DLAE.default_config("ucf101", "RN50").n_views == 64
+    assert DLAE.default_config("ucf101", "RN50").augmix is False
+    assert DLAE.default_config("imagenet_a", "RN50").all_view_inference is True
+    small = DLAE.default_config("imagenet", "tiny-clip")  # the demo's models use the ViT column
+    assert small.backbone_family == "vit" and small.adjust_alpha == 0.8
+
+
+# ---------------------------------------------------------------------------------------------- zero-shot
+
+def test_zero_shot_formula_uses_model_scale():
+    text = make_text(dtype=torch.float32)
+    x = make_stream(9, 1, text).float()
+    m = ZeroShot(ZeroShot.default_config("imagenet", "RN50"), text, 37.5, backbone="RN50", dataset="imagenet")
+    torch.testing.assert_close(m.adapt(x), 37.5 * x[:, 0] @ text.T)
+
+
+# ---------------------------------------------------------------------------------------------- slow references
+
+def ref_entropy(p: torch.Tensor) -> torch.Tensor:
+    return -(p * p.log()).sum()
+
+
+def ref_summary(x: torch.Tensor, logits: torch.Tensor, p: float = 0.1):
+    """Official `get_clip_logits` for one sample: (f, z, H, prob, y)."""
+    v = x.shape[0]
+    if v == 1:
+        z = logits[0]
+        prob = z.detach().softmax(-1)
+        return x[0], z, ref_entropy(prob), prob, int(z.argmax())
+    ents = [float(ref_entropy(row.detach().softmax(-1))) for row in logits]
+    idx = sorted(range(v), key=lambda j: ents[j])[:max(1, int(v * p))]
+    z = logits[idx].mean(0)
+    prob = logits[idx].detach().softmax(-1).mean(0)
+    return x[idx].mean(0), z, ref_entropy(prob), prob, int(z.detach().argmax())
+
+
+def ref_keep_lowest(cache: dict, y: int, item: list, capacity: int) -> None:
+    """TDA `update_cache`: append while not full, else replace the last if lower; stable sort by item[1]."""
+    items = cache.setdefault(y, [])
+    if len(items) < capacity:
+        items.append(item)
+    elif item[1] < items[-1][1]:
+        items[-1] = item
+    items.sort(key=lambda it: float(it[1]))
+
+
+def ref_tda(x_stream, text, scale, cfg):
+    pos, neg, outs, log = {}, {}, [], []
+    for x in x_stream:
+        f, z, h, prob, y = ref_summary(x, scale * x @ text.T, cfg.selection_p)
+        log.append((y, float(h), f, prob))
+        ref_keep_lowest(pos, y, [f, float(h)], cfg.pos_capacity)
+        if cfg.neg_entropy_lower < float(h) / math.log2(K) < cfg.neg_entropy_upper:
+            ref_keep_lowest(neg, y, [f, float(h), prob], cfg.neg_capacity)
+        out = z.clone()
+        for c in sorted(pos):
+            for fk, _ in pos[c]:
+                out[c] += cfg.alpha * math.exp(-cfg.beta * (1 - float(f @ fk)))
+        for c in sorted(neg):
+            for fk, _, pk in neg[c]:
+                mask = ((pk > cfg.neg_mask_lower) & (pk < cfg.neg_mask_upper)).to(out.dtype)
+                out -= cfg.neg_alpha * math.exp(-cfg.neg_beta * (1 - float(f @ fk))) * mask
+        outs.append(out)
+    return torch.stack(outs), pos, neg, log
+
+
+def ref_info_nce(q, k, tau):
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    terms = []
+    for i in range(q.shape[0]):
+        sims = torch.stack([q[i] @ k[j] / tau for j in range(k.shape[0])])
+        terms.append(-(sims[i] - torch.logsumexp(sims, 0)))
+    return torch.stack(terms).mean()
+
+
+def ref_dual(x_stream, text, scale, cfg, dlae: bool):
+    """DPE (spec §7) / DLAE (spec §8, §13.4-5) sample by sample, with a real fresh torch AdamW per sample."""
+    w_g, n_avg, cache, outs = text.clone(), 0, {}, []
+    counter, count = torch.ones(K, dtype=text.dtype), K
+    conf_mean, conf_cnt = torch.zeros(K, dtype=text.dtype), torch.zeros(K, dtype=text.dtype)
+    stats = {"reflections": 0, "doubts": 0, "global": 0}
+    lr_image = cfg.lr_text if dlae else cfg.lr_image
+
+    def views(x, w):
+        logits = scale * x @ w.T
+        if not dlae:
+            return ref_summary(x, logits, cfg.selection_p), None
+        _, _, _, prob2, y2 = ref_summary(x, logits, cfg.selection_p)
+        dif = float(prob2[y2] - conf_mean[y2])
+        adjusted = logits * torch.exp(-cfg.adjust_alpha * (1 - dif) * counter / count)
+        return ref_summary(x, adjusted, cfg.selection_p), y2
+
+    for t, x in enumerate(x_stream):
+        r_t = torch.zeros_like(w_g, requires_grad=True)
+        w = F.normalize(w_g + r_t, dim=1)
+        (f, z0, h, prob, y), y2 = views(x, w)
+        if dlae:
+            score = float(h)
+            if y != y2:
+                stats["reflections"] += 1
+                wd = w.detach()
+                score *= math.exp(-cfg.reflection_alpha * float(wd[y] @ wd[y2] / (wd[y].norm() * wd[y2].norm())))
+            counter[y] += 1
+            count += 1
+            conf_mean[y] = (conf_mean[y] * conf_cnt[y] + prob[y]) / (conf_cnt[y] + 1)
+            conf_cnt[y] += 1
+            items = cache.setdefault(y, [])
+            if len(items) < cfg.shot_capacity:
+                items.append([f, score, t])
+            else:
+                wd = w.detach()
+                for it in items:
+                    if float(it[0] @ wd[y]) < float(it[0] @ text[y]):
+                        stats["doubts"] += 1
+                        it[1] *= math.exp((t - it[2]) * cfg.doubt_rate)
+                        it[2] = t
+                items.sort(key=lambda it: it[1])
+                if score < items[-1][1]:
+                    items[-1] = [f, score, t]
+                    items.sort(key=lambda it: it[1])
+        else:
+            ref_keep_lowest(cache, y, [f, float(h) / math.log2(K)], cfg.shot_capacity)
+        classes = sorted(cache)
+        protos = torch.stack([sum(it[0] for it in cache[c]) / len(cache[c]) for c in classes])
+        r_i = torch.zeros_like(protos, requires_grad=True)
+        keys = F.normalize(protos + r_i, dim=1)
+        z = z0.clone()
+        for j, c in enumerate(classes):
+            z[c] = z[c] + cfg.alpha * torch.exp(-cfg.beta * (1 - f @ keys[j]))
+        loss = ref_entropy(z.softmax(-1)) + cfg.align * ref_info_nce(keys, w[classes], cfg.temperature)
+        opt = torch.optim.AdamW([{"params": [r_t], "lr": cfg.lr_text}, {"params": [r_i], "lr": lr_image}],
+                                eps=cfg.adamw_eps, weight_decay=cfg.weight_decay)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            w_new = F.normalize(w_g + r_t, dim=1)
+            xin = x if cfg.all_view_inference else x[:1]
+            (f_i, z_i, _, _, _), _ = views(xin, w_new)
+            keys = F.normalize(protos + r_i, dim=1)
+            final = z_i.clone()
+            for j, c in enumerate(classes):
+                final[c] += cfg.alpha * torch.exp(-cfg.beta * (1 - f_i @ keys[j]))
+            if float(ref_entropy(final.softmax(-1))) / math.log2(K) < cfg.global_threshold:
+                n_avg += 1
+                stats["global"] += 1
+                w_g = w_g * (n_avg / (n_avg + 1)) + w_new * (1 / (n_avg + 1))
+        outs.append(final)
+    state = {"w_g": w_g, "cache": cache, "counter": counter, "count": count, "conf_mean": conf_mean}
+    return torch.stack(outs), state, stats
+
+
+# ---------------------------------------------------------------------------------------------- TDA
+
+@pytest.mark.parametrize("v", [1, 20])
+def test_tda_matches_reference(v):
+    text = make_text()
+    x = make_stream(60, v, text, noise=2.0)
+    m = build(TDA, v, dataset="dtd", scale=12.0)  # a low scale puts entropies in the negative-cache band
+    got = m.adapt(x[:25])
+    got = torch.cat([got, m.adapt(x[25:])])
+    want, pos, neg, log = ref_tda(x, text, 12.0, m.config)
+    assert sum(len(i) for i in neg.values()) >= 3, "the stream must exercise the negative cache"
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
+    # Cache contents equal the reference's (class by class, in order).
+    for c in range(K):
+        ref_pos = torch.stack([f for f, _ in pos.get(c, [])]) if c in pos else torch.zeros(0, D, dtype=x.dtype)
+        torch.testing.assert_close(m.pos.keys[c, :m.pos.counts[c]], ref_pos)
+        assert m.neg.counts[c] == len(neg.get(c, []))
+
+
+def test_tda_positive_cache_keeps_three_lowest_entropy_per_class():
+    """Brute force: among all samples pseudo-labelled c, the cache holds the 3 of lowest entropy, sorted."""
+    text = make_text()
+    x = make_stream(80, 20, text, seed=3, noise=2.0)
+    m = build(TDA, 20, dataset="imagenet_a", scale=20.0)
+    m.adapt(x)
+    _, _, _, log = ref_tda(x, text, 20.0, m.config)
+    for c in range(K):
+        ents = sorted(h for y, h, _, _ in log if y == c)[:3]
+        got = m.pos.scores[c, :m.pos.counts[c]].tolist()
+        assert got == pytest.approx(ents, rel=1e-9)
+        assert m.pos.counts[c] == min(3, sum(1 for y, *_ in log if y == c))
+
+
+def test_tda_negative_cache_gating_and_mask():
+    text = make_text()
+    x = make_stream(80, 1, text, seed=4, noise=2.0)
+    m = build(TDA, 1, dataset="dtd", scale=12.0)
+    m.adapt(x)
+    _, _, _, log = ref_tda(x, text, 12.0, m.config)
+    gated = [(y, h, p) for y, h, _, p in log if 0.2 < h / math.log2(K) < 0.5]
+    assert 0 < len(gated) < len(log)
+    for c in range(K):
+        want = sorted([(h, p) for y, h, p in gated if y == c], key=lambda hp: hp[0])[:2]
+        assert m.neg.scores[c, :m.neg.counts[c]].tolist() == pytest.approx([h for h, _ in want], rel=1e-9)
+        for j, (_, p) in enumerate(want):
+            assert torch.equal(m.neg.extras["mask"][c, j], ((p > 0.03) & (p < 1.0)).to(p.dtype))
+
+
+def test_tda_cache_logits_formula_by_hand():
+    """Two samples, one class: the second output is z0 + α Σ_j exp(-β(1 - f·f_j)) on that class only."""
+    text = make_text()
+    f1 = F.normalize(text[2] + 0.1 * text[0], dim=0)
+    f2 = F.normalize(text[2] + 0.1 * text[1], dim=0)
+    x = torch.stack([f1, f2])[:, None, :]
+    m = build(TDA, 1, dataset="dtd", scale=100.0)  # confident: the negative cache stays empty
+    out = m.adapt(x)
+    a, b = m.config.alpha, m.config.beta
+    z1 = 100.0 * f1 @ text.T
+    z2 = 100.0 * f2 @ text.T
+    e1 = z1.clone()
+    e1[2] += a  # exp(-β(1 - 1)) = 1 for the sample itself
+    e2 = z2.clone()
+    e2[2] += a * (1 + math.exp(-b * (1 - float(f1 @ f2))))
+    torch.testing.assert_close(out, torch.stack([e1, e2]).float())
+    assert len(m.neg) == 0
+
+
+# ---------------------------------------------------------------------------------------------- DPE
+
+def test_adamw_first_step_equals_torch_adamw():
+    g = torch.Generator().manual_seed(5)
+    for start in ("zero", "random"):
+        p0 = torch.zeros(4, 6, dtype=torch.float64) if start == "zero" else torch.randn(4, 6, generator=g, dtype=torch.float64)
+        grad = torch.randn(4, 6, generator=g, dtype=torch.float64) * torch.logspace(-6, 1, 6, dtype=torch.float64)
+        p = p0.clone().requires_grad_(True)
+        opt = torch.optim.AdamW([p], lr=6e-4, eps=1e-3, weight_decay=0.1)
+        p.grad = grad.clone()
+        opt.step()
+        torch.testing.assert_close(adamw_first_step(p0, grad, 6e-4, 1e-3, 0.1), p.detach(), rtol=1e-9, atol=1e-15)
+
+
+def test_adamw_first_step_sign_behaviour():
+    """From zero: large gradients move by ~lr against their sign, small ones by lr·g/eps."""
+    grad = torch.tensor([5.0, -5.0, 1e-6, -1e-6], dtype=torch.float64)
+    step = adamw_first_step(torch.zeros(4, dtype=torch.float64), grad, 1e-2, 1e-3, 0.1)
+    assert step[0] == pytest.approx(-1e-2, rel=1e-3) and step[1] == pytest.approx(1e-2, rel=1e-3)
+    assert step[2] == pytest.approx(-1e-2 * 1e-6 / 1e-3, rel=1e-3)
+    assert step[3] == pytest.approx(1e-2 * 1e-6 / 1e-3, rel=1e-3)
+
+
+def test_info_nce_one_directional():
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(4, D, generator=g, dtype=torch.float64), torch.randn(4, D, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(info_nce(a, b, 0.01), ref_info_nce(a, b, 0.01))
+    assert not torch.allclose(info_nce(a, b, 0.01), info_nce(b, a, 0.01))
+    assert float(info_nce(a[:1], b[:1], 0.01)) == 0.0
+
+
+def test_marginal_entropy_is_entropy_of_mean_softmax():
+    g = torch.Generator().manual_seed(7)
+    z = 10 * torch.randn(3, 6, K, generator=g, dtype=torch.float64)
+    for i in range(3):
+        torch.testing.assert_close(marginal_entropy(z[i]), ref_entropy(z[i].softmax(-1).mean(0)))
+
+
+@pytest.mark.parametrize("v,dataset", [(1, "dtd"), (20, "imagenet"), (20, "imagenet_a")])
+def test_dpe_matches_reference(v, dataset):
+    text = make_text()
+    x = make_stream(40, v, text, seed=8, noise=2.0)
+    # A low scale and cache weight keep some outputs above the evolution threshold; larger steps show the update.
+    m = build(DPE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, lr_image=1e-2)
+    got = torch.cat([m.adapt(x[:13]), m.adapt(x[13:])])
+    want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=False)
+    assert 0 < stats["global"] < len(x), "the stream must exercise the global evolution both ways"
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-5)
+    assert m.n_global_updates == stats["global"]
+    torch.testing.assert_close(m.w_global, state["w_g"], rtol=1e-9, atol=1e-12)
+    # Evolved prototypes are a cumulative average of unit vectors, never re-normalised (spec §7 step 7).
+    assert (m.w_global.norm(dim=-1) < 1 - 1e-6).any()
+
+
+def test_dpe_residual_step_moves_prototypes():
+    """With lr 0 nothing adapts except the cache; with lr > 0 the output differs."""
+    text = make_text()
+    x = make_stream(20, 1, text, seed=9, noise=1.5)
+    frozen = build(DPE, 1, lr_text=0.0, lr_image=0.0, global_threshold=-1.0).adapt(x)
+    moved = build(DPE, 1, lr_text=5e-2, lr_image=5e-2, global_threshold=-1.0).adapt(x)
+    assert not torch.allclose(frozen, moved)
+    # First sample: cache = {itself}, so its output is z0 + α exp(-β(1 - f·f̂)) = z0 + α (|f| = 1).
+    z0 = 100.0 * x[0, 0] @ text.T
+    e = z0.clone()
+    e[int(z0.argmax())] += 6.0
+    torch.testing.assert_close(frozen[0], e.float())
+
+
+# ---------------------------------------------------------------------------------------------- DLAE
+
+@pytest.mark.parametrize("v,dataset", [(1, "eurosat"), (20, "imagenet"), (20, "imagenet_a")])
+def test_dlae_matches_reference(v, dataset):
+    text = make_text()
+    x = make_stream(45, v, text, seed=10, noise=2.0)
+    m = build(DLAE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, adjust_alpha=3.0,
+              reflection_alpha=0.7, doubt_rate=0.05)
+    got = torch.cat([m.adapt(x[:1]), m.adapt(x[1:20]), m.adapt(x[20:])])
+    want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=True)
+    assert stats["reflections"] > 0 and stats["doubts"] > 0, "the stream must exercise reflection and doubt"
+    assert stats["global"] > 0 and m.n_global_updates == stats["global"]
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-5)
+    assert m.counter.tolist() == state["counter"].tolist() and m.count == state["count"] == K + len(x)
+    torch.testing.assert_close(m.conf_mean, state["conf_mean"], rtol=1e-9, atol=1e-12)
+    for c in range(K):
+        want_scores = [it[1] for it in state["cache"].get(c, [])]
+        assert sorted(m.cache.scores[c, :m.cache.counts[c]].tolist()) == pytest.approx(sorted(want_scores), rel=1e-9)
+
+
+def test_dlae_logit_adjustment_by_hand():
+    m = build(DLAE, 1, dataset="eurosat", adjust_alpha=2.0)
+    m._init_state(torch.device("cpu"), torch.float64)
+    m.counter = torch.tensor([1, 4, 2, 1, 2])
+    m.count = 10
+    m.conf_mean = torch.tensor([0.0, 0.3, 0.9, 0.0, 0.5], dtype=torch.float64)
+    x = make_stream(1, 1, m.text_features, seed=11)[0]  # (1, D)
+    logits = 100.0 * x @ m.text_features.T  # (1, K)
+    raw, adj = m._adjusted_summary(x, logits)
+    y2 = int(logits[0].argmax())
+    dif = float(logits[0].softmax(-1)[y2]) - float(m.conf_mean[y2])
+    pi = torch.tensor([1, 4, 2, 1, 2], dtype=torch.float64) / 10
+    want = logits[0] * torch.exp(-2.0 * (1 - dif) * pi)
+    assert int(raw.pred[0]) == y2
+    torch.testing.assert_close(adj.logits[0], want)
+    assert int(adj.pred[0]) == int(want.argmax())
+
+
+def test_dlae_counters_follow_pseudo_labels():
+    text = make_text()
+    x = make_stream(30, 1, text, seed=12)
+    m = build(DLAE, 1, dataset="eurosat")
+    m.adapt(x)
+    assert int(m.counter.sum()) == K + 30 and m.count == K + 30
+    assert torch.equal(m.counter - 1, m.conf_count.long())
+    assert ((m.conf_mean >= 0) & (m.conf_mean <= 1)).all()
+    assert m.cache.extras["time"].max() <= 29

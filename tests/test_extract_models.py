@@ -1,0 +1,135 @@
+"""Model loading through the one code path (local-dir, checkpoint file), offline failures, text prototypes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from extract_fixtures import (
+    TINY_ARCH,
+    make_json_dataset,
+    make_tiny_checkpoint,
+    make_tiny_model_dir,
+    tiny_model,  # noqa: F401  (pytest fixture)
+    tiny_model_dir,  # noqa: F401  (pytest fixture)
+)
+
+from extract.models import ModelError, load_model, resolve_device
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _uses_quick_gelu(model: torch.nn.Module) -> bool:
+    from open_clip.transformer import QuickGELU
+    return any(isinstance(m, QuickGELU) for m in model.modules())
+
+
+def test_local_dir_loads_config_and_weights(tiny_model, tiny_model_dir):  # noqa: F811
+    m = tiny_model
+    assert m.backbone == "tiny-clip"  # the directory's model name is recorded
+    assert m.preprocess.size == (32, 32)
+    assert m.logit_scale == pytest.approx(37.5, rel=1e-6)  # the model's own scale, not 100
+    assert m.quick_gelu and _uses_quick_gelu(m.model)
+    from safetensors.torch import load_file
+    sd = load_file(str(tiny_model_dir / "open_clip_model.safetensors"))
+    for k, v in m.model.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+
+def test_local_dir_without_model_name_uses_folder_name(tmp_path):
+    d = make_tiny_model_dir(tmp_path / "my-model", model_name=None, quick_gelu=False)
+    m = load_model(None, f"local-dir:{d}", "cpu")
+    assert m.backbone == "my-model" and not m.quick_gelu and not _uses_quick_gelu(m.model)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_checkpoint_file_same_weights_as_local_dir(tmp_path, tiny_model, fmt):  # noqa: F811
+    ckpt = make_tiny_checkpoint(tmp_path / f"tiny.{fmt}", seed=0, fmt=fmt)
+    m = load_model(TINY_ARCH, str(ckpt), "cpu", quick_gelu=True)
+    assert m.backbone == TINY_ARCH and m.weights_file == str(ckpt)
+    x = torch.randn(3, 3, 32, 32)
+    torch.testing.assert_close(m.encode_images(x), tiny_model.encode_images(x))
+    # a checkpoint file of a non-OpenAI architecture keeps the config's activation unless asked
+    assert not load_model(TINY_ARCH, str(ckpt), "cpu").quick_gelu
+
+
+def test_fingerprint_distinguishes_weights(tmp_path, tiny_model):  # noqa: F811
+    other = make_tiny_model_dir(tmp_path / "other", seed=1)
+    assert load_model(None, f"local-dir:{other}", "cpu").fingerprint != tiny_model.fingerprint
+
+
+def test_encode_outputs_are_normalised(tiny_model):  # noqa: F811
+    f = tiny_model.encode_images(torch.randn(4, 3, 32, 32))
+    assert f.dtype == torch.float32 and f.shape == (4, 16)
+    torch.testing.assert_close(f.norm(dim=-1), torch.ones(4))
+
+
+def test_text_prototypes_match_independent_average(tiny_model):  # noqa: F811
+    import open_clip
+    prompts = [["a photo of a cat.", "itap of a cat."], ["a dog texture."], ["x.", "y.", "z."]]
+    got = tiny_model.text_prototypes(prompts, batch_size=2)
+    tok = open_clip.get_tokenizer(tiny_model.arch)
+    want = []
+    with torch.no_grad():
+        for ps in prompts:
+            e = tiny_model.model.encode_text(tok(ps)).float()
+            e = e / e.norm(dim=-1, keepdim=True)
+            mean = e.mean(0)
+            want.append(mean / mean.norm())
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backbone="ViT-B-16", pretrained="/no/such/file.pt"), "does not exist"),
+    (dict(backbone="ViT-B-16", pretrained="no-such-tag"), "unknown pretrained tag 'no-such-tag'.*openai"),
+    (dict(backbone="ViT-Q-99", pretrained="openai"), "unknown backbone 'ViT-Q-99'"),
+    (dict(backbone=None, pretrained="openai"), "--backbone is required"),
+])
+def test_bad_model_names(kwargs, match):
+    with pytest.raises(ModelError, match=match):
+        load_model(kwargs["backbone"], kwargs["pretrained"], "cpu")
+
+
+def test_local_dir_problems(tmp_path):
+    with pytest.raises(ModelError, match="no such directory"):
+        load_model(None, f"local-dir:{tmp_path / 'nope'}", "cpu")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ModelError, match="open_clip_config.json is missing"):
+        load_model(None, f"local-dir:{tmp_path / 'd'}", "cpu")
+    d = make_tiny_model_dir(tmp_path / "w")
+    (d / "open_clip_model.safetensors").unlink()
+    with pytest.raises(ModelError, match="no weights file.*open_clip_model.safetensors"):
+        load_model(None, f"local-dir:{d}", "cpu")
+
+
+def test_unavailable_device():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ModelError, match="CUDA is not available"):
+        resolve_device("cuda")
+    with pytest.raises(ModelError, match="unknown device"):
+        resolve_device("tpu9")
+    assert resolve_device(None).type == "cpu"
+
+
+def test_offline_missing_openai_weights_fail_fast_via_cli(tmp_path):
+    """The real CLI with empty caches and the hub offline: one clear line naming the files, exit 2, no traceback."""
+    make_json_dataset(tmp_path / "data", "dtd", per_class=1)
+    env = dict(os.environ, HOME=str(tmp_path / "home"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
+               XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env.pop("HF_HUB_CACHE", None)
+    cmd = [sys.executable, "-m", "extract.cli", "--method", "zero-shot", "--dataset", "dtd", "--backbone", "RN50",
+           "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--cache-dir",
+           str(tmp_path / "cache"), "--device", "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "RN50/openai" in r.stderr and "RN50.pt" in r.stderr and "resnet50_clip.openai" in r.stderr
+    assert "HF_HUB_OFFLINE" in r.stderr and "local-dir:" in r.stderr
+    assert not (tmp_path / "out").exists()
+    json.dumps(r.stderr)  # printable
