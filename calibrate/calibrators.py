@@ -13,7 +13,7 @@ are exact and stable for logits of any magnitude (1e4 included).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal
 
 import numpy as np
 
@@ -37,11 +37,17 @@ SUBSETS: tuple[str, ...] = ("reduced", "all", "increased")
 
 
 def _as_2d(logits: Any, name: str = "logits") -> np.ndarray:
+    """(N, K) real array, finite (a NaN would otherwise pass silently as T = 1 or a NaN metric)."""
     x = np.asarray(logits)
     if x.ndim != 2:
         raise ValueError(f"{name} must have shape (N, K), got {x.shape}")
     if x.shape[1] < 1:
         raise ValueError(f"{name} must have at least one class, got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
+        raise ValueError(f"{name} must be real numbers, got dtype {x.dtype}")
+    if not np.isfinite(x).all():
+        bad = int((~np.isfinite(x)).any(axis=1).sum())
+        raise ValueError(f"{name} has {bad} row(s) with NaN or inf")
     return x
 
 
@@ -213,9 +219,10 @@ def _solve_beta(
 
     H is strictly decreasing in beta for non-constant rows (Proposition 1), so the root is unique. The iteration is
     Halley's method on f(x) = log H - log target in x = log beta (nearly linear in both the sharp and the diffuse
-    regime, so it needs about 3 steps), safeguarded by a bracket [x_lo, x_hi] that every evaluation shrinks: a step
-    that leaves the bracket (or is not finite, e.g. H underflowed to 0) is replaced by bisection in x, and a bracket
-    end that was never evaluated is evaluated first, which detects unreachable targets (capped rows).
+    regime, so it needs about 3 steps), with Newton as the second choice, steps limited to _MAX_STEP, and a bracket
+    [x_lo, x_hi] that every evaluation shrinks. Without a usable step (outside the bracket, or not finite, e.g. H
+    underflowed to 0) it bisects the bracket, or moves towards a never-evaluated end (the T caps) by _MAX_STEP;
+    reaching a cap evaluates it and marks the row capped when the target is still missed.
     Starts at beta = 1, where (H, Var, kappa3) = (h1, v1, k1) are already known. Returns (beta, capped, iterations).
     """
     n = zc.shape[0]
@@ -244,12 +251,17 @@ def _solve_beta(
             g = b * b * va / ha  # -f'
             f1 = -g
             f2 = (-2.0 * b * b * va - b * b * b * ka) / ha - g * g
-            step = xa + np.clip(-2.0 * f * f1 / (2.0 * f1 * f1 - f * f2), -_MAX_STEP, _MAX_STEP)
-        ok = np.isfinite(step) & (step > lo_a) & (step < hi_a)
-        mid = 0.5 * (lo_a + hi_a)
-        nxt = np.where(ok, step, mid)
-        nxt = np.where(~ok & below & ~lo_s, lo_a, nxt)  # try the cap once before bisecting
-        nxt = np.where(~ok & ~below & ~hi_s, hi_a, nxt)
+            halley = xa + np.clip(-2.0 * f * f1 / (2.0 * f1 * f1 - f * f2), -_MAX_STEP, _MAX_STEP)
+            newton = xa + np.clip(-f / f1, -_MAX_STEP, _MAX_STEP)
+        inside_h = np.isfinite(halley) & (halley > lo_a) & (halley < hi_a)
+        inside_n = np.isfinite(newton) & (newton > lo_a) & (newton < hi_a)
+        nxt = np.where(inside_h, halley, newton)
+        ok = inside_h | inside_n
+        # no usable step: bisect a verified bracket; towards an unverified end move by at most _MAX_STEP (reaching
+        # the end itself evaluates it, which decides whether the row is capped)
+        nxt = np.where(ok, nxt, 0.5 * (lo_a + hi_a))
+        nxt = np.where(~ok & below & ~lo_s, np.maximum(xa - _MAX_STEP, lo_a), nxt)
+        nxt = np.where(~ok & ~below & ~hi_s, np.minimum(xa + _MAX_STEP, hi_a), nxt)
         collapsed = (hi_a - lo_a) <= 1e-15
         lo[active], hi[active] = lo_a, hi_a
         lo_seen[active], hi_seen[active] = lo_s | (nxt <= _X_LO), hi_s | (nxt >= _X_HI)
@@ -449,6 +461,10 @@ class Calibrator:
     needs_fit: ClassVar[bool] = False
     spec: str = field(default="", repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if not self.spec:
+            self.spec = self.name
+
     def fit(self, *args: Any, **kwargs: Any) -> "Calibrator":
         """Label-free calibrators have nothing to fit; returns self."""
         return self
@@ -486,6 +502,7 @@ class TemperatureScaling(Calibrator):
     T: float | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.T is not None:
             self.T = float(self.T)
             if not (np.isfinite(self.T) and self.T > 0):
@@ -551,6 +568,7 @@ class ZAEC(Calibrator):
     subset: str = "reduced"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.strength = float(self.strength)
         if not 0.0 <= self.strength <= 1.0:
             raise ValueError(f"zaec strength must lie in [0, 1], got {self.strength}")
@@ -569,13 +587,7 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
 }
 
 
-def _options(cls: type[Calibrator]) -> dict[str, Any]:
-    return {f.name: f.type for f in fields(cls) if f.name != "spec"}
-
-
-def _convert(value: str, default: Any, cls_name: str, key: str) -> Any:
-    if isinstance(default, str) or default is None and key == "subset":
-        return value
+def _number(value: str, cls_name: str, key: str) -> float:
     try:
         return float(value)
     except ValueError:
@@ -609,7 +621,7 @@ def parse_calibrator(spec: str) -> Calibrator:
             raise ValueError(f"calibrator option {key!r} of {name!r} needs a value ({name}:{key}=VALUE)")
         if key in kwargs:
             raise ValueError(f"calibrator option {key!r} given twice in {spec!r}")
-        kwargs[key] = value if key == "subset" else _convert(value, valid[key].default, name, key)
+        kwargs[key] = value if isinstance(valid[key].default, str) else _number(value, name, key)
     cal = cls(**kwargs)
     cal.spec = text
     return cal

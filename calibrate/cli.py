@@ -98,7 +98,20 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         tables_app(args=args[1:], prog_name="zaec-calibrate tables")
         return
-    app(args=args, prog_name="zaec-calibrate")
+    # typer's usage errors (click's ClickException/UsageError; typer >= 0.2x vendors click, so find them by name)
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=args, prog_name="zaec-calibrate", standalone_mode=False)
+    except click_error as e:  # one line, like every other user error
+        hint = " (see zaec-calibrate --help)" if isinstance(e, usage_error) else ""
+        print(f"zaec-calibrate: error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:
+        print("zaec-calibrate: aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,6 @@ class _DuplicateCheck:
     def __init__(self, key: RunKey) -> None:
         self.key = key
         self.seen = np.zeros(0, dtype=np.int64)
-        self.first: list[tuple[Path, np.ndarray]] = []
 
     def add(self, path: Path, ids: np.ndarray) -> None:
         ids = np.sort(ids)

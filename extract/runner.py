@@ -118,12 +118,13 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def build_method(cls: type, config: Any, text_features: torch.Tensor, model: LoadedModel, *, backbone: str,
-                 dataset: str) -> Any:
+                 dataset: str, class_names: Sequence[str] | None = None) -> Any:
     """The one place a method object is constructed (episodic methods that tune prompts get the model as
-    `text_encoder`)."""
+    `text_encoder` and the class names to build their prompts from)."""
     kwargs: dict[str, Any] = {"backbone": backbone, "dataset": dataset}
     if getattr(cls, "needs_text_encoder", False):
         kwargs["text_encoder"] = model
+        kwargs["class_names"] = class_names
     return cls(config, text_features, model.logit_scale, **kwargs)
 
 
@@ -515,7 +516,8 @@ def run_extraction(
     dev = model.device
     if workers is None:
         workers = 8 if dev.type == "cuda" else 0
-    method_obj = build_method(plan.method_cls, config, method_text, model, backbone=plan.backbone, dataset=dataset)
+    method_obj = build_method(plan.method_cls, config, method_text, model, backbone=plan.backbone, dataset=dataset,
+                              class_names=testset.class_names)
     reader = _FeatureReader(cache, plan.policy)
     start_pos = start_part * part_size
     written = [shard_path(out, plan.key, p) for p in range(start_part)]

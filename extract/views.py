@@ -156,6 +156,8 @@ class ViewGenerator:
         self.policy = policy
         self.seed = int(seed)
         self.interp = _INTERP.get(preprocess.interpolation, InterpolationMode.BICUBIC)
+        self._mean = torch.tensor(preprocess.mean, dtype=torch.float32)[:, None, None]
+        self._std = torch.tensor(preprocess.std, dtype=torch.float32)[:, None, None]
 
     @property
     def n_views(self) -> int:
@@ -163,6 +165,11 @@ class ViewGenerator:
 
     def _to_tensor(self, img: Image.Image) -> torch.Tensor:
         return TF.normalize(TF.to_tensor(img), self.pre.mean, self.pre.std)
+
+    def _finish(self, x: np.ndarray) -> torch.Tensor:
+        """(S, S, 3) float32 in [0, 1] -> normalised (3, S, S) tensor."""
+        t = torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+        return (t - self._mean) / self._std
 
     def original(self, img: Image.Image) -> torch.Tensor:
         """View 0: (3, S, S)."""
@@ -177,19 +184,21 @@ class ViewGenerator:
         crop = img.resize((self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h))
         if rng.uniform() < 0.5:
             crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
-        base = self._to_tensor(crop)
+        base = np.asarray(crop, dtype=np.float32) / 255.0
         if self.policy != "augmix":
-            return base
+            return self._finish(base)
         w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
         m = np.float32(rng.beta(1.0, 1.0))
-        mix = torch.zeros_like(base)
+        mix = np.zeros_like(base)
         for i in range(AUGMIX_CHAINS):
             x = crop.copy()
             for _ in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
                 op = AUGMIX_OPS[int(rng.integers(0, len(AUGMIX_OPS)))]
                 x = op(x, rng, self.size)
-            mix += float(w_mix[i]) * self._to_tensor(x)
-        return float(m) * base + (1.0 - float(m)) * mix
+            mix += w_mix[i] * (np.asarray(x, dtype=np.float32) / 255.0)
+        # the weights m + (1 - m) * sum(w) are 1, so mixing before the (affine) normalisation equals mixing
+        # normalised tensors, as the original does, up to float rounding
+        return self._finish(m * base + (1.0 - m) * mix)
 
     def augmented(self, img: Image.Image, sample_id: int) -> torch.Tensor:
         """Views 1..63 of sample `sample_id`: (63, 3, S, S)."""

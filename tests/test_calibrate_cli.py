@@ -223,6 +223,8 @@ def test_bad_input_one_line_exit_2(name, tmp_path, make_meta, capsys):
         (["--calibrators", "zaec:subset=most"], "valid: reduced, all, increased"),
         (["--binning", "quantile"], "unknown binning 'quantile'; valid: width, mass"),
         (["--bins", "0"], "n_bins must be a positive integer"),
+        (["--bins", "x"], "Invalid value for '--bins'"),
+        (["--frobnicate"], "No such option: --frobnicate"),
     ],
 )
 def test_bad_options(args, fragment, tmp_path, make_meta, rng, capsys):
@@ -270,3 +272,30 @@ def test_synthetic_generator_writes_valid_shards(tmp_path):
     none, zaec = rep.metrics.filter(pl.col("calibrator") != "zero-shot").iter_rows(named=True)
     # synthetic TTA is sharper than zero-shot; ZAEC raises the entropy, never the accuracy
     assert zaec["mean_entropy"] > none["mean_entropy"] and zaec["accuracy"] == none["accuracy"]
+
+
+def test_missing_argument_is_one_line(capsys):
+    code, out, err = run_cli([], capsys)
+    assert code == 2 and err.strip() == "zaec-calibrate: error: Missing argument 'paths'. (see zaec-calibrate --help)"
+
+
+def test_synthetic_entry_points(tmp_path, capsys):
+    from calibrate import demo_synthetic, synthetic
+
+    assert synthetic.main([str(tmp_path / "a"), "--scale", "0.001", "--datasets", "dtd,eurosat"]) == 0
+    assert len(list((tmp_path / "a").rglob("*.parquet"))) == 2
+    assert synthetic.main([str(tmp_path / "b"), "--datasets", "dtdd"]) == 2
+    assert "unknown dataset(s) dtdd; available: imagenet" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        demo_synthetic.main([str(tmp_path / "demo"), "--scale", "0.005"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "SYNTHETIC" in out and "zaec" in out
+    df = pl.read_parquet(tmp_path / "demo" / "results" / "metrics.parquet")
+    assert set(df["calibrator"]) == {"zero-shot", "none", "temperature", "sals", "zaec"}
+
+
+def test_bench_solver_smoke():
+    from calibrate.bench import bench_solver
+
+    (row,) = bench_solver(60, [7], naive_repeat=1)
+    assert row["max_rel_diff_vs_brentq"] < 1e-3 and row["speedup_vs_brentq"] > 0 and row["capped"] == 0

@@ -277,3 +277,21 @@ def test_parse_calibrator_specs():
         parse_calibrators("zaec,zaec")
     with pytest.raises(ValueError, match="no option 'x'; valid options: none"):
         parse_calibrator("sals:x=1")
+
+
+def test_nan_and_bad_shapes_are_rejected():
+    zs = np.zeros((3, 4))
+    tta = np.ones((3, 4))
+    tta[1, 2] = np.nan
+    tta[2, 0] = np.inf
+    with pytest.raises(ValueError, match="tta_logits has 2 row"):
+        zaec_temperature(zs, tta)
+    with pytest.raises(ValueError, match="logits has 2 row"):
+        entropy_from_logits(tta)
+    with pytest.raises(ValueError, match=r"same shape; got \(3, 4\) and \(3, 5\)"):
+        zaec_temperature(zs, np.zeros((3, 5)))
+    with pytest.raises(ValueError, match=r"shape \(N, K\)"):
+        zaec_temperature(np.zeros(4), np.zeros(4))
+    with pytest.raises(ValueError, match="unknown subset 'most'"):
+        zaec_temperature(zs, zs, subset="most")
+    assert zaec_temperature(np.zeros((0, 3)), np.zeros((0, 3))).shape == (0,)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from schemas import (
     REQUIRED_COLUMNS,
     RunKey,
     ShardError,
-    ShardMeta,
     build_table,
     find_shards,
     group_shards,

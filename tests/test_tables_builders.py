@@ -372,3 +372,32 @@ def test_run_metrics_ece_matches_the_slow_loop(rng):
     got = dict(zip(df["calibrator"], df["ece"]))
     assert got["none"] == pytest.approx(slow_ece(list(s.tta_confidence), list(s.tta_correct), 15), abs=1e-12)
     assert got["zero-shot"] == pytest.approx(slow_ece(list(s.zs_confidence), list(s.zs_correct), 15), abs=1e-12)
+
+
+def test_temperature_scaling_source_per_seed_and_fixed(tmp_path, make_meta, rng):
+    from calibrate.calibrators import TemperatureScaling
+    from calibrate.tables.data import load_summaries
+
+    data = {}
+    for dataset in ("imagenet", "dtd"):
+        for seed in (1, 2):
+            n, k = 80, 4
+            labels = rng.integers(0, k, n)
+            zs = rng.normal(size=(n, k))
+            zs[np.arange(n), labels] += 1.0
+            tta = (zs * (2 + seed)).astype(np.float32)
+            meta = make_meta(dataset=dataset, k=k, method="tda", seed=seed)
+            write_shard(shard_path(tmp_path, meta.key, 0), meta, np.arange(n), labels, zs.astype(np.float32), tta)
+            data[(dataset, seed)] = (tta, labels)
+    s = load_summaries([tmp_path], ["none", "temperature"], ts_source="imagenet")
+    for seed in (1, 2):
+        want = TemperatureScaling().fit(*data[("imagenet", seed)]).temperature_
+        key = RunKey("ViT-B-16", "dtd", "tda", seed)
+        assert s.runs[key].calibrated["temperature"].temperature == pytest.approx(np.full(80, want))
+        assert s.temperatures[f"ViT-B-16/imagenet/tda/seed={seed}"] == pytest.approx(want)
+    fixed = load_summaries([tmp_path], ["none", "temperature"], temperature=1.5)
+    assert np.all(fixed.runs[RunKey("ViT-B-16", "dtd", "tda", 1)].calibrated["temperature"].temperature == 1.5)
+    none = load_summaries([tmp_path], ["none", "temperature"], ts_source="eurosat")
+    assert "temperature" not in none.runs[RunKey("ViT-B-16", "dtd", "tda", 1)].calibrated
+    assert none.notes == ["temperature scaling skipped for ViT-B-16/tda: no labelled source shards of dataset "
+                          "'eurosat' (choose one with --ts-source or fix T with --temperature)"]

@@ -88,6 +88,8 @@ def test_tables_end_to_end(shards, tmp_path, capsys):
     assert diffs["contains_zero"].dtype == pl.Boolean
     t4 = pl.read_csv(out / "table4_subset_ablation.csv")
     assert dict(zip(t4["backbone"], t4["datasets"])) == {"ViT-B-16": "imagenet,imagenet_a", "RN50": "imagenet_a"}
+    zrow = t4.filter(pl.col("calibrator") == "zaec")
+    assert zrow["diff_zaec"].null_count() == zrow.height and t4["diff_contains_zero"].null_count() == zrow.height
     assert "reference dataset" not in readme  # imagenet_a is present for both backbones
 
 

@@ -117,6 +117,17 @@ def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> tuple[np
     return lo, hi
 
 
+def basic_interval(estimate, replicates: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """Basic (reverse-percentile) bootstrap interval over the last axis: [2 t - q_hi, 2 t - q_lo].
+
+    Chosen over the percentile interval because binned ECE is biased upwards and its resamples are biased once more:
+    the percentile interval then sits above small true ECEs (simulated, N = 2000, 20 bins, true ECE 0.02: coverage
+    0.25), the basic interval reflects the bias back (coverage 0.91). For differences of paired ECEs the two agree.
+    """
+    q_lo, q_hi = percentile_interval(replicates, level)
+    return 2 * np.asarray(estimate) - q_hi, 2 * np.asarray(estimate) - q_lo
+
+
 def dataset_seed(seed: int, backbone: str, dataset: str, sample_id: np.ndarray) -> np.random.SeedSequence:
     """Seed of the resamples of one (backbone, dataset, sample set): runs over the same samples share resamples."""
     digest = zlib.crc32(np.ascontiguousarray(sample_id, dtype=np.int64).tobytes())
@@ -125,7 +136,8 @@ def dataset_seed(seed: int, backbone: str, dataset: str, sample_id: np.ndarray) 
 
 @dataclass
 class BootstrapResult:
-    """ECE replicates (B,) per (run, calibrator); calibrator `zero-shot` is the paired zero-shot prediction."""
+    """ECE replicates (B,) per (run, calibrator); calibrator `zero-shot` is the paired zero-shot prediction.
+    Intervals are `basic_interval`s at `level`."""
 
     n_resamples: int
     seed: int

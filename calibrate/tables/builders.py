@@ -14,7 +14,7 @@ from scipy import stats
 
 from calibrate.metrics import ece
 from calibrate.tables import layout
-from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, percentile_interval
+from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, basic_interval
 from calibrate.tables.data import RunSummary
 from schemas import RunKey
 
@@ -103,12 +103,16 @@ class CellReplicates:
                 if (b, d, c) == (backbone, dataset, ZERO_SHOT)]
         return None if not reps else np.mean(reps, axis=0)
 
-    def interval(self, reps: np.ndarray | None, scale: float = 100.0) -> tuple[float | None, float | None]:
-        """Percentile interval of replicates (fractions), times `scale` (percent by default)."""
-        if reps is None or self.boot is None:
+    def interval(
+        self, reps: np.ndarray | None, estimate: float | None, scale: float = 100.0, floor: float | None = None
+    ) -> tuple[float | None, float | None]:
+        """Basic bootstrap interval of `estimate` (already times `scale`) from replicates (fractions) times `scale`;
+        `floor` clips the lower end (0 for an ECE, which cannot be negative)."""
+        if reps is None or estimate is None or self.boot is None:
             return None, None
-        lo, hi = percentile_interval(np.asarray(reps) * scale, self.boot.level)
-        return float(lo), float(hi)
+        lo, hi = basic_interval(estimate, np.asarray(reps) * scale, self.boot.level)
+        lo = float(lo) if floor is None else max(float(lo), floor)
+        return lo, float(hi)
 
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
@@ -146,7 +150,7 @@ def main_table(
     Columns: datasets grouped like the paper (`layout.order_datasets`), each group followed by its unweighted
     macro-average (`dataset == "avg"`, over the group's datasets present in that row; `n_datasets` counts them).
     `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot is never bold.
-    `ci_low`/`ci_high`: percentile bootstrap interval of each ECE (the average's from averaged replicates).
+    `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates).
     """
     replicates = replicates or CellReplicates(None)
     cb = cells.filter(pl.col("backbone") == backbone)
@@ -191,7 +195,7 @@ def main_table(
             vals, reps = [], []
             for d in datasets:
                 v, rep = getter(d)
-                lo, hi = replicates.interval(rep)
+                lo, hi = replicates.interval(rep, v, floor=0.0)
                 rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
                                  row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset=d,
                                  column_label=layout.dataset_label(d), col_pos=col, value=v, ci_low=lo, ci_high=hi,
@@ -202,7 +206,7 @@ def main_table(
             avg = _mean_or_none(vals)
             have = [r for v, r in zip(vals, reps) if v is not None]
             avg_rep = np.mean(have, axis=0) if have and all(r is not None for r in have) else None
-            lo, hi = replicates.interval(avg_rep)
+            lo, hi = replicates.interval(avg_rep, avg, floor=0.0)
             rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
                              row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset="avg",
                              column_label="Avg.", col_pos=col, value=avg, ci_low=lo, ci_high=hi,
@@ -256,7 +260,7 @@ def main_differences(
                     estimate = ra["value"] - rb["value"]
                 if estimate is None:
                     continue
-                lo, hi = replicates.interval(diff)
+                lo, hi = replicates.interval(diff, estimate)
                 rows.append(dict(backbone=backbone, method=block, group=ra["group"], dataset=ra["dataset"],
                                  column_label=ra["column_label"], col_pos=ra["col_pos"],
                                  comparison=f"{layout.calibrator_label(a)} - {layout.calibrator_label(b)}",
@@ -414,26 +418,54 @@ def entropy_gap_bins(s: RunSummary, n_bins: int = 10) -> pl.DataFrame:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def ablation_table(cells: pl.DataFrame, backbone: str, datasets: Sequence[str]) -> pl.DataFrame:
+def ablation_table(
+    cells: pl.DataFrame, backbone: str, datasets: Sequence[str], replicates: CellReplicates | None = None
+) -> pl.DataFrame:
     """Table 4: ECE (percent) and NLL of each corrected subset, macro-averaged over `datasets`, per method.
 
-    Columns: backbone, method, subset, calibrator, ece, nll, n_datasets, bold_ece, bold_nll (lowest per method).
-    A subset row is left out for a method missing it on any of the datasets.
+    Columns: backbone, method, subset, calibrator, ece, nll, n_datasets, bold_ece, bold_nll (lowest per method);
+    with replicates also ci_low/ci_high of the ECE and the paired difference ZAEC minus this row (diff_zaec,
+    diff_ci_low, diff_ci_high, diff_contains_zero; null on the ZAEC row). A subset row is left out for a method
+    missing it on any of the datasets.
     """
+    replicates = replicates or CellReplicates(None)
     rows = []
     cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets)))
+    zaec_spec = layout.SUBSET_SPECS["Entropy-reduced (ZAEC)"]
+
+    def avg_reps(m: str, spec: str) -> np.ndarray | None:
+        reps = [replicates.get(backbone, d, m, spec) for d in datasets]
+        return None if any(r is None for r in reps) else np.mean(reps, axis=0)
+
     for m in layout.order_methods(cb["method"].unique().to_list()):
         part = []
+        z = avg_reps(m, zaec_spec)
         for subset, spec in layout.SUBSET_SPECS.items():
             r = cb.filter((pl.col("method") == m) & (pl.col("calibrator") == spec))
             if r.height != len(datasets) or r.height == 0:
                 continue
-            part.append(dict(backbone=backbone, method=m, subset=subset, calibrator=spec,
-                             ece=float(r["ece"].mean()) * 100.0, nll=float(r["nll"].mean()), n_datasets=r.height))
+            reps = avg_reps(m, spec)
+            value = float(r["ece"].mean()) * 100.0
+            lo, hi = replicates.interval(reps, value, floor=0.0)
+            part.append(dict(backbone=backbone, method=m, subset=subset, calibrator=spec, ece=value,
+                             nll=float(r["nll"].mean()), n_datasets=r.height, ci_low=lo, ci_high=hi, diff_zaec=None,
+                             diff_ci_low=None, diff_ci_high=None, diff_contains_zero=None, _reps=reps))
+        zrow = next((p for p in part if p["calibrator"] == zaec_spec), None)
+        for p in part:
+            if zrow is not None and p is not zrow:
+                p["diff_zaec"] = zrow["ece"] - p["ece"]
+                if z is not None and p["_reps"] is not None:
+                    dlo, dhi = replicates.interval(z - p["_reps"], p["diff_zaec"])
+                    if dlo is not None:
+                        p.update(diff_ci_low=dlo, diff_ci_high=dhi, diff_contains_zero=bool(dlo <= 0.0 <= dhi))
+        for p in part:
+            del p["_reps"]
         be, bn = _bold_min([p["ece"] for p in part]), _bold_min([p["nll"] for p in part])
         rows += [dict(p, bold_ece=e, bold_nll=n) for p, e, n in zip(part, be, bn)]
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "subset": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
-              "nll": pl.Float64, "n_datasets": pl.Int64, "bold_ece": pl.Boolean, "bold_nll": pl.Boolean}
+              "nll": pl.Float64, "n_datasets": pl.Int64, "ci_low": pl.Float64, "ci_high": pl.Float64,
+              "diff_zaec": pl.Float64, "diff_ci_low": pl.Float64, "diff_ci_high": pl.Float64,
+              "diff_contains_zero": pl.Boolean, "bold_ece": pl.Boolean, "bold_nll": pl.Boolean}
     return pl.DataFrame(rows, schema=schema)
 
 

@@ -15,11 +15,15 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import bootstrap_runs
 from calibrate.tables.data import load_summaries
-from calibrate.tables.report import ALL_SPECS, ReportOptions, write_report
+import polars as pl
+
+from calibrate.tables.render import main_rich
+from calibrate.tables.report import ALL_SPECS, BOOTSTRAP_SPECS, ReportOptions, slug, write_report
 from schemas import ShardError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -54,15 +58,19 @@ def tables(
             if v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v}")
         t0 = time.perf_counter()
-        summaries = load_summaries(
-            shards, ALL_SPECS, ts_source=ts_source, temperature=temperature, drop_nonfinite=drop_nonfinite,
-            on_run=lambda key, i, n: say(f"[{i}/{n}] summarised {key}"),
-        )
+        progress = Progress(TextColumn("reading runs"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                            console=err, transient=True, disable=quiet or not err.is_terminal)
+        task = progress.add_task("runs", total=None)
+        with progress:
+            summaries = load_summaries(
+                shards, ALL_SPECS, ts_source=ts_source, temperature=temperature, drop_nonfinite=drop_nonfinite,
+                on_run=lambda key, i, n: progress.update(task, completed=i, total=n),
+            )
         t1 = time.perf_counter()
         say(f"read {len(summaries.runs)} run(s) in {t1 - t0:.1f} s")
         boot = None
         if bootstrap:
-            boot = bootstrap_runs(summaries.runs, layout.MAIN_CALIBRATORS, n_bins=bins, n_resamples=bootstrap,
+            boot = bootstrap_runs(summaries.runs, BOOTSTRAP_SPECS, n_bins=bins, n_resamples=bootstrap,
                                   seed=seed, level=level)
             say(f"bootstrap: {bootstrap} resamples in {time.perf_counter() - t1:.1f} s")
         t2 = time.perf_counter()
@@ -74,6 +82,12 @@ def tables(
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         err.print(f"zaec-calibrate tables: error: {msg}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2)
+    if not quiet:
+        console = Console(width=None if Console().is_terminal else 200)
+        for bb in summaries.backbones():
+            main = pl.read_csv(out / f"main_{slug(bb)}.csv") if (out / f"main_{slug(bb)}.csv").exists() else None
+            if main is not None:
+                console.print(main_rich(main, f"{bb}: accuracy and ECE (%)"))
     for note in report.notes:
         say(f"note: {note}")
     n_files = sum(len(p) for _, p in report.outputs)

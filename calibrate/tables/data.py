@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from calibrate.calibrators import TemperatureScaling, parse_calibrator, softmax_stats
+from calibrate.run import resolve_ts_sources
 from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
 #: (zs_logits (n, K), tta_logits (n, K)) -> per-sample temperatures (n,)
@@ -210,8 +211,8 @@ class Summaries:
     """Everything the tables are built from: run summaries, fitted source temperatures, and notes for the reader."""
 
     runs: dict[RunKey, RunSummary] = field(default_factory=dict)
-    #: (backbone, method) -> fitted or fixed temperature of temperature scaling, with its source
-    temperatures: dict[tuple[str, str], tuple[float, str]] = field(default_factory=dict)
+    #: source description (e.g. "RN50/imagenet/tda/seed=1") -> the temperature fitted there (or fixed)
+    temperatures: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def backbones(self) -> list[str]:
@@ -241,8 +242,9 @@ def load_summaries(
     """Find, group and stream every run under `paths` into per-sample summaries.
 
     Calibrator specs are resolved before any shard is read (fail fast). `temperature` (temperature scaling) is fitted
-    by NLL once per (backbone, method) on the labelled adapted logits of the `ts_source` dataset (all its seeds
-    pooled, streamed), or fixed to `temperature`; without a source it is skipped with a note.
+    by NLL on the labelled adapted logits of the `ts_source` dataset, same backbone and method, same seed when present
+    else every seed pooled (`calibrate.run.resolve_ts_sources`, as `zaec-calibrate` does), streamed; or fixed to
+    `temperature`; without a source it is skipped with a note.
 
     Raises:
         ShardError: no shards, or a shard that violates the contract.
@@ -251,33 +253,42 @@ def load_summaries(
     cals = {spec: parse_calibrator(spec) for spec in specs if spec != "temperature"}
     groups = group_shards(find_shards(paths))
     out = Summaries()
-    if "temperature" in specs:
-        for backbone, method in sorted({(k.backbone, k.method) for k in groups}):
-            if temperature is not None:
-                out.temperatures[(backbone, method)] = (float(TemperatureScaling(T=temperature).temperature_), "fixed")
+    fitted: dict[RunKey, float] = {}
+    if "temperature" in specs and temperature is not None:
+        t = float(TemperatureScaling(T=temperature).temperature_)
+        fitted = {key: t for key in groups}
+        out.temperatures["fixed (--temperature)"] = t
+    elif "temperature" in specs:
+        sources = resolve_ts_sources(groups, ts_source) if ts_source else {}
+        cache: dict[tuple[str, str, tuple[RunKey, ...]], float] = {}
+        missing: set[tuple[str, str]] = set()
+        for key in run_keys(groups):
+            if key not in sources:
+                missing.add((key.backbone, key.method))
                 continue
-            src = [k for k in run_keys(groups) if (k.backbone, k.method, k.dataset) == (backbone, method, ts_source)]
-            if not src:
-                out.notes.append(
-                    f"temperature scaling skipped for {backbone}/{method}: no labelled source shards of dataset "
-                    f"{ts_source!r} (choose one with --ts-source or fix T with --temperature)"
-                )
-                continue
-            members = [m for k in src for m in groups[k]]
+            src_keys, desc = sources[key]
+            ck = (key.backbone, key.method, src_keys)
+            if ck not in cache:
+                members = [m for k in src_keys for m in groups[k]]
 
-            def batches(members=members):
-                for shard in iter_run(members):
-                    shard = _checked(shard, drop_nonfinite, [])
-                    yield shard.tta_logits, shard.label
+                def batches(members=members):
+                    for shard in iter_run(members):
+                        shard = _checked(shard, drop_nonfinite, [])
+                        yield shard.tta_logits, shard.label
 
-            ts = TemperatureScaling().fit(batches=batches)
-            out.temperatures[(backbone, method)] = (float(ts.temperature_), f"fitted on {ts_source}")
+                cache[ck] = float(TemperatureScaling().fit(batches=batches).temperature_)
+                out.temperatures[desc] = cache[ck]
+            fitted[key] = cache[ck]
+        for backbone, method in sorted(missing):
+            out.notes.append(
+                f"temperature scaling skipped for {backbone}/{method}: no labelled source shards of dataset "
+                f"{ts_source!r} (choose one with --ts-source or fix T with --temperature)"
+            )
     keys = run_keys(groups)
     for i, key in enumerate(keys):
         fns: dict[str, TemperatureFn] = {spec: cal.temperatures for spec, cal in cals.items()}
-        fitted = out.temperatures.get((key.backbone, key.method))
-        if fitted is not None:
-            fns["temperature"] = lambda zs, tta, t=fitted[0]: np.full(np.shape(tta)[0], t)
+        if key in fitted:
+            fns["temperature"] = lambda zs, tta, t=fitted[key]: np.full(np.shape(tta)[0], t)
         out.runs[key] = summarise_run(groups[key], fns, drop_nonfinite=drop_nonfinite, notes=out.notes)
         if on_run is not None:
             on_run(key, i + 1, len(keys))

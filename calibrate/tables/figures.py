@@ -1,6 +1,8 @@
 """Figures: `prepare_*` functions return arrays, `plot_*` functions draw them (matplotlib, headless Agg).
 
 Every plot takes the DataFrame a builder made (or arrays from `prepare_reliability`) and writes one PNG atomically.
+Figures are built on `matplotlib.figure.Figure` directly, never through pyplot: headless on any machine, no global
+backend switch, nothing left open.
 """
 
 from __future__ import annotations
@@ -11,17 +13,19 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import matplotlib
+import numpy as np
+import polars as pl
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
-
-from calibrate.metrics import reliability  # noqa: E402
-from calibrate.tables import layout  # noqa: E402
+from calibrate.metrics import reliability
+from calibrate.tables import layout
+from calibrate.tables.render import publish
 
 CAL_COLORS = {"zero-shot": "#7f7f7f", "none": "#d62728", "temperature": "#9467bd", "sals": "#ff7f0e",
               "zaec": "#1f77b4"}
+#: height (in panel units) of the tallest possible confidence-histogram bar (all samples in one bin)
+HIST_HEIGHT = 0.25
 CAL_MARKERS = {"none": "o", "temperature": "D", "sals": "s", "zaec": "^", "zero-shot": "x"}
 
 
@@ -33,17 +37,15 @@ def save(fig, path: str | os.PathLike, dpi: int = 130) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    finally:
-        plt.close(fig)
     return path
 
 
 def _method_colors(methods: Sequence[str]) -> dict[str, tuple]:
-    cmap = plt.get_cmap("tab10")
+    cmap = matplotlib.colormaps["tab10"]
     return {m: cmap(i % 10) for i, m in enumerate(methods)}
 
 
@@ -68,9 +70,10 @@ def plot_reliability_grid(
     ece_values: Mapping[tuple[str, str], float] | None = None,
 ) -> Path:
     """Rows: calibrators (raw / SaLS / ZAEC); columns: methods. Bars: bin accuracy; hatched: the gap to the bin's
-    mean confidence; grey steps below: the confidence histogram (share of samples)."""
+    mean confidence; grey area: the confidence histogram (share of samples, 100% = a quarter of the height)."""
     nr, nc = len(calibrators), len(methods)
-    fig, axes = plt.subplots(nr, nc, figsize=(2.6 * nc + 0.4, 2.6 * nr + 0.4), squeeze=False, sharex=True, sharey=True)
+    fig = Figure(figsize=(2.6 * nc + 0.4, 2.6 * nr + 0.4))
+    axes = fig.subplots(nr, nc, squeeze=False, sharex=True, sharey=True)
     for i, cal in enumerate(calibrators):
         for j, m in enumerate(methods):
             ax = axes[i][j]
@@ -86,8 +89,10 @@ def plot_reliability_grid(
                 ax.bar(left[ok], acc[ok], width=width[ok], align="edge", color="#1f77b4", edgecolor="k", lw=0.5)
                 ax.bar(left[ok], (conf - acc)[ok], bottom=acc[ok], width=width[ok], align="edge", fill=False,
                        hatch="///", edgecolor="#d62728", lw=0.5)
-                share = p["count"] / max(p["count"].sum(), 1.0)
-                ax.step(np.r_[left, 1.0], np.r_[share, share[-1]] * 0.3, where="post", color="#555555", lw=0.8)
+                # confidence histogram (share of samples per bin), drawn in the lowest quarter of the panel
+                share = p["count"] / max(p["count"].sum(), 1.0) * HIST_HEIGHT
+                ax.fill_between(np.r_[left, 1.0], np.r_[share, share[-1]], step="post", color="#444444", alpha=0.35,
+                                lw=0, zorder=3)
                 if ece_values and (cal, m) in ece_values:
                     ax.text(0.04, 0.9, f"ECE {ece_values[(cal, m)]:.2f}", transform=ax.transAxes, fontsize=8)
             else:
@@ -114,7 +119,8 @@ def plot_range_vs_ece(points: pl.DataFrame, path: str | os.PathLike, title: str)
     grey arrows from SaLS to ZAEC on the same predictions."""
     methods = layout.order_methods(points["method"].unique().to_list())
     colors = _method_colors(methods)
-    fig, ax = plt.subplots(figsize=(5.2, 4.0))
+    fig = Figure(figsize=(5.2, 4.0))
+    ax = fig.subplots()
     for m in methods:
         part = {r["calibrator"]: r for r in points.filter(pl.col("method") == m).iter_rows(named=True)}
         for cal, r in part.items():
@@ -124,8 +130,8 @@ def plot_range_vs_ece(points: pl.DataFrame, path: str | os.PathLike, title: str)
             a, b = part["sals"], part["zaec"]
             ax.annotate("", xy=(b["range_deviation"], b["ece"]), xytext=(a["range_deviation"], a["ece"]),
                         arrowprops=dict(arrowstyle="->", color="#999999", lw=1.0), zorder=2)
-    handles = [plt.Line2D([], [], color=colors[m], marker="o", ls="", label=layout.method_label(m)) for m in methods]
-    handles += [plt.Line2D([], [], color="k", marker=CAL_MARKERS.get(c, "o"), ls="", label=layout.calibrator_label(c))
+    handles = [Line2D([], [], color=colors[m], marker="o", ls="", label=layout.method_label(m)) for m in methods]
+    handles += [Line2D([], [], color="k", marker=CAL_MARKERS.get(c, "o"), ls="", label=layout.calibrator_label(c))
                 for c in points["calibrator"].unique(maintain_order=True).to_list()]
     ax.legend(handles=handles, fontsize=7, loc="best")
     ax.set_xlabel(r"relative logit-range deviation $\Delta_R$ (%)")
@@ -139,7 +145,8 @@ def plot_entropy_ece(points: pl.DataFrame, corr: Mapping | None, path: str | os.
     line and the correlations in the title."""
     methods = layout.order_methods(points["method"].unique().to_list())
     colors = _method_colors(methods)
-    fig, ax = plt.subplots(figsize=(5.2, 4.0))
+    fig = Figure(figsize=(5.2, 4.0))
+    ax = fig.subplots()
     for m in methods:
         p = points.filter(pl.col("method") == m)
         ax.scatter(p["mean_delta_entropy"], p["delta_ece"], color=colors[m], label=layout.method_label(m), s=30)
@@ -166,7 +173,8 @@ def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) ->
     for entropy-reduced (c) and not-reduced (d) samples, one line per method."""
     methods = layout.order_methods(bins["method"].unique().to_list())
     colors = _method_colors(methods)
-    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.8), squeeze=False)
+    fig = Figure(figsize=(9.5, 3.8))
+    axes = fig.subplots(1, 2, squeeze=False)
     for ax, subset, name in ((axes[0][0], "reduced", r"(c) $\delta^H < 0$"),
                              (axes[0][1], "not_reduced", r"(d) $\delta^H \geq 0$")):
         drew = False
@@ -200,7 +208,8 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
     n = len(datasets)
     cols = min(n, 3)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), squeeze=False)
+    fig = Figure(figsize=(3.6 * cols, 3.0 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for k, d in enumerate(datasets):
         ax = axes[k // cols][k % cols]
         for m in methods:
@@ -223,7 +232,8 @@ def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title:
     calibrator (zero-shot first)."""
     methods = layout.order_methods(summary["method"].unique().to_list())
     cals = [c for c in ("zero-shot", *layout.MAIN_CALIBRATORS) if c in summary["calibrator"].to_list()]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), squeeze=False)
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2, squeeze=False)
     width = 0.8 / max(len(cals), 1)
     x = np.arange(len(methods))
     for ax, col, label in ((axes[0][0], "ece", "average ECE (%)"), (axes[0][1], "mean_entropy", "mean entropy (nats)")):

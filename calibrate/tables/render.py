@@ -21,6 +21,14 @@ DASH = "–"
 NS_MARK = "†"
 
 
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Give a finished temporary file the usual permissions (mkstemp makes it 0600) and rename it into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write text atomically (temporary name in the same folder, then rename)."""
     path = Path(path)
@@ -29,7 +37,7 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -43,7 +51,7 @@ def write_csv(df: pl.DataFrame, path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         df.write_csv(tmp)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -212,7 +220,8 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
     pct = int(round(level * 100))
     parts = [f"# {title}\n",
              f"Paired bootstrap over samples ({n_resamples} resamples; zero-shot, raw and calibrated predictions "
-             f"resampled together); {pct}% percentile intervals, ECE in percent. Avg. intervals average the "
+             f"resampled together); {pct}% basic bootstrap intervals (2 x estimate minus the replicate quantiles, "
+             "which undoes ECE's upward resampling bias; ECE floored at 0), ECE in percent. Avg. intervals average the "
              "per-dataset replicates (datasets resampled independently).\n"]
     for group in intervals["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(intervals.with_columns(pl.lit("ece").alias("metric")), group,
@@ -270,3 +279,22 @@ def intervals_latex(diffs: pl.DataFrame, caption: str) -> str:
         rows.append(row)
     header = ["Comparison", *[tex_escape(x) for x in cols["column_label"].to_list()]]
     return _wrap_table(tex_tabular(header, rows, "l" + "c" * cols.height), caption)
+
+
+def main_rich(main: pl.DataFrame, title: str):
+    """A rich Table of a main table (all groups side by side; bold best ECE per block) for the terminal."""
+    from rich.table import Table
+
+    labels, rows = _main_rows(main, None, lambda r: f"[bold]{fmt(r['value'])}[/bold]" if r["bold"] else fmt(r["value"]))
+    table = Table(title=title)
+    table.add_column("Method")
+    table.add_column("Metric")
+    for lab in labels:
+        table.add_column(lab, justify="right")
+    for item in rows:
+        if item is None:
+            table.add_section()
+            continue
+        b, rl, m, cells = item
+        table.add_row(rl if rl else b, m, *cells)
+    return table

@@ -20,6 +20,9 @@ ALL_SPECS: tuple[str, ...] = (
     *(layout.strength_spec(x) for x in layout.STRENGTHS if layout.strength_spec(x) not in layout.MAIN_CALIBRATORS),
 )
 
+#: the calibrators whose ECE the tables claim differences for (Tables 2/3 and 4): bootstrapped
+BOOTSTRAP_SPECS: tuple[str, ...] = tuple(dict.fromkeys((*layout.MAIN_CALIBRATORS, *layout.SUBSET_SPECS.values())))
+
 
 @dataclass(frozen=True)
 class ReportOptions:
@@ -210,7 +213,7 @@ def write_report(
     for bb in backbones:
         present = cells.filter(pl.col("backbone") == bb)["dataset"].unique().to_list()
         datasets, preferred = builders.pick_datasets(present, layout.IMAGENET_FAMILY)
-        t4 = builders.ablation_table(cells, bb, datasets)
+        t4 = builders.ablation_table(cells, bb, datasets, reps)
         if t4.height:
             frames.append(t4.with_columns(pl.lit(",".join(datasets)).alias("datasets")))
             caption_sets.append(f"{bb}: {', '.join(datasets)}" + ("" if preferred else " (no ImageNet-family data)"))
@@ -218,10 +221,24 @@ def write_report(
         t4 = pl.concat(frames)
         cols = {"backbone": "Backbone", "method": "Method", "subset": "Corrected subset", "ece": "ECE", "nll": "NLL"}
         fm = {"method": layout.method_label, "nll": lambda v: render.fmt(v, 3)}
+        if boot is not None:
+            t4 = t4.with_columns(
+                pl.struct("ci_low", "ci_high").map_elements(
+                    lambda r: f"[{render.fmt(r['ci_low'])}, {render.fmt(r['ci_high'])}]", return_dtype=pl.Utf8)
+                .alias("_ci"),
+                pl.struct("diff_zaec", "diff_ci_low", "diff_ci_high", "diff_contains_zero").map_elements(
+                    lambda r: render.DASH if r["diff_zaec"] is None else
+                    f"{render.fmt(r['diff_zaec'], signed=True)}{render.NS_MARK if r['diff_contains_zero'] else ''}"
+                    f" [{render.fmt(r['diff_ci_low'], signed=True)}, {render.fmt(r['diff_ci_high'], signed=True)}]",
+                    return_dtype=pl.Utf8).alias("_diff"))
+            cols.update({"_ci": f"ECE {int(boot.level * 100)}% CI", "_diff": "ZAEC − row"})
         bold = {"ece": "bold_ece", "nll": "bold_nll"}
         text = "Macro-averages over " + "; ".join(caption_sets) + ". ECE in percent; best per method in bold."
+        if boot is not None:
+            text += (" Intervals: paired bootstrap (ZAEC − row: the ZAEC ECE minus this row's, points; † the interval "
+                     "contains zero).")
         rep.add("Table 4: corrected-subset ablation", render.write_item(
-            out, "table4_subset_ablation", t4,
+            out, "table4_subset_ablation", t4.drop("_ci", "_diff", strict=False),
             "# Table 4: ablation of the corrected subset\n\n" + text + "\n\n" + render.simple_markdown(t4, cols, fm, bold),
             render.simple_latex(t4, cols, fm, bold, caption=text, midrule_on="method")))
     else:
@@ -276,11 +293,11 @@ def write_index(out: Path, rep: Report, summaries: Summaries, boot: BootstrapRes
              "Dataset groups follow the paper: natural shift (I-A, I-V, I-R, I-S; Table 2), ImageNet and the "
              "fine-grained sets (Table 3); any other dataset goes to `other`.\n"]
     if summaries.temperatures:
-        lines.append("Temperature scaling: " + "; ".join(
-            f"{bb}/{m}: T = {t:.4g} ({src})" for (bb, m), (t, src) in sorted(summaries.temperatures.items())) + "\n")
+        lines.append("Temperature scaling, T fitted by NLL on: " + "; ".join(
+            f"{src}: T = {t:.4g}" for src, t in sorted(summaries.temperatures.items())) + "\n")
     if boot is not None:
         lines.append(f"Uncertainty: paired bootstrap over samples, {boot.n_resamples} resamples, seed {boot.seed}, "
-                     f"{int(boot.level * 100)}% percentile intervals.\n")
+                     f"{int(boot.level * 100)}% basic (reverse-percentile) intervals.\n")
     else:
         lines.append("Uncertainty: bootstrap disabled (--bootstrap 0).\n")
     for title, paths in rep.outputs:

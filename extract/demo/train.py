@@ -110,7 +110,7 @@ def default_models(*, budget: float = 1.0, seed: int = 0) -> tuple[DemoModel, ..
         model_cfg={
             "embed_dim": 64,
             "quick_gelu": True,
-            "vision_cfg": {"image_size": IMAGE_SIZE, "patch_size": 4, "layers": 3, "width": 96, "head_width": 32},
+            "vision_cfg": {"image_size": IMAGE_SIZE, "patch_size": 4, "layers": 2, "width": 64, "head_width": 32},
             "text_cfg": _text_cfg(),
         },
         train=scaled(60_000, 1),
@@ -122,7 +122,7 @@ def default_models(*, budget: float = 1.0, seed: int = 0) -> tuple[DemoModel, ..
             "embed_dim": 64,
             "quick_gelu": True,
             # layers as a 4-tuple makes open_clip build a ModifiedResNet (attention-pool head, as in RN50)
-            "vision_cfg": {"image_size": IMAGE_SIZE, "layers": [1, 1, 1, 1], "width": 32, "head_width": 32},
+            "vision_cfg": {"image_size": IMAGE_SIZE, "layers": [1, 1, 1, 1], "width": 16, "head_width": 16},
             "text_cfg": _text_cfg(),
         },
         train=scaled(60_000, 1),
@@ -334,7 +334,9 @@ def train_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=models_dir))
     try:
         with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as fh:
-            json.dump({"model_cfg": spec.model_cfg, "preprocess_cfg": _preprocess_cfg()}, fh, indent=2)
+            # model_name: the backbone name zaec-extract records in the shards (else the folder's name)
+            config = {"model_name": spec.name, "model_cfg": spec.model_cfg, "preprocess_cfg": _preprocess_cfg()}
+            json.dump(config, fh, indent=2)
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         with open(tmp / RECORD_FILE, "w", encoding="utf-8") as fh:

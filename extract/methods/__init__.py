@@ -15,9 +15,11 @@ from extract.methods.base import (
 from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
+from extract.methods.tps import TPS
+from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.zero_shot import ZeroShot
 
-REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE)}
+REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, TPS)}
 
 
 def get_method(key: str) -> type[TTAMethod]:

@@ -17,6 +17,7 @@ the `text_encoder` keyword; adding such a method is one file plus one registry e
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -186,6 +187,8 @@ class TTAMethod(abc.ABC):
     key: ClassVar[str]
     Config: ClassVar[type[MethodConfig]]
     needs_text_encoder: ClassVar[bool] = False
+    # Attributes holding the online state, saved by `state_dict` (so that an interrupted run can resume).
+    _state_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -198,7 +201,8 @@ class TTAMethod(abc.ABC):
         text_encoder: Any = None,
     ) -> None:
         if not isinstance(config, self.Config):
-            raise TypeError(f"{type(self).__name__} expects a {self.Config.__qualname__}, got {type(config).__qualname__}")
+            raise TypeError(f"{type(self).__name__} expects a {self.Config.__qualname__}, "
+                            f"got {type(config).__qualname__}")
         if text_features.ndim != 2:
             raise ValueError(f"text_features must be (K, D), got shape {tuple(text_features.shape)}")
         if self.needs_text_encoder and text_encoder is None:
@@ -244,6 +248,36 @@ class TTAMethod(abc.ABC):
         out = self._adapt(view_feats)
         self.n_seen += b
         return out.detach().float()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The online state after `n_seen` samples: tensors, numbers, lists and dicts only (safe for
+        `torch.load(..., weights_only=True)`). Loading it into a fresh instance built with the same arguments and
+        continuing the stream gives the same logits as never stopping."""
+        from extract.methods.common import ClassCache
+
+        state: dict[str, Any] = {"key": self.key, "n_seen": self.n_seen}
+        for name in self._state_fields:
+            value = getattr(self, name)
+            state[name] = {"class_cache": value.state_dict()} if isinstance(value, ClassCache) else copy.deepcopy(value)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (from an instance of the same method)."""
+        from extract.methods.common import ClassCache
+
+        if state.get("key") != self.key:
+            raise ValueError(f"state of method {state.get('key')!r} cannot be loaded into {self.key!r}")
+        missing = [n for n in self._state_fields if n not in state]
+        if missing:
+            raise ValueError(f"{self.key} state lacks {', '.join(missing)}")
+        self.n_seen = int(state["n_seen"])
+        for name in self._state_fields:
+            value = state[name]
+            if isinstance(value, dict) and "class_cache" in value:
+                value = ClassCache.from_state_dict(value["class_cache"])
+            else:
+                value = copy.deepcopy(value)
+            setattr(self, name, value)
 
     @abc.abstractmethod
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ for the per-class cache, §7 for the DPE step (InfoNCE, first AdamW step).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +157,22 @@ class ClassCache:
             for name, (shape, dt) in (extras or {}).items()
         }
         self.counts = [0] * n_classes
+        self._present: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors and lists (loadable with `torch.load(..., weights_only=True)`)."""
+        return {"capacity": self.capacity, "keys": self.keys.clone(), "scores": self.scores.clone(),
+                "extras": {k: v.clone() for k, v in self.extras.items()}, "counts": list(self.counts)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> ClassCache:
+        keys = state["keys"]
+        cache = cls(keys.shape[0], state["capacity"], keys.shape[2], device=keys.device, dtype=keys.dtype)
+        cache.keys, cache.scores = keys.clone(), state["scores"].clone()
+        cache.extras = {k: v.clone() for k, v in state["extras"].items()}
+        cache.counts = list(state["counts"])
+        cache._present = [c for c, n in enumerate(cache.counts) if n > 0]
+        return cache
 
     def __len__(self) -> int:
         return sum(self.counts)
@@ -166,7 +184,7 @@ class ClassCache:
 
     def present(self) -> list[int]:
         """Classes holding at least one item, ascending (the official code iterates `sorted(cache.keys())`)."""
-        return [c for c, n in enumerate(self.counts) if n > 0]
+        return list(self._present)
 
     def update(self, c: int, key: torch.Tensor, score: torch.Tensor, **extras: torch.Tensor) -> None:
         """Offer one item to class `c`.
@@ -177,11 +195,13 @@ class ClassCache:
             score: 0-dim score (lower is better; entropy).
             **extras: per-item extra tensors, one for each name given at construction.
         """
-        accept = score <= self.scores[c, -1]  # 0-dim bool; True whenever the class is not full
+        accept = score < self.scores[c, -1]  # 0-dim bool; True whenever the class is not full
         self.scores[c, -1] = torch.where(accept, score, self.scores[c, -1])
         self.keys[c, -1] = torch.where(accept, key, self.keys[c, -1])
         for name, value in extras.items():
             self.extras[name][c, -1] = torch.where(accept, value, self.extras[name][c, -1])
+        if self.counts[c] == 0:
+            bisect.insort(self._present, c)
         self.counts[c] = min(self.counts[c] + 1, self.capacity)
         self.sort_class(c)
 
@@ -235,7 +255,9 @@ def info_nce(query: torch.Tensor, keys: torch.Tensor, temperature: float) -> tor
     return F.cross_entropy(logits, target)
 
 
-def adamw_first_step(param: torch.Tensor, grad: torch.Tensor, lr: float, eps: float, weight_decay: float) -> torch.Tensor:
+def adamw_first_step(
+    param: torch.Tensor, grad: torch.Tensor, lr: float, eps: float, weight_decay: float
+) -> torch.Tensor:
     """The first step of a freshly built `torch.optim.AdamW` (betas 0.9/0.999), in closed form.
 
     Decoupled decay, then Adam with bias-corrected moments m̂ = g and v̂ = g²:

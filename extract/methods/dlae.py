@@ -16,20 +16,21 @@ Per sample (views x, stream position t):
    with f_j·W'_ŷ < f_j·W₀_ŷ (W' before this sample's step, §13.5) gets H_j ← H_j·exp((t - t_j) ε), t_j ← t —
    then sort, replace the worst if H₁ is lower, sort.
 7. DPE's residual step, with the cache residual's lr = lr_text (the official code never reads the image lr).
+   (The official image prototype sums the first 3 items and divides by the item count, i.e. the mean at the
+   capacity 3 used everywhere; we take the mean for any `shot_capacity`.)
 8. Inference: steps 1-3 again with the stepped W' and the already-updated counters (§13.4), on view 0 — all views
    for ImageNet-A — plus the cache logits; then DPE's global text evolution.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import BackboneFamily, MethodConfig, TTAMethod, backbone_family, check_hparams_key
+from extract.methods.base import BackboneFamily, MethodConfig, backbone_family, check_hparams_key
 from extract.methods.common import ClassCache, ViewSummary, summarise_views
 from extract.methods.dpe import DPE, DUAL_PROTOTYPE_PROMPTS, DualPrototypeConfig
 
@@ -52,7 +53,8 @@ class DLAEConfig(DualPrototypeConfig):
 
 # dataset: (alpha, beta, lr_text, align, adjust_alpha RN/ViT, reflection_alpha RN/ViT, doubt_rate RN/ViT)
 # (DLAE `configs/*.yaml` @253163b, spec §8; RN50 reads alpha[0]/alpha1[0]/epoch[0], ViT belta[0]/alpha1[1]/epoch[1]).
-DLAE_TABLE: dict[str, tuple[float, float, float, float, tuple[float, float], tuple[float, float], tuple[float, float]]] = {
+_Pair = tuple[float, float]
+DLAE_TABLE: dict[str, tuple[float, float, float, float, _Pair, _Pair, _Pair]] = {
     "imagenet": (6.0, 5.0, 6e-4, 0.5, (0.8, 0.8), (0.001, 0.001), (0.0, 0.0)),
     "imagenet_a": (6.0, 5.0, 3e-4, 2.5, (0.5, 1.0), (0.5, 0.3), (1e-5, 1e-5)),
     "imagenet_v2": (3.0, 8.0, 5e-4, 0.5, (3.0, 2.5), (0.5, 0.5), (0.0, 2e-3)),
@@ -77,6 +79,7 @@ DLAE_AUGMIX: frozenset[str] = frozenset({"imagenet_r", "dtd", "fgvc_aircraft", "
 class DLAE(DPE):
     key: ClassVar[str] = "dlae"
     Config: ClassVar[type[MethodConfig]] = DLAEConfig
+    _state_fields: ClassVar[tuple[str, ...]] = DPE._state_fields + ("w0", "counter", "count", "conf_mean", "conf_count")
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> DLAEConfig:
@@ -101,6 +104,14 @@ class DLAE(DPE):
             doubt_rate=doubt[col],
             backbone_family=family,
         )
+
+    def __init__(self, config: DLAEConfig, text_features: torch.Tensor, logit_scale: float, **kwargs) -> None:
+        super().__init__(config, text_features, logit_scale, **kwargs)
+        self.w0: torch.Tensor | None = None
+        self.counter: torch.Tensor | None = None
+        self.count = self.n_classes
+        self.conf_mean: torch.Tensor | None = None
+        self.conf_count: torch.Tensor | None = None
 
     @property
     def lr_image(self) -> float:
@@ -159,7 +170,8 @@ class DLAE(DPE):
             keys = cache.keys[y]  # (cap, D)
             doubt = keys @ w[y] < keys @ self.w0[y]  # W' = normalize(W_g), zero residual (spec §13.5)
             times = cache.extras["time"][y]
-            decay = torch.exp((t - times).to(cache.scores.dtype) * c.doubt_rate)  # `exp_loss`
+            wide = torch.promote_types(cache.scores.dtype, torch.float32)  # t - t_j overflows fp16 past 65504
+            decay = torch.exp((t - times).to(wide) * c.doubt_rate)  # `exp_loss`
             cache.scores[y] = torch.where(doubt, cache.scores[y] * decay, cache.scores[y])
             cache.extras["time"][y] = torch.where(doubt, torch.full_like(times, t), times)
             cache.sort_class(y)

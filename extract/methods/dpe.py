@@ -34,7 +34,14 @@ from extract.methods.base import (
     TTAMethod,
     check_hparams_key,
 )
-from extract.methods.common import ClassCache, ViewSummary, adamw_first_step, info_nce, marginal_entropy, summarise_views
+from extract.methods.common import (
+    ClassCache,
+    ViewSummary,
+    adamw_first_step,
+    info_nce,
+    marginal_entropy,
+    summarise_views,
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,11 @@ DUAL_PROTOTYPE_PROMPTS: dict[str, PromptSet] = {
 class DPE(TTAMethod):
     key: ClassVar[str] = "dpe"
     Config: ClassVar[type[MethodConfig]] = DPEConfig
+    _state_fields: ClassVar[tuple[str, ...]] = ("cache", "w_global", "n_global_updates")
+    # Reduced-precision mode (`amp_fp16`): the official CUDA fp16 autocast. Class attributes so that a test can
+    # emulate the code path on the CPU with bfloat16.
+    _amp_device_type: ClassVar[str] = "cuda"
+    _amp_dtype: ClassVar[torch.dtype] = torch.float16
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> DPEConfig:
@@ -105,9 +117,6 @@ class DPE(TTAMethod):
 
     def __init__(self, config: DualPrototypeConfig, text_features: torch.Tensor, logit_scale: float, **kwargs) -> None:
         super().__init__(config, text_features, logit_scale, **kwargs)
-        if config.amp_fp16 and text_features.device.type != "cuda":
-            raise ValueError("amp_fp16 reproduces the official CUDA fp16 numerics; it needs the text features on a "
-                             f"CUDA device, got {text_features.device}")
         self.cache: ClassCache | None = None
         self.w_global: torch.Tensor | None = None  # (K, D) global text prototypes W_g, not re-normalised
         self.n_global_updates = 0
@@ -140,11 +149,11 @@ class DPE(TTAMethod):
 
     # ------------------------------------------------------------------ the shared per-sample loop
     def _dtype_for(self, view_feats: torch.Tensor) -> torch.dtype:
-        return torch.float16 if self.config.amp_fp16 else self.compute_dtype(view_feats)
+        return self._amp_dtype if self.config.amp_fp16 else self.compute_dtype(view_feats)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.config.amp_fp16:
-            return torch.autocast("cuda", dtype=torch.float16)
+            return torch.autocast(self._amp_device_type, dtype=self._amp_dtype)
         return contextlib.nullcontext()
 
     def _present_classes(self) -> torch.Tensor:
@@ -154,12 +163,18 @@ class DPE(TTAMethod):
             self._present_idx = torch.tensor(present, dtype=torch.long, device=self.cache.keys.device)
         return self._present_idx
 
-    def _cache_logits(self, z: torch.Tensor, f: torch.Tensor, keys: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    def _cache_logits(
+        self, z: torch.Tensor, f: torch.Tensor, keys: torch.Tensor, classes: torch.Tensor
+    ) -> torch.Tensor:
         """z + α·exp(-β(1 - f·keysᵀ)) scattered onto `classes` (DPE `compute_cache_logits` with one-hot values)."""
         c = self.config
-        return z.index_add(0, classes, c.alpha * torch.exp(-c.beta * (1.0 - keys @ f)))
+        # Under autocast exp() runs in fp32; the official one-hot matmul brings it back to the logits' dtype.
+        return z.index_add(0, classes, (c.alpha * torch.exp(-c.beta * (1.0 - keys @ f))).to(z.dtype))
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
+        if self.config.amp_fp16 and view_feats.device.type != self._amp_device_type:
+            raise ValueError("amp_fp16 reproduces the official CUDA fp16 numerics and needs CUDA inputs; got "
+                             f"{view_feats.device} (set amp_fp16=false)")
         dt = self._dtype_for(view_feats)
         if self.w_global is None:
             self._init_state(view_feats.device, dt)

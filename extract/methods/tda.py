@@ -63,6 +63,7 @@ TDA_IMAGENET80: frozenset[str] = frozenset({"imagenet_r", "imagenet_sketch"})
 class TDA(TTAMethod):
     key: ClassVar[str] = "tda"
     Config: ClassVar[type[MethodConfig]] = TDAConfig
+    _state_fields: ClassVar[tuple[str, ...]] = ("pos", "neg")
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TDAConfig:

@@ -1,0 +1,139 @@
+"""TPS: Test-time Prototype Shifting (`elaine-sui/TPS @556db0f`, spec §5).
+
+Per test sample (episodic): a per-class shift S (K×D) starts at zero; the shifted prototypes are
+t̃_c = normalize(normalize(P_c) + S_c); the 64 views' logits s·f̂_v t̃ᵀ select the 6 lowest-entropy views; one AdamW
+step on their marginal entropy moves S; the prediction is s·f̂₀ t̃ᵀ on the original view. Everything but the text
+encoder of TPT, so all samples of a batch are tuned in one pass (`EpisodicTuner` in `tpt.py`).
+
+Prototypes P: the mean of the L2-normalised embeddings of the 80 CLIP ImageNet templates (the runner's "imagenet80"
+prompt set, TPS `--with_templates`). With `descriptors` (a GPT-4 descriptor file, class name -> list of
+descriptors, the format of TPS `gpt4_descriptors/*.json`) the paper default is used instead:
+P_c = normalize(½ (mean_t normalize(E(template_t(c))) + mean_d normalize(E("{c}, " + sentence(d))))).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, check_hparams_key
+from extract.methods.tpt import EpisodicConfig, EpisodicTuner
+
+
+def descriptor_sentence(class_name: str, descriptor: str) -> str:
+    """TPS `make_descriptor_sentence` (from classify_by_description): the prompt of one GPT-4 descriptor.
+
+    The rule tests prefixes of the raw descriptor, so any descriptor starting with the letter "a" gets "which is".
+
+    >>> descriptor_sentence("goldfish", "has orange scales"), descriptor_sentence("goldfish", "small fins")
+    ('goldfish, which has orange scales', 'goldfish, which has small fins')
+    >>> descriptor_sentence("goldfish", "a small fish")
+    'goldfish, which is a small fish'
+    """
+    d = descriptor
+    if d.startswith("a") or d.startswith("used"):
+        tail = f"which is {d}"
+    elif d.startswith(("has", "often", "typically", "may", "can")):
+        tail = f"which {d}"
+    else:
+        tail = f"which has {d}"
+    return f"{class_name}, {tail}"
+
+
+def load_descriptors(path: str | Path, class_names: Sequence[str]) -> tuple[list[list[str]], list[str]]:
+    """Descriptors per class from a JSON object class name -> list of strings; (lists, names without any).
+
+    Names are matched exactly, then with `_`/space swapped, then case-insensitively.
+
+    Raises:
+        ValueError: unreadable file, wrong format, or no class of the dataset found in it.
+    """
+    p = Path(path).expanduser()
+    try:
+        table = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"TPS descriptors: cannot read {p} ({e})") from None
+    if not isinstance(table, dict) or not all(
+            isinstance(v, list) and all(isinstance(s, str) for s in v) for v in table.values()):
+        raise ValueError(f"TPS descriptors: {p} must be a JSON object mapping class names to lists of strings")
+    lower = {k.lower(): v for k, v in table.items()}
+    out, missing = [], []
+    for name in class_names:
+        found = next((table[c] for c in (name, name.replace("_", " "), name.replace(" ", "_")) if c in table),
+                     lower.get(name.lower()))
+        if not found:
+            missing.append(name)
+        out.append(list(found or []))
+    if len(missing) == len(class_names):
+        raise ValueError(f"TPS descriptors: {p} has none of the dataset's classes (e.g. {class_names[0]!r}); "
+                         f"its keys start with {', '.join(map(repr, list(table)[:3]))}")
+    return out, missing
+
+
+@dataclass(frozen=True)
+class TPSConfig(EpisodicConfig):
+    """TPS defaults: TPT's view selection and one AdamW step (wd 0.01 has no effect on a zero shift, §13.10)."""
+
+    augmix: bool = True  # TPS --img_aug with `augmix = len(set_id) > 1`: fine-grained sets only
+    prompts: PromptSet = "imagenet80"  # the 80 CLIP templates for every dataset (spec §2.3)
+    lr: float = 1e-3  # per dataset: 5e-3 ImageNet family, 1e-3 fine-grained (TTA-VLM `instance_method/tps.py`)
+    # A GPT-4 descriptor file (class -> descriptors, TPS `gpt4_descriptors/<dataset>.json`); "" = templates only.
+    descriptors: str = ""
+    # Execution only: shifts are cheap (no text encoder), so many samples share one pass.
+    pass_budget: int = 65536
+
+
+class TPS(EpisodicTuner):
+    """Test-time prototype shifting: a per-class shift of cached prototypes, one AdamW step per sample."""
+
+    key: ClassVar[str] = "tps"
+    Config: ClassVar[type[MethodConfig]] = TPSConfig
+    # The text encoder builds the descriptor prototypes when `descriptors` is set; unused otherwise.
+    needs_text_encoder: ClassVar[bool] = True
+
+    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
+                 dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
+        super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
+                         text_encoder=text_encoder, class_names=class_names)
+        self.descriptor_warnings: list[str] = []
+        cfg: TPSConfig = self.config  # type: ignore[assignment]
+        if cfg.descriptors:
+            self.text_features = self._descriptor_prototypes(cfg, text_encoder).to(self.text_features.device)
+
+    def _descriptor_prototypes(self, cfg: TPSConfig, encoder: Any) -> torch.Tensor:
+        from extract.prompts import templates_for
+
+        if self.class_names is None:
+            raise ValueError("tps with descriptors needs class_names=...")
+        names = [n.replace("_", " ") for n in self.class_names]
+        descs, missing = load_descriptors(cfg.descriptors, self.class_names)
+        if missing:
+            self.descriptor_warnings.append(f"TPS descriptors: no entry for {len(missing)} classes "
+                                            f"({', '.join(missing[:5])}); they use the templates only")
+        templates = templates_for(self.dataset, cfg.prompts)
+        protos = []
+        for name, ds in zip(names, descs):
+            t_mean = encoder.encode_texts([t.format(name) for t in templates]).mean(0)
+            if ds:
+                d_mean = encoder.encode_texts([descriptor_sentence(name, d) for d in ds]).mean(0)
+                t_mean = 0.5 * (t_mean + d_mean)
+            protos.append(F.normalize(t_mean.float(), dim=-1))
+        return torch.stack(protos)
+
+    @classmethod
+    def default_config(cls, hparams_key: str, backbone: str) -> TPSConfig:
+        check_hparams_key(hparams_key)
+        imagenet = hparams_key in IMAGENET_FAMILY
+        return TPSConfig(augmix=not imagenet, lr=5e-3 if imagenet else 1e-3)
+
+    def _init_param(self, n: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(n, self.n_classes, self.dim, dtype=torch.float32, device=device)  # S = 0 per sample
+
+    def _class_features(self, param: torch.Tensor) -> torch.Tensor:
+        base = F.normalize(self.text_features.float(), dim=-1)
+        return F.normalize(base + param, dim=-1)  # t̃ = normalize(normalize(P) + S): (G, K, D)

@@ -1,0 +1,288 @@
+"""The pipeline end to end on a tiny model: shards, zero-shot logits, determinism, cache reuse, resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from extract_fixtures import (
+    make_imagenet_folders,
+    make_json_dataset,
+    tiny_model,  # noqa: F401  (pytest fixture)
+    tiny_model_dir,  # noqa: F401  (pytest fixture)
+)
+
+import extract.methods as methods
+from extract import runner
+from extract.datasets import imagenet_synsets, load_testset
+from extract.methods.base import MethodConfig, TTAMethod
+from extract.runner import RunError, run_extraction, run_is_complete, stream_permutation
+from schemas import RunKey, find_shards, group_shards, read_shard, validate_shard
+
+SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    make_json_dataset(root, "dtd", n_classes=3, per_class=6)  # 18 samples
+    return root
+
+
+def _run(method, tmp_path, model, data_root, **kw):
+    args = dict(SMALL, data_root=data_root, out=tmp_path / "out", cache_dir=tmp_path / "cache", model=model)
+    args.update(kw)
+    return run_extraction(method, kw.pop("dataset", "dtd") if "dataset" in kw else "dtd",
+                          **{k: v for k, v in args.items() if k != "dataset"})
+
+
+def _table(paths):
+    shards = [read_shard(p) for p in paths]
+    return {k: np.concatenate([getattr(s, k) for s in shards])
+            for k in ("sample_id", "label", "zs_logits", "tta_logits", "stream_pos")}
+
+
+# --- a stand-in online method whose output depends on the whole history (tests resume replay exactly) ----------
+
+@dataclass(frozen=True)
+class RunningMeanConfig(MethodConfig):
+    n_views: int = 1
+    prompts: str = "single"  # type: ignore[assignment]
+    weight: float = 3.0
+
+
+class RunningMean(TTAMethod):
+    """logits = scale * (f0 + weight * mean of all f0 seen so far, this batch included) @ T^T."""
+
+    key: ClassVar[str] = "running-mean"
+    Config: ClassVar[type] = RunningMeanConfig
+
+    @classmethod
+    def default_config(cls, hparams_key, backbone):
+        return RunningMeanConfig()
+
+    def _adapt(self, view_feats):
+        f0 = view_feats[:, 0].double()
+        if not hasattr(self, "acc"):
+            self.acc = torch.zeros(f0.shape[1], dtype=torch.float64)
+        out = []
+        for f in f0:
+            self.acc += f
+            mean = self.acc / (self.n_seen + len(out) + 1)
+            out.append(self.logit_scale * (f + self.config.weight * mean) @ self.text_features.double().T)
+        return torch.stack(out).float()
+
+
+@pytest.fixture
+def running_mean(monkeypatch):
+    monkeypatch.setitem(methods.REGISTRY, RunningMean.key, RunningMean)
+    return RunningMean.key
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+def test_zero_shot_shards_valid_and_logits_independent(tmp_path, tiny_model, tiny_model_dir, data_root):  # noqa: F811
+    paths = _run("zero-shot", tmp_path, tiny_model, data_root)
+    assert [p.name for p in paths] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    for p in paths:
+        assert validate_shard(p) == []
+    groups = group_shards(find_shards([tmp_path / "out"]))
+    (key,) = groups
+    assert key == RunKey("tiny-clip", "dtd", "zero-shot", 1)
+    t = _table(paths)
+    ts = load_testset("dtd", data_root)
+    assert sorted(t["sample_id"].tolist()) == list(range(18))
+    assert t["stream_pos"].tolist() == list(range(18))
+    assert t["sample_id"].tolist() == stream_permutation("dtd", 1, 18).tolist()
+    assert t["label"].tolist() == ts.labels[t["sample_id"]].tolist()
+
+    # independent zero-shot reference: open_clip directly, torchvision preprocessing, the model's own logit scale
+    import open_clip
+    from PIL import Image
+    from torchvision import transforms as T
+    model = open_clip.create_model(f"local-dir:{tiny_model_dir}")
+    model.eval()
+    tok = open_clip.get_tokenizer(f"local-dir:{tiny_model_dir}")
+    pre = T.Compose([T.Resize(32, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(32), T.ToTensor(),
+                     T.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
+    with torch.no_grad():
+        imgs = torch.stack([pre(Image.open(ts.paths[i]).convert("RGB")) for i in t["sample_id"]])
+        f = model.encode_image(imgs)
+        f = f / f.norm(dim=-1, keepdim=True)
+        w = model.encode_text(tok([f"a photo of a {c}." for c in ts.class_names]))
+        w = w / w.norm(dim=-1, keepdim=True)
+        want = (model.logit_scale.exp() * f @ w.T).numpy()
+    assert float(model.logit_scale.detach().exp()) == pytest.approx(37.5)
+    np.testing.assert_allclose(t["zs_logits"], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(t["tta_logits"], t["zs_logits"], rtol=1e-6, atol=1e-6)
+
+    meta = read_shard(paths[0]).meta
+    assert meta.class_names == ts.class_names and meta.zs_prompts["templates"] == ["a photo of a {}."]
+    assert meta.zs_prompts["logit_scale"] == pytest.approx(37.5)
+    assert json.loads(meta.extra["zaec:warnings"]) == []
+    assert run_is_complete(tmp_path / "out", key)
+
+
+def test_deterministic_and_cache_reused(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+    a = _table(_run("tda", tmp_path / "a", tiny_model, data_root))
+    b = _table(_run("tda", tmp_path / "b", tiny_model, data_root))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    # a second method on the same cache never calls the image encoder
+    calls = []
+    orig = type(tiny_model).encode_images
+    monkeypatch.setattr(type(tiny_model), "encode_images", lambda self, x: calls.append(len(x)) or orig(self, x))
+    z = _table(_run("zero-shot", tmp_path / "a", tiny_model, data_root))
+    assert calls == []
+    # same stream and same anchor for every method
+    np.testing.assert_array_equal(z["sample_id"], a["sample_id"])
+    np.testing.assert_array_equal(z["zs_logits"], a["zs_logits"])
+
+
+def test_multi_view_cache_shares_view0_exactly(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+    multi = _table(_run("zero-shot", tmp_path, tiny_model, data_root, limit=6, force=True,
+                        overrides={"n_views": "64", "augmix": "true"}))
+    calls = []
+    orig = type(tiny_model).encode_images
+    monkeypatch.setattr(type(tiny_model), "encode_images", lambda self, x: calls.append(len(x)) or orig(self, x))
+    single = _table(_run("zero-shot", tmp_path / "s", tiny_model, data_root, limit=6,
+                         cache_dir=tmp_path / "cache"))
+    assert calls == []  # view 0 came from the multi-view run's cache
+    np.testing.assert_array_equal(single["zs_logits"], multi["zs_logits"])
+    cache_dirs = list((tmp_path / "cache").rglob("augmix"))
+    assert len(cache_dirs) == 1 and sorted(p.name for p in cache_dirs[0].iterdir()) == ["chunk-00000.npy",
+                                                                                       "chunk-00001.npy"]
+
+
+def test_limit_prefix_of_full_stream(tmp_path, tiny_model, data_root):  # noqa: F811
+    full = _table(_run("tda", tmp_path / "f", tiny_model, data_root))
+    part = _table(_run("tda", tmp_path / "l", tiny_model, data_root, limit=8))
+    assert len(part["sample_id"]) == 8
+    for k in full:
+        np.testing.assert_array_equal(part[k], full[k][:8])
+    # only the chunks covering the first 8 positions were encoded (chunk size 5)
+    assert sorted(p.name for p in (tmp_path / "l" / "cache").rglob("chunk-*.npy")) == ["chunk-00000.npy",
+                                                                                      "chunk-00001.npy"]
+
+
+def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_model, data_root, running_mean,  # noqa: F811
+                                                        monkeypatch):
+    full_paths = _run(running_mean, tmp_path / "full", tiny_model, data_root)
+    full = _table(full_paths)
+    # interrupt: the third shard write fails
+    real_write = runner.write_shard
+    count = {"n": 0}
+
+    def failing(*a, **k):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(runner, "write_shard", failing)
+    with pytest.raises(KeyboardInterrupt):
+        _run(running_mean, tmp_path / "r", tiny_model, data_root)
+    monkeypatch.setattr(runner, "write_shard", real_write)
+    out = tmp_path / "r" / "out"
+    key = RunKey("tiny-clip", "dtd", running_mean, 1)
+    assert not run_is_complete(out, key)
+    kept = sorted(p.name for p in out.rglob("part-*.parquet"))
+    assert kept == ["part-00000.parquet", "part-00001.parquet"]
+    mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("part-*.parquet")}
+
+    resumed = _table(_run(running_mean, tmp_path / "r", tiny_model, data_root))
+    assert run_is_complete(out, key)
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # kept parts were not rewritten
+    for k in full:
+        np.testing.assert_array_equal(resumed[k], full[k])
+    # the online state matters: without replay the last part would differ
+    no_replay = _table(_run(running_mean, tmp_path / "n", tiny_model, data_root, limit=2))
+    assert not np.allclose(no_replay["tta_logits"][:2] , full["tta_logits"][8:10])
+    # a finished run is skipped (no rewrite) unless forced
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("part-*.parquet")}
+    _run(running_mean, tmp_path / "r", tiny_model, data_root)
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    again = _table(_run(running_mean, tmp_path / "r", tiny_model, data_root, force=True))
+    np.testing.assert_array_equal(again["tta_logits"], full["tta_logits"])
+
+
+def test_changed_settings_need_force(tmp_path, tiny_model, data_root, running_mean):  # noqa: F811
+    _run(running_mean, tmp_path, tiny_model, data_root)
+    with pytest.raises(RunError, match="different settings.*--force"):
+        _run(running_mean, tmp_path, tiny_model, data_root, overrides={"weight": "1.5"})
+    # a partial run with other settings is not silently mixed either
+    (tmp_path / "out").joinpath(
+        "backbone=tiny-clip", "dataset=dtd", f"method={running_mean}", "seed=1", "_zaec_complete.json").unlink()
+    with pytest.raises(RunError, match="different settings.*method_config"):
+        _run(running_mean, tmp_path, tiny_model, data_root, overrides={"weight": "1.5"})
+    paths = _run(running_mean, tmp_path, tiny_model, data_root, overrides={"weight": "1.5"}, force=True)
+    assert read_shard(paths[0]).meta.method_config["weight"] == 1.5
+
+
+def test_anchor_method_and_cupl_warning_in_metadata(tmp_path, tiny_model, data_root):  # noqa: F811
+    paths = _run("dpe", tmp_path, tiny_model, data_root, limit=4, anchor="method", cupl_dir=tmp_path / "nocupl")
+    meta = read_shard(paths[0]).meta
+    assert meta.zs_prompts["anchor"] == "method" and meta.zs_prompts["templates"] == ["{} texture."]
+    warnings = json.loads(meta.extra["zaec:warnings"])
+    assert len(warnings) == 1 and "CuPL_prompts_dtd.json does not exist" in warnings[0]
+    assert meta.method_config["cupl"] is True
+
+
+def test_v2_end_to_end_labels(tmp_path, tiny_model):  # noqa: F811
+    root = tmp_path / "data"
+    make_imagenet_folders(root, "imagenet_v2", ["0", "10", "2"], per_class=1)
+    paths = _run("zero-shot", tmp_path, tiny_model, root, dataset="imagenet_v2")
+    t = _table(paths)
+    ts = load_testset("imagenet_v2", root)
+    assert dict(zip(t["sample_id"].tolist(), t["label"].tolist())) == {0: 0, 1: 2, 2: 10}
+    assert t["zs_logits"].shape == (3, 1000) and ts.num_classes == 1000
+    assert read_shard(paths[0]).meta.num_classes == 1000
+
+
+def test_imagenet_a_subset_metadata(tmp_path, tiny_model):  # noqa: F811
+    import importlib.resources
+    idx = [int(x) for x in (importlib.resources.files("timm.data") / "_info" / "imagenet_a_indices.txt")
+           .read_text().split()]
+    root = tmp_path / "data"
+    make_imagenet_folders(root, "imagenet_a", [imagenet_synsets()[idx[5]]], per_class=2)
+    paths = _run("zero-shot", tmp_path, tiny_model, root, dataset="imagenet_a")
+    meta = read_shard(paths[0]).meta
+    assert meta.num_classes == 200 and json.loads(meta.extra["zaec:imagenet_indices"]) == idx
+    assert _table(paths)["label"].tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("method", sorted(methods.REGISTRY))
+def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method):  # noqa: F811
+    paths = _run(method, tmp_path, tiny_model, data_root, limit=8)
+    t = _table(paths)
+    assert t["tta_logits"].shape == (8, 3) and np.isfinite(t["tta_logits"]).all()
+    assert all(validate_shard(p) == [] for p in paths)
+    cfg = methods.get_method(method).default_config("dtd", "tiny-clip")
+    assert read_shard(paths[0]).meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def test_bad_run_arguments(tmp_path, tiny_model, data_root):  # noqa: F811
+    with pytest.raises(ValueError, match="unknown method 'nope'; available: zero-shot"):
+        _run("nope", tmp_path, tiny_model, data_root)
+    with pytest.raises(ValueError, match="unknown config key.*valid keys"):
+        _run("tda", tmp_path, tiny_model, data_root, overrides={"alpah": "1"})
+    with pytest.raises(RunError, match="anchor"):
+        _run("tda", tmp_path, tiny_model, data_root, anchor="zs")
+    with pytest.raises(RunError, match="limit"):
+        _run("tda", tmp_path, tiny_model, data_root, limit=0)
+    with pytest.raises(RunError, match="multiple of adapt_batch"):
+        _run("tda", tmp_path, tiny_model, data_root, part_size=6)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_stream_permutation_fixed_per_dataset_and_seed():
+    a = stream_permutation("dtd", 1, 100)
+    assert sorted(a.tolist()) == list(range(100))
+    assert np.array_equal(a, stream_permutation("dtd", 1, 100))
+    assert not np.array_equal(a, stream_permutation("dtd", 2, 100))
+    assert not np.array_equal(a, stream_permutation("eurosat", 1, 100))

@@ -1,0 +1,411 @@
+"""TPT, C-TPT, O-TPT and TPS (extract/methods/tpt.py, tps.py, extract/text_encoder.py) on the tiny open_clip model,
+against slow references written here from the spec (tta_methods.md §1.3, §3, §4, §5, §13)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from extract_fixtures import make_json_dataset, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
+
+from extract.methods import REGISTRY, apply_overrides, get_method
+from extract.methods.base import HPARAMS_KEYS
+from extract.methods.tpt import (
+    CTPT,
+    OTPT,
+    TPT,
+    AdamWState,
+    adamw_step,
+    atfd,
+    householder_orthogonality,
+    select_confident,
+)
+from extract.methods.tps import TPS, descriptor_sentence
+from extract.text_encoder import PromptTextEncoder, TextEncoderError
+
+NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
+K = len(NAMES)
+EPISODIC = ("tpt", "ctpt", "otpt", "tps")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def zs_text(model) -> torch.Tensor:
+    return model.encode_texts([f"a photo of a {n.replace('_', ' ')}." for n in NAMES])
+
+
+def stream(model, n: int, v: int = 64, seed: int = 0, noise: float = 0.4) -> torch.Tensor:
+    """(n, v, D) normalised features scattered around the zero-shot prototypes."""
+    g = torch.Generator().manual_seed(seed)
+    text = zs_text(model)
+    y = torch.randint(0, K, (n,), generator=g)
+    return F.normalize(text[y][:, None] + noise * torch.randn(n, v, text.shape[1], generator=g), dim=-1)
+
+
+def make(key: str, model, dataset: str = "dtd", **changes):
+    cls = get_method(key)
+    cfg = dataclasses.replace(cls.default_config(dataset, "ViT-B-16"), **changes)
+    return cls(cfg, zs_text(model), model.logit_scale, backbone="tiny-clip", dataset=dataset, text_encoder=model,
+               class_names=NAMES)
+
+
+# ------------------------------------------------------------------------------------------ slow references
+
+def ref_encode(model, names, ctx: torch.Tensor) -> torch.Tensor:
+    """open_clip's CLIP.encode_text written out with the embeddings of tokens 1..n_ctx replaced by `ctx`."""
+    m = model.model
+    tokens = model.tokenizer([f"a photo of a {n.replace('_', ' ')}." for n in names])
+    x = m.token_embedding(tokens)
+    x = torch.cat([x[:, :1], ctx[None].expand(len(names), -1, -1), x[:, 1 + ctx.shape[0]:]], dim=1)
+    x = x + m.positional_embedding
+    x = m.transformer(x, attn_mask=m.attn_mask)
+    x = m.ln_final(x)
+    x = x[torch.arange(len(names)), tokens.argmax(-1)] @ m.text_projection
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def ref_entropy(z: torch.Tensor) -> float:
+    p = z.softmax(-1)
+    return float(-(p * p.log()).sum())
+
+
+def ref_select(logits: torch.Tensor, p: float) -> list[int]:
+    """int(N p) views of lowest entropy, by sorting (entropy, index) pairs."""
+    ents = [(ref_entropy(logits[v]), v) for v in range(logits.shape[0])]
+    return [v for _, v in sorted(ents)[:max(1, int(logits.shape[0] * p))]]
+
+
+def ref_marginal_entropy(z: torch.Tensor) -> torch.Tensor:
+    pbar = z.softmax(-1).mean(0)
+    return -(pbar * pbar.log()).sum()
+
+
+def ref_episodic(feats: torch.Tensor, init: torch.Tensor, features, scale: float, *, lr: float, steps: int = 1,
+                 reg=None, p: float = 0.1) -> torch.Tensor:
+    """One sample the way TPT's loop does it: a fresh torch AdamW, selection at step 0, predict on view 0."""
+    param = torch.nn.Parameter(init.clone())
+    opt = torch.optim.AdamW([param], lr=lr)  # weight decay 0.01 (default)
+    sel = None
+    for _ in range(steps):
+        logits = scale * feats @ features(param).T
+        if sel is None:
+            sel = ref_select(logits.detach(), p)
+        loss = ref_marginal_entropy(logits[sel])
+        if reg is not None:
+            loss = loss + reg(features(param))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return scale * feats[0] @ features(param).T
+
+
+def ref_atfd(t: torch.Tensor) -> torch.Tensor:
+    k = t.shape[0]
+    mean = sum(t[c] for c in range(k)) / k
+    return sum(torch.sqrt(((t[c] - mean) ** 2).sum()) for c in range(k)) / k
+
+
+def ref_householder(t: torch.Tensor) -> torch.Tensor:
+    """The official construction: K Householder matrices H_i = I - 2 v_i v_i^T, applied to the rows of M."""
+    m = t @ t.T
+    k = m.shape[0]
+    eye = torch.eye(k, dtype=t.dtype)
+    total = 0.0
+    for i in range(k):
+        n_i = torch.sqrt((m[:, i] ** 2).sum())  # column norm
+        u = m[i] - n_i * eye[i]
+        v = u / torch.sqrt((u ** 2).sum())
+        h = eye - 2.0 * torch.outer(v, v)
+        total = total + torch.sqrt(((h @ m[i] - eye[i]) ** 2).sum())
+    return total / k
+
+
+# ------------------------------------------------------------------------------------------ the text encoder
+
+def test_prompt_encoder_reproduces_encode_text(tiny_model):  # noqa: F811
+    ref = zs_text(tiny_model)
+    full = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, truncate=False)
+    assert full.n_ctx == 4 and full.ctx_init.shape == (4, 32)
+    assert torch.equal(full(full.ctx_init), ref)  # bit for bit, the frozen zero-shot prototypes
+    short = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, truncate=True)
+    assert short.length < full.length
+    torch.testing.assert_close(short(short.ctx_init), ref, rtol=0, atol=2e-6)
+    # a batch of different contexts equals encoding them one by one, and the reference forward
+    g = torch.Generator().manual_seed(0)
+    ctx = short.ctx_init + 0.05 * torch.randn(3, 4, 32, generator=g)
+    batched = short(ctx)
+    for b in range(3):
+        torch.testing.assert_close(batched[b], short(ctx[b]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(batched[b], ref_encode(tiny_model, NAMES, ctx[b]), rtol=0, atol=2e-6)
+
+
+def test_prompt_encoder_gradient_only_to_context(tiny_model):  # noqa: F811
+    enc = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES)
+    ctx = enc.ctx_init.clone().requires_grad_(True)
+    enc(ctx).sum().backward()
+    assert ctx.grad is not None and ctx.grad.abs().sum() > 0
+    assert all(p.grad is None for p in tiny_model.model.parameters())
+
+
+def test_prompt_encoder_rejects_unsupported_towers(tiny_model):  # noqa: F811
+    with pytest.raises(TextEncoderError, match="CLIP-style text tower"):
+        PromptTextEncoder(torch.nn.Linear(2, 2), tiny_model.tokenizer, NAMES)
+    with pytest.raises(ValueError, match="at least one class"):
+        PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, [])
+
+
+# ------------------------------------------------------------------------------------------ pure pieces
+
+@pytest.mark.parametrize("n_views,expected", [(64, 6), (63, 6), (20, 2), (10, 1), (5, 1)])
+def test_selection_keeps_int_np_lowest_entropy(n_views, expected):
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        logits = 4 * torch.randn(n_views, 7, generator=g, dtype=torch.float64)
+        sel = select_confident(logits, 0.1)
+        assert sel.tolist() == ref_select(logits, 0.1) and len(sel) == expected
+    batch = 4 * torch.randn(3, n_views, 7, generator=g, dtype=torch.float64)
+    assert [s.tolist() for s in select_confident(batch, 0.1)] == [ref_select(b, 0.1) for b in batch]
+
+
+@pytest.mark.parametrize("k", [2, 5, 30])
+def test_regularisers_equal_slow_references(k):
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        t = F.normalize(torch.randn(k, 12, generator=g, dtype=torch.float64) + (seed % 2), dim=-1)
+        torch.testing.assert_close(atfd(t), ref_atfd(t))
+        torch.testing.assert_close(householder_orthogonality(t), ref_householder(t))
+        stacked = torch.stack([t, F.normalize(t + 1, dim=-1)])
+        torch.testing.assert_close(householder_orthogonality(stacked),
+                                   torch.stack([ref_householder(s) for s in stacked]))
+        torch.testing.assert_close(atfd(stacked), torch.stack([ref_atfd(s) for s in stacked]))
+
+
+def test_householder_penalty_properties():
+    # H_i maps row i of M onto ‖M_i‖ e_i, so the penalty is mean_i (‖M_i‖ - 1): 0 only for orthonormal rows
+    g = torch.Generator().manual_seed(0)
+    t = F.normalize(torch.randn(6, 10, generator=g, dtype=torch.float64), dim=-1)
+    m = t @ t.T
+    torch.testing.assert_close(householder_orthogonality(t), (m.norm(dim=1) - 1).mean())
+    q = torch.linalg.qr(torch.randn(10, 4, generator=g, dtype=torch.float64)).Q.T  # orthonormal rows
+    assert float(householder_orthogonality(q)) == pytest.approx(0.0, abs=1e-12)
+    assert torch.isnan(householder_orthogonality(torch.eye(4, 10, dtype=torch.float64)))  # u_i = 0 exactly: NaN
+    same = F.normalize(torch.ones(3, 10, dtype=torch.float64), dim=-1)
+    assert float(atfd(same)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_stacked_adamw_equals_torch_adamw_per_row():
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(4, 3, 5, generator=g, dtype=torch.float64)
+    grads = [torch.randn(4, 3, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+    masks = [torch.tensor([True, True, False, True]), torch.tensor([True, False, True, True]),
+             torch.tensor([True, True, True, True])]
+    kw = dict(lr=5e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    p, state = init.clone(), AdamWState.zeros_like(init)
+    for gr, mk in zip(grads, masks):
+        p = adamw_step(p, gr, state, active=mk, **kw)
+    for r in range(4):
+        q = torch.nn.Parameter(init[r].clone())
+        opt = torch.optim.AdamW([q], lr=5e-3, foreach=False)
+        for gr, mk in zip(grads, masks):
+            if mk[r]:  # a skipped step leaves parameter and optimiser state untouched (GradScaler)
+                q.grad = gr[r].clone()
+                opt.step()
+        torch.testing.assert_close(p[r], q.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_loss_scale_follows_grad_scaler_rule(tiny_model):  # noqa: F811
+    m = make("tpt", tiny_model, grad_scale_growth_interval=3)
+    pattern = [True, True, False, True, True, True, True, True, True, False]
+    m._update_scale(torch.tensor(pattern))
+    scale, tracker = 1000.0, 0  # GradScaler: backoff 0.5 on inf, x2 after `growth_interval` finite steps
+    for ok in pattern:
+        if not ok:
+            scale, tracker = scale * 0.5, 0
+        else:
+            tracker += 1
+            if tracker == 3:
+                scale, tracker = scale * 2, 0
+    assert m.loss_scale == {"scale": scale, "growth_tracker": tracker}
+    assert m.state_dict()["loss_scale"] == m.loss_scale
+
+
+# ------------------------------------------------------------------------------------------ the methods
+
+@pytest.mark.parametrize("key", EPISODIC)
+def test_zero_lr_or_zero_steps_reproduce_zero_shot(tiny_model, key):  # noqa: F811
+    x = stream(tiny_model, 6)
+    zs = tiny_model.logit_scale * x[:, 0] @ zs_text(tiny_model).T
+    for changes in ({"lr": 0.0, "weight_decay": 0.0}, {"tta_steps": 0}):
+        if key != "tps":
+            changes = {**changes, "truncate_tokens": False}
+        out = make(key, tiny_model, **changes).adapt(x)
+        torch.testing.assert_close(out, zs, rtol=1e-6, atol=1e-5)
+    # and the default step does change them
+    assert (make(key, tiny_model).adapt(x) - zs).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("key", EPISODIC)
+def test_one_step_lowers_the_tuned_loss(tiny_model, key):  # noqa: F811
+    # a small step: on the tiny random model the default 5e-3 is large next to token embeddings of scale 0.02,
+    # and a first Adam step moves every coordinate by about lr whatever the gradient's size
+    m = make(key, tiny_model, lr=1e-4)
+    x = stream(tiny_model, 8, noise=0.8)
+    init = m._init_param(8, x.device)
+    tuned, sel = m.tune(x)
+
+    def loss(param, with_reg):
+        with torch.no_grad():
+            text = m._class_features(param)
+            z = m._logits(x, text)
+            z = torch.gather(z, 1, sel[..., None].expand(-1, -1, K))
+            ent = torch.stack([ref_marginal_entropy(zi) for zi in z])
+            reg = m._regulariser(text) if with_reg else None
+            return ent if reg is None else ent + reg
+
+    before, after = loss(init, True), loss(tuned, True)
+    assert (after < before).all(), (before, after)
+    if key in ("tpt", "tps"):  # the loss is the selected views' marginal entropy itself
+        assert (loss(tuned, False) < loss(init, False)).all()
+    # the selection is the int(64 * 0.1) = 6 lowest-entropy views under the initial parameter
+    with torch.no_grad():
+        z0 = m._logits(x, m._class_features(init))
+    assert [s.tolist() for s in sel] == [ref_select(zi, 0.1) for zi in z0]
+
+
+@pytest.mark.parametrize("key", ["tpt", "ctpt", "otpt"])
+def test_tpt_family_matches_slow_reference(tiny_model, key):  # noqa: F811
+    m = make(key, tiny_model, truncate_tokens=False)
+    x = stream(tiny_model, 3, seed=1)
+    out = m.adapt(x)
+    lam = getattr(m.config, "lambda_term", 0.0)
+    reg = {"tpt": None, "ctpt": lambda t: -lam * ref_atfd(t), "otpt": lambda t: lam * ref_householder(t)}[key]
+    for i in range(3):
+        expect = ref_episodic(x[i], m.prompts.ctx_init, lambda c: ref_encode(tiny_model, NAMES, c),
+                              tiny_model.logit_scale, lr=5e-3, reg=reg)
+        torch.testing.assert_close(out[i], expect, rtol=1e-4, atol=1e-4)
+
+
+def test_tps_matches_slow_reference(tiny_model):  # noqa: F811
+    m = make("tps", tiny_model, tta_steps=2)
+    x = stream(tiny_model, 4, seed=2)
+    out = m.adapt(x)
+    base = F.normalize(zs_text(tiny_model), dim=-1)
+    for i in range(4):
+        expect = ref_episodic(x[i], torch.zeros(K, base.shape[1]), lambda s: F.normalize(base + s, dim=-1),
+                              tiny_model.logit_scale, lr=m.config.lr, steps=2)
+        torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key", EPISODIC)
+def test_episodic_reset_order_and_batching_invariant(tiny_model, key):  # noqa: F811
+    x = stream(tiny_model, 9, seed=3)
+    whole = make(key, tiny_model).adapt(x)
+    perm = torch.randperm(9, generator=torch.Generator().manual_seed(0))
+    m = make(key, tiny_model, pass_budget=2 * K)  # two samples per tuning pass
+    permuted = torch.cat([m.adapt(x[perm[i:i + 4]]) for i in range(0, 9, 4)])
+    torch.testing.assert_close(permuted, whole[perm], rtol=1e-5, atol=1e-5)
+    one = make(key, tiny_model, pass_budget=1)
+    torch.testing.assert_close(torch.cat([one.adapt(x[i:i + 1]) for i in range(9)]), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_runs_fp32_without_loss_scaling(tiny_model):  # noqa: F811
+    x = stream(tiny_model, 4)
+    m_amp, m_fp32 = make("tpt", tiny_model, amp=True), make("tpt", tiny_model, amp=False)
+    assert not m_amp._use_amp(torch.device("cpu"))
+    assert m_amp._use_amp(torch.device("cuda"))  # autocast + loss scale only on CUDA
+    assert torch.equal(m_amp.adapt(x), m_fp32.adapt(x))
+    assert m_amp.loss_scale == {"scale": 1000.0, "growth_tracker": 0}  # untouched on the CPU
+
+
+# ------------------------------------------------------------------------------------------ configs, errors
+
+def test_default_configs_follow_the_spec():
+    for ds in HPARAMS_KEYS:
+        imagenet_family = ds in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
+        shift = imagenet_family and ds != "imagenet"
+        tpt, ctpt, otpt, tps = (get_method(k).default_config(ds, "RN50") for k in EPISODIC)
+        assert (tpt.n_views, tpt.lr, tpt.selection_p, tpt.tta_steps, tpt.weight_decay) == (64, 5e-3, 0.1, 1, 0.01)
+        assert tpt.augmix == (not imagenet_family) and tpt.ctx_init == "a photo of a" and tpt.prompts == "single"
+        assert ctpt.augmix == otpt.augmix == (ds != "imagenet")
+        assert ctpt.lambda_term == (20.0 if shift else 50.0)
+        assert otpt.lambda_term == (2.0 if shift else 18.0)
+        assert tps.lr == (5e-3 if imagenet_family else 1e-3) and tps.prompts == "imagenet80"
+        assert tps.augmix == (not imagenet_family)
+        assert all(c.episodic for c in (tpt, ctpt, otpt, tps))
+    cfg = apply_overrides(CTPT.default_config("dtd", "RN50"), {"lambda_term": "7", "tta_steps": "2"})
+    assert (cfg.lambda_term, cfg.tta_steps) == (7.0, 2)
+    with pytest.raises(ValueError, match="cannot be overridden"):
+        apply_overrides(TPT.default_config("dtd", "RN50"), {"episodic": "false"})
+    with pytest.raises(ValueError, match="selection_p"):
+        dataclasses.replace(TPT.default_config("dtd", "RN50"), selection_p=0.0)
+    assert {"tpt", "ctpt", "otpt", "tps"} <= set(REGISTRY)
+    assert REGISTRY["ctpt"] is CTPT and REGISTRY["otpt"] is OTPT and REGISTRY["tps"] is TPS
+
+
+def test_methods_need_encoder_and_class_names(tiny_model):  # noqa: F811
+    cfg = TPT.default_config("dtd", "RN50")
+    with pytest.raises(ValueError, match="needs the text encoder"):
+        TPT(cfg, zs_text(tiny_model), 1.0, backbone="b", dataset="dtd")
+    with pytest.raises(ValueError, match="needs class_names"):
+        TPT(cfg, zs_text(tiny_model), 1.0, backbone="b", dataset="dtd", text_encoder=tiny_model)
+    with pytest.raises(ValueError, match="2 class names"):
+        TPT(cfg, zs_text(tiny_model), 1.0, backbone="b", dataset="dtd", text_encoder=tiny_model,
+            class_names=NAMES[:2])
+
+
+def test_tps_descriptor_prototypes(tiny_model, tmp_path):  # noqa: F811
+    assert descriptor_sentence("fish", "an orange body") == "fish, which is an orange body"
+    assert descriptor_sentence("fish", "often seen in ponds") == "fish, which often seen in ponds"
+    assert descriptor_sentence("fish", "used as a pet") == "fish, which is used as a pet"
+    assert descriptor_sentence("fish", "fins") == "fish, which has fins"
+    path = tmp_path / "desc.json"
+    path.write_text(json.dumps({"cat": ["whiskers", "a tail"], "sea lion": ["flippers"]}))
+    m = make("tps", tiny_model, descriptors=str(path))
+    from extract.prompts import imagenet80_templates
+
+    for c, name in enumerate(NAMES):
+        n = name.replace("_", " ")
+        tmpl = tiny_model.encode_texts([t.format(n) for t in imagenet80_templates()]).mean(0)
+        desc = {"cat": ["whiskers", "a tail"], "sea lion": ["flippers"]}.get(n)
+        if desc:
+            tmpl = 0.5 * (tmpl + tiny_model.encode_texts([descriptor_sentence(n, d) for d in desc]).mean(0))
+        torch.testing.assert_close(m.text_features[c], tmpl / tmpl.norm(), rtol=1e-5, atol=1e-6)
+    assert m.descriptor_warnings and "3 classes" in m.descriptor_warnings[0]
+    path.write_text(json.dumps({"zebra": ["stripes"]}))
+    with pytest.raises(ValueError, match="none of the dataset's classes"):
+        make("tps", tiny_model, descriptors=str(path))
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+@pytest.mark.parametrize("key", EPISODIC)
+def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key):  # noqa: F811
+    from extract.runner import run_extraction
+    from schemas import read_shard, validate_shard
+
+    shared = tmp_path_factory.getbasetemp() / "tpt-e2e"
+    root = shared / "data"
+    if not root.exists():
+        make_json_dataset(root, "dtd", n_classes=3, per_class=2)
+    out = tmp_path_factory.mktemp(f"out-{key}")
+    paths = run_extraction(key, "dtd", data_root=root, out=out, cache_dir=shared / "cache", model=tiny_model,
+                           limit=3, part_size=2, adapt_batch=2, chunk_size=4, batch_size=64, progress=False)
+    assert len(paths) == 2 and all(validate_shard(p) == [] for p in paths)
+    shards = [read_shard(p) for p in paths]
+    tta = np.concatenate([s.tta_logits for s in shards])
+    zs = np.concatenate([s.zs_logits for s in shards])
+    assert tta.shape == (3, 3) and np.isfinite(tta).all()
+    assert not np.allclose(tta, zs)  # adapted, and paired with the zero-shot anchor
+    assert shards[0].meta.method_config["episodic"] is True
+    assert np.abs(zs).max() <= tiny_model.logit_scale * 1.0001  # cosine logits

@@ -1,0 +1,98 @@
+"""The view generator: view 0 = the model's preprocessing; augmented views seeded per (seed, sample_id)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from extract.models import Preprocess
+from extract.views import N_AUG_VIEWS, ViewGenerator, random_resized_crop_box, view_policy
+
+PRE = Preprocess(size=(32, 32), mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
+
+
+def _img(seed: int, size=(45, 37)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def test_view0_is_resize_centercrop_normalise():
+    img = _img(0)
+    gen = ViewGenerator(PRE, "single")
+    # independent reference: PIL bicubic resize of the short side, centre crop, to [0,1], normalise
+    w, h = img.size
+    s = 32
+    nw, nh = (s, int(s * h / w)) if w < h else (int(s * w / h), s)
+    r = img.resize((nw, nh), Image.BICUBIC)
+    left, top = int(round((nw - s) / 2.0)), int(round((nh - s) / 2.0))
+    crop = np.asarray(r.crop((left, top, left + s, top + s)), dtype=np.float32) / 255.0
+    want = (torch.from_numpy(crop).permute(2, 0, 1) - torch.tensor(PRE.mean)[:, None, None]) \
+        / torch.tensor(PRE.std)[:, None, None]
+    got = gen(img, sample_id=3)
+    assert got.shape == (1, 3, 32, 32)
+    torch.testing.assert_close(got[0], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["crop_flip", "augmix"])
+def test_views_deterministic_per_seed_and_sample(policy):
+    img = _img(1)
+    a = ViewGenerator(PRE, policy, seed=7)
+    b = ViewGenerator(PRE, policy, seed=7)
+    v = a(img, sample_id=11)
+    assert v.shape == (1 + N_AUG_VIEWS, 3, 32, 32) and v.dtype == torch.float32
+    # other samples generated in between (another stream order / batching) change nothing
+    b(img, sample_id=3)
+    b(_img(2), sample_id=12)
+    assert torch.equal(b(img, sample_id=11), v)
+    assert not torch.equal(a(img, sample_id=12)[1:], v[1:])
+    assert not torch.equal(ViewGenerator(PRE, policy, seed=8)(img, sample_id=11)[1:], v[1:])
+    # view 0 never depends on the seed or the policy
+    assert torch.equal(ViewGenerator(PRE, "single", seed=99)(img, 11)[0], v[0])
+    # the 63 augmented views differ from each other
+    flat = v[1:].reshape(N_AUG_VIEWS, -1)
+    assert len({tuple(r[:50].tolist()) for r in flat}) == N_AUG_VIEWS
+
+
+def test_crop_flip_views_are_pixel_crops_and_augmix_mixes():
+    """crop+flip views take values on the 256-level grid of the normalised image; AugMix mixes leave it."""
+    img = _img(3)
+    mean, std = torch.tensor(PRE.mean)[:, None, None], torch.tensor(PRE.std)[:, None, None]
+    cf = ViewGenerator(PRE, "crop_flip", seed=0)(img, 5)[1:] * std + mean
+    am = ViewGenerator(PRE, "augmix", seed=0)(img, 5)[1:] * std + mean
+    on_grid = lambda x: torch.allclose(x * 255, torch.round(x * 255), atol=1e-3)  # noqa: E731
+    assert all(on_grid(v) for v in cf)
+    assert sum(not on_grid(v) for v in am) > N_AUG_VIEWS // 2
+
+
+def test_random_resized_crop_box_in_bounds_and_scale():
+    rng = np.random.default_rng(0)
+    fractions = []
+    for _ in range(2000):
+        w, h = int(rng.integers(5, 300)), int(rng.integers(5, 300))
+        left, top, cw, ch = random_resized_crop_box(rng, w, h)
+        assert 0 <= left and 0 <= top and 0 < cw and 0 < ch and left + cw <= w and top + ch <= h
+        if w > 50 and h > 50:
+            fractions.append(cw * ch / (w * h))
+    f = np.array(fractions)
+    assert f.min() > 0.05 and f.max() <= 1.0 and 0.35 < f.mean() < 0.65  # area fraction ~ U(0.08, 1)
+
+
+def test_view_policy_and_bad_inputs():
+    assert view_policy(1, True) == "single"
+    assert view_policy(64, True) == "augmix" and view_policy(64, False) == "crop_flip"
+    with pytest.raises(ValueError, match="1 or 64"):
+        view_policy(8, False)
+    with pytest.raises(ValueError, match="unknown view policy"):
+        ViewGenerator(PRE, "mixup")
+    with pytest.raises(ValueError, match="seed"):
+        ViewGenerator(PRE, "augmix", seed=-1)
+
+
+def test_grey_images_become_three_channels(tmp_path):
+    from extract.datasets import open_image
+    p = tmp_path / "g.png"
+    _img(4).convert("L").save(p)
+    v = ViewGenerator(PRE, "augmix", seed=0)(open_image(p), 0)
+    assert v.shape == (64, 3, 32, 32) and torch.isfinite(v).all()
