@@ -57,9 +57,16 @@ def _chunks(n: int, k: int) -> Iterator[slice]:
         yield slice(start, min(n, start + rows))
 
 
+def _centred(x: np.ndarray) -> np.ndarray:
+    """A float64 copy of (n, K) rows minus their maximum (<= 0, max exactly 0): exp never overflows."""
+    z = x.astype(np.float64)  # always a copy, so the in-place subtraction never touches the input
+    z -= z.max(axis=1, keepdims=True)
+    return z
+
+
 def _entropy_chunk(z: np.ndarray) -> np.ndarray:
-    """(n, K) float64 -> (n,) entropy. H = log s - sum_k p_k (z_k - m), with m = max z and s = sum exp(z - m)."""
-    zc = z - z.max(axis=1, keepdims=True)  # <= 0: exp never overflows; 0 * (-huge) stays 0
+    """(n, K) float -> (n,) entropy. H = log s - sum_k p_k (z_k - m), with m = max z and s = sum exp(z - m)."""
+    zc = _centred(z)  # 0 * (-huge) stays 0 below
     e = np.exp(zc)
     s = e.sum(axis=1)
     return np.log(s) - np.einsum("ij,ij->i", e, zc) / s
@@ -83,7 +90,7 @@ def entropy_from_logits(logits: Any) -> np.ndarray:
     x = _as_2d(logits)
     out = np.empty(x.shape[0], dtype=np.float64)
     for sl in _chunks(x.shape[0], x.shape[1]):
-        out[sl] = _entropy_chunk(x[sl].astype(np.float64))
+        out[sl] = _entropy_chunk(x[sl])
     return out
 
 
@@ -186,23 +193,35 @@ class ZaecSolution:
         return int(self.capped.sum())
 
 
-def _moments(zc: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """H, Var and third central moment of z under p = softmax(beta * zc), for centred rows zc <= 0 (max 0).
+def _cumulants(zc: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """log sum exp(beta zc), and the mean, variance and third central moment of zc under p = softmax(beta * zc).
 
-    With mu(beta) = E_p[z]: H = log sum exp(beta zc) - beta mu, dH/dbeta = -beta Var, dVar/dbeta = kappa3.
+    Rows are centred (zc <= 0, max 0), so exp never overflows; one exp pass, in place.
     """
-    e = np.multiply(zc, beta[:, None])
-    np.exp(e, out=e)
+    if beta is None:  # beta = 1: skip the multiplication
+        e = np.exp(zc)
+        beta = np.ones(zc.shape[0])
+    else:
+        e = np.multiply(zc, beta[:, None])
+        np.exp(e, out=e)
     s = e.sum(axis=1)
     e *= zc
     m1 = e.sum(axis=1) / s  # E_p[zc] <= 0
     e *= zc
     m2 = e.sum(axis=1) / s
     m3 = np.einsum("ij,ij->i", e, zc) / s
-    h = np.log(s) - beta * m1
     var = np.maximum(m2 - m1 * m1, 0.0)
     k3 = m3 - 3.0 * m1 * m2 + 2.0 * m1 * m1 * m1
-    return h, var, k3
+    return np.log(s), m1, var, k3
+
+
+def _moments(zc: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """H, Var and third central moment of z under p = softmax(beta * zc), for centred rows zc <= 0 (max 0).
+
+    With mu(beta) = E_p[z]: H = log sum exp(beta zc) - beta mu, dH/dbeta = -beta Var, dVar/dbeta = kappa3.
+    """
+    log_s, m1, var, k3 = _cumulants(zc, beta)
+    return (log_s - m1 if beta is None else log_s - beta * m1), var, k3
 
 
 _X_LO = float(np.log(1.0 / ZAEC_T_MAX))  # log beta at the largest temperature
@@ -303,10 +322,9 @@ def solve_zaec(
     capped = np.zeros(n, dtype=bool)
     iters = 0
     for sl in _chunks(n, k):
-        hz = _entropy_chunk(zs[sl].astype(np.float64))
-        z = tta[sl].astype(np.float64)
-        zc = z - z.max(axis=1, keepdims=True)
-        ht, vt, kt = _moments(zc, np.ones(zc.shape[0]))
+        hz = _entropy_chunk(zs[sl])
+        zc = _centred(tta[sl])
+        ht, vt, kt = _moments(zc, None)
         tg = ht + strength * (hz - ht)
         if subset == "reduced":
             sel = ht < hz
@@ -374,30 +392,26 @@ TS_BETA_MIN = 1e-3
 TS_BETA_MAX = 1e3
 
 
-def nll_derivatives(logits: Any, labels: Any, beta: float) -> tuple[float, float, float, int]:
-    """Sums over samples of NLL(beta), dNLL/dbeta and d2NLL/dbeta2 for softmax(beta * logits); and the count.
+def nll_derivatives(logits: Any, labels: Any, beta: float) -> tuple[float, float, float, float, int]:
+    """Sums over samples of NLL(beta) and its first three derivatives for softmax(beta * logits); and the count.
 
-    NLL_i(beta) = logsumexp(beta z_i) - beta z_{i,y}; its derivative is E_p[z] - z_y and its second derivative
-    Var_p(z) >= 0, so the mean NLL is convex in beta. Sums make the statistics mergeable across shards.
+    NLL_i(beta) = logsumexp(beta z_i) - beta z_{i,y}; its derivatives are E_p[z] - z_y, Var_p(z) >= 0 and the third
+    central moment of z under p, so the mean NLL is convex in beta. Sums make the statistics mergeable across shards.
     """
     x = _as_2d(logits)
     y = np.asarray(labels, dtype=np.int64)
-    f = g = h = 0.0
+    f = g = h = t = 0.0
     for sl in _chunks(x.shape[0], x.shape[1]):
         z = x[sl].astype(np.float64)
         zc = z - z.max(axis=1, keepdims=True)
         rows = np.arange(z.shape[0])
-        a = beta * zc
-        e = np.exp(a)
-        s = e.sum(axis=1)
-        w = e * zc
-        m1 = w.sum(axis=1) / s
-        m2 = np.einsum("ij,ij->i", w, zc) / s
+        log_s, m1, var, k3 = _cumulants(zc, np.full(z.shape[0], float(beta)))
         zy = zc[rows, y[sl]]
-        f += float((np.log(s) - beta * zy).sum())
+        f += float((log_s - beta * zy).sum())
         g += float((m1 - zy).sum())
-        h += float(np.maximum(m2 - m1 * m1, 0.0).sum())
-    return f, g, h, int(x.shape[0])
+        h += float(var.sum())
+        t += float(k3.sum())
+    return f, g, h, t, int(x.shape[0])
 
 
 def fit_temperature(
@@ -406,7 +420,11 @@ def fit_temperature(
     tol: float = 1e-10,
     max_iter: int = 100,
 ) -> tuple[float, int]:
-    """Fit one temperature by NLL over labelled logits, streaming: Newton on beta = 1/T inside a bisection bracket.
+    """Fit one temperature by NLL over labelled logits, streaming: Halley on beta = 1/T inside a bisection bracket.
+
+    The mean NLL is convex in beta, so dNLL/dbeta has one root; Halley's method (using the second and third
+    derivatives, both available from one pass) needs about 3 passes from beta = 1; a step leaving the bracket is
+    replaced by geometric bisection.
 
     Args:
         batches: a callable returning a fresh iterable of ((n, K) logits, (n,) labels) per pass (one pass per step),
@@ -414,26 +432,26 @@ def fit_temperature(
         tol: stop when |mean dNLL/dbeta| * beta <= tol or the bracket collapses.
 
     Returns:
-        (T, iterations). T is clamped to [1/TS_BETA_MAX, 1/TS_BETA_MIN] when the optimum lies outside (e.g. separable data).
+        (T, passes). T is clamped to [1/TS_BETA_MAX, 1/TS_BETA_MIN] when the optimum lies outside (e.g. separable data).
 
     Raises:
         ValueError: no labelled samples.
     """
 
-    def stats(beta: float) -> tuple[float, float, int]:
-        g = h = 0.0
+    def stats(beta: float) -> tuple[float, float, float]:
+        g = h = t = 0.0
         n = 0
         for z, y in batches():
-            _, gi, hi, ni = nll_derivatives(z, y, beta)
-            g, h, n = g + gi, h + hi, n + ni
+            _, gi, hi, ti, ni = nll_derivatives(z, y, beta)
+            g, h, t, n = g + gi, h + hi, t + ti, n + ni
         if n == 0:
             raise ValueError("temperature scaling needs at least one labelled source sample")
-        return g / n, h / n, n
+        return g / n, h / n, t / n
 
     lo, hi = TS_BETA_MIN, TS_BETA_MAX
     beta = 1.0
     for it in range(1, max_iter + 1):
-        g, h, _ = stats(beta)
+        g, h, t = stats(beta)
         if abs(g) * beta <= tol:
             return 1.0 / beta, it
         if g > 0:  # NLL increasing: optimum at smaller beta
@@ -442,8 +460,12 @@ def fit_temperature(
             lo = beta
         if hi - lo <= 1e-12 * hi:
             return 1.0 / beta, it
-        newton = beta - g / h if h > 0 else np.nan
-        beta = newton if np.isfinite(newton) and lo < newton < hi else float(np.sqrt(lo * hi))
+        step = np.nan
+        if h > 0:
+            step = beta - 2.0 * g * h / (2.0 * h * h - g * t)  # Halley
+            if not (np.isfinite(step) and lo < step < hi):
+                step = beta - g / h  # Newton
+        beta = step if np.isfinite(step) and lo < step < hi else float(np.sqrt(lo * hi))
     return 1.0 / beta, max_iter
 
 

@@ -52,7 +52,7 @@ def extract(
                                        help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 (drops file "
                                             "names containing 'sh'); off by default"),
     batch_size: int = typer.Option(256, help="images per encoder call"),
-    workers: Optional[int] = typer.Option(None, help="image-loading processes (default: 8 on CUDA, 0 on CPU)"),
+    workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to 16 on CUDA, 0 on CPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Run METHOD over DATASET and write shards under OUT."""
@@ -63,8 +63,6 @@ def extract(
         from extract.runner import parse_overrides, plan_run, run_extraction
 
         overrides = parse_overrides(set_)
-        if backbone is None and not pretrained.startswith("local-dir:"):
-            backbone = "ViT-B-16"
         # resolve every name before any file is read (run_extraction repeats it; it is cheap)
         plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                  anchor=anchor, limit=limit)

@@ -142,7 +142,8 @@ def _json_set(key: str, json_name: str, cupl: str, *, coop: tuple[str, str], tpt
     return DatasetSpec(key, "json", "fine_grained", key, tuple(layouts), cupl_file=cupl, description=description)
 
 
-def _folder_set(key: str, scheme: FolderScheme, layouts: tuple[Layout, ...], *, sh: bool, description: str) -> DatasetSpec:
+def _folder_set(key: str, scheme: FolderScheme, layouts: tuple[Layout, ...], *, sh: bool,
+                description: str) -> DatasetSpec:
     return DatasetSpec(key, "folders", "natural", key, layouts, cupl_file="CuPL_prompts_imagenet.json",
                        folder_scheme=scheme, sh_quirk_applies=sh, description=description)
 

@@ -4,7 +4,8 @@
     * a pretrained tag (`openai`, ...): the weights must already be in the local caches (Hugging Face hub cache or
       open_clip's `~/.cache/clip`); with the hub offline (`HF_HUB_OFFLINE=1`) a missing file fails at once with a
       message naming it, instead of hanging in a hub client.
-    * a checkpoint file (`.safetensors`, or a `.pt/.pth/.bin` state dict loaded with `weights_only=True`).
+    * a checkpoint file (`.safetensors`, a `.pt/.pth/.bin` state dict loaded with `weights_only=True`, or OpenAI's
+      original TorchScript archive, whose state dict is read with `torch.jit.load`).
     * `local-dir:DIR` holding `open_clip_config.json` and `open_clip_model.safetensors` (or another checkpoint name
       open_clip looks for): the architecture comes from the directory.
 
@@ -20,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
@@ -151,6 +153,26 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+def is_torchscript(path: Path) -> bool:
+    """Whether `path` is a TorchScript archive (a zip holding a `code/` folder) rather than a state dict."""
+    import zipfile
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as zf:
+        return any("/code/" in n or n.startswith("code/") for n in zf.namelist())
+
+
+def torchscript_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict of a TorchScript CLIP archive, without OpenAI's non-weight entries."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated in favour of torch.export
+        module = torch.jit.load(str(path), map_location="cpu")
+    sd = {k: v for k, v in module.state_dict().items()
+          if k not in ("input_resolution", "context_length", "vocab_size")}
+    return sd
+
+
 def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
@@ -216,8 +238,11 @@ def _local_dir_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+DEFAULT_BACKBONE = "ViT-B-16"
+
+
 def load_model(
-    backbone: str | None = "ViT-B-16",
+    backbone: str | None = None,
     pretrained: str = "openai",
     device: str | torch.device | None = None,
     *,
@@ -227,8 +252,9 @@ def load_model(
     """Build an open_clip model and load its weights (offline-safe, weights-only).
 
     Args:
-        backbone: open_clip model name (`ViT-B-16`, `RN50`, ...). May be None with `local-dir:`; then the recorded
-            name is the config's `model_name` entry, else the directory's name.
+        backbone: open_clip model name (`ViT-B-16`, `RN50`, ...); None = `ViT-B-16`. With `local-dir:` the
+            architecture comes from the directory and the recorded name is `backbone` if given, else the config's
+            `model_name` entry, else the directory's name.
         pretrained: a tag (`openai`), a checkpoint file, or `local-dir:DIR`.
         device: torch device; None = cuda if available.
         quick_gelu: None = automatic (see the module docstring).
@@ -261,7 +287,7 @@ def load_model(
         if weights is None:
             raise ModelError(f"--pretrained local-dir:{ddir}: no weights file; expected one of "
                              f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
-        name = cfg.get("model_name") or backbone or ddir.resolve().name
+        name = backbone or cfg.get("model_name") or ddir.resolve().name
         arch = f"{LOCAL_DIR}{ddir}"
         qg = bool(cfg["model_cfg"].get("quick_gelu", False))
         if quick_gelu is not None and quick_gelu != qg:
@@ -271,9 +297,7 @@ def load_model(
         weights_file = str(weights)
         create = dict(model_name=arch, pretrained=None)
     else:
-        if not backbone:
-            raise ModelError("--backbone is required unless --pretrained is local-dir:DIR")
-        name = backbone
+        name = backbone or DEFAULT_BACKBONE
         if name not in open_clip.list_models():
             raise ModelError(f"unknown backbone {name!r}; open_clip models include: "
                              f"{', '.join(m for m in open_clip.list_models() if m in OPENAI_ARCHS)}, ... "
@@ -319,9 +343,21 @@ def load_model(
         arch = name
         create = dict(model_name=name, pretrained=weights_file)
 
+    jit_state = None
+    if weights_file is not None and not pretrained.startswith(LOCAL_DIR) and is_torchscript(Path(weights_file)):
+        # OpenAI's original archives (~/.cache/clip/ViT-B-16.pt) are TorchScript, which torch.load refuses with
+        # weights_only=True; torch.jit.load reads them with TorchScript's own loader (TorchScript types only, no
+        # Python pickle), and only the state dict is kept.
+        jit_state = torchscript_state_dict(Path(weights_file))
+        create = dict(model_name=create["model_name"], pretrained=None)
     try:
         model = open_clip.create_model(**create, device="cpu", weights_only=True, **kwargs)
-    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        if jit_state is not None:
+            # non-persistent buffers (attn_mask) are in a TorchScript state dict but not in the model's
+            expected = set(model.state_dict())
+            model.load_state_dict({k: v for k, v in jit_state.items() if k in expected}, strict=True)
+    except (RuntimeError, ValueError, KeyError, OSError, pickle.UnpicklingError) as e:
+        # UnpicklingError: a .pt holding Python objects beyond tensors, refused by weights_only loading
         raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
     model = model.to(dev).eval()
     for p in model.parameters():

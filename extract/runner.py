@@ -23,7 +23,6 @@ import json
 import os
 import time
 import zlib
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -31,9 +30,9 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from extract.cache import PARTS, FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
-from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, open_image
-from extract.models import LOCAL_DIR, LoadedModel, ModelError, _local_dir_config, load_model, resolve_device
+from extract.cache import FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
+from extract.datasets import TestSet, get_dataset, load_testset, open_image
+from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
 from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
 from schemas import RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
@@ -100,10 +99,8 @@ def resolve_backbone_name(backbone: str | None, pretrained: str) -> str:
     if pretrained.startswith(LOCAL_DIR):
         d = Path(pretrained[len(LOCAL_DIR):]).expanduser()
         cfg = _local_dir_config(d)
-        return cfg.get("model_name") or backbone or d.resolve().name
-    if not backbone:
-        raise ModelError("--backbone is required unless --pretrained is local-dir:DIR")
-    return backbone
+        return backbone or cfg.get("model_name") or d.resolve().name
+    return backbone or DEFAULT_BACKBONE
 
 
 def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
@@ -364,7 +361,7 @@ def run_extraction(
     method: str,
     dataset: str,
     *,
-    backbone: str | None = "ViT-B-16",
+    backbone: str | None = None,
     pretrained: str = "openai",
     data_root: str | os.PathLike | None = None,
     out: str | os.PathLike = DEFAULT_OUT,
@@ -392,7 +389,8 @@ def run_extraction(
     Args:
         method: method key (`extract.methods.REGISTRY`).
         dataset: dataset key (`extract.datasets.REGISTRY`).
-        backbone: open_clip model name; may be None with `pretrained="local-dir:DIR"`.
+        backbone: open_clip model name; None = `ViT-B-16`, or with `pretrained="local-dir:DIR"` the directory's
+            model name.
         pretrained: tag (`openai`), checkpoint file or `local-dir:DIR`.
         data_root: datasets folder (None: $ZAEC_DATA_ROOT, else ./data).
         out: shard root; shards go to `<out>/backbone=../dataset=../method=../seed=../part-00000.parquet`.
@@ -406,7 +404,7 @@ def run_extraction(
         cache_dir: feature cache root (None: $ZAEC_CACHE_DIR, else data/cache).
         cupl_dir: CuPL prompt files (None: $ZAEC_CUPL_DIR).
         sh_filter: the TDA file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (spec §13.9), off by default.
-        batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, 8 on CUDA).
+        batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, up to 16 on CUDA).
         chunk_size: samples per cache chunk. adapt_batch: samples per `method.adapt` call.
         part_size: rows per shard (a multiple of `adapt_batch`).
         progress: show the rich progress bar.
@@ -434,11 +432,7 @@ def run_extraction(
     settings = {"method_config": _config_dict(plan.config), "pretrained": pretrained, "anchor": anchor,
                 "sh_filter": bool(sh_filter), "samples": testset.fingerprint()}
     marker = sdir / COMPLETE_MARKER
-    if force:
-        for p in _existing_parts(sdir):
-            p.unlink()
-        marker.unlink(missing_ok=True)
-    elif run_is_complete(out, plan.key, limit=limit):
+    if not force and run_is_complete(out, plan.key, limit=limit):
         info = json.loads(marker.read_text(encoding="utf-8"))
         if info.get("settings") != settings:
             raise RunError(f"a finished run under {sdir} used different settings ({info.get('settings')}); "
@@ -488,7 +482,7 @@ def run_extraction(
     marker.unlink(missing_ok=True)
     start_part = 0
     kept_stats = [0, 0]  # correct tta, correct zs in the kept parts
-    if resume:
+    if resume and not force:  # (force: every part is rewritten; the old ones go only now that the model loaded)
         for p in range(n_parts):
             path = shard_path(out, plan.key, p)
             if not path.is_file():
@@ -515,7 +509,7 @@ def run_extraction(
 
     dev = model.device
     if workers is None:
-        workers = 8 if dev.type == "cuda" else 0
+        workers = min(16, os.cpu_count() or 1) if dev.type == "cuda" else 0
     method_obj = build_method(plan.method_cls, config, method_text, model, backbone=plan.backbone, dataset=dataset,
                               class_names=testset.class_names)
     reader = _FeatureReader(cache, plan.policy)

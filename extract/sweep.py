@@ -37,6 +37,7 @@ from extract.sweep_plan import (
     RunSpec,
     SweepError,
     check_data,
+    check_finished_settings,
     default_timeout_min,
     expand_grid,
     fmt_hours,
@@ -179,6 +180,20 @@ def _visible_gpus() -> list[int]:
         return []
 
 
+def local_gpu_assignment(n_jobs: int, gpus_per_job: int, gpus: Sequence[int]) -> list[tuple[int, ...]]:
+    """The GPUs (physical indices) each local job sees: consecutive blocks of `gpus_per_job`, wrapping around, so
+    jobs get their own GPUs when there are enough and share them otherwise; none when there is no GPU.
+
+    >>> local_gpu_assignment(3, 1, [2, 3])
+    [(2,), (3,), (2,)]
+    """
+    k = min(gpus_per_job, len(gpus))
+    if k == 0:
+        return [()] * n_jobs
+    ring = list(gpus) * 2
+    return [tuple(ring[(i * k) % len(gpus):(i * k) % len(gpus) + k]) for i in range(n_jobs)]
+
+
 def _import_submitit() -> Any:
     try:
         import submitit
@@ -200,14 +215,9 @@ def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: 
             jobs = ex.submit_array([GroupJob([g], token) for g in groups])
             return list(zip(groups, jobs))
         packs = pack_groups(groups, opts.local_jobs)
-        gpus = _visible_gpus()
         ex = submitit.LocalExecutor(folder=folder, max_num_timeout=3)
         pairs = []
-        for i, pack in enumerate(packs):
-            n_gpus = min(opts.gpus_per_job, len(gpus))
-            # job i sees its own GPUs when there are enough, else they share
-            start = (i * n_gpus) % len(gpus) if gpus else 0
-            mine = tuple((gpus * 2)[start:start + n_gpus])
+        for pack, mine in zip(packs, local_gpu_assignment(len(packs), opts.gpus_per_job, _visible_gpus())):
             ex.update_parameters(timeout_min=opts.timeout_min or LOCAL_TIMEOUT_MIN, gpus_per_node=len(mine),
                                  visible_gpus=mine)
             job = ex.submit(GroupJob(pack, token))
@@ -216,7 +226,8 @@ def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: 
     except SweepError:
         raise
     except Exception as e:  # sbatch refused, srun missing, ...: one line, not a traceback
-        raise SweepError(f"submission failed ({opts.executor}): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        lines = str(e).strip().splitlines()
+        raise SweepError(f"submission failed ({opts.executor}): {lines[0] if lines else type(e).__name__}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,11 +266,35 @@ def _pid_alive(pid: str) -> bool:
     return True
 
 
-def job_state(row: Mapping[str, Any], folder: Path, live: Mapping[str, Any] | None = None) -> tuple[str, str]:
+class SlurmStates:
+    """SLURM states of the manifest's jobs from one `sacct` call (through submitit's watcher), made on first use."""
+
+    def __init__(self, folder: Path, job_ids: Sequence[str]):
+        self.folder, self.job_ids = folder, sorted(set(job_ids))
+        self._states: dict[str, str] | None = None
+
+    def get(self, job_id: str) -> str:
+        if self._states is None:
+            self._states = {}
+            try:
+                import submitit
+
+                jobs = [submitit.SlurmJob(folder=self.folder, job_id=j) for j in self.job_ids]  # registers them
+                submitit.SlurmJob.watcher.update()  # one sacct for all; errors become UNKNOWN
+                for j in jobs:
+                    self._states[j.job_id] = str(j.watcher.get_state(j.job_id, mode="cache"))
+            except Exception:  # no sacct, or a scheduler hiccup: states stay unknown
+                pass
+        raw = self._states.get(job_id) or "UNKNOWN"
+        return raw.split()[0].upper()  # "CANCELLED by 123" -> "CANCELLED"
+
+
+def job_state(row: Mapping[str, Any], folder: Path, live: Mapping[str, Any] | None = None,
+              slurm: SlurmStates | None = None) -> tuple[str, str]:
     """("active" | "ended" | "unknown", detail) of the job a manifest row points to.
 
     `live` maps job ids to submitit job objects held by this process (they know their processes); otherwise the
-    job's result pickle, then its process (local) or `sacct` (SLURM) decide.
+    job's result pickle, then its process (local) or `sacct` (SLURM, through `slurm`) decide.
     """
     job_id = str(row.get("job_id", ""))
     if not job_id:
@@ -274,12 +309,7 @@ def job_state(row: Mapping[str, Any], folder: Path, live: Mapping[str, Any] | No
         return ("ended", f"job {job_id} ended without a result ({getattr(job, 'state', '?')})")
     executor = row.get("executor", "local")
     if executor == "slurm":
-        try:
-            import submitit
-
-            state = str(submitit.SlurmJob(folder=folder, job_id=job_id).state).split()[0].upper()
-        except Exception:
-            state = "UNKNOWN"
+        state = (slurm or SlurmStates(folder, [job_id])).get(job_id)
         if state in SLURM_ACTIVE:
             return ("active", state)
         if state in ("UNKNOWN", "READY"):
@@ -295,6 +325,9 @@ def refresh(manifest: Manifest, live: Mapping[str, Any] | None = None) -> list[t
     the run finished (its last traceback line or scheduler state is recorded), or a finished run's shards are gone.
     """
     folder = sweep_dir(manifest.out) / "submitit"
+    slurm = SlurmStates(folder, [str(r["job_id"]) for r in manifest.rows.values()
+                                 if r.get("executor") == "slurm" and r.get("state") in ACTIVE_STATES
+                                 and r.get("job_id")])
     changes = []
     for run_id, row in manifest.rows.items():
         state = row.get("state")
@@ -313,7 +346,7 @@ def refresh(manifest: Manifest, live: Mapping[str, Any] | None = None) -> list[t
             if res is not None and res.get("state") == "failed":
                 new, err = "failed", str(res.get("error", ""))
             else:
-                js, detail = job_state(row, folder, live)
+                js, detail = job_state(row, folder, live, slurm)
                 if js == "active":
                     new = "running" if res is not None and res.get("state") == "running" else "pending"
                 elif js == "ended":
@@ -391,7 +424,8 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
         return
     if opts.executor == "slurm":
         console.print(f"SLURM: one job array of {len(groups)} task(s); sbatch script:", highlight=False)
-        console.print(sbatch_preview(opts, groups, sweep_dir(out) / "submitit"), markup=False, highlight=False)
+        console.print(sbatch_preview(opts, groups, sweep_dir(out) / "submitit"), markup=False, highlight=False,
+                      soft_wrap=True)
     else:
         packs = pack_groups(groups, opts.local_jobs)
         for i, pack in enumerate(packs):
@@ -414,8 +448,7 @@ def _submit_and_record(manifest: Manifest, groups: Sequence[Group], opts: ExecOp
         live[jid] = job
         log = str(job.paths.stderr) if hasattr(job, "paths") else ""
         for run in group.runs:
-            manifest.record_submission(run, job_id=jid, token=token, log=log)
-            manifest.rows[run.run_id]["executor"] = opts.executor
+            manifest.record_submission(run, job_id=jid, token=token, log=log, executor=opts.executor)
     manifest.executor = opts.to_dict()
     return live
 
@@ -442,12 +475,14 @@ def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run:
         manifest = Manifest.load(out)
         refresh(manifest)
         skipped = [r for r in runs if is_complete(r)]
+        check_finished_settings(skipped)
         done = {r.run_id for r in skipped}
         active = [r.run_id for r in runs
                   if r.run_id not in done and manifest.rows.get(r.run_id, {}).get("state") in ACTIVE_STATES]
         todo = [r for r in runs if r.run_id not in done and r.run_id not in active]
         render_plan(group_runs(todo), skipped, active, opts, out, console)
         return 0
+    check_finished_settings([r for r in runs if is_complete(r)])
     with locked_manifest(out) as manifest:
         refresh(manifest)
         skipped, active, todo = [], [], []
@@ -548,12 +583,15 @@ def _pick(cli: Any, cfg: Mapping[str, Any], key: str, default: Any = None) -> An
     return cfg.get(key, default)
 
 
+def _as_tuple(value: Any) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
+
+
 def _exec_options(cfg: Mapping[str, Any], cli: Mapping[str, Any]) -> ExecOptions:
     values = {k: _pick(cli.get(k), cfg, k) for k in EXEC_KEYS}
     values = {k: v for k, v in values.items() if v is not None}
     if "slurm_setup" in values:
-        setup = values["slurm_setup"]
-        values["slurm_setup"] = tuple([setup] if isinstance(setup, str) else setup)
+        values["slurm_setup"] = _as_tuple(values["slurm_setup"])
     try:
         return ExecOptions(**values)
     except TypeError as e:
@@ -641,7 +679,7 @@ def run(
             backbones=split_list(_pick(backbones, cfg, "backbones"), "--backbones"),
             seeds=parse_seeds(_pick(seeds, cfg, "seeds", "1")),
             pretrained=str(_pick(pretrained, cfg, "pretrained", "openai")),
-            overrides=tuple(_pick(set_, cfg, "set", ())),
+            overrides=_as_tuple(_pick(set_, cfg, "set", ())),
         )
         if not grid.backbones and not grid.pretrained.startswith("local-dir:"):
             grid = dataclasses.replace(grid, backbones=("ViT-B-16",))
@@ -667,7 +705,8 @@ def run(
     except _user_errors() as e:
         raise _fail(str(e))
     except KeyboardInterrupt:
-        console.print("interrupted; the jobs keep running: zaec-sweep status", highlight=False)
+        console.print("interrupted: the manifest keeps the submitted runs; `zaec-sweep status` shows what "
+                      "finished, the same command or `zaec-sweep retry` resumes the rest", highlight=False)
         raise typer.Exit(130)
     raise typer.Exit(code)
 

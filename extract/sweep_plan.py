@@ -68,18 +68,37 @@ DEMO_TEST_SIZE = 10000
 #: forward) are the planning figures. Multi-view policies encode 64 views per image.
 ENCODE_S_PER_VIEW: dict[str, float] = {"vit": 1 / 1000, "rn": 1 / 1500}
 #: Adaptation GPU-seconds per sample, by method (estimate): zero-shot is one matmul; TDA a per-sample cache update;
-#: DPE and DLAE one AdamW step on the prototype residuals per sample (DLAE adds its reflection step).
-ADAPT_S_PER_SAMPLE: dict[str, float] = {"zero-shot": 0.0001, "tda": 0.003, "dpe": 0.025, "dlae": 0.03}
-#: Adaptation cost assumed for a registered method missing from the table above (flagged in the plan).
+#: DPE and DLAE one AdamW step on the prototype residuals per sample (DLAE adds its reflection step); TPS one AdamW
+#: step on a (K, D) shift for a batch of samples at once.
+ADAPT_S_PER_SAMPLE: dict[str, float] = {"zero-shot": 0.0001, "tda": 0.003, "dpe": 0.025, "dlae": 0.03, "tps": 0.005,
+                                        "tpt": 0.005, "ctpt": 0.005, "otpt": 0.005}
+#: ... plus GPU-seconds per sample and class, for the methods that run the text encoder per sample: the TPT family
+#: does one forward + backward and one forward of the text transformer over the K prompts per sample (about
+#: 25 GFLOP per prompt at ~100 TFLOP/s effective fp16), so ImageNet's 1000 classes cost ~0.25 s a sample.
+ADAPT_S_PER_SAMPLE_CLASS: dict[str, float] = {"tpt": 2.5e-4, "ctpt": 2.5e-4, "otpt": 2.5e-4}
+#: Adaptation cost assumed for a registered method missing from the tables above (flagged in the plan).
 DEFAULT_ADAPT_S_PER_SAMPLE = 0.03
 #: Per-job overhead: start-up, model load, text prototypes (seconds).
 JOB_OVERHEAD_S = 120.0
+#: Classes per dataset (CoOp splits; ImageNet-A/-R are 200-class subsets), for the per-class costs.
+NUM_CLASSES: dict[str, int] = {
+    "imagenet": 1000, "imagenet_a": 200, "imagenet_v2": 1000, "imagenet_r": 200, "imagenet_sketch": 1000,
+    "caltech101": 100, "dtd": 47, "eurosat": 10, "fgvc_aircraft": 100, "food101": 101, "flowers102": 102,
+    "oxford_pets": 37, "stanford_cars": 196, "sun397": 397, "ucf101": 101,
+}
+DEMO_NUM_CLASSES = 10
 
 
-def test_size(dataset: str, limit: int | None = None) -> int:
+def adapt_seconds(method: str, dataset: str) -> float:
+    """Estimated adaptation GPU-seconds per sample of `method` on `dataset` (see the tables above)."""
+    k = NUM_CLASSES.get(dataset, DEMO_NUM_CLASSES)
+    return ADAPT_S_PER_SAMPLE.get(method, DEFAULT_ADAPT_S_PER_SAMPLE) + ADAPT_S_PER_SAMPLE_CLASS.get(method, 0.0) * k
+
+
+def n_images(dataset: str, limit: int | None = None) -> int:
     """Images a run over `dataset` processes: the table's test size, capped by `--limit`.
 
-    >>> test_size("dtd"), test_size("imagenet", limit=1000)
+    >>> n_images("dtd"), n_images("imagenet", limit=1000)
     (1692, 1000)
     """
     n = TEST_SIZES.get(dataset, DEMO_TEST_SIZE if dataset.startswith("fmnist") else None)
@@ -173,10 +192,10 @@ class Group:
     def estimate_hours(self) -> float:
         """Estimated GPU-hours: one encoding pass of the group's views plus each method's adaptation."""
         r0 = self.runs[0]
-        n = test_size(r0.dataset, r0.limit)
+        n = n_images(r0.dataset, r0.limit)
         views = 1 if r0.policy == "single" else 64
         enc = n * views * ENCODE_S_PER_VIEW[_family(r0.backbone)]
-        adapt = sum(n * ADAPT_S_PER_SAMPLE.get(r.method, DEFAULT_ADAPT_S_PER_SAMPLE) for r in self.runs)
+        adapt = sum(n * adapt_seconds(r.method, r.dataset) for r in self.runs)
         return (JOB_OVERHEAD_S + enc + adapt) / 3600.0
 
 
@@ -391,6 +410,33 @@ def is_complete(run: RunSpec) -> bool:
     return run_is_complete(run.out, run.key, limit=run.limit)
 
 
+def settings_mismatch(run: RunSpec) -> str | None:
+    """For a complete run: the recorded settings (method config, anchor) that differ from this sweep's, else None.
+
+    The extractor refuses to reuse such a run without `--force`; the sweep reports it before submitting anything.
+    """
+    from extract.runner import COMPLETE_MARKER, plan_run
+
+    info = read_json(run.shard_dir / COMPLETE_MARKER) or {}
+    recorded = info.get("settings") or {}
+    plan = plan_run(run.method, run.dataset, backbone=run.backbone_arg, pretrained=run.pretrained, seed=run.seed,
+                    overrides=dict(run.overrides) or None, anchor=run.anchor, limit=run.limit)
+    wanted = {"method_config": json.loads(json.dumps(dataclasses.asdict(plan.config), default=str)),
+              "anchor": run.anchor}
+    diff = [k for k, v in wanted.items() if k in recorded and recorded[k] != v]
+    return ", ".join(diff) or None
+
+
+def check_finished_settings(runs: Sequence[RunSpec]) -> None:
+    """Raise SweepError when complete runs were made with other settings than the sweep asks for."""
+    bad = [(r, d) for r in runs if (d := settings_mismatch(r))]
+    if bad:
+        r, d = bad[0]
+        raise SweepError(f"{len(bad)} finished run(s) used other settings than this sweep, e.g. {r.run_id} "
+                         f"({d}) under {r.shard_dir}; write the sweep to another --out, or recompute them with "
+                         "zaec-extract --force")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sweep folder, per-run result files, manifest
 
@@ -441,8 +487,9 @@ def error_line(exc: BaseException) -> str:
 class Manifest:
     """The sweep manifest: one row per run, keyed by run id, plus the executor settings of the last submission.
 
-    A row: run_id, backbone, dataset, method, seed, group, policy, job_id, state, shard_dir, error, log,
-    token (identifies the submission the row belongs to), submitted, updated, attempts, spec (RunSpec as a dict).
+    A row: run_id, backbone, dataset, method, seed, group, policy, job_id, executor, state, shard_dir, error, log
+    (the job's stderr), token (identifies the submission the row belongs to), submitted, updated, attempts, spec
+    (the RunSpec as a dict, what `retry` resubmits).
     """
 
     out: Path
@@ -468,11 +515,13 @@ class Manifest:
                "runs": [self.rows[k] for k in sorted(self.rows)]}
         return write_json_atomic(manifest_path(self.out), doc)
 
-    def record_submission(self, run: RunSpec, *, job_id: str, token: str, log: str = "") -> None:
+    def record_submission(self, run: RunSpec, *, job_id: str, token: str, log: str = "",
+                          executor: str = "local") -> None:
         old = self.rows.get(run.run_id, {})
         self.rows[run.run_id] = {
             "run_id": run.run_id, **run.key.as_dict(), "group": run.group_id, "policy": run.policy,
-            "job_id": job_id, "state": "pending", "shard_dir": str(run.shard_dir), "error": "", "log": log,
+            "job_id": job_id, "executor": executor, "state": "pending", "shard_dir": str(run.shard_dir),
+            "error": "", "log": log,
             "token": token, "submitted": now(), "updated": now(), "attempts": int(old.get("attempts", 0)) + 1,
             "spec": run.to_dict(),
         }
@@ -516,14 +565,14 @@ def new_token() -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # tables (polars DataFrames; the CLI renders them)
 
-def plan_frame(groups: Sequence[Group], skipped: Sequence[RunSpec] = ()) -> "Any":
+def plan_frame(groups: Sequence[Group]) -> "Any":
     """One row per group: group, backbone, dataset, policy, seed, methods, runs, images, views, est. GPU-hours."""
     import polars as pl
 
     rows = []
     for g in groups:
         r0 = g.runs[0]
-        n = test_size(r0.dataset, r0.limit)
+        n = n_images(r0.dataset, r0.limit)
         rows.append({"group": g.group_id, "backbone": r0.backbone, "dataset": r0.dataset, "policy": r0.policy,
                      "seed": r0.seed, "methods": ",".join(g.methods), "runs": len(g.runs), "images": n,
                      "views": n * (1 if r0.policy == "single" else 64), "gpu_hours": g.estimate_hours()})

@@ -13,8 +13,11 @@ transformer runs on ~15 instead of 77 positions. `truncate=False` runs the full 
 `model.encode_text` bit for bit.
 
     >>> enc = PromptTextEncoder(loaded.model, loaded.tokenizer, ["cat", "dog"])   # doctest: +SKIP
-    >>> feats = enc(enc.ctx_init)          # (K, D), L2-normalised: the zero-shot "a photo of a {}." prototypes
-    >>> feats = enc(ctx)                   # ctx (B, n_ctx, W) -> (B, K, D): B independent contexts in one pass
+    >>> feats = enc(enc.ctx_init)   # doctest: +SKIP
+    >>> feats.shape                 # doctest: +SKIP
+    (K, D)                          # L2-normalised: the zero-shot "a photo of a {}." prototypes
+    >>> enc(ctx).shape              # doctest: +SKIP
+    (B, K, D)                       # ctx (B, n_ctx, W): B independent contexts in one pass
 """
 
 from __future__ import annotations

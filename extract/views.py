@@ -181,7 +181,8 @@ class ViewGenerator:
 
     def _augmented_one(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
         left, top, w, h = random_resized_crop_box(rng, img.width, img.height)
-        crop = img.resize((self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h))
+        # crop, then resize (torchvision's resized_crop on PIL images)
+        crop = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
         if rng.uniform() < 0.5:
             crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
         base = np.asarray(crop, dtype=np.float32) / 255.0

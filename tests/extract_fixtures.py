@@ -76,7 +76,8 @@ def register_tiny_arch() -> str:
 
 
 def make_tiny_checkpoint(path: Path, *, seed: int = 0, fmt: str = "safetensors") -> Path:
-    """A checkpoint file of TINY_ARCH (registered on the fly): `.safetensors` or a torch state dict `.pt`."""
+    """A checkpoint file of TINY_ARCH (registered on the fly): `.safetensors`, a torch state dict `.pt`, or a
+    TorchScript archive (fmt="jit")."""
     import torch
     from safetensors.torch import save_file
 
@@ -86,6 +87,11 @@ def make_tiny_checkpoint(path: Path, *, seed: int = 0, fmt: str = "safetensors")
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         save_file(sd, str(path))
+    elif fmt == "jit":  # a TorchScript archive, as OpenAI's original ViT-B-16.pt
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.jit.script(_build(tiny_model_cfg(), seed).eval()).save(str(path))
     else:
         torch.save(sd, path)
     return path

@@ -103,7 +103,7 @@ def test_shard_splits_do_not_change_metrics(tmp_path, make_meta, rng):
         assert np.allclose(a[col].to_numpy(), b[col].to_numpy(), rtol=1e-12, atol=1e-14), col
 
 
-def test_temperature_sources(tmp_path, make_meta, rng, capsys):
+def test_temperature_sources(tmp_path, make_meta, rng, capsys, monkeypatch):
     write_run(tmp_path / "s", make_meta, rng, dataset="dtd")
     # no source shards: a clear note, the calibrator is skipped, the rest runs
     rep = calibrate_paths([tmp_path / "s"])
@@ -113,6 +113,12 @@ def test_temperature_sources(tmp_path, make_meta, rng, capsys):
     write_run(tmp_path / "s", make_meta, rng, dataset="fmnist", n=200)
     rep = calibrate_paths([tmp_path / "s"], ts_source="fmnist")
     assert rep.metrics.filter(pl.col("calibrator") == "temperature").height == 2
+    # a source larger than the in-memory budget is streamed again on every pass: same fit
+    import calibrate.run as run_mod
+
+    monkeypatch.setattr(run_mod, "TS_CACHE_BYTES", 100)
+    streamed = calibrate_paths([tmp_path / "s"], ts_source="fmnist")
+    assert streamed.temperatures == pytest.approx(rep.temperatures, rel=1e-12)
     # fixed temperature
     rep = calibrate_paths([tmp_path / "s"], temperature=1.7, calibrators="temperature")
     assert any("T = 1.7" in n for n in rep.notes)

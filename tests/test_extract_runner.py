@@ -145,12 +145,12 @@ def test_deterministic_and_cache_reused(tmp_path, tiny_model, data_root, monkeyp
 
 
 def test_multi_view_cache_shares_view0_exactly(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
-    multi = _table(_run("zero-shot", tmp_path, tiny_model, data_root, limit=6, force=True,
+    multi = _table(_run("zero-shot", tmp_path, tiny_model, data_root, limit=6, force=True, chunk_size=3,
                         overrides={"n_views": "64", "augmix": "true"}))
     calls = []
     orig = type(tiny_model).encode_images
     monkeypatch.setattr(type(tiny_model), "encode_images", lambda self, x: calls.append(len(x)) or orig(self, x))
-    single = _table(_run("zero-shot", tmp_path / "s", tiny_model, data_root, limit=6,
+    single = _table(_run("zero-shot", tmp_path / "s", tiny_model, data_root, limit=6, chunk_size=3,
                          cache_dir=tmp_path / "cache"))
     assert calls == []  # view 0 came from the multi-view run's cache
     np.testing.assert_array_equal(single["zs_logits"], multi["zs_logits"])
@@ -256,11 +256,17 @@ def test_imagenet_a_subset_metadata(tmp_path, tiny_model):  # noqa: F811
     assert _table(paths)["label"].tolist() == [5, 5]
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One feature cache for the registry-wide test: the 64-view features are encoded once for every method."""
+    return tmp_path_factory.mktemp("shared-cache")
+
+
 @pytest.mark.parametrize("method", sorted(methods.REGISTRY))
-def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method):  # noqa: F811
-    paths = _run(method, tmp_path, tiny_model, data_root, limit=8)
+def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method, shared_cache):  # noqa: F811
+    paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache)
     t = _table(paths)
-    assert t["tta_logits"].shape == (8, 3) and np.isfinite(t["tta_logits"]).all()
+    assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
     assert all(validate_shard(p) == [] for p in paths)
     cfg = methods.get_method(method).default_config("dtd", "tiny-clip")
     assert read_shard(paths[0]).meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
@@ -286,3 +292,68 @@ def test_stream_permutation_fixed_per_dataset_and_seed():
     assert np.array_equal(a, stream_permutation("dtd", 1, 100))
     assert not np.array_equal(a, stream_permutation("dtd", 2, 100))
     assert not np.array_equal(a, stream_permutation("eurosat", 1, 100))
+
+
+def test_encoding_crash_resumes_missing_chunks_only(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+    from extract.cache import FeatureCache
+    full = _table(_run("zero-shot", tmp_path / "ref", tiny_model, data_root))
+    real_save = FeatureCache.save
+    saved = []
+
+    def crash_on_third(self, part, c, arr):
+        if len(saved) == 2:
+            raise KeyboardInterrupt
+        saved.append(c)
+        return real_save(self, part, c, arr)
+
+    monkeypatch.setattr(FeatureCache, "save", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        _run("zero-shot", tmp_path / "crash", tiny_model, data_root)
+    monkeypatch.setattr(FeatureCache, "save", real_save)
+    chunks = sorted(p.name for p in (tmp_path / "crash" / "cache").rglob("chunk-*.npy"))
+    assert chunks == ["chunk-00000.npy", "chunk-00001.npy"]  # nothing half-written
+    assert not list((tmp_path / "crash" / "cache").rglob("*.tmp"))
+    encoded = []
+    orig = type(tiny_model).encode_images
+    monkeypatch.setattr(type(tiny_model), "encode_images", lambda self, x: encoded.append(len(x)) or orig(self, x))
+    resumed = _table(_run("zero-shot", tmp_path / "crash", tiny_model, data_root))
+    assert sum(encoded) == 18 - 10  # only chunks 2 and 3 (positions 10..17) were encoded
+    for k in full:
+        np.testing.assert_array_equal(resumed[k], full[k])
+
+
+def test_text_prototypes_cached(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+    _run("tda", tmp_path, tiny_model, data_root, limit=4)
+    calls = []
+    orig = type(tiny_model).encode_texts
+    monkeypatch.setattr(type(tiny_model), "encode_texts", lambda self, t: calls.append(len(t)) or orig(self, t))
+    _run("tda", tmp_path / "again", tiny_model, data_root, limit=4, cache_dir=tmp_path / "cache")
+    assert calls == []
+    _run("zero-shot", tmp_path / "zs", tiny_model, data_root, limit=4, cache_dir=tmp_path / "cache",
+         anchor="method")
+    assert calls == []  # "a photo of a {}." prototypes were cached by the anchor of the first run
+
+
+def test_sh_filter_recorded_in_metadata(tmp_path, tiny_model):  # noqa: F811
+    root = tmp_path / "data"
+    make_imagenet_folders(root, "imagenet_v2", ["3"], per_class=3, names=["a.png", "ash.png", "b.png"])
+    paths = _run("zero-shot", tmp_path, tiny_model, root, dataset="imagenet_v2", sh_filter=True)
+    s = read_shard(paths[0])
+    assert len(s) == 2 and "1 image file(s) dropped" in s.meta.extra["zaec:tda_sh_filter"]
+    plain = _run("zero-shot", tmp_path / "plain", tiny_model, root, dataset="imagenet_v2")
+    assert len(read_shard(plain[0])) == 3 and "zaec:tda_sh_filter" not in read_shard(plain[0]).meta.extra
+
+
+def test_workers_and_fp16_cache_paths(tmp_path, tiny_model, tiny_model_dir, data_root):  # noqa: F811
+    """The GPU code paths that run on the CPU too: worker processes for the views, an fp16 feature cache."""
+    from extract.models import load_model
+    ref = _table(_run("tda", tmp_path / "w0", tiny_model, data_root, limit=8, workers=0))
+    par = _table(_run("tda", tmp_path / "w2", tiny_model, data_root, limit=8, workers=2))
+    for k in ref:
+        np.testing.assert_array_equal(par[k], ref[k])
+    amp = load_model(None, f"local-dir:{tiny_model_dir}", "cpu", precision="amp")
+    assert amp.cache_dtype == np.float16 and amp.fingerprint != tiny_model.fingerprint
+    half = _table(_run("tda", tmp_path / "fp16", amp, data_root, limit=8))
+    assert next((tmp_path / "fp16" / "cache").rglob("chunk-00000.npy")).stat().st_size < \
+        next((tmp_path / "w0" / "cache").rglob("chunk-00000.npy")).stat().st_size
+    np.testing.assert_allclose(half["zs_logits"], ref["zs_logits"], atol=0.05)

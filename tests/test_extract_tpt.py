@@ -3,6 +3,7 @@ against slow references written here from the spec (tta_methods.md §1.3, §3, �
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -148,6 +149,26 @@ def test_prompt_encoder_reproduces_encode_text(tiny_model):  # noqa: F811
     for b in range(3):
         torch.testing.assert_close(batched[b], short(ctx[b]), rtol=0, atol=1e-6)
         torch.testing.assert_close(batched[b], ref_encode(tiny_model, NAMES, ctx[b]), rtol=0, atol=2e-6)
+
+
+def test_prompt_encoder_custom_text_clip_with_eos_pooling():
+    """open_clip's CustomTextCLIP (text tower under `model.text`) with `pool_type="eos"`."""
+    import open_clip
+    from open_clip.tokenizer import SimpleTokenizer
+
+    torch.manual_seed(0)
+    text_cfg = {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1,
+                "pool_type": "eos", "eos_id": 49407}
+    model = open_clip.CustomTextCLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": 1, "width": 32,
+                                                               "head_width": 16, "patch_size": 8},
+                                     text_cfg=text_cfg).eval()
+    tok = SimpleTokenizer(context_length=32)
+    with torch.no_grad():
+        ref = model.encode_text(tok([f"a photo of a {n.replace('_', ' ')}." for n in NAMES]), normalize=True)
+        full = PromptTextEncoder(model, tok, NAMES, truncate=False)
+        assert torch.equal(full(full.ctx_init), ref)
+        short = PromptTextEncoder(model, tok, NAMES)
+        torch.testing.assert_close(short(short.ctx_init), ref, rtol=0, atol=2e-6)
 
 
 def test_prompt_encoder_gradient_only_to_context(tiny_model):  # noqa: F811
@@ -328,6 +349,25 @@ def test_cpu_runs_fp32_without_loss_scaling(tiny_model):  # noqa: F811
     assert m_amp.loss_scale == {"scale": 1000.0, "growth_tracker": 0}  # untouched on the CPU
 
 
+def test_loss_scale_path_unscales_and_skips_non_finite_steps(tiny_model, monkeypatch):  # noqa: F811
+    """The CUDA bookkeeping run on the CPU (autocast itself needs a GPU): scaled gradients are unscaled, a sample
+    whose gradient is not finite keeps its initial context (zero-shot logits) and halves the scale."""
+    x = stream(tiny_model, 3, seed=4)
+    plain = make("tpt", tiny_model).adapt(x)
+    m = make("tpt", tiny_model)
+    monkeypatch.setattr(m, "_use_amp", lambda device: True)
+    monkeypatch.setattr(m, "_autocast", lambda device: contextlib.nullcontext())
+    torch.testing.assert_close(m.adapt(x), plain, rtol=1e-5, atol=1e-5)
+    assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 3}
+    poison = torch.tensor([0.0, float("nan"), 0.0])
+    monkeypatch.setattr(m, "_regulariser", lambda text: text.sum((-1, -2)) * poison)
+    out = m.adapt(x)
+    zs = tiny_model.logit_scale * x[:, 0] @ zs_text(tiny_model).T
+    torch.testing.assert_close(out[1], zs[1], rtol=1e-5, atol=1e-5)  # step skipped
+    torch.testing.assert_close(out[[0, 2]], plain[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert m.loss_scale == {"scale": 500.0, "growth_tracker": 1}
+
+
 # ------------------------------------------------------------------------------------------ configs, errors
 
 def test_default_configs_follow_the_spec():
@@ -345,8 +385,10 @@ def test_default_configs_follow_the_spec():
         assert all(c.episodic for c in (tpt, ctpt, otpt, tps))
     cfg = apply_overrides(CTPT.default_config("dtd", "RN50"), {"lambda_term": "7", "tta_steps": "2"})
     assert (cfg.lambda_term, cfg.tta_steps) == (7.0, 2)
-    with pytest.raises(ValueError, match="cannot be overridden"):
-        apply_overrides(TPT.default_config("dtd", "RN50"), {"episodic": "false"})
+    for fixed in ({"episodic": "false"}, {"prompts": "dataset"}, {"cupl": "true"}):
+        with pytest.raises(ValueError, match="cannot be overridden"):
+            apply_overrides(TPT.default_config("dtd", "RN50"), fixed)
+    assert apply_overrides(TPS.default_config("dtd", "RN50"), {"prompts": "single"}).prompts == "single"
     with pytest.raises(ValueError, match="selection_p"):
         dataclasses.replace(TPT.default_config("dtd", "RN50"), selection_p=0.0)
     assert {"tpt", "ctpt", "otpt", "tps"} <= set(REGISTRY)

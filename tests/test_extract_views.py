@@ -96,3 +96,19 @@ def test_grey_images_become_three_channels(tmp_path):
     _img(4).convert("L").save(p)
     v = ViewGenerator(PRE, "augmix", seed=0)(open_image(p), 0)
     assert v.shape == (64, 3, 32, 32) and torch.isfinite(v).all()
+
+
+def test_crop_flip_view_matches_torchvision_resized_crop():
+    """View 1 of the crop+flip policy = torchvision's resized_crop (bilinear) + flip with the drawn parameters."""
+    import torchvision.transforms.functional as TF
+    img = _img(5, size=(60, 41))
+    gen = ViewGenerator(PRE, "crop_flip", seed=4)
+    got = gen.augmented(img, sample_id=9)[0]
+    rng = np.random.default_rng([4, 9])
+    left, top, w, h = random_resized_crop_box(rng, *img.size)
+    flip = rng.uniform() < 0.5
+    ref = TF.resized_crop(img, top, left, h, w, [32, 32], interpolation=TF.InterpolationMode.BILINEAR)
+    if flip:
+        ref = TF.hflip(ref)
+    ref = TF.normalize(TF.to_tensor(ref), PRE.mean, PRE.std)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -10,7 +10,7 @@ import pytest
 
 from calibrate.tables import builders, layout
 from calibrate.tables.data import merge_summaries, summarise_arrays, summarise_run
-from schemas import RunKey, ShardError, ShardMeta, group_shards, find_shards, shard_path, write_shard
+from schemas import RunKey, ShardError, find_shards, group_shards, shard_path, write_shard
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -44,10 +44,6 @@ def slow_ece(conf, correct, n_bins):
 
 
 KEY = RunKey("ViT-B-16", "imagenet_a", "tda", 1)
-
-
-def none_only():
-    return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -401,3 +397,18 @@ def test_temperature_scaling_source_per_seed_and_fixed(tmp_path, make_meta, rng)
     assert "temperature" not in none.runs[RunKey("ViT-B-16", "dtd", "tda", 1)].calibrated
     assert none.notes == ["temperature scaling skipped for ViT-B-16/tda: no labelled source shards of dataset "
                           "'eurosat' (choose one with --ts-source or fix T with --temperature)"]
+
+
+def test_edge_cases_k1_k2_constant_and_huge_logits():
+    # K = 1: everything certain, no division by log 1 = 0
+    s = summarise_arrays(KEY, [0, 1], [0, 0], np.zeros((2, 1)), np.ones((2, 1)), {})
+    assert np.all(s.delta_entropy == 0.0) and np.all(s.tta_confidence == 1.0)
+    # K = 2 with constant logits (uniform, confidence exactly 0.5) and logits of 1e4 (confidence exactly 1.0)
+    zs = np.array([[0.0, 0.0], [1e4, -1e4]])
+    tta = np.array([[3.0, 3.0], [2e4, -1e4]])
+    s = summarise_arrays(KEY, [0, 1], [1, 0], zs, tta, {})
+    assert s.tta_confidence.tolist() == [0.5, 1.0] and np.all(np.isfinite(s.calibrated["none"].nll))
+    df = builders.run_metrics([s], n_bins=20)
+    # sample 0: conf 0.5 (bin 9), wrong (argmax 0 vs label 1); sample 1: conf 1.0 (last bin), right: ECE = 0.5 / 2
+    assert df.filter(pl.col("calibrator") == "none")["ece"][0] == pytest.approx(slow_ece([0.5, 1.0], [0, 1], 20))
+    assert df.filter(pl.col("calibrator") == "none")["ece"][0] == pytest.approx(0.25)

@@ -77,6 +77,9 @@ def test_tables_end_to_end(shards, tmp_path, capsys):
     assert set(bold["metric"]) == {"ece"} and "zero-shot" not in set(bold["block"])
     rn50 = pl.read_csv(out / "main_RN50.csv")
     assert "temperature" not in set(rn50["row"]) and "zaec" in set(rn50["row"])
+    # two RN50 seeds: mean with the standard deviation over seeds
+    seeds_std = rn50.filter((pl.col("row") == "none") & (pl.col("dataset") == "imagenet_a"))["seed_std"][0]
+    assert seeds_std is not None and seeds_std > 0 and " ± " in (out / "main_RN50.md").read_text()
     # accuracy rows: raw TTA accuracy, identical for every calibrator (only one Acc. row per block)
     assert main.filter((pl.col("block") == "tda") & (pl.col("metric") == "accuracy")).height == 7  # 4 sets, 3 avgs
     md = (out / "main_ViT-B-16.md").read_text()
@@ -113,7 +116,8 @@ def test_reference_dataset_fallback_and_dispatch_through_zaec_calibrate(tmp_path
         _write(root, "tiny-vit", d, "tda", 60, 10)
     out = tmp_path / "results"
     with pytest.raises(SystemExit) as e:
-        calibrate_main(["tables", str(root), "--out", str(out), "--bootstrap", "20", "--ts-source", "fmnist", "--quiet"])
+        calibrate_main(
+            ["tables", str(root), "--out", str(out), "--bootstrap", "20", "--ts-source", "fmnist", "--quiet"])
     assert e.value.code == 0
     readme = (out / "README.md").read_text()
     assert "Figures 2c/2d and 4 use 'fmnist_blur'" in readme  # not the temperature-scaling source

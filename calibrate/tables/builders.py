@@ -6,7 +6,7 @@ relative logit-range deviation (eq. 8). Several seeds of one (backbone, dataset,
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import polars as pl
@@ -16,7 +16,6 @@ from calibrate.metrics import ece
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, basic_interval
 from calibrate.tables.data import RunSummary
-from schemas import RunKey
 
 _KEY = ["backbone", "dataset", "method", "seed"]
 _CELL = ["backbone", "dataset", "method", "calibrator"]
@@ -49,7 +48,7 @@ def run_metrics(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
                      "mean_confidence": float(s.zs_confidence.mean()), "mean_entropy": float(s.zs_entropy.mean()),
                      "range_deviation": 0.0, "mean_delta_entropy": 0.0})
         corr = s.tta_correct
-        log_k = np.log(s.num_classes)
+        log_k = np.log(s.num_classes) if s.num_classes > 1 else 1.0  # K = 1: both entropies are 0
         for spec, c in s.calibrated.items():
             rows.append({**base, "calibrator": spec, "accuracy": float(corr.mean()),
                          "ece": float(ece(c.confidence, corr, n_bins)), "nll": float(c.nll.mean()),
@@ -62,10 +61,13 @@ def run_metrics(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
 
 
 def cell_metrics(run_df: pl.DataFrame) -> pl.DataFrame:
-    """Mean over seeds per (backbone, dataset, method, calibrator); adds n_seeds."""
+    """Mean over seeds per (backbone, dataset, method, calibrator); adds n_seeds and the standard deviation over
+    seeds of accuracy and ECE (`accuracy_std`, `ece_std`; null for one seed)."""
     return (
         run_df.group_by(_CELL, maintain_order=True)
-        .agg([pl.col(m).mean() for m in _METRICS] + [pl.col("n").mean().alias("n"), pl.len().alias("n_seeds")])
+        .agg([pl.col(m).mean() for m in _METRICS] + [pl.col("n").mean().alias("n"), pl.len().alias("n_seeds"),
+                                                     pl.col("accuracy").std().alias("accuracy_std"),
+                                                     pl.col("ece").std().alias("ece_std")])
         .sort(_CELL)
     )
 
@@ -134,7 +136,7 @@ _MAIN_SCHEMA = {
     "backbone": pl.Utf8, "block": pl.Utf8, "block_label": pl.Utf8, "block_pos": pl.Int64, "row": pl.Utf8,
     "row_label": pl.Utf8, "row_pos": pl.Int64, "metric": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8,
     "column_label": pl.Utf8, "col_pos": pl.Int64, "value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
-    "n_datasets": pl.Int64, "bold": pl.Boolean,
+    "n_datasets": pl.Int64, "seed_std": pl.Float64, "n_seeds": pl.Int64, "bold": pl.Boolean,
 }
 
 
@@ -167,7 +169,7 @@ def main_table(
         def f(d):
             r = zs_lookup.get(d)
             v = None if r is None else r[metric] * 100.0
-            return v, replicates.zero_shot(backbone, d) if metric == "ece" else None
+            return v, replicates.zero_shot(backbone, d) if metric == "ece" else None, None, None
         return f
 
     specs.append((layout.ZERO_SHOT, f"Zero-shot {backbone}", "acc", "Acc.", "accuracy", zs_get("accuracy")))
@@ -179,7 +181,9 @@ def main_table(
             def f(d):
                 r = lookup.get((d, m, cal))
                 v = None if r is None else r[metric] * 100.0
-                return v, replicates.get(backbone, d, m, cal) if metric == "ece" else None
+                std = None if r is None or r.get(f"{metric}_std") is None else r[f"{metric}_std"] * 100.0
+                return (v, replicates.get(backbone, d, m, cal) if metric == "ece" else None, std,
+                        None if r is None else r.get("n_seeds"))
             return f
 
         specs.append((m, layout.method_label(m), "acc", "Acc.", "accuracy", get("accuracy", "none")))
@@ -194,12 +198,12 @@ def main_table(
         for group, datasets in groups:
             vals, reps = [], []
             for d in datasets:
-                v, rep = getter(d)
+                v, rep, std, n_seeds = getter(d)
                 lo, hi = replicates.interval(rep, v, floor=0.0)
                 rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
                                  row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset=d,
                                  column_label=layout.dataset_label(d), col_pos=col, value=v, ci_low=lo, ci_high=hi,
-                                 n_datasets=None if v is None else 1, bold=False))
+                                 n_datasets=None if v is None else 1, seed_std=std, n_seeds=n_seeds, bold=False))
                 vals.append(v)
                 reps.append(rep)
                 col += 1
@@ -210,7 +214,8 @@ def main_table(
             rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
                              row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset="avg",
                              column_label="Avg.", col_pos=col, value=avg, ci_low=lo, ci_high=hi,
-                             n_datasets=sum(v is not None for v in vals), bold=False))
+                             n_datasets=sum(v is not None for v in vals), seed_std=None, n_seeds=None,
+                             bold=False))
             col += 1
     df = pl.DataFrame(rows, schema=_MAIN_SCHEMA)
     # bold: lowest ECE per (method block, column)
@@ -255,7 +260,8 @@ def main_differences(
                     # both averages must span the same datasets for the difference to be a paired one
                     estimate = (ra["value"] - rb["value"]) if ra["n_datasets"] == rb["n_datasets"] else None
                 else:
-                    x, y = replicates.get(backbone, ra["dataset"], block, a), replicates.get(backbone, ra["dataset"], block, b)
+                    x = replicates.get(backbone, ra["dataset"], block, a)
+                    y = replicates.get(backbone, ra["dataset"], block, b)
                     diff = None if x is None or y is None else x - y
                     estimate = ra["value"] - rb["value"]
                 if estimate is None:
@@ -325,20 +331,19 @@ def pa_pd_table(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
 
 
 def _order(df: pl.DataFrame) -> pl.DataFrame:
-    """Add sort keys _b, _d, _m following the paper's backbone, dataset and method order."""
-    bb = {b: i for i, b in enumerate(layout.order_backbones(df["backbone"].unique().to_list()))} if df.height else {}
-    ds = {d: i for i, d in enumerate(d for _, g in layout.order_datasets(df["dataset"].unique().to_list()) for d in g)} \
-        if "dataset" in df.columns and df.height else {}
-    ms = {m: i for i, m in enumerate(layout.order_methods(df["method"].unique().to_list()))} \
-        if "method" in df.columns and df.height else {}
-    out = df.with_columns(pl.col("backbone").replace_strict(bb, default=len(bb), return_dtype=pl.Int64).alias("_b"))
-    out = out.with_columns(
-        (pl.col("dataset").replace_strict(ds, default=len(ds), return_dtype=pl.Int64) if "dataset" in df.columns
-         else pl.lit(0)).alias("_d"),
-        (pl.col("method").replace_strict(ms, default=-1, return_dtype=pl.Int64) if "method" in df.columns
-         else pl.lit(0)).alias("_m"),
+    """Add integer sort keys _b, _d, _m following the paper's backbone, dataset and method order."""
+    if df.height == 0:
+        return df.with_columns(pl.lit(0).alias("_b"), pl.lit(0).alias("_d"), pl.lit(0).alias("_m"))
+    orders = {
+        "_b": ("backbone", layout.order_backbones(df["backbone"].unique().to_list())),
+        "_d": ("dataset", [d for _, g in layout.order_datasets(df["dataset"].unique().to_list()) for d in g]),
+        "_m": ("method", layout.order_methods(df["method"].unique().to_list())),
+    }
+    return df.with_columns(
+        pl.col(col).replace_strict({k: i for i, k in enumerate(keys)}, default=len(keys), return_dtype=pl.Int64)
+        .alias(name)
+        for name, (col, keys) in orders.items()
     )
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

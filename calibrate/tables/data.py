@@ -75,8 +75,9 @@ class RunSummary:
 
     @property
     def delta_entropy(self) -> np.ndarray:
-        """Normalised entropy change delta_i^H = (H_tta - H_zs) / log K (paper eq. 9), (N,) float64."""
-        return (self.tta_entropy - self.zs_entropy) / np.log(self.num_classes)
+        """Normalised entropy change delta_i^H = (H_tta - H_zs) / log K (paper eq. 9), (N,) float64 (0 for K = 1)."""
+        log_k = np.log(self.num_classes) if self.num_classes > 1 else 1.0  # K = 1: both entropies are 0
+        return (self.tta_entropy - self.zs_entropy) / log_k
 
 
 def summarise_arrays(
@@ -125,7 +126,9 @@ def summarise_arrays(
     )
 
 
-_ARRAYS = ("sample_id", "label", "zs_pred", "zs_confidence", "zs_entropy", "zs_nll", "zs_range", "tta_pred", "tta_range")
+_ARRAYS = (
+    "sample_id", "label", "zs_pred", "zs_confidence", "zs_entropy", "zs_nll", "zs_range", "tta_pred", "tta_range",
+)
 
 
 def merge_summaries(parts: Sequence[RunSummary], where: str = "") -> RunSummary:
@@ -187,7 +190,8 @@ def summarise_run(
     parts = []
     for shard in iter_run(members):
         shard = _checked(shard, drop_nonfinite, notes)
-        parts.append(summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators))
+        parts.append(
+            summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators))
         if on_shard is not None:
             on_shard(shard)
     return merge_summaries(parts, str(members[0][0].parent))

@@ -72,7 +72,7 @@ def plot_reliability_grid(
     """Rows: calibrators (raw / SaLS / ZAEC); columns: methods. Bars: bin accuracy; hatched: the gap to the bin's
     mean confidence; grey area: the confidence histogram (share of samples, 100% = a quarter of the height)."""
     nr, nc = len(calibrators), len(methods)
-    fig = Figure(figsize=(2.6 * nc + 0.4, 2.6 * nr + 0.4))
+    fig = Figure(figsize=(2.6 * nc + 0.4, 2.6 * nr + 0.4), layout="constrained")
     axes = fig.subplots(nr, nc, squeeze=False, sharex=True, sharey=True)
     for i, cal in enumerate(calibrators):
         for j, m in enumerate(methods):
@@ -119,7 +119,7 @@ def plot_range_vs_ece(points: pl.DataFrame, path: str | os.PathLike, title: str)
     grey arrows from SaLS to ZAEC on the same predictions."""
     methods = layout.order_methods(points["method"].unique().to_list())
     colors = _method_colors(methods)
-    fig = Figure(figsize=(5.2, 4.0))
+    fig = Figure(figsize=(5.2, 4.0), layout="constrained")
     ax = fig.subplots()
     for m in methods:
         part = {r["calibrator"]: r for r in points.filter(pl.col("method") == m).iter_rows(named=True)}
@@ -145,7 +145,7 @@ def plot_entropy_ece(points: pl.DataFrame, corr: Mapping | None, path: str | os.
     line and the correlations in the title."""
     methods = layout.order_methods(points["method"].unique().to_list())
     colors = _method_colors(methods)
-    fig = Figure(figsize=(5.2, 4.0))
+    fig = Figure(figsize=(5.2, 4.0), layout="constrained")
     ax = fig.subplots()
     for m in methods:
         p = points.filter(pl.col("method") == m)
@@ -173,7 +173,7 @@ def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) ->
     for entropy-reduced (c) and not-reduced (d) samples, one line per method."""
     methods = layout.order_methods(bins["method"].unique().to_list())
     colors = _method_colors(methods)
-    fig = Figure(figsize=(9.5, 3.8))
+    fig = Figure(figsize=(9.5, 3.8), layout="constrained")
     axes = fig.subplots(1, 2, squeeze=False)
     for ax, subset, name in ((axes[0][0], "reduced", r"(c) $\delta^H < 0$"),
                              (axes[0][1], "not_reduced", r"(d) $\delta^H \geq 0$")):
@@ -208,7 +208,7 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
     n = len(datasets)
     cols = min(n, 3)
     rows = (n + cols - 1) // cols
-    fig = Figure(figsize=(3.6 * cols, 3.0 * rows))
+    fig = Figure(figsize=(3.6 * cols, 3.0 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     for k, d in enumerate(datasets):
         ax = axes[k // cols][k % cols]
@@ -232,7 +232,7 @@ def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title:
     calibrator (zero-shot first)."""
     methods = layout.order_methods(summary["method"].unique().to_list())
     cals = [c for c in ("zero-shot", *layout.MAIN_CALIBRATORS) if c in summary["calibrator"].to_list()]
-    fig = Figure(figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, 2, squeeze=False)
     width = 0.8 / max(len(cals), 1)
     x = np.arange(len(methods))

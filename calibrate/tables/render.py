@@ -74,7 +74,10 @@ def tex_escape(s: str) -> str:
     """Escape LaTeX specials of plain labels (dataset keys, method names) and map a few Unicode marks."""
     for a, b in (("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("$", r"\$")):
         s = s.replace(a, b)
-    return s.replace("–", "--").replace("†", r"$^\dagger$").replace("λ", r"$\lambda$")
+    for a, b in (("–", "--"), ("−", "$-$"), ("†", r"$^\dagger$"), ("λ", r"$\lambda$"), ("Δ", r"$\Delta$"),
+                 ("ρ", r"$\rho$"), ("→", r"$\to$")):
+        s = s.replace(a, b)
+    return s
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
@@ -113,7 +116,12 @@ def simple_markdown(df: pl.DataFrame, columns: dict[str, str], formats: dict[str
                 s = f"**{s}**"
             cells.append(s)
         rows.append(cells)
-    return md_table(list(columns.values()), rows)
+    return md_table(list(columns.values()), rows, _align(df, columns))
+
+
+def _align(df: pl.DataFrame, columns: dict[str, str]) -> str:
+    """Text columns left, numbers right."""
+    return "".join("l" if df.schema[c] == pl.Utf8 else "r" for c in columns)
 
 
 def simple_latex(df: pl.DataFrame, columns: dict[str, str], formats: dict[str, Callable] | None = None,
@@ -132,7 +140,7 @@ def simple_latex(df: pl.DataFrame, columns: dict[str, str], formats: dict[str, C
                 s = f"\\textbf{{{s}}}"
             cells.append(s)
         rows.append(cells)
-    body = tex_tabular([tex_escape(h) for h in columns.values()], rows)
+    body = tex_tabular([tex_escape(h) for h in columns.values()], rows, _align(df, columns))
     return _wrap_table(body, caption)
 
 
@@ -174,12 +182,21 @@ def _main_rows(main: pl.DataFrame, group: str | None, cell: Callable[[dict], str
     return labels, out
 
 
+def _md_cell(r: dict) -> str:
+    """`value` (bold when best), with `± std over seeds` when several seeds were averaged."""
+    text = f"**{fmt(r['value'])}**" if r["bold"] else fmt(r["value"])
+    if r.get("seed_std") is not None and (r.get("n_seeds") or 0) > 1:
+        text += f" ± {fmt(r['seed_std'])}"
+    return text
+
+
 def main_markdown(main: pl.DataFrame, title: str) -> str:
     """One Markdown table per dataset group (like the paper's Tables 2 and 3), best ECE per block in bold."""
     parts = [f"# {title}\n", "Accuracy and ECE in percent; the best ECE within each TTA block in **bold**; "
-             "Avg. is the unweighted macro-average over the group's datasets.\n"]
+             "Avg. is the unweighted macro-average over the group's datasets; ± is the standard deviation over seeds "
+             "where several were run.\n"]
     for group in main["group"].unique(maintain_order=True).to_list():
-        labels, rows = _main_rows(main, group, lambda r: f"**{fmt(r['value'])}**" if r["bold"] else fmt(r["value"]))
+        labels, rows = _main_rows(main, group, _md_cell)
         body = [[f"{b} {rl}".strip() if rl else b, m, *cells] for item in rows if item is not None
                 for b, rl, m, cells in [item]]
         parts.append(f"## {layout.GROUP_LABELS.get(group, group)}\n")
@@ -274,7 +291,8 @@ def intervals_latex(diffs: pl.DataFrame, caption: str) -> str:
                 row.append("--")
             else:
                 mark = r"$^\dagger$" if r["contains_zero"] else ""
-                ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
+                ci = "" if r["ci_low"] is None else \
+                    f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
                 row.append(f"{fmt(r['estimate'], signed=True)}{mark}{ci}")
         rows.append(row)
     header = ["Comparison", *[tex_escape(x) for x in cols["column_label"].to_list()]]

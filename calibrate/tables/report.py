@@ -79,6 +79,9 @@ def write_report(
     rep.add("Metrics of every run and calibrator (fractions; the input of all tables)",
             [render.write_csv(run_df, out / "per_run_metrics.csv")])
     backbones = summaries.backbones()
+    for bb in layout.BACKBONE_ORDER:
+        if bb not in backbones:
+            rep.notes.append(f"no {bb} shards: the paper's {bb} tables and figures are skipped")
     tta_methods = layout.order_methods(cells["method"].unique().to_list())
 
     # ---- Tables 2 and 3 ----------------------------------------------------------------------------------------
@@ -117,9 +120,10 @@ def write_report(
               "delta_ece": lambda v: render.fmt(v, 2, True), "delta_accuracy": lambda v: render.fmt(v, 2, True),
               "method": layout.method_label, "dataset": layout.dataset_label}
         pa, pdd = papd.filter(pl.col("subset") == "PA"), papd.filter(pl.col("subset") == "PD")
-        md = ("# Table 1: prediction agreement (PA) and disagreement (PD)\n\nChanges are raw TTA minus zero-shot within "
-              "each subset (confidence, accuracy and ECE in points, entropy in nats). Accuracy is unchanged within PA "
-              "by construction.\n\n## PA subset\n\n" + render.simple_markdown(pa, cols_pa, fm)
+        md = ("# Table 1: prediction agreement (PA) and disagreement (PD)\n\n"
+              "Changes are raw TTA minus zero-shot within each subset (confidence, accuracy and ECE in points, "
+              "entropy in nats). Accuracy is unchanged within PA by construction.\n\n## PA subset\n\n"
+              + render.simple_markdown(pa, cols_pa, fm)
               + "\n## PD subset (Appendix C)\n\n" + render.simple_markdown(pdd, cols_pd, fm))
         tex = (render.simple_latex(pa, cols_pa, fm, caption="Prediction-agreement (PA) subset: raw TTA minus "
                                    "zero-shot.", midrule_on="dataset")
@@ -235,11 +239,12 @@ def write_report(
         bold = {"ece": "bold_ece", "nll": "bold_nll"}
         text = "Macro-averages over " + "; ".join(caption_sets) + ". ECE in percent; best per method in bold."
         if boot is not None:
-            text += (" Intervals: paired bootstrap (ZAEC − row: the ZAEC ECE minus this row's, points; † the interval "
-                     "contains zero).")
+            text += (" Intervals: paired basic bootstrap (ZAEC − row: the ZAEC ECE minus this row's, points; "
+                     "† the interval contains zero).")
         rep.add("Table 4: corrected-subset ablation", render.write_item(
             out, "table4_subset_ablation", t4.drop("_ci", "_diff", strict=False),
-            "# Table 4: ablation of the corrected subset\n\n" + text + "\n\n" + render.simple_markdown(t4, cols, fm, bold),
+            "# Table 4: ablation of the corrected subset\n\n" + text + "\n\n"
+            + render.simple_markdown(t4, cols, fm, bold),
             render.simple_latex(t4, cols, fm, bold, caption=text, midrule_on="method")))
     else:
         rep.notes.append("Table 4 skipped: no method has every subset variant on its datasets")
@@ -282,7 +287,9 @@ def write_report(
     return rep
 
 
-def write_index(out: Path, rep: Report, summaries: Summaries, boot: BootstrapResult | None, opts: ReportOptions) -> Path:
+def write_index(
+    out: Path, rep: Report, summaries: Summaries, boot: BootstrapResult | None, opts: ReportOptions
+) -> Path:
     """results/README.md: what was read, the settings, and a link to every output."""
     keys = list(summaries.runs)
     lines = ["# Tables and figures\n",

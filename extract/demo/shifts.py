@@ -108,7 +108,19 @@ SHIFTS: dict[str, Callable[[np.ndarray, ShiftConfig, np.random.Generator], np.nd
 }
 
 
-def _describe(name: str, cfg: ShiftConfig) -> dict[str, object]:
+def describe(name: str, cfg: ShiftConfig = ShiftConfig()) -> str:
+    """A short human description of a shift, e.g. ``gaussian blur, sigma 2.0 px``."""
+    return {
+        "clean": "no shift",
+        "noise": f"gaussian noise, sigma {cfg.noise_sigma:g}",
+        "blur": f"gaussian blur, sigma {cfg.blur_sigma:g} px",
+        "contrast": f"contrast x{cfg.contrast_factor:g}",
+        "invert": f"{cfg.invert_fraction:.0%} of images inverted",
+        "rotate": f"rotation by +/-{cfg.rotate_degrees:g} degrees",
+    }[name]
+
+
+def _record(name: str, cfg: ShiftConfig) -> dict[str, object]:
     params = {
         "clean": {},
         "noise": {"sigma": cfg.noise_sigma},
@@ -142,8 +154,24 @@ def set_dir(data_root: str | Path, name: str) -> Path:
     return Path(data_root) / SET_DIR / name
 
 
-def is_written(data_root: str | Path, name: str) -> bool:
-    return (set_dir(data_root, name) / SPLIT_FILE).is_file()
+def is_written(
+    data_root: str | Path, name: str, *, n: int | None | str = "any", cfg: ShiftConfig | None = None
+) -> bool:
+    """Whether the set is on disk; with ``n`` (an int, or None for the whole test split) and/or ``cfg`` given, also
+    whether it was written with that many images and those severities."""
+    d = set_dir(data_root, name)
+    if not (d / SPLIT_FILE).is_file():
+        return False
+    if n == "any" and cfg is None:
+        return True
+    try:
+        with open(d / SHIFT_FILE, encoding="utf-8") as fh:
+            rec = json.load(fh)
+    except (OSError, json.JSONDecodeError):
+        return False
+    if n != "any" and rec.get("n_requested", rec.get("n")) != n:
+        return False
+    return cfg is None or rec.get("config") == asdict(cfg)
 
 
 def write_set(
@@ -187,7 +215,8 @@ def write_set(
             Image.fromarray(img, mode="RGB").save(tmp / "images" / rel, optimize=False, compress_level=1)
             entries.append([rel, int(label), FASHION_MNIST_CLASSES[label]])
         with open(tmp / SHIFT_FILE, "w", encoding="utf-8") as fh:
-            json.dump({**_describe(name, cfg), "config": asdict(cfg), "n": len(entries)}, fh, indent=2)
+            record = {**_record(name, cfg), "config": asdict(cfg), "n": len(entries), "n_requested": limit}
+            json.dump(record, fh, indent=2)
         with open(tmp / SPLIT_FILE, "w", encoding="utf-8") as fh:
             json.dump({"train": [], "val": [], "test": entries}, fh)
         if out.exists():  # a forced rewrite, or a folder without its split file

@@ -18,6 +18,16 @@ creates once per run (it is not reset between samples; a step whose gradient is 
 halved, and the scale doubles after 2000 finite steps). On the CPU everything is fp32 and the scale is 1.
 
 `EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context.
+
+Where this differs from the official loops (numerics only; the formulas are the same):
+    * `pass_budget`: within one pass every sample uses the loss scale in force when the pass starts, where the
+      official code would already use a scale halved (or doubled) by the previous sample. The scale only changes
+      fp16 gradient rounding, not the update; `pass_budget` <= K (one sample per pass) restores the exact order.
+    * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
+      (O-TPT's code re-encodes the prompts outside autocast; C-TPT's uses the autocast features): same values up
+      to fp16 rounding. O-TPT's Householder products are applied as vectors (O(K²) memory instead of O(K³)).
+    * Selection keeps at least one view with fewer than 10 views (`common.n_confident`); ties are broken by view
+      index (stable sort), where the official unstable argsort leaves them arbitrary.
 """
 
 from __future__ import annotations
@@ -277,11 +287,12 @@ class EpisodicTuner(TTAMethod):
                 if sel is None:  # chosen at step 0 and reused (TPT `test_time_tuning`)
                     sel = select_confident(logits, cfg.selection_p)
                 chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
-                loss = marginal_entropy(chosen)  # (G,)
+                # fp32 before summing: G scaled fp16 losses (each up to 1000 · ln K) would overflow their sum
+                loss = marginal_entropy(chosen).float()  # (G,)
             with torch.autocast(device_type=dev.type, enabled=False):
-                reg = self._regulariser(text.float())
+                reg = self._regulariser(text.float())  # in fp32, outside autocast
             if reg is not None:
-                loss = loss.float() + reg
+                loss = loss + reg
             scale = float(self.loss_scale["scale"]) if amp else 1.0
             (grad,) = torch.autograd.grad(loss.sum() * scale, p)
             grad = grad.float() / scale
@@ -313,6 +324,9 @@ class EpisodicTuner(TTAMethod):
 class TPTConfig(EpisodicConfig):
     """TPT (`azshue/TPT @63ecbac`, spec §3). AugMix on the fine-grained sets only (`augmix = len(set_id) > 1`)."""
 
+    # the prompts are the learnable "{ctx_init} {class}." themselves: no prototype set to choose
+    prompts: PromptSet = field(default="single", metadata={"fixed": True})
+    cupl: bool = field(default=False, metadata={"fixed": True})
     ctx_init: str = "a photo of a"  # --ctx_init a_photo_of_a: n_ctx = 4 context tokens
     # Execution only: cut prompts after their last end-of-text token (exact under the causal mask, ~5x less work).
     truncate_tokens: bool = True
