@@ -215,6 +215,34 @@ def _cumulants(zc: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, ...
     return np.log(s), m1, var, k3
 
 
+def _moments32(zc32: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_moments` in float32 (NumPy's float32 exp is about 4x faster): only to steer the search, never to accept."""
+    e = zc32 * beta.astype(np.float32)[:, None]
+    np.exp(e, out=e)
+    s = e.sum(axis=1)
+    e *= zc32
+    m1 = e.sum(axis=1) / s
+    e *= zc32
+    m2 = e.sum(axis=1) / s
+    m3 = np.einsum("ij,ij->i", e, zc32) / s
+    m1, m2, m3 = m1.astype(np.float64), m2.astype(np.float64), m3.astype(np.float64)
+    var = np.maximum(m2 - m1 * m1, 0.0)
+    return np.log(s.astype(np.float64)) - beta * m1, var, m3 - 3.0 * m1 * m2 + 2.0 * m1 * m1 * m1
+
+
+def _halley_log(x: np.ndarray, h: np.ndarray, v: np.ndarray, k3: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Halley and Newton steps (each limited to _MAX_STEP) for f(x) = log H - log t, x = log beta."""
+    b = np.exp(x)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        f = np.log(h / t)
+        g = b * b * v / h  # -f'
+        f1 = -g
+        f2 = (-2.0 * b * b * v - b * b * b * k3) / h - g * g
+        halley = x + np.clip(-2.0 * f * f1 / (2.0 * f1 * f1 - f * f2), -_MAX_STEP, _MAX_STEP)
+        newton = x + np.clip(-f / f1, -_MAX_STEP, _MAX_STEP)
+    return halley, newton
+
+
 def _moments(zc: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """H, Var and third central moment of z under p = softmax(beta * zc), for centred rows zc <= 0 (max 0).
 
@@ -229,6 +257,9 @@ _X_HI = float(np.log(1.0 / ZAEC_T_MIN))  # log beta at the smallest temperature
 #: the largest Halley step in log beta (a factor e^2 in T): near-tied top classes give H(log beta) an inflection
 #: that can throw an undamped step decades away
 _MAX_STEP = 2.0
+#: Halley steps evaluated in float32 before the float64 iteration takes over (0 disables them). float32 `exp` is
+#: about 4x cheaper, and the steps only steer: every accepted temperature is evaluated and certified in float64.
+_FLOAT32_STEPS = 2
 
 
 def _solve_beta(
@@ -254,6 +285,27 @@ def _solve_beta(
     capped = np.zeros(n, dtype=bool)
     active = np.flatnonzero(np.abs(h - target) > tol)
     it = 0
+    if _FLOAT32_STEPS and active.size:
+        # steer: a few Halley steps evaluated in float32 (cheap), then every step below is evaluated in float64 and
+        # only a float64 evaluation can accept a row; the bracket is built from float64 evaluations only
+        a = active
+        zc32 = zc[a].astype(np.float32)
+        xs, hs, vs, ks, ts = x[a], h[a], v[a], k3[a], target[a]
+        for _ in range(_FLOAT32_STEPS):
+            halley, newton = _halley_log(xs, hs, vs, ks, ts)
+            step = np.where(np.isfinite(halley), halley, newton)
+            ok = np.isfinite(step)
+            xs = np.where(ok, np.clip(step, _X_LO, _X_HI), xs)
+            hs, vs, ks = _moments32(zc32, np.exp(xs))
+            if not (np.isfinite(hs).all() and np.isfinite(vs).all()):
+                break
+        halley, newton = _halley_log(xs, hs, vs, ks, ts)
+        step = np.where(np.isfinite(halley), halley, newton)
+        xs = np.where(np.isfinite(step), np.clip(step, _X_LO, _X_HI), xs)
+        x[a] = xs
+        h[a], v[a], k3[a] = _moments(zc[a], np.exp(xs))
+        it = _FLOAT32_STEPS + 1
+        active = a[np.abs(h[a] - target[a]) > tol]
     while active.size and it < ZAEC_MAX_ITER:
         it += 1
         xa, ha, va, ka, ta = x[active], h[active], v[active], k3[active], target[active]
@@ -264,14 +316,7 @@ def _solve_beta(
         hi_s = hi_seen[active] | below
         # unreachable: the extreme temperature itself misses the target
         cap = (below & (xa <= _X_LO)) | (~below & (xa >= _X_HI))
-        b = np.exp(xa)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            f = np.log(ha / ta)
-            g = b * b * va / ha  # -f'
-            f1 = -g
-            f2 = (-2.0 * b * b * va - b * b * b * ka) / ha - g * g
-            halley = xa + np.clip(-2.0 * f * f1 / (2.0 * f1 * f1 - f * f2), -_MAX_STEP, _MAX_STEP)
-            newton = xa + np.clip(-f / f1, -_MAX_STEP, _MAX_STEP)
+        halley, newton = _halley_log(xa, ha, va, ka, ta)
         inside_h = np.isfinite(halley) & (halley > lo_a) & (halley < hi_a)
         inside_n = np.isfinite(newton) & (newton > lo_a) & (newton < hi_a)
         nxt = np.where(inside_h, halley, newton)

@@ -513,7 +513,7 @@ def run_extraction(
     method_obj = build_method(plan.method_cls, config, method_text, model, backbone=plan.backbone, dataset=dataset,
                               class_names=testset.class_names)
     reader = _FeatureReader(cache, plan.policy)
-    start_pos = start_part * part_size
+    start_pos = min(start_part * part_size, n_run)
     written = [shard_path(out, plan.key, p) for p in range(start_part)]
 
     with _Progress(progress) as prog:
@@ -527,7 +527,7 @@ def run_extraction(
         encode_pass(model, testset, perm, cache, plan.policy, n_run, seed=seed, batch_size=batch_size,
                     workers=workers, progress=prog)
         episodic = bool(getattr(config, "episodic", False))
-        if start_pos and not episodic:
+        if 0 < start_pos < n_run and not episodic:  # (all parts kept: nothing left to adapt, no replay)
             task = prog.task(f"replaying {start_pos} samples", start_pos)
             for s in range(0, start_pos, adapt_batch):
                 e = min(s + adapt_batch, start_pos)

@@ -357,3 +357,14 @@ def test_workers_and_fp16_cache_paths(tmp_path, tiny_model, tiny_model_dir, data
     assert next((tmp_path / "fp16" / "cache").rglob("chunk-00000.npy")).stat().st_size < \
         next((tmp_path / "w0" / "cache").rglob("chunk-00000.npy")).stat().st_size
     np.testing.assert_allclose(half["zs_logits"], ref["zs_logits"], atol=0.05)
+
+
+def test_all_parts_present_but_no_marker(tmp_path, tiny_model, data_root, running_mean):  # noqa: F811
+    """A crash between the last shard and the marker: the rerun keeps every part and only writes the marker."""
+    paths = _run(running_mean, tmp_path, tiny_model, data_root)
+    key = RunKey("tiny-clip", "dtd", running_mean, 1)
+    marker = paths[0].parent / "_zaec_complete.json"
+    marker.unlink()
+    mtimes = {p: p.stat().st_mtime_ns for p in paths}
+    assert _run(running_mean, tmp_path, tiny_model, data_root) == paths
+    assert {p: p.stat().st_mtime_ns for p in paths} == mtimes and run_is_complete(tmp_path / "out", key)

@@ -142,13 +142,17 @@ def test_prompt_encoder_reproduces_encode_text(tiny_model):  # noqa: F811
     short = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, truncate=True)
     assert short.length < full.length
     torch.testing.assert_close(short(short.ctx_init), ref, rtol=0, atol=2e-6)
+    grouped = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, min_bucket=1)
+    assert len(grouped.buckets) > 1 and sorted(c for idx, _ in grouped.buckets for c in idx) == list(range(K))
+    torch.testing.assert_close(grouped(grouped.ctx_init), ref, rtol=0, atol=2e-6)
     # a batch of different contexts equals encoding them one by one, and the reference forward
     g = torch.Generator().manual_seed(0)
     ctx = short.ctx_init + 0.05 * torch.randn(3, 4, 32, generator=g)
-    batched = short(ctx)
-    for b in range(3):
-        torch.testing.assert_close(batched[b], short(ctx[b]), rtol=0, atol=1e-6)
-        torch.testing.assert_close(batched[b], ref_encode(tiny_model, NAMES, ctx[b]), rtol=0, atol=2e-6)
+    for enc in (short, grouped):
+        batched = enc(ctx)
+        for b in range(3):
+            torch.testing.assert_close(batched[b], enc(ctx[b]), rtol=0, atol=1e-6)
+            torch.testing.assert_close(batched[b], ref_encode(tiny_model, NAMES, ctx[b]), rtol=0, atol=2e-6)
 
 
 def test_prompt_encoder_custom_text_clip_with_eos_pooling():
