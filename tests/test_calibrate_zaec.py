@@ -295,3 +295,18 @@ def test_nan_and_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="unknown subset 'most'"):
         zaec_temperature(zs, zs, subset="most")
     assert zaec_temperature(np.zeros((0, 3)), np.zeros((0, 3))).shape == (0,)
+
+
+def test_float32_steering_only_steers(rng, monkeypatch):
+    """The float32 search steps change how the root is found, never what is accepted (float64, same tolerance)."""
+    import calibrate.calibrators as C
+
+    zs, tta = random_pair(rng, 400, 50)
+    fast = solve_zaec(zs, tta)
+    monkeypatch.setattr(C, "_FLOAT32_STEPS", 0)
+    plain = solve_zaec(zs, tta)
+    for sol in (fast, plain):
+        h = np.array([slow_entropy(r / t) for r, t in zip(tta.astype(np.float64), sol.temperature)])
+        assert np.all(np.abs(h - sol.target) <= ZAEC_TOL)
+    assert np.allclose(fast.temperature, plain.temperature, rtol=1e-3)
+    assert np.array_equal(fast.capped, plain.capped)

@@ -415,21 +415,23 @@ def test_tps_descriptor_prototypes(tiny_model, tmp_path):  # noqa: F811
     assert descriptor_sentence("fish", "often seen in ponds") == "fish, which often seen in ponds"
     assert descriptor_sentence("fish", "used as a pet") == "fish, which is used as a pet"
     assert descriptor_sentence("fish", "fins") == "fish, which has fins"
+    table = {"cat": ["whiskers", "a tail"], "sea lion": ["flippers"], "annual crop land": ["fields"],
+             "DOG": ["a wet nose", "paws", "has fur"], "a": ["letters"]}  # matched loosely: "_", case
     path = tmp_path / "desc.json"
-    path.write_text(json.dumps({"cat": ["whiskers", "a tail"], "sea lion": ["flippers"]}))
+    path.write_text(json.dumps(table))
     m = make("tps", tiny_model, descriptors=str(path))
     from extract.prompts import imagenet80_templates
 
-    for c, name in enumerate(NAMES):
+    descs = [table["cat"], table["sea lion"], table["annual crop land"], table["DOG"], table["a"]]
+    for c, (name, desc) in enumerate(zip(NAMES, descs)):
         n = name.replace("_", " ")
         tmpl = tiny_model.encode_texts([t.format(n) for t in imagenet80_templates()]).mean(0)
-        desc = {"cat": ["whiskers", "a tail"], "sea lion": ["flippers"]}.get(n)
-        if desc:
-            tmpl = 0.5 * (tmpl + tiny_model.encode_texts([descriptor_sentence(n, d) for d in desc]).mean(0))
-        torch.testing.assert_close(m.text_features[c], tmpl / tmpl.norm(), rtol=1e-5, atol=1e-6)
-    assert m.descriptor_warnings and "3 classes" in m.descriptor_warnings[0]
-    path.write_text(json.dumps({"zebra": ["stripes"]}))
-    with pytest.raises(ValueError, match="none of the dataset's classes"):
+        dmean = tiny_model.encode_texts([descriptor_sentence(n, d) for d in desc]).mean(0)
+        proto = 0.5 * (tmpl + dmean)
+        torch.testing.assert_close(m.text_features[c], proto / proto.norm(), rtol=1e-5, atol=1e-6)
+    del table["cat"]
+    path.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match="no descriptors for 1 of 5 classes \\('cat'\\)"):
         make("tps", tiny_model, descriptors=str(path))
 
 

@@ -45,13 +45,14 @@ def descriptor_sentence(class_name: str, descriptor: str) -> str:
     return f"{class_name}, {tail}"
 
 
-def load_descriptors(path: str | Path, class_names: Sequence[str]) -> tuple[list[list[str]], list[str]]:
-    """Descriptors per class from a JSON object class name -> list of strings; (lists, names without any).
+def load_descriptors(path: str | Path, class_names: Sequence[str]) -> list[list[str]]:
+    """Descriptors per class from a JSON object class name -> list of strings.
 
-    Names are matched exactly, then with `_`/space swapped, then case-insensitively.
+    Names are matched exactly, then with `_`/space swapped, then case-insensitively. Every class needs at least
+    one descriptor (TPS `save_concepts.py` asserts the same).
 
     Raises:
-        ValueError: unreadable file, wrong format, or no class of the dataset found in it.
+        ValueError: unreadable file, wrong format, or classes without descriptors (the message names them).
     """
     p = Path(path).expanduser()
     try:
@@ -69,10 +70,11 @@ def load_descriptors(path: str | Path, class_names: Sequence[str]) -> tuple[list
         if not found:
             missing.append(name)
         out.append(list(found or []))
-    if len(missing) == len(class_names):
-        raise ValueError(f"TPS descriptors: {p} has none of the dataset's classes (e.g. {class_names[0]!r}); "
-                         f"its keys start with {', '.join(map(repr, list(table)[:3]))}")
-    return out, missing
+    if missing:
+        raise ValueError(f"TPS descriptors: {p} has no descriptors for {len(missing)} of {len(class_names)} classes "
+                         f"({', '.join(map(repr, missing[:5]))}{', ...' if len(missing) > 5 else ''}); its keys "
+                         f"start with {', '.join(map(repr, list(table)[:3]))}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,6 @@ class TPS(EpisodicTuner):
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
         super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
                          text_encoder=text_encoder, class_names=class_names)
-        self.descriptor_warnings: list[str] = []
         cfg: TPSConfig = self.config  # type: ignore[assignment]
         if cfg.descriptors:
             self.text_features = self._descriptor_prototypes(cfg, text_encoder).to(self.text_features.device)
@@ -111,18 +112,13 @@ class TPS(EpisodicTuner):
         if self.class_names is None:
             raise ValueError("tps with descriptors needs class_names=...")
         names = [n.replace("_", " ") for n in self.class_names]
-        descs, missing = load_descriptors(cfg.descriptors, self.class_names)
-        if missing:
-            self.descriptor_warnings.append(f"TPS descriptors: no entry for {len(missing)} classes "
-                                            f"({', '.join(missing[:5])}); they use the templates only")
+        descs = load_descriptors(cfg.descriptors, self.class_names)
         templates = templates_for(self.dataset, cfg.prompts)
         protos = []
         for name, ds in zip(names, descs):
             t_mean = encoder.encode_texts([t.format(name) for t in templates]).mean(0)
-            if ds:
-                d_mean = encoder.encode_texts([descriptor_sentence(name, d) for d in ds]).mean(0)
-                t_mean = 0.5 * (t_mean + d_mean)
-            protos.append(F.normalize(t_mean.float(), dim=-1))
+            d_mean = encoder.encode_texts([descriptor_sentence(name, d) for d in ds]).mean(0)
+            protos.append(F.normalize((0.5 * (t_mean + d_mean)).float(), dim=-1))
         return torch.stack(protos)
 
     @classmethod
