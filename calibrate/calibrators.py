@@ -272,7 +272,8 @@ def _solve_beta(
     regime, so it needs about 3 steps), with Newton as the second choice, steps limited to _MAX_STEP, and a bracket
     [x_lo, x_hi] that every evaluation shrinks. Without a usable step (outside the bracket, or not finite, e.g. H
     underflowed to 0) it bisects the bracket, or moves towards a never-evaluated end (the T caps) by _MAX_STEP;
-    reaching a cap evaluates it and marks the row capped when the target is still missed.
+    reaching a cap evaluates it and marks the row capped when the target is still missed. The first _FLOAT32_STEPS
+    steps are evaluated in float32 and only move x; the bracket, the tolerance test and the caps use float64 only.
     Starts at beta = 1, where (H, Var, kappa3) = (h1, v1, k1) are already known. Returns (beta, capped, iterations).
     """
     n = zc.shape[0]

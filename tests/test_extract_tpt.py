@@ -273,7 +273,7 @@ def test_zero_lr_or_zero_steps_reproduce_zero_shot(tiny_model, key):  # noqa: F8
     zs = tiny_model.logit_scale * x[:, 0] @ zs_text(tiny_model).T
     for changes in ({"lr": 0.0, "weight_decay": 0.0}, {"tta_steps": 0}):
         if key != "tps":
-            changes = {**changes, "truncate_tokens": False}
+            changes = {**changes, "text_shortcuts": False}
         out = make(key, tiny_model, **changes).adapt(x)
         torch.testing.assert_close(out, zs, rtol=1e-6, atol=1e-5)
     # and the default step does change them
@@ -310,7 +310,7 @@ def test_one_step_lowers_the_tuned_loss(tiny_model, key):  # noqa: F811
 
 @pytest.mark.parametrize("key", ["tpt", "ctpt", "otpt"])
 def test_tpt_family_matches_slow_reference(tiny_model, key):  # noqa: F811
-    m = make(key, tiny_model, truncate_tokens=False)
+    m = make(key, tiny_model, text_shortcuts=False)
     x = stream(tiny_model, 3, seed=1)
     out = m.adapt(x)
     lam = getattr(m.config, "lambda_term", 0.0)

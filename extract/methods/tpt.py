@@ -328,9 +328,10 @@ class TPTConfig(EpisodicConfig):
     prompts: PromptSet = field(default="single", metadata={"fixed": True})
     cupl: bool = field(default=False, metadata={"fixed": True})
     ctx_init: str = "a photo of a"  # --ctx_init a_photo_of_a: n_ctx = 4 context tokens
-    # Execution only: run each prompt only up to its end-of-text token, in length groups (exact under the causal
-    # mask; 77 -> 9 positions on average for ImageNet's prompts). False reproduces encode_text bit for bit.
-    truncate_tokens: bool = True
+    # Execution only: run each prompt only up to its end-of-text token, in length groups, and the class-independent
+    # start + context positions once per sample (both exact under the causal mask; `text_encoder.py`). False runs
+    # open_clip's encode_text path, bit for bit.
+    text_shortcuts: bool = True
 
 
 class TPT(EpisodicTuner):
@@ -354,7 +355,7 @@ class TPT(EpisodicTuner):
         if tokenizer is None:
             raise ValueError(f"{self.key}: text_encoder must carry its tokenizer (pass the LoadedModel)")
         self.prompts = PromptTextEncoder(model, tokenizer, self.class_names, ctx_init=cfg.ctx_init,
-                                         truncate=cfg.truncate_tokens)
+                                         truncate=cfg.text_shortcuts, share_prefix=cfg.text_shortcuts)
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TPTConfig:
