@@ -175,11 +175,21 @@ def test_prompt_encoder_custom_text_clip_with_eos_pooling():
         torch.testing.assert_close(short(short.ctx_init), ref, rtol=0, atol=2e-6)
 
 
-def test_prompt_encoder_gradient_only_to_context(tiny_model):  # noqa: F811
-    enc = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES)
-    ctx = enc.ctx_init.clone().requires_grad_(True)
-    enc(ctx).sum().backward()
-    assert ctx.grad is not None and ctx.grad.abs().sum() > 0
+def test_prompt_encoder_gradient_only_to_context_and_same_on_every_path(tiny_model):  # noqa: F811
+    g = torch.Generator().manual_seed(1)
+    ctx0 = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES).ctx_init
+    ctx0 = ctx0 + 0.05 * torch.randn(2, *ctx0.shape, generator=g)
+    weights = torch.randn(2, K, 16, generator=g)
+    grads = []
+    for kw in ({"truncate": False}, {"share_prefix": False, "min_bucket": 1}, {"min_bucket": 1}, {}):
+        enc = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, **kw)
+        assert enc.shared_prefix == (kw.get("truncate", True) and kw.get("share_prefix", True))
+        ctx = ctx0.clone().requires_grad_(True)
+        (enc(ctx) * weights).sum().backward()
+        grads.append(ctx.grad)
+    assert grads[0].abs().sum() > 0
+    for gr in grads[1:]:
+        torch.testing.assert_close(gr, grads[0], rtol=1e-4, atol=1e-6)
     assert all(p.grad is None for p in tiny_model.model.parameters())
 
 
