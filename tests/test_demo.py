@@ -118,7 +118,7 @@ def test_summary_and_outputs(demo_run):
     assert "What this run shows" in printed and "not OpenAI CLIP" in printed
     for f in s.findings:
         assert f.text in printed.replace("\n", " ") or f.text[:40] in printed
-    assert (cfg.results / "summary.md").read_text().startswith("# Demo summary")
+    assert (cfg.results / "demo_summary.md").read_text().startswith("# Demo summary")
     assert (cfg.results / "README.md").is_file()  # zaec-calibrate tables ran
     assert set(result.timings) == {"train", "sets", "extract", "calibrate", "tables", "total"}
 

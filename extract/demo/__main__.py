@@ -22,12 +22,12 @@ def _split(value: Optional[str]) -> Optional[tuple[str, ...]]:
 
 @app.command()
 def demo(
-    fmnist_dir: Path = typer.Option(_DEFAULTS.fmnist_dir, help="folder with the four Fashion-MNIST idx files "
-                                                               "(plain or .gz); `bash data/fetch_fmnist.sh DIR` fills it"),
+    fmnist_dir: Path = typer.Option(_DEFAULTS.fmnist_dir, help="folder with the four Fashion-MNIST idx files (plain "
+                                    "or .gz); `bash data/fetch_fmnist.sh DIR` fills it"),
     data_root: Path = typer.Option(_DEFAULTS.data_root, help="where the test sets are written (fashion-mnist/<set>/)"),
     models_dir: Path = typer.Option(_DEFAULTS.models_dir, help="where the trained models are saved (local-dir format)"),
     work_dir: Path = typer.Option(_DEFAULTS.work_dir, help="shards, feature cache and metrics of the demo"),
-    results: Path = typer.Option(_DEFAULTS.results, help="tables, figures and summary.md"),
+    results: Path = typer.Option(_DEFAULTS.results, help="tables, figures and demo_summary.md"),
     n_images: int = typer.Option(_DEFAULTS.n_images or 0, help="images per set: the first N test images (0: all "
                                                                "10,000; large values take hours on a CPU)"),
     methods: Optional[str] = typer.Option(None, help="comma-separated TTA methods (default: every registered one)"),
@@ -60,8 +60,11 @@ def demo(
         user_errors = user_errors + _user_errors()
     except ImportError:
         pass
+    out = Console()
+    if not out.is_terminal:  # piped or logged: wide enough for the tables, fixed so logs look alike
+        out = Console(width=110)
     try:
-        run_demo(cfg)
+        run_demo(cfg, console=out)
     except user_errors as e:
         msg = str(e).strip() or type(e).__name__
         err.print(f"demo: error: {msg}", markup=False, highlight=False, soft_wrap=True)

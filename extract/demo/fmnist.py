@@ -98,7 +98,8 @@ def load_split(directory: str | Path, split: Split) -> tuple[np.ndarray, np.ndar
     directory = Path(directory)
     if not directory.is_dir():
         raise FashionMNISTError(
-            f"Fashion-MNIST directory {directory} does not exist; create it with `bash data/fetch_fmnist.sh {directory}`"
+            f"Fashion-MNIST directory {directory} does not exist; "
+            f"create it with `bash data/fetch_fmnist.sh {directory}`"
         )
     images_path, labels_path = (_find(directory, stem) for stem in _STEMS[split])
     images, labels = read_idx(images_path), read_idx(labels_path)
@@ -118,7 +119,8 @@ def check_dir(directory: str | Path) -> Path:
     directory = Path(directory)
     if not directory.is_dir():
         raise FashionMNISTError(
-            f"Fashion-MNIST directory {directory} does not exist; create it with `bash data/fetch_fmnist.sh {directory}`"
+            f"Fashion-MNIST directory {directory} does not exist; "
+            f"create it with `bash data/fetch_fmnist.sh {directory}`"
         )
     for stem in EXPECTED_FILES:
         _find(directory, stem)

@@ -41,8 +41,8 @@ WEIGHTS_FILE = "open_clip_model.safetensors"
 RECORD_FILE = "training.json"
 
 # The prompt every zero-shot anchor uses ("a photo of a {}.") comes first and is in every step (see
-# `TrainConfig.prompts_per_step`); the rest are open_clip's 80 OpenAI ImageNet templates, which cover the per-dataset and
-# ensemble templates the TTA methods average over (TDA's 7-template set is a subset of them).
+# `TrainConfig.prompts_per_step`); the rest are open_clip's 80 OpenAI ImageNet templates, which cover the
+# per-dataset and ensemble templates the TTA methods average over (TDA's 7-template set is a subset of them).
 ANCHOR_TEMPLATE = "a photo of a {}."
 
 
@@ -98,7 +98,9 @@ def default_models(*, budget: float = 1.0, seed: int = 0) -> tuple[DemoModel, ..
     """The demo's two backbones, with a training budget scaled by ``budget`` (1.0 = the full demo).
 
     ``budget`` scales the number of training images (minimum one batch), so tests can train the same architecture for
-    seconds. Both use CLIP's QuickGELU, image size 32 and embedding width 64.
+    seconds. Both use CLIP's QuickGELU, image size 32 and embedding width 64. Measured on 2 CPU cores at budget 1.0:
+    fmnist-ViT (60,000 images x 2 epochs) about 2 minutes, clean accuracy about 0.72; fmnist-RN (60,000 x 1) under a
+    minute, about 0.8 (one prompt, first 2,000 test images).
     """
 
     def scaled(n: int, epochs: int) -> TrainConfig:
@@ -113,7 +115,7 @@ def default_models(*, budget: float = 1.0, seed: int = 0) -> tuple[DemoModel, ..
             "vision_cfg": {"image_size": IMAGE_SIZE, "patch_size": 4, "layers": 2, "width": 64, "head_width": 32},
             "text_cfg": _text_cfg(),
         },
-        train=scaled(30_000, 1),
+        train=scaled(60_000, 2),
     )
     rn = DemoModel(
         name="fmnist-RN",
@@ -125,7 +127,7 @@ def default_models(*, budget: float = 1.0, seed: int = 0) -> tuple[DemoModel, ..
             "vision_cfg": {"image_size": IMAGE_SIZE, "layers": [1, 1, 1, 1], "width": 16, "head_width": 16},
             "text_cfg": _text_cfg(),
         },
-        train=scaled(15_000, 1),  # BatchNorm makes the ResNet learn in fewer steps, but each step costs more
+        train=scaled(60_000, 1),  # BatchNorm makes the ResNet learn in fewer steps
     )
     return vit, rn
 
@@ -221,7 +223,8 @@ def train_model(
         The model directory, to be passed as ``--pretrained local-dir:<dir>``.
     """
     import open_clip
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
     from safetensors.torch import save_file
 
     from extract.datasets import FASHION_MNIST_CLASSES
@@ -278,7 +281,8 @@ def train_model(
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(spec.name, total=total, loss=float("nan"), acc=0.0, scale=model.logit_scale.exp().item())
+        task = progress.add_task(spec.name, total=total, loss=float("nan"), acc=0.0,
+                                 scale=model.logit_scale.exp().item())
         step = 0
         for _ in range(cfg.epochs):
             order = torch.randperm(len(train_x), generator=gen)
