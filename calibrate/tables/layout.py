@@ -46,11 +46,12 @@ IMAGENET_FAMILY: tuple[str, ...] = ("imagenet", "imagenet_a", "imagenet_v2", "im
 REFERENCE_DATASET = "imagenet_a"
 STRENGTH_DATASETS: tuple[str, ...] = ("dtd", "imagenet_v2")
 
-#: the paper's method order (Tables 2 and 3); other methods follow alphabetically
-METHOD_ORDER: tuple[str, ...] = ("tpt", "tps", "tda", "dpe", "dlae")
+#: the paper's method order (Tables 2 and 3), then the prompt-coupled calibrated TPT variants of Figure 2a;
+#: other methods follow alphabetically
+METHOD_ORDER: tuple[str, ...] = ("tpt", "tps", "tda", "dpe", "dlae", "ctpt", "otpt", "atpt")
 METHOD_LABELS: dict[str, str] = {
     "tpt": "TPT", "tps": "TPS", "tda": "TDA", "dpe": "DPE", "dlae": "DLAE",
-    "c-tpt": "C-TPT", "o-tpt": "O-TPT", "a-tpt": "A-TPT", "zero-shot": "Zero-shot",
+    "ctpt": "C-TPT", "otpt": "O-TPT", "atpt": "A-TPT", "zero-shot": "Zero-shot",
 }
 ZERO_SHOT = "zero-shot"
 BACKBONE_ORDER: tuple[str, ...] = ("ViT-B-16", "RN50")
