@@ -10,15 +10,20 @@ export TRANSFORMERS_OFFLINE := 1
 export MPLBACKEND := Agg
 
 FMNIST_DIR ?= data/fashion-mnist
-SHARDS ?= data/shards
+DEMO_SHARDS := data/demo/shards
+SHARDS ?= $(DEMO_SHARDS)
 RESULTS ?= results
+# Temperature scaling's labelled source set and the dataset of the per-sample figures: the demo's clean set and a
+# shifted set for the demo's shards, the paper's choices (imagenet, imagenet_a) for any other shards.
+TS_SOURCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist,imagenet)
+REFERENCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist_blur,imagenet_a)
 
 .PHONY: help venv test demo bench bench-extract tables fmnist clean
 
 help:
 	@echo "make demo           run the whole pipeline on the embedded default (small CLIP trained on Fashion-MNIST)"
 	@echo "make test           run the test suite (creates $(VENV) first)"
-	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS)"
+	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS) (TS_SOURCE=$(TS_SOURCE))"
 	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
 	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model"
 
@@ -43,7 +48,7 @@ demo: $(STAMP) fmnist
 	$(VENV)/bin/python -m extract.demo --fmnist-dir $(FMNIST_DIR)
 
 tables: $(STAMP)
-	$(VENV)/bin/zaec-calibrate tables $(SHARDS) --out $(RESULTS)
+	$(VENV)/bin/zaec-calibrate tables $(SHARDS) --out $(RESULTS) --ts-source $(TS_SOURCE) --reference-dataset $(REFERENCE)
 
 bench: $(STAMP)
 	$(PY) -m calibrate.bench

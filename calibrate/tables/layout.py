@@ -10,21 +10,21 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 #: group name -> dataset keys in the paper's column order. Table 2 holds the four ImageNet variants; Table 3 holds
-#: ImageNet itself and the ten fine-grained sets. Aliases of a key share its position (first match wins).
+#: ImageNet itself and the ten fine-grained sets (canonical keys of extract.datasets, one spelling each).
 GROUPS: dict[str, tuple[str, ...]] = {
     "natural_shift": ("imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"),
     "fine_grained": (
         "imagenet",
         "dtd",
-        "flowers102", "oxford_flowers",
+        "flowers102",
         "food101",
         "sun397",
         "eurosat",
-        "fgvc_aircraft", "aircraft",
-        "oxford_pets", "pets",
+        "fgvc_aircraft",
+        "oxford_pets",
         "caltech101",
         "ucf101",
-        "stanford_cars", "cars",
+        "stanford_cars",
     ),
 }
 OTHER_GROUP = "other"
@@ -36,9 +36,9 @@ GROUP_LABELS: dict[str, str] = {
 #: the paper's column headers
 DATASET_LABELS: dict[str, str] = {
     "imagenet_a": "I-A", "imagenet_v2": "I-V", "imagenet_r": "I-R", "imagenet_sketch": "I-S",
-    "imagenet": "INet", "dtd": "DTD", "flowers102": "FLOW", "oxford_flowers": "FLOW", "food101": "FOOD",
-    "sun397": "SUN", "eurosat": "EURO", "fgvc_aircraft": "AIR", "aircraft": "AIR", "oxford_pets": "PETS",
-    "pets": "PETS", "caltech101": "CALT", "ucf101": "UCF", "stanford_cars": "CAR", "cars": "CAR",
+    "imagenet": "INet", "dtd": "DTD", "flowers102": "FLOW", "food101": "FOOD",
+    "sun397": "SUN", "eurosat": "EURO", "fgvc_aircraft": "AIR", "oxford_pets": "PETS",
+    "caltech101": "CALT", "ucf101": "UCF", "stanford_cars": "CAR",
 }
 #: the "ImageNet family" of the paper's subset ablation (Table 4): ImageNet plus its four variants
 IMAGENET_FAMILY: tuple[str, ...] = ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
