@@ -83,7 +83,7 @@ def _dataset_templates() -> dict[str, tuple[str, ...]]:
 
 
 def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
-    """The templates of `policy` for `dataset` (demo sets: those of their `hparams_from` set).
+    """The templates of `policy` for `dataset` (demo sets: those of their `templates_from` set).
 
     Raises:
         PromptError: unknown policy (lists the valid ones).
@@ -96,7 +96,8 @@ def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
         return imagenet80_templates()
     if policy == "dpe_cars":
         return DPE_STANFORD_CARS
-    return _dataset_templates()[get_dataset(dataset).hparams_from]
+    spec = get_dataset(dataset)
+    return _dataset_templates()[spec.templates_from or spec.hparams_from]
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ def test_registry_shape():
         assert spec.hparams_from in PAPER_DATASETS
         if spec.group != "demo":
             assert spec.hparams_from == key
-    assert get_dataset("fmnist").hparams_from == "imagenet"
-    assert {get_dataset(f"fmnist_{s}").hparams_from for s in ("noise", "blur", "contrast", "invert", "rotate")} \
-        == {"imagenet_a"}
+    demo = [get_dataset(k) for k in ("fmnist", "fmnist_noise", "fmnist_blur", "fmnist_contrast", "fmnist_invert",
+                                     "fmnist_rotate")]
+    assert {d.hparams_from for d in demo} == {"eurosat"}  # single-view rows for 32-pixel images
+    assert {d.templates_from for d in demo} == {"imagenet"}  # generic templates, not EuroSAT's satellite prompt
 
 
 def test_unknown_dataset_lists_keys():
