@@ -7,7 +7,6 @@ by one shard plus the (N,) per-sample confidence/correctness arrays that equal-m
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -19,6 +18,7 @@ import pyarrow.parquet as pq
 
 from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
+from schemas.atomic import atomic_path, write_json_atomic
 from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, read_shard
 
 ZERO_SHOT = "zero-shot"
@@ -323,19 +323,10 @@ def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, writer in (("metrics.parquet", report.metrics.write_parquet), ("metrics.csv", report.metrics.write_csv)):
-        final = out / name
-        tmp = out / f".{name}.tmp"
-        writer(tmp)
-        tmp.replace(final)
-        paths.append(final)
-    notes = out / "notes.json"
-    tmp = out / ".notes.json.tmp"
-    tmp.write_text(
-        json.dumps(
-            {"notes": report.notes, "temperatures": report.temperatures, "capped": report.capped,
-             "dropped_nonfinite": report.dropped_nonfinite},
-            indent=2,
-        )
-    )
-    tmp.replace(notes)
+        with atomic_path(out / name) as tmp:
+            writer(tmp)
+        paths.append(out / name)
+    write_json_atomic(out / "notes.json", {"notes": report.notes, "temperatures": report.temperatures,
+                                           "capped": report.capped, "dropped_nonfinite": report.dropped_nonfinite},
+                      indent=2)
     return paths[0], paths[1]

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
+from schemas.atomic import atomic_path, write_json_atomic  # noqa: F401  (re-exported for the runner)
 
 Part = Literal["view0", "augmix", "crop_flip"]
 PARTS: tuple[str, ...] = ("view0", "augmix", "crop_flip")
@@ -47,33 +48,9 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> Path:
-    """np.save to a temporary file in the same folder, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_json_atomic(path: Path, obj: object) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """np.save (no pickles) to a temporary file in the same folder, then rename."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
     return path
 
 

@@ -73,6 +73,17 @@ def test_atomic_write_keeps_old_file_and_leaves_no_temp(tmp_path, make_meta, mon
     assert find_shards([tmp_path]) == [p.resolve()]
 
 
+def test_atomic_write_gives_the_usual_permissions(tmp_path, make_meta):
+    # mkstemp creates 0600 files; a shard must be as readable as a plainly opened file (shared clusters)
+    mask = os.umask(0o022)
+    try:
+        ids, y, zs, tta = sample(k=5)
+        p = write_shard(tmp_path / "s.parquet", make_meta(), ids, y, zs, tta)
+    finally:
+        os.umask(mask)
+    assert p.stat().st_mode & 0o777 == 0o644
+
+
 def _write(path: Path, table: pa.Table) -> Path:
     pq.write_table(table, path)
     return path

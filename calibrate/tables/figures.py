@@ -8,7 +8,6 @@ backend switch, nothing left open.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -20,7 +19,7 @@ from matplotlib.lines import Line2D
 
 from calibrate.metrics import reliability
 from calibrate.tables import layout
-from calibrate.tables.render import publish
+from schemas.atomic import atomic_path
 
 CAL_COLORS = {"zero-shot": "#7f7f7f", "none": "#d62728", "temperature": "#9467bd", "sals": "#ff7f0e",
               "zaec": "#1f77b4"}
@@ -30,17 +29,10 @@ CAL_MARKERS = {"none": "o", "temperature": "D", "sals": "s", "zaec": "^", "zero-
 
 
 def save(fig, path: str | os.PathLike, dpi: int = 130) -> Path:
-    """Save a figure as PNG atomically and close it."""
+    """Save a figure as PNG atomically."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
-        publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

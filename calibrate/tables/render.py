@@ -8,54 +8,29 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
 import polars as pl
 
 from calibrate.tables import layout
+from schemas.atomic import atomic_path, write_text_atomic
 
 DASH = "–"
 #: marks a difference whose 95% interval contains zero
 NS_MARK = "†"
 
 
-def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Give a finished temporary file the usual permissions (mkstemp makes it 0600) and rename it into place."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-
-
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write text atomically (temporary name in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, text)
 
 
 def write_csv(df: pl.DataFrame, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    """Write a DataFrame as CSV atomically."""
+    with atomic_path(path) as tmp:
         df.write_csv(tmp)
-        publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return Path(path)
 
 
 def write_item(out: Path, stem: str, df: pl.DataFrame, markdown: str, latex: str) -> list[Path]:

@@ -1,0 +1,56 @@
+"""Atomic file writes shared by every stage: nothing half-written is ever visible under a final name."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block succeeds, fsync it, give it the usual permissions and
+    rename it onto `path`; when it fails, remove it.
+
+    mkstemp creates files readable by the owner only; the permissions are reset to what a plain `open` would give
+    (0o666 minus the umask), so shards and tables stay readable by collaborators on a shared cluster.
+
+    Example:
+        >>> with atomic_path("out/table.csv") as tmp:   # doctest: +SKIP
+        ...     df.write_csv(tmp)
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write UTF-8 text atomically; returns the final path."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, indent: int = 1) -> Path:
+    """Write JSON atomically (keys sorted); returns the final path."""
+    return write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=True))
