@@ -177,6 +177,30 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _unreachable_host(tag_cfg: dict[str, Any], timeout: float = 3.0) -> str | None:
+    """The download host of a pretrained tag if it cannot be reached within `timeout` seconds, else None.
+
+    Clusters without network are normal for our users; the hub client would retry for about a minute before
+    failing, so one short TCP probe decides first.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    if tag_cfg.get("hf_hub"):
+        url = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    else:
+        url = tag_cfg.get("url", "")
+    parsed = urlparse(url)
+    host = parsed.hostname
+    if not host:
+        return None
+    try:
+        with socket.create_connection((host, parsed.port or (443 if parsed.scheme == "https" else 80)), timeout):
+            return None
+    except OSError:
+        return host
+
+
 def _file_digest(path: Path, _memo: dict[tuple[str, int, float], str] = {}) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime)
@@ -326,6 +350,12 @@ def load_model(
                         f"(HF_HUB_OFFLINE=1); looked for: {'; '.join(looked)}. Provide them with --pretrained "
                         f"/path/to/checkpoint or --pretrained local-dir:DIR, or download them once with network "
                         f"access (unset HF_HUB_OFFLINE)")
+                host = _unreachable_host(tag_cfg)
+                if host is not None:
+                    raise ModelError(
+                        f"weights for {name}/{pretrained} are not on this machine and {host} cannot be reached; "
+                        f"looked for: {'; '.join(looked)}. Provide them with --pretrained /path/to/checkpoint or "
+                        f"--pretrained local-dir:DIR, or download them once on a machine with network access")
                 from open_clip.pretrained import download_pretrained
                 try:
                     found = download_pretrained(tag_cfg)

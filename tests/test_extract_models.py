@@ -146,3 +146,22 @@ def test_offline_missing_openai_weights_fail_fast_via_cli(tmp_path):
     assert "HF_HUB_OFFLINE" in r.stderr and "local-dir:" in r.stderr
     assert not (tmp_path / "out").exists()
     json.dumps(r.stderr)  # printable
+
+
+def test_unreachable_hub_fails_fast_without_offline_flag(tmp_path, monkeypatch):
+    """Hub not declared offline but unreachable (a closed loopback port stands in for a cluster without network):
+    one clear error within seconds instead of the hub client's minute of retries."""
+    import time
+
+    for var in ("HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens, refused at once
+    import extract.models as models
+
+    monkeypatch.setattr(models, "_cached_tag_file", lambda cfg: (None, ["(empty test cache)"]))
+    t0 = time.monotonic()
+    with pytest.raises(ModelError, match=r"RN50/openai are not on this machine and 127\.0\.0\.1 cannot be reached"):
+        load_model("RN50", "openai", "cpu")
+    assert time.monotonic() - t0 < 15
