@@ -58,7 +58,12 @@ def run(
     drop_nonfinite: bool = typer.Option(False, "--drop-nonfinite", help="drop rows with NaN/inf logits (reported)"),
     quiet: bool = typer.Option(False, "--quiet", help="no table, no progress bar"),
 ) -> None:
-    """Calibrate every run (backbone, dataset, method, seed) found under PATHS and write metric tables."""
+    """Calibrate every run (backbone, dataset, method, seed) found under PATHS and write metric tables.
+
+    Calibrators (--calibrators): none, temperature, sals, zaec, with options such as zaec:strength=0.5 or
+    zaec:subset=all. The paper's tables and figures: zaec-calibrate tables SHARDS --out DIR (see
+    zaec-calibrate tables --help).
+    """
     err = Console(stderr=True)
     progress = Progress(
         TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"), TimeRemainingColumn(),
