@@ -305,3 +305,32 @@ def test_bench_solver_smoke():
 
     (row,) = bench_solver(60, [7], naive_repeat=1)
     assert row["max_rel_diff_vs_brentq"] < 1e-3 and row["speedup_vs_brentq"] > 0 and row["capped"] == 0
+
+
+def test_cpu_stage_never_imports_the_gpu_stack(tmp_path):
+    """calibrate/ and schemas/ run without torch, open_clip or extract/ (they sit behind the `extract` extra).
+
+    Checked in a fresh interpreter: after a whole zaec-calibrate run and a whole tables run on synthetic shards,
+    none of them has been imported.
+    """
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        from calibrate.synthetic import write_synthetic_benchmark
+        from calibrate.cli import main
+        write_synthetic_benchmark({str(tmp_path / "s")!r}, scale=0.01, datasets=["imagenet", "dtd"], methods=["tda"])
+        for argv in (["{tmp_path / 's'}", "--out", "{tmp_path / 'm'}", "--quiet"],
+                     ["tables", "{tmp_path / 's'}", "--out", "{tmp_path / 't'}", "--bootstrap", "20", "--quiet"]):
+            try:
+                main(argv)
+            except SystemExit as e:
+                assert not e.code, e.code
+        loaded = sorted({{m.split(".")[0] for m in sys.modules}} & {{"torch", "torchvision", "open_clip", "extract"}})
+        print("loaded:", loaded)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("loaded: []"), r.stdout[-500:]
+    assert (tmp_path / "m" / "metrics.parquet").is_file() and (tmp_path / "t" / "README.md").is_file()
