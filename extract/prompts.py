@@ -142,12 +142,36 @@ def resolve_cupl_dir(cupl_dir: str | os.PathLike | None) -> Path | None:
     return Path(raw).expanduser() if raw else None
 
 
-def _lookup(table: dict[str, list[str]], name: str) -> list[str] | None:
-    for cand in (name, name.replace("_", " "), name.replace(" ", "_")):
-        if cand in table:
-            return table[cand]
+def read_class_sentences(path: str | os.PathLike, class_names: Sequence[str]
+                         ) -> tuple[list[list[str]], list[str]]:
+    """Sentences per class from a JSON object class name -> list of strings (CuPL prompts, GPT-4 descriptors).
+
+    Names are matched exactly, then with `_`/space swapped, then case-insensitively.
+
+    Returns:
+        (K lists of sentences, empty for unmatched classes; the names of the unmatched classes)
+
+    Raises:
+        PromptError: unreadable file or not a JSON object of class name -> list of strings (names the file).
+    """
+    path = Path(path).expanduser()
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PromptError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(table, dict) or not all(
+            isinstance(v, list) and all(isinstance(s, str) for s in v) for v in table.values()):
+        raise PromptError(f"{path}: expected a JSON object mapping class names to lists of sentences")
     lower = {k.lower(): v for k, v in table.items()}
-    return lower.get(name.lower())
+    out: list[list[str]] = []
+    missing: list[str] = []
+    for name in class_names:
+        found = next((table[c] for c in (name, name.replace("_", " "), name.replace(" ", "_")) if c in table),
+                     lower.get(name.lower()))
+        if found is None:
+            missing.append(name)
+        out.append(list(found or []))
+    return out, missing
 
 
 def load_cupl(dataset: str, class_names: Sequence[str], cupl_dir: str | os.PathLike | None
@@ -167,20 +191,7 @@ def load_cupl(dataset: str, class_names: Sequence[str], cupl_dir: str | os.PathL
     path = d / spec.cupl_file
     if not path.is_file():
         return None, None, [f"cupl=True but {path} does not exist; using the templates only"]
-    try:
-        table = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PromptError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(table, dict) or not all(
-            isinstance(v, list) and all(isinstance(s, str) for s in v) for v in table.values()):
-        raise PromptError(f"{path}: expected a JSON object mapping class names to lists of sentences")
-    out: list[list[str]] = []
-    missing: list[str] = []
-    for name in class_names:
-        found = _lookup(table, name)
-        if found is None:
-            missing.append(name)
-        out.append(list(found or []))
+    out, missing = read_class_sentences(path, class_names)
     warnings = []
     if missing:
         warnings.append(f"{path.name}: no CuPL sentences for {len(missing)} of {len(class_names)} classes "

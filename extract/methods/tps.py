@@ -13,7 +13,6 @@ P_c = normalize(½ (mean_t normalize(E(template_t(c))) + mean_d normalize(E("{c}
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
@@ -54,26 +53,17 @@ def load_descriptors(path: str | Path, class_names: Sequence[str]) -> list[list[
     Raises:
         ValueError: unreadable file, wrong format, or classes without descriptors (the message names them).
     """
+    from extract.prompts import PromptError, read_class_sentences
+
     p = Path(path).expanduser()
     try:
-        table = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"TPS descriptors: cannot read {p} ({e})") from None
-    if not isinstance(table, dict) or not all(
-            isinstance(v, list) and all(isinstance(s, str) for s in v) for v in table.values()):
-        raise ValueError(f"TPS descriptors: {p} must be a JSON object mapping class names to lists of strings")
-    lower = {k.lower(): v for k, v in table.items()}
-    out, missing = [], []
-    for name in class_names:
-        found = next((table[c] for c in (name, name.replace("_", " "), name.replace(" ", "_")) if c in table),
-                     lower.get(name.lower()))
-        if not found:
-            missing.append(name)
-        out.append(list(found or []))
+        out, _ = read_class_sentences(p, class_names)
+    except PromptError as e:
+        raise ValueError(f"TPS descriptors: {e}") from None
+    missing = [n for n, sentences in zip(class_names, out) if not sentences]  # unmatched or an empty list
     if missing:
         raise ValueError(f"TPS descriptors: {p} has no descriptors for {len(missing)} of {len(class_names)} classes "
-                         f"({', '.join(map(repr, missing[:5]))}{', ...' if len(missing) > 5 else ''}); its keys "
-                         f"start with {', '.join(map(repr, list(table)[:3]))}")
+                         f"({', '.join(map(repr, missing[:5]))}{', ...' if len(missing) > 5 else ''})")
     return out
 
 
