@@ -19,11 +19,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from calibrate.run import DEFAULT_CALIBRATORS, DEFAULT_TS_SOURCE, RunReport, calibrate_paths, write_metrics
-from schemas import ShardError
+from schemas import ShardError, error_line
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 PERCENT = ("accuracy", "ece", "mce", "ece_mass", "mean_confidence")
+
+
+#: what a user can cause (bad shards, bad specs or options, unreadable paths): one line and exit 2, no traceback
+USER_ERRORS = (ShardError, ValueError, OSError)
+
+
+def fail(prog: str, e: BaseException, err: Console) -> None:
+    """Print `prog: error: <first line of e>` on stderr and exit with status 2."""
+    err.print(f"{prog}: error: {error_line(e)}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
 
 
 def render(report: RunReport, console: Console) -> None:
@@ -85,10 +95,8 @@ def run(
                 on_total=lambda n: progress.update(task, total=n),
             )
             pq_path, csv_path = write_metrics(report, out)
-    except (ShardError, ValueError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        err.print(f"zaec-calibrate: error: {msg}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+    except USER_ERRORS as e:
+        fail("zaec-calibrate", e, err)
     if not quiet:
         console = Console(width=None if Console().is_terminal else 160)
         render(report, console)

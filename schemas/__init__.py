@@ -11,6 +11,7 @@ from schemas.shard import (
     ShardError,
     ShardMeta,
     build_table,
+    error_line,
     find_shards,
     group_shards,
     iter_run,
@@ -25,6 +26,6 @@ from schemas.shard import (
 
 __all__ = [
     "META_KEYS", "OPTIONAL_COLUMNS", "PART_TEMPLATE", "REQUIRED_COLUMNS", "SCHEMA_VERSION", "RunKey", "Shard",
-    "ShardError", "ShardMeta", "build_table", "find_shards", "group_shards", "iter_run", "read_meta", "read_shard",
+    "ShardError", "ShardMeta", "build_table", "error_line", "find_shards", "group_shards", "iter_run", "read_meta", "read_shard",
     "shard_dir", "shard_path", "validate_shard", "write_atomic_table", "write_shard",
 ]

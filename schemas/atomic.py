@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,29 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary folder beside `path`; when the block succeeds, replace `path` by it (an existing `path`
+    is removed first); when it fails, remove it. Readers see the old folder or the complete new one.
+
+    Example:
+        >>> with atomic_dir("data/models/tiny") as tmp:   # doctest: +SKIP
+        ...     (tmp / "open_clip_config.json").write_text("{}")
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_current_umask())  # mkdtemp makes it owner-only
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

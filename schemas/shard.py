@@ -312,11 +312,12 @@ def read_meta(path: str | os.PathLike) -> ShardMeta:
     except FileNotFoundError:
         raise ShardError(f"{path}: no such file") from None
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
-        raise ShardError(f"{path}: not a readable Parquet file ({_short(e)})") from None
+        raise ShardError(f"{path}: not a readable Parquet file ({error_line(e)})") from None
     return ShardMeta.from_kv(schema.metadata, path)
 
 
-def _short(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when empty): one line for a user-facing error."""
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
@@ -367,7 +368,7 @@ def read_shard(path: str | os.PathLike, *, columns: Iterable[str] = ()) -> Shard
     except KeyError as e:
         raise ShardError(f"{path}: requested column {e} is not in the shard") from None
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
-        raise ShardError(f"{path}: Parquet data cannot be read ({_short(e)})") from None
+        raise ShardError(f"{path}: Parquet data cannot be read ({error_line(e)})") from None
     for col in REQUIRED_COLUMNS:
         if table.column(col).null_count:
             raise ShardError(f"{path}: column {col!r} has {table.column(col).null_count} null value(s)")

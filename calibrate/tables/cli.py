@@ -24,7 +24,7 @@ import polars as pl
 
 from calibrate.tables.render import main_rich
 from calibrate.tables.report import ALL_SPECS, BOOTSTRAP_SPECS, ReportOptions, slug, write_report
-from schemas import ShardError
+from calibrate.cli import USER_ERRORS, fail
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -78,10 +78,8 @@ def tables(
                              reference_dataset=reference_dataset, ts_source=ts_source)
         report = write_report(summaries, out, boot, opts)
         say(f"tables and figures in {time.perf_counter() - t2:.1f} s")
-    except (ShardError, ValueError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        err.print(f"zaec-calibrate tables: error: {msg}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+    except USER_ERRORS as e:
+        fail("zaec-calibrate tables", e, err)
     if not quiet:
         console = Console(width=None if Console().is_terminal else 200)
         for bb in summaries.backbones():

@@ -21,9 +21,6 @@ accuracy: Gaussian noise sigma 0.15, Gaussian blur sigma 2.0 px, contrast x0.4, 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -34,6 +31,7 @@ import torch.nn.functional as F
 
 from extract.demo.fmnist import load_split
 from extract.demo.images import to_rgb_uint8, upsample
+from schemas.atomic import atomic_dir
 
 SPLIT_FILE = "split_zhou_FashionMNIST.json"
 SHIFT_FILE = "shift.json"
@@ -204,9 +202,8 @@ def write_set(
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     rgb = to_rgb_uint8(apply_shift(name, upsample(images), cfg))  # (N, 32, 32, 3) uint8
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
-    try:
+    # an existing folder (a forced rewrite, or one without its split file) is replaced whole
+    with atomic_dir(out) as tmp:
         entries = []
         for label in range(len(FASHION_MNIST_CLASSES)):
             (tmp / "images" / f"{label:02d}").mkdir(parents=True, exist_ok=True)
@@ -219,12 +216,6 @@ def write_set(
             json.dump(record, fh, indent=2)
         with open(tmp / SPLIT_FILE, "w", encoding="utf-8") as fh:
             json.dump({"train": [], "val": [], "test": entries}, fh)
-        if out.exists():  # a forced rewrite, or a folder without its split file
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -35,6 +32,7 @@ import torch.nn.functional as F
 
 from extract.demo.fmnist import load_split
 from extract.demo.images import IMAGE_SIZE, to_rgb_uint8, upsample
+from schemas.atomic import atomic_dir
 
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
@@ -333,10 +331,8 @@ def train_model(
         "torch": torch.__version__,
         "open_clip": open_clip.__version__,
     }
-    models_dir = Path(models_dir)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=models_dir))
-    try:
+    # an existing model folder is only replaced with force=True
+    with atomic_dir(out) as tmp:
         with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as fh:
             # model_name: the backbone name zaec-extract records in the shards (else the folder's name)
             config = {"model_name": spec.name, "model_cfg": spec.model_cfg, "preprocess_cfg": _preprocess_cfg()}
@@ -345,12 +341,6 @@ def train_model(
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         with open(tmp / RECORD_FILE, "w", encoding="utf-8") as fh:
             json.dump(record, fh, indent=2)
-        if out.exists():  # only with force=True
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
