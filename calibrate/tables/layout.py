@@ -1,8 +1,8 @@
 """The paper's table layout: dataset groups, column labels, method and calibrator order.
 
 Every dataset key present in the shards gets a place: the paper's two groups first (natural shift: Table 2;
-ImageNet and the fine-grained sets: Table 3), then any other dataset (the demo's `fmnist*` sets, a user's own data)
-in a group named `other`. Labels fall back to the key itself, so unknown keys never break a table.
+ImageNet and the fine-grained sets: Table 3), then ImageNet-C's 75 corruption/severity sets, then any other dataset
+(the demo's `fmnist*` sets, a user's own data) in a group named `other`. Labels fall back to the key itself, so unknown keys never break a table.
 """
 
 from __future__ import annotations
@@ -27,10 +27,22 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "stanford_cars",
     ),
 }
+#: ImageNet-C's 15 corruptions in the release's order (noise, blur, weather, digital) with column abbreviations; the
+#: keys `imagenet_c:<corruption>:<severity>` are extract.datasets' (a test checks the two lists agree)
+IMAGENET_C_CORRUPTIONS: dict[str, str] = {
+    "gaussian_noise": "Gauss", "shot_noise": "Shot", "impulse_noise": "Impul", "defocus_blur": "Defoc",
+    "glass_blur": "Glass", "motion_blur": "Motn", "zoom_blur": "Zoom", "snow": "Snow", "frost": "Frost",
+    "fog": "Fog", "brightness": "Brit", "contrast": "Contr", "elastic_transform": "Elast", "pixelate": "Pixel",
+    "jpeg_compression": "JPEG",
+}
+IMAGENET_C_GROUP = "imagenet_c"
+#: ImageNet-C columns: corruption-major, severity 1..5 within a corruption
+GROUPS[IMAGENET_C_GROUP] = tuple(f"imagenet_c:{c}:{s}" for c in IMAGENET_C_CORRUPTIONS for s in range(1, 6))
 OTHER_GROUP = "other"
 GROUP_LABELS: dict[str, str] = {
     "natural_shift": "Natural distribution shift",
     "fine_grained": "ImageNet and fine-grained",
+    IMAGENET_C_GROUP: "ImageNet-C (corruption, severity)",
     OTHER_GROUP: "Other datasets",
 }
 #: the paper's column headers
@@ -39,7 +51,7 @@ DATASET_LABELS: dict[str, str] = {
     "imagenet": "INet", "dtd": "DTD", "flowers102": "FLOW", "food101": "FOOD",
     "sun397": "SUN", "eurosat": "EURO", "fgvc_aircraft": "AIR", "oxford_pets": "PETS",
     "caltech101": "CALT", "ucf101": "UCF", "stanford_cars": "CAR",
-}
+} | {key: f"{IMAGENET_C_CORRUPTIONS[key.split(':')[1]]}-{key.split(':')[2]}" for key in GROUPS[IMAGENET_C_GROUP]}
 #: the "ImageNet family" of the paper's subset ablation (Table 4): ImageNet plus its four variants
 IMAGENET_FAMILY: tuple[str, ...] = ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
 #: datasets of the paper's per-sample figures (2c/2d, 4) and strength ablation (Figure 5)
