@@ -406,7 +406,8 @@ def run_extraction(
 
     Args:
         method: method key (`extract.methods.REGISTRY`).
-        dataset: dataset key (`extract.datasets.REGISTRY`).
+        dataset: dataset key (`extract.datasets.REGISTRY`), a user dataset's name (`resolve_dataset`), or a
+            `folder:PATH` / `split:FILE.json` reference (named after its folder).
         backbone: open_clip model name; None = `ViT-B-16`, or with `pretrained="local-dir:DIR"` the directory's
             model name.
         pretrained: tag (`openai`), checkpoint file or `local-dir:DIR`.
