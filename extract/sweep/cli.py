@@ -28,7 +28,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import typer
 
-from extract.sweep_plan import (
+from extract.sweep.plan import (
     ACTIVE_STATES,
     EXECUTORS,
     Grid,
@@ -205,7 +205,7 @@ def _import_submitit() -> Any:
 def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: str) -> list[tuple[Group, Any]]:
     """Submit the groups; returns (group, submitit job) pairs. Raises SweepError when the scheduler refuses."""
     submitit = _import_submitit()
-    from extract.sweep_job import GroupJob
+    from extract.sweep.job import GroupJob
 
     folder = sweep_dir(out) / "submitit"
     try:
@@ -360,13 +360,13 @@ def refresh(manifest: Manifest, live: Mapping[str, Any] | None = None) -> list[t
 
 
 def _now() -> str:
-    from extract.sweep_plan import now
+    from extract.sweep.plan import now
 
     return now()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# rendering (rich) of the polars frames built in extract.sweep_plan
+# rendering (rich) of the polars frames built in extract.sweep.plan
 
 STATE_STYLE = {"done": "green", "failed": "bold red", "running": "cyan", "pending": "yellow"}
 
@@ -409,7 +409,7 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
     from rich.table import Table
 
     df = plan_frame(groups)
-    t = Table(title="sweep plan (GPU-hours: an estimate, see extract/sweep_plan.py)")
+    t = Table(title="sweep plan (GPU-hours: an estimate, see extract/sweep/plan.py)")
     for h in ("group (backbone/dataset/views/seed)", "methods", "images", "views", "est. GPU-h"):
         t.add_column(h, justify="right" if h in ("images", "views", "est. GPU-h") else "left")
     for r in df.iter_rows(named=True):
@@ -719,7 +719,7 @@ def status(
     state: Optional[str] = typer.Option(None, help="show only runs in this state: pending, running, done, failed"),
 ) -> None:
     """Show the manifest as a table; states are refreshed from the jobs and the shards on disk."""
-    from extract.sweep_plan import STATES
+    from extract.sweep.plan import STATES
 
     console = _console()
     try:

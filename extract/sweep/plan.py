@@ -6,8 +6,8 @@ shards are finished. The remaining runs are grouped by what their feature cache 
 dataset, view policy, seed), the policy taken from the method's config for that dataset after `--set` overrides -
 so one job loads the model once and encodes each image once, and every method of the group adapts from the cache.
 
-Everything here is pure or file-level and imports neither submitit nor typer; `extract.sweep` (the CLI) submits,
-`extract.sweep_job` runs on the worker.
+Everything here is pure or file-level and imports neither submitit nor typer; `extract.sweep.cli` (the command
+line) submits, `extract.sweep.job` runs on the worker.
 
 Files of a sweep, all under `<out>/_sweep/` (no `*.parquet` there, so `zaec-calibrate <out>` sees only shards):
 

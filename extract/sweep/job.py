@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from submitit.helpers import Checkpointable
 
-from extract.sweep_plan import Group, RunSpec, error_line, now, result_path, write_json_atomic
+from extract.sweep.plan import Group, RunSpec, error_line, now, result_path, write_json_atomic
 
 
 def write_result(run: RunSpec, token: str, state: str, *, error: str = "", shards: Sequence[str] = ()) -> None:
