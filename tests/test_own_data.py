@@ -307,8 +307,8 @@ def test_unreadable_image_from_a_loader_process_is_named(tmp_path, tiny_model): 
 
 
 def test_sweep_with_own_data_and_a_fresh_worker(tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
-    from extract.sweep_job import run_group
-    from extract.sweep_plan import Grid, SweepError, expand_datasets, expand_grid, group_runs, n_images
+    from extract.sweep.job import run_group
+    from extract.sweep.plan import Grid, SweepError, expand_datasets, expand_grid, group_runs, n_images
 
     a = make_folder(tmp_path / "a", {"x": ["1.png", "2.png"], "y": ["3.png"]})
     b = make_folder(tmp_path / "b" / "a", {"x": ["1.png"], "y": ["2.png"]})
