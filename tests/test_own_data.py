@@ -347,3 +347,19 @@ def test_get_dataset_lists_the_families():
     assert "imagenet_c:<corruption>:<severity>" in msg and "folder:PATH" in msg and "split:FILE.json" in msg
     assert "imagenet_c:fog:1," not in msg  # the 75 keys are summarised, not listed
     assert os.sep not in get_dataset("dtd").key
+
+
+def test_sweep_cli_dry_run_with_imagenet_c_and_a_folder(tmp_path):
+    from extract.sweep import cli as sweep_cli
+
+    a = make_folder(tmp_path / "scans", {"x": ["1.png", "2.png"], "y": ["3.png"]})
+    out = tmp_path / "out"
+    res = cli.invoke(sweep_cli.app, ["run", "--methods", "zero-shot,tda", "--datasets", f"imagenet_c,mine=folder:{a}",
+                                     "--out", str(out), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "152 run(s) to submit in 76 group(s)" in text and "mine" in text
+    assert not out.exists()
+    res = cli.invoke(sweep_cli.app, ["run", "--methods", "tda", "--datasets", f"folder:{tmp_path / 'nope'}",
+                                     "--out", str(out), "--dry-run"])
+    assert res.exit_code == 2 and "is not a folder" in res.output and "Traceback" not in res.output
