@@ -67,9 +67,8 @@ def extract(
 
     err = Console(stderr=True)
     try:
-        from extract.runner import parse_overrides, plan_run, run_extraction
-
         from extract.datasets import resolve_dataset
+        from extract.runner import parse_overrides, plan_run, run_extraction
 
         overrides = parse_overrides(set_)
         dataset = resolve_dataset(dataset, name=dataset_name, class_names=class_names)
