@@ -128,6 +128,7 @@ def test_reference_dataset_fallback_and_dispatch_through_zaec_calibrate(tmp_path
     (["does-not-exist"], "no such file or directory"),
     (["{root}", "--bins", "0"], "--bins must be a positive integer"),
     (["{root}", "--bootstrap", "-1"], "--bootstrap must be >= 0"),
+    (["{root}", "--no-such-option"], "No such option: --no-such-option"),  # typer's usage errors: one line too
 ])
 def test_user_errors_end_in_one_line(tmp_path, capsys, args, message):
     root = tmp_path / "shards"

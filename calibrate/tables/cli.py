@@ -9,6 +9,7 @@ A user error ends in one line on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -17,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from calibrate.cli_errors import USER_ERRORS, fail, run_app
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import bootstrap_runs
 from calibrate.tables.data import load_summaries
@@ -24,7 +26,6 @@ import polars as pl
 
 from calibrate.tables.render import main_rich
 from calibrate.tables.report import ALL_SPECS, BOOTSTRAP_SPECS, ReportOptions, slug, write_report
-from calibrate.cli import USER_ERRORS, fail
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -93,7 +94,7 @@ def tables(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    app(args=argv, prog_name="zaec-calibrate tables")
+    run_app(app, list(sys.argv[1:] if argv is None else argv), "zaec-calibrate tables")
 
 
 if __name__ == "__main__":
