@@ -93,6 +93,42 @@ def test_tables_end_to_end(shards, tmp_path, capsys):
     assert "fig6_strength_RN50.png" in items["Figure 6"] and "fig3_summary_RN50.png" in items["Figure 3"]
     assert "RN50: no dpe runs on caltech101" in readme  # Figure 4 drawn for ViT-B-16 only, the gap noted
 
+    # Figure 2a as the paper draws it; no A-TPT shards: drawn without its point, and the index says so
+    pts = pl.read_csv(out / "fig2a_range_vs_ece.csv")
+    assert pts["label"].to_list() == ["TPT + SaLS", "TPT + ZAEC", "O-TPT"] and set(pts["backbone"]) == {"ViT-B-16"}
+    assert "ViT-B-16: no runs of A-TPT (atpt); drawn without its point" in readme
+    # Figure 2b pools the paper's TTA methods by default, not O-TPT; n and the methods are in the CSV
+    corr = {r["backbone"]: r for r in pl.read_csv(out / "fig2b_correlation.csv").iter_rows(named=True)}
+    assert corr["ViT-B-16"]["methods"] == "tpt,tda,dpe" and corr["ViT-B-16"]["n"] == 3 * 4 + 1  # + DPE on Caltech
+    pts2b = pl.read_csv(out / "fig2b_entropy_vs_ece.csv")
+    assert set(pts2b.filter(~pl.col("pooled"))["method"]) == {"otpt"}
+
+    # one run per figure, and the label is that run's ECE: RN50 has seeds 1 and 2 of TDA on ImageNet-A
+    per_run = pl.read_csv(out / "per_run_metrics.csv")
+    rel = pl.read_csv(out / "fig5_reliability.csv").filter(pl.col("backbone") == "RN50")
+    assert set(rel["seed"]) == {1} and set(pl.read_csv(out / "fig2cd_entropy_gap.csv").filter(
+        pl.col("backbone") == "RN50")["seed"]) == {1}
+    rn50 = per_run.filter((pl.col("backbone") == "RN50") & (pl.col("calibrator") == "none"))
+    seed1 = 100 * rn50.filter(pl.col("seed") == 1)["ece"][0]
+    labels = rel.filter(pl.col("panel") == "none")["ece"].to_list()
+    assert len(labels) == 10 and labels == pytest.approx([seed1] * 10, abs=1e-9)
+    assert abs(seed1 - 100 * rn50["ece"].mean()) > 1e-3  # the seed mean would differ
+
+    # Figure 4: zero-shot / raw / ZAEC panels of DPE on Caltech101, each with its own run's ECE
+    b = pl.read_csv(out / "fig4_boundary.csv")
+    assert b["panel"].unique(maintain_order=True).to_list() == ["zero-shot", "none", "zaec"]
+    assert set(b["dataset"]) == {"caltech101"} and set(b["method"]) == {"dpe"}
+    run = per_run.filter((pl.col("dataset") == "caltech101") & (pl.col("method") == "dpe"))
+    for panel in ("zero-shot", "none", "zaec"):
+        want = 100 * run.filter(pl.col("calibrator") == panel)["ece"][0]
+        assert b.filter(pl.col("panel") == panel)["ece"][0] == pytest.approx(want, abs=1e-9)
+        assert b.filter(pl.col("panel") == panel)["count"].sum() == 70
+
+    # temperature scaling is fitted on imagenet: those cells (and the averages holding them) are marked
+    marked = pl.read_csv(out / "main_ViT-B-16.csv").filter(pl.col("in_sample"))
+    assert set(marked["row"]) == {"temperature"} and set(marked["dataset"]) == {"imagenet", "avg"}
+    assert set(marked["group"]) == {"fine_grained"} and "‡" in (out / "main_ViT-B-16.md").read_text()
+
     main = pl.read_csv(out / "main_ViT-B-16.csv")
     assert main["block"].unique(maintain_order=True).to_list() == ["zero-shot", "tpt", "tda", "dpe", "otpt"]
     assert main["group"].unique(maintain_order=True).to_list() == ["natural_shift", "fine_grained", "other"]
@@ -161,6 +197,7 @@ def test_reference_dataset_fallback_and_dispatch_through_zaec_calibrate(tmp_path
     (["{root}", "--bins", "0"], "--bins must be a positive integer"),
     (["{root}", "--bootstrap", "-1"], "--bootstrap must be >= 0"),
     (["{root}", "--no-such-option"], "No such option: --no-such-option"),  # typer's usage errors: one line too
+    (["{root}", "--fig1-methods", "tpt,,tda"], "--fig1-methods expects comma-separated method keys"),
 ])
 def test_user_errors_end_in_one_line(tmp_path, capsys, args, message):
     root = tmp_path / "shards"
