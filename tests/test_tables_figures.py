@@ -27,8 +27,10 @@ def _with(cells: pl.DataFrame, **cols) -> pl.DataFrame:
 
 def test_intro_bars_average_each_method_over_its_datasets():
     cells = _cells([
-        ("imagenet", "tpt", "none", 0.5, 0.20), ("dtd", "tpt", "none", 0.5, 0.30), ("eurosat", "tpt", "none", 0.5, 0.40),
-        ("imagenet", "tpt", "zaec", 0.5, 0.05), ("dtd", "tpt", "zaec", 0.5, 0.07), ("eurosat", "tpt", "zaec", 0.5, 0.09),
+        ("imagenet", "tpt", "none", 0.5, 0.20), ("dtd", "tpt", "none", 0.5, 0.30),
+        ("eurosat", "tpt", "none", 0.5, 0.40),
+        ("imagenet", "tpt", "zaec", 0.5, 0.05), ("dtd", "tpt", "zaec", 0.5, 0.07),
+        ("eurosat", "tpt", "zaec", 0.5, 0.09),
         ("imagenet", "tda", "none", 0.5, 0.10), ("dtd", "tda", "none", 0.5, 0.16),  # TDA lacks eurosat
         ("imagenet_a", "tda", "none", 0.5, 0.99),  # not a dataset of the figure
     ])

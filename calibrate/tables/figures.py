@@ -290,8 +290,8 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
 
 
 def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
-    """Figure 3 (the paper's RN50 figure, drawn for any backbone): grouped bars of average ECE (left) and mean entropy (right) per method, one bar per
-    calibrator (zero-shot first)."""
+    """Figure 3 (the paper's RN50 figure, drawn for any backbone): grouped bars of average ECE (left) and mean
+    entropy (right) per method, one bar per calibrator (zero-shot first)."""
     methods = layout.order_methods(summary["method"].unique().to_list())
     cals = [c for c in ("zero-shot", *layout.MAIN_CALIBRATORS) if c in summary["calibrator"].to_list()]
     fig = Figure(figsize=(10, 3.6), layout="constrained")

@@ -51,8 +51,8 @@ def tex_escape(s: str) -> str:
     """Escape LaTeX specials of plain labels (dataset keys, method names) and map a few Unicode marks."""
     for a, b in (("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("$", r"\$")):
         s = s.replace(a, b)
-    for a, b in (("–", "--"), ("−", "$-$"), ("†", r"$^\dagger$"), ("‡", r"$^\ddagger$"), ("λ", r"$\lambda$"), ("Δ", r"$\Delta$"),
-                 ("ρ", r"$\rho$"), ("→", r"$\to$")):
+    for a, b in (("–", "--"), ("−", "$-$"), ("†", r"$^\dagger$"), ("‡", r"$^\ddagger$"), ("λ", r"$\lambda$"),
+                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("→", r"$\to$")):
         s = s.replace(a, b)
     return s
 
@@ -240,7 +240,8 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
              f"Paired bootstrap over samples ({n_resamples} resamples; zero-shot, raw and calibrated predictions "
              f"resampled together); {pct}% basic bootstrap intervals (2 x estimate minus the replicate quantiles, "
              "which undoes ECE's upward resampling bias; ECE floored at 0), ECE in percent. Avg. intervals average the "
-             "per-dataset replicates (datasets resampled independently).\n", *(f"{n}\n" for n in marks_legend(intervals))]
+             "per-dataset replicates (datasets resampled independently).\n",
+             *(f"{n}\n" for n in marks_legend(intervals))]
     for group in intervals["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(intervals.with_columns(pl.lit("ece").alias("metric")), group,
                                   lambda r: f"{fmt(r['value'])}{cell_marks(r)} [{fmt(r['ci_low'])}, "
