@@ -54,9 +54,15 @@ DATASET_LABELS: dict[str, str] = {
 } | {key: f"{IMAGENET_C_CORRUPTIONS[key.split(':')[1]]}-{key.split(':')[2]}" for key in GROUPS[IMAGENET_C_GROUP]}
 #: the "ImageNet family" of the paper's subset ablation (Table 4): ImageNet plus its four variants
 IMAGENET_FAMILY: tuple[str, ...] = ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
-#: datasets of the paper's per-sample figures (2c/2d, 4) and strength ablation (Figure 5)
+#: dataset of the paper's per-sample figures (2c/2d, 5) and datasets of the strength ablation (Figure 6)
 REFERENCE_DATASET = "imagenet_a"
 STRENGTH_DATASETS: tuple[str, ...] = ("dtd", "imagenet_v2")
+#: Figure 1 (intro): one panel per method, grouped bars of raw / SaLS / ZAEC ECE over the fine-grained group
+FIG1_METHODS: tuple[str, ...] = ("tpt", "tda")
+FIG1_CALIBRATORS: tuple[str, ...] = ("none", "sals", "zaec")
+#: Figure 4, the boundary case: zero-shot CLIP is underconfident on Caltech101 and DPE's sharpening helps
+BOUNDARY_DATASET = "caltech101"
+BOUNDARY_METHOD = "dpe"
 
 #: the paper's method order (Tables 2 and 3), then the prompt-coupled calibrated TPT variants of Figure 2a;
 #: other methods follow alphabetically
@@ -65,6 +71,11 @@ METHOD_LABELS: dict[str, str] = {
     "tpt": "TPT", "tps": "TPS", "tda": "TDA", "dpe": "DPE", "dlae": "DLAE",
     "ctpt": "C-TPT", "otpt": "O-TPT", "atpt": "A-TPT", "zero-shot": "Zero-shot",
 }
+#: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
+#: is over the paper's TTA methods, so these are left out of it by default
+PROMPT_CALIBRATION_METHODS: tuple[str, ...] = ("ctpt", "otpt", "atpt")
+#: Figure 2a as the paper draws it: (method, calibrator) points; arrows join points of the same method
+FIG2A_POINTS: tuple[tuple[str, str], ...] = (("tpt", "sals"), ("tpt", "zaec"), ("otpt", "none"), ("atpt", "none"))
 ZERO_SHOT = "zero-shot"
 BACKBONE_ORDER: tuple[str, ...] = ("ViT-B-16", "RN50")
 
@@ -81,7 +92,7 @@ SUBSET_SPECS: dict[str, str] = {
     "Entropy-increased": "zaec:subset=increased",
     "Entropy-reduced (ZAEC)": "zaec",
 }
-#: Figure 5: restoration strengths lambda (0 is raw TTA, 1 is ZAEC)
+#: Figure 6: restoration strengths lambda (0 is raw TTA, 1 is ZAEC)
 STRENGTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
