@@ -259,7 +259,10 @@ def ref_info_nce(q, k, tau):
 
 
 def ref_dual(x_stream, text, scale, cfg, dlae: bool):
-    """DPE (spec §7) / DLAE (spec §8, §13.4-5) sample by sample, with a real fresh torch AdamW per sample."""
+    """DPE (spec §7) / DLAE (spec §8, §13.4-5) sample by sample, with a real fresh torch AdamW per sample on
+    residual parameters created as fp16 (the official `TextResidue`/`PositiveCacheResidue`) or, for
+    `residual_step="exact"`, in the stream's dtype."""
+    rdt = torch.float16 if cfg.residual_step == "official_fp16" else text.dtype
     w_g, n_avg, cache, outs = text.clone(), 0, {}, []
     counter, count = torch.ones(K, dtype=text.dtype), K
     conf_mean, conf_cnt = torch.zeros(K, dtype=text.dtype), torch.zeros(K, dtype=text.dtype)
@@ -276,7 +279,7 @@ def ref_dual(x_stream, text, scale, cfg, dlae: bool):
         return ref_summary(x, adjusted, cfg.selection_p), y2
 
     for t, x in enumerate(x_stream):
-        r_t = torch.zeros_like(w_g, requires_grad=True)
+        r_t = torch.zeros(w_g.shape, dtype=rdt, requires_grad=True)
         w = F.normalize(w_g + r_t, dim=1)
         (f, z0, h, prob, y), y2 = views(x, w)
         if dlae:
@@ -307,7 +310,7 @@ def ref_dual(x_stream, text, scale, cfg, dlae: bool):
             ref_keep_lowest(cache, y, [f, float(h) / math.log2(K)], cfg.shot_capacity)
         classes = sorted(cache)
         protos = torch.stack([sum(it[0] for it in cache[c]) / len(cache[c]) for c in classes])
-        r_i = torch.zeros_like(protos, requires_grad=True)
+        r_i = torch.zeros(protos.shape, dtype=rdt, requires_grad=True)
         keys = F.normalize(protos + r_i, dim=1)
         z = z0.clone()
         for j, c in enumerate(classes):
@@ -459,12 +462,14 @@ def test_marginal_entropy_is_entropy_of_mean_softmax():
         torch.testing.assert_close(marginal_entropy(z[i]), ref_entropy(z[i].softmax(-1).mean(0)))
 
 
+@pytest.mark.parametrize("residual_step", ["official_fp16", "exact"])
 @pytest.mark.parametrize("v,dataset", [(1, "dtd"), (20, "imagenet"), (20, "imagenet_a"), (64, "imagenet_r")])
-def test_dpe_matches_reference(v, dataset):
+def test_dpe_matches_reference(v, dataset, residual_step):
     text = make_text()
     x = make_stream(40, v, text, seed=8, noise=2.0)
     # A low scale and cache weight keep some outputs above the evolution threshold; larger steps show the update.
-    m = build(DPE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, lr_image=1e-2)
+    m = build(DPE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, lr_image=1e-2,
+              residual_step=residual_step)
     got = torch.cat([m.adapt(x[:13]), m.adapt(x[13:])])
     want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=False)
     assert 0 < stats["global"] < len(x), "the stream must exercise the global evolution both ways"
@@ -491,12 +496,13 @@ def test_dpe_residual_step_moves_prototypes():
 
 # ---------------------------------------------------------------------------------------------- DLAE
 
+@pytest.mark.parametrize("residual_step", ["official_fp16", "exact"])
 @pytest.mark.parametrize("v,dataset", [(1, "eurosat"), (20, "imagenet"), (20, "imagenet_a")])
-def test_dlae_matches_reference(v, dataset):
+def test_dlae_matches_reference(v, dataset, residual_step):
     text = make_text()
     x = make_stream(45, v, text, seed=10, noise=2.0)
     m = build(DLAE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, adjust_alpha=3.0,
-              reflection_alpha=0.7, doubt_rate=0.05)
+              reflection_alpha=0.7, doubt_rate=0.05, residual_step=residual_step)
     got = torch.cat([m.adapt(x[:1]), m.adapt(x[1:20]), m.adapt(x[20:])])
     want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=True)
     assert stats["reflections"] > 0 and stats["doubts"] > 0, "the stream must exercise reflection and doubt"

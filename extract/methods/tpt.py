@@ -200,7 +200,9 @@ class EpisodicTuner(TTAMethod):
     """
 
     Config: ClassVar[type[MethodConfig]] = EpisodicConfig
-    _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale",)
+    _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale", "skipped_steps")
+    # TPS re-selects the confident views at every step, TPT at step 0 only (see `_tune`).
+    reselect_each_step: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
@@ -213,6 +215,8 @@ class EpisodicTuner(TTAMethod):
         cfg: EpisodicConfig = self.config  # type: ignore[assignment]
         # GradScaler state: {"scale", "growth_tracker"} (plain numbers, so `state_dict` can save them)
         self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
+        self.skipped_steps = 0  # steps not taken because the loss or the gradient was not finite
+        self._loss_scaling = False  # whether the last `adapt` used the loss scale (for `summary`)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -242,18 +246,22 @@ class EpisodicTuner(TTAMethod):
         else:
             yield
 
-    def _update_scale(self, finite: torch.Tensor) -> None:
-        """GradScaler.update once per sample, in stream order (backoff 0.5, growth 2)."""
+    def _scaler_step(self, scaler: dict[str, float | int], finite: bool) -> bool:
+        """One `GradScaler.update` on `scaler` (backoff 0.5, growth 2); True when the scale changed."""
         cfg: EpisodicConfig = self.config  # type: ignore[assignment]
-        for ok in finite.tolist():
-            if not ok:
-                self.loss_scale["scale"] = float(self.loss_scale["scale"]) * 0.5
-                self.loss_scale["growth_tracker"] = 0
-            else:
-                self.loss_scale["growth_tracker"] = int(self.loss_scale["growth_tracker"]) + 1
-                if self.loss_scale["growth_tracker"] == cfg.grad_scale_growth_interval:
-                    self.loss_scale["scale"] = float(self.loss_scale["scale"]) * 2.0
-                    self.loss_scale["growth_tracker"] = 0
+        if not finite:
+            scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 0.5, 0
+            return True
+        scaler["growth_tracker"] = int(scaler["growth_tracker"]) + 1
+        if scaler["growth_tracker"] == cfg.grad_scale_growth_interval:
+            scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 2.0, 0
+            return True
+        return False
+
+    def _update_scale(self, finite: torch.Tensor) -> None:
+        """GradScaler.update once per step, in the order given (stream order)."""
+        for ok in finite.flatten().tolist():
+            self._scaler_step(self.loss_scale, bool(ok))
 
     def _logits(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """s · f̂ t̂ᵀ: feats (G, V, D), text (G, K, D) -> (G, V, K)."""
@@ -262,19 +270,29 @@ class EpisodicTuner(TTAMethod):
         return self.logit_scale * feats @ text.transpose(-1, -2)
 
     def tune(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tune the parameter of G samples from scratch.
+        """Tune the parameter of G samples from scratch, every step at the loss scale in force now (the loss scale
+        is left unchanged; `_adapt` applies its updates in stream order).
 
         Args:
             feats: (G, V, D) L2-normalised view features.
 
         Returns:
-            (tuned parameter (G, ...), selected view indices (G, n)).
+            (tuned parameter (G, ...), selected view indices of the last step (G, n)).
+        """
+        param, sel, _ = self._tune(feats, update_scale=False)
+        return param, sel
+
+    def _tune(self, feats: torch.Tensor, *, update_scale: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`tune`, plus the (G, tta_steps) bool record of which steps had a finite loss and gradient.
+
+        With `update_scale` (for one sample) the loss scale is updated after every step, as the official loop does.
         """
         cfg: EpisodicConfig = self.config  # type: ignore[assignment]
         dev = feats.device
         amp = self._use_amp(dev)
         param = self._init_param(feats.shape[0], dev)
         state = AdamWState.zeros_like(param)
+        finite_steps = []
         sel = None
         if cfg.tta_steps == 0:
             with torch.no_grad(), self._autocast(dev):
@@ -284,7 +302,9 @@ class EpisodicTuner(TTAMethod):
             with self._autocast(dev):
                 text = self._class_features(p)
                 logits = self._logits(feats, text)  # (G, V, K)
-                if sel is None:  # chosen at step 0 and reused (TPT `test_time_tuning`)
+                # TPT chooses the views at step 0 and reuses them (`test_time_tuning`); TPS re-selects at every
+                # step (`run_shift_iter`). Identical with the default single step.
+                if sel is None or self.reselect_each_step:
                     sel = select_confident(logits, cfg.selection_p)
                 chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
                 # fp32 before summing: G scaled fp16 losses (each up to 1000 · ln K) would overflow their sum
@@ -299,22 +319,74 @@ class EpisodicTuner(TTAMethod):
             finite = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(loss.detach())
             param = adamw_step(param, grad, state, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                weight_decay=cfg.weight_decay, active=finite)
-            if amp:
+            finite_steps.append(finite)
+            if amp and update_scale:
                 self._update_scale(finite)
         assert sel is not None
-        return param.detach(), sel
+        steps = (torch.stack(finite_steps, 1) if finite_steps
+                 else torch.ones(feats.shape[0], 0, dtype=torch.bool, device=dev))
+        return param.detach(), sel, steps
+
+    def _tune_in_order(self, feats: torch.Tensor) -> torch.Tensor:
+        """Tune the first samples of `feats` exactly as the official one-sample-at-a-time loop would.
+
+        All G samples are tuned at the loss scale in force. The GradScaler updates are then replayed in stream order
+        (sample by sample, step by step) up to the first one that changes the scale (an overflow or a growth step):
+        the samples up to it were tuned at the right scale and are kept; the caller re-runs the rest at the new
+        scale. When the scale changes before the last step of the first sample, that sample is re-tuned alone with
+        the scale updated after every step. Without loss scaling every sample is kept.
+
+        Args:
+            feats: (G, V, D) view features of consecutive samples.
+
+        Returns:
+            (n, ...) tuned parameters of the first n >= 1 samples; `loss_scale` and `skipped_steps` cover them.
+        """
+        param, _, finite = self._tune(feats, update_scale=False)
+        if not self._use_amp(feats.device):
+            self.skipped_steps += int((~finite).sum())
+            return param
+        rows = finite.tolist()
+        scaler = dict(self.loss_scale)
+        for i, row in enumerate(rows):
+            before = dict(scaler)
+            for t, ok in enumerate(row):
+                if not self._scaler_step(scaler, ok):
+                    continue
+                if t == len(row) - 1:  # changed at this sample's last step: samples 0..i are right
+                    n, self.loss_scale = i + 1, scaler
+                elif i > 0:  # changed in the middle of sample i: keep 0..i-1
+                    n, self.loss_scale = i, before
+                else:  # ... of the first sample: tune it alone, updating the scale after every step
+                    param, _, finite = self._tune(feats[:1], update_scale=True)
+                    self.skipped_steps += int((~finite).sum())
+                    return param
+                self.skipped_steps += int((~finite[:n]).sum())
+                return param[:n]
+        self.loss_scale = scaler
+        self.skipped_steps += int((~finite).sum())
+        return param
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         feats = view_feats.to(self.compute_dtype(view_feats))
+        self._loss_scaling = self._use_amp(feats.device)
         out = []
         g = self._rows_per_pass()
-        for i in range(0, feats.shape[0], g):
-            chunk = feats[i:i + g]
-            param, _ = self.tune(chunk)
+        i = 0
+        while i < feats.shape[0]:
+            param = self._tune_in_order(feats[i:i + g])
+            chunk = feats[i:i + param.shape[0]]
             with torch.no_grad(), self._autocast(chunk.device):
                 text = self._class_features(param)
                 out.append(self._logits(chunk[:, :1], text)[:, 0].float())  # the original view only
+            i += param.shape[0]
         return torch.cat(out)
+
+    def summary(self) -> dict[str, Any]:
+        """Steps skipped for a non-finite loss or gradient, and the loss scale now (None when the run does not use
+        loss scaling: the CPU, or `amp` off)."""
+        scale = float(self.loss_scale["scale"]) if self._loss_scaling else None
+        return {"skipped_steps": int(self.skipped_steps), "loss_scale": scale}
 
 
 # ---------------------------------------------------------------------------------------------------------------
