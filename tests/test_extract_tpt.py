@@ -363,23 +363,92 @@ def test_cpu_runs_fp32_without_loss_scaling(tiny_model):  # noqa: F811
     assert m_amp.loss_scale == {"scale": 1000.0, "growth_tracker": 0}  # untouched on the CPU
 
 
+def emulate_loss_scaling(monkeypatch, m, x: torch.Tensor, overflows) -> None:
+    """Run the CUDA loss-scale bookkeeping on the CPU (autocast itself needs a GPU): `overflows(i, scale)` says
+    whether the tuning step of stream sample i (a row of `x`) overflows at the loss scale in force; such a step
+    gets NaN logits, hence a non-finite loss and gradient, as an fp16 overflow would."""
+    monkeypatch.setattr(m, "_use_amp", lambda device: True)
+    monkeypatch.setattr(m, "_autocast", lambda device: contextlib.nullcontext())
+    logits = m._logits
+
+    def poisoned(feats, text):
+        z = logits(feats, text)
+        if not torch.is_grad_enabled():  # selection at tta_steps = 0 and the prediction
+            return z
+        ids = (feats[:, None, 0] == x[None, :, 0]).all(-1).float().argmax(1).tolist()  # which samples these are
+        scale = float(m.loss_scale["scale"])
+        bad = torch.tensor([overflows(i, scale) for i in ids])
+        return z + torch.where(bad, float("nan"), 0.0)[:, None, None]
+
+    monkeypatch.setattr(m, "_logits", poisoned)
+
+
 def test_loss_scale_path_unscales_and_skips_non_finite_steps(tiny_model, monkeypatch):  # noqa: F811
-    """The CUDA bookkeeping run on the CPU (autocast itself needs a GPU): scaled gradients are unscaled, a sample
-    whose gradient is not finite keeps its initial context (zero-shot logits) and halves the scale."""
+    """Scaled gradients are unscaled; a sample whose step is not finite keeps its initial context (zero-shot logits)
+    and halves the scale before the next sample."""
     x = stream(tiny_model, 3, seed=4)
     plain = make("tpt", tiny_model).adapt(x)
     m = make("tpt", tiny_model)
-    monkeypatch.setattr(m, "_use_amp", lambda device: True)
-    monkeypatch.setattr(m, "_autocast", lambda device: contextlib.nullcontext())
+    emulate_loss_scaling(monkeypatch, m, x, lambda i, scale: False)
     torch.testing.assert_close(m.adapt(x), plain, rtol=1e-5, atol=1e-5)
     assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 3}
-    poison = torch.tensor([0.0, float("nan"), 0.0])
-    monkeypatch.setattr(m, "_regulariser", lambda text: text.sum((-1, -2)) * poison)
+    m = make("tpt", tiny_model)
+    emulate_loss_scaling(monkeypatch, m, x, lambda i, scale: i == 1)
     out = m.adapt(x)
     zs = tiny_model.logit_scale * x[:, 0] @ zs_text(tiny_model).T
     torch.testing.assert_close(out[1], zs[1], rtol=1e-5, atol=1e-5)  # step skipped
     torch.testing.assert_close(out[[0, 2]], plain[[0, 2]], rtol=1e-5, atol=1e-5)
     assert m.loss_scale == {"scale": 500.0, "growth_tracker": 1}
+    assert m.summary() == {"skipped_steps": 1, "loss_scale": 500.0}
+
+
+def ref_grad_scaler(thresholds: list[float], steps: int, interval: int) -> tuple[list[int], float, int]:
+    """The official loop's GradScaler over the stream, one sample (and step) at a time: step t of sample i
+    overflows when the scale is >= thresholds[i]. Returns (skipped steps per sample, final scale, growth events)."""
+    scale, tracker, skipped, growths = 1000.0, 0, [], 0
+    for th in thresholds:
+        n = 0
+        for _ in range(steps):
+            if scale >= th:
+                scale, tracker, n = scale * 0.5, 0, n + 1
+            else:
+                tracker += 1
+                if tracker == interval:
+                    scale, tracker, growths = scale * 2.0, 0, growths + 1
+        skipped.append(n)
+    return skipped, scale, growths
+
+
+@pytest.mark.parametrize("key,n,steps", [("tps", 120, 1), ("tps", 60, 2), ("tpt", 24, 1)])
+def test_batched_tuning_follows_the_loss_scale_in_stream_order(tiny_model, monkeypatch, key, n, steps):  # noqa: F811
+    """Default `pass_budget` (many samples per pass) == `pass_budget = K` (the official one-at-a-time loop) row for
+    row under emulated fp16 overflows, skip count and final scale included (issue 10)."""
+    x = stream(tiny_model, n, v=16, seed=7)
+    g = np.random.default_rng(3)
+    # thresholds around the scales the stream visits: overflows come in runs, the scale halves and grows back
+    thresholds = g.choice([250.0, 500.0, 1000.0, 2000.0, 4000.0, float("inf")], size=n,
+                          p=[0.05, 0.1, 0.1, 0.2, 0.25, 0.3]).tolist()
+    skipped, final, growths = ref_grad_scaler(thresholds, steps, interval=3)
+    assert sum(skipped) >= 5 and growths >= 5, "the stream must overflow and grow the scale several times"
+
+    def run(**changes):
+        m = make(key, tiny_model, n_views=16, tta_steps=steps, grad_scale_growth_interval=3, **changes)
+        emulate_loss_scaling(monkeypatch, m, x, lambda i, scale: scale >= thresholds[i])
+        out = torch.cat([m.adapt(x[i:i + 50]) for i in range(0, n, 50)])
+        return out, m
+
+    one, m_one = run(pass_budget=K)
+    assert m_one.summary() == {"skipped_steps": sum(skipped), "loss_scale": final}
+    batched, m_batched = run()
+    assert m_batched._rows_per_pass() >= 50
+    assert m_batched.summary() == m_one.summary() and m_batched.loss_scale == m_one.loss_scale
+    torch.testing.assert_close(batched, one, rtol=1e-5, atol=1e-5)
+    # a sample whose every step was skipped predicts with the initial parameter: its zero-shot logits
+    with torch.no_grad():
+        init = m_one._logits(x[:, :1], m_one._class_features(m_one._init_param(n, x.device)))[:, 0]
+    all_skipped = torch.tensor([k == steps for k in skipped])
+    torch.testing.assert_close(one[all_skipped], init[all_skipped], rtol=1e-5, atol=1e-5)
+    assert (one[~all_skipped] - init[~all_skipped]).abs().amax(-1).median() > 1e-3  # the others adapted
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed precision runs only on CUDA")
