@@ -82,8 +82,8 @@ def load_descriptors(path: str | Path, class_names: Sequence[str]) -> tuple[list
     missing = [n for n, sentences in zip(class_names, out) if not sentences]  # unmatched or an empty list
     if missing:
         raise ValueError(f"TPS descriptors: {p} has no descriptors for {len(missing)} of {len(class_names)} classes "
-                         f"({', '.join(map(repr, missing[:5]))}{', ...' if len(missing) > 5 else ''}; the file has "
-                         f"{len(table)} entries, so pairing by position needs {len(class_names)})")
+                         f"({', '.join(map(repr, missing[:5]))}{', ...' if len(missing) > 5 else ''}); it has "
+                         f"{len(table)} entries, so they cannot be paired by position either")
     return out, warnings
 
 
