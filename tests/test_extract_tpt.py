@@ -662,3 +662,67 @@ def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key): 
     assert not np.allclose(tta, zs)  # adapted, and paired with the zero-shot anchor
     assert shards[0].meta.method_config["episodic"] is True
     assert np.abs(zs).max() <= tiny_model.logit_scale * 1.0001  # cosine logits
+
+
+def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    """A resumed episodic run equals an uninterrupted one under emulated fp16 overflows: the loss scale, its growth
+    tracker and the skip count come back from the last kept part (issue 10)."""
+    from extract import runner
+    from extract.runner import run_extraction
+    from schemas import read_shard
+
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=6)  # 18 samples
+
+    def overflows(feats: torch.Tensor, scale: float) -> torch.Tensor:
+        """(G,) whether a sample's step overflows at `scale`: a threshold fixed by its features."""
+        thresholds = torch.tensor([250.0, 1000.0, 2000.0, float("inf")])
+        return scale >= thresholds[(feats[:, 0, :3].abs().sum(-1) * 1e4).long() % 4]
+
+    logits = TPS._logits
+
+    def poisoned(self, feats, text):
+        z = logits(self, feats, text)
+        if torch.is_grad_enabled():
+            z = z + torch.where(overflows(feats, float(self.loss_scale["scale"])), float("nan"), 0.0)[:, None, None]
+        return z
+
+    monkeypatch.setattr(TPS, "_use_amp", lambda self, device: True)
+    monkeypatch.setattr(TPS, "_autocast", lambda self, device: contextlib.nullcontext())
+    monkeypatch.setattr(TPS, "_logits", poisoned)
+    kw = dict(data_root=tmp_path / "data", cache_dir=tmp_path / "cache", model=tiny_model, progress=False,
+              part_size=4, adapt_batch=2, chunk_size=5, batch_size=3,
+              overrides={"n_views": "1", "grad_scale_growth_interval": "2"})
+
+    def table(paths):
+        shards = [read_shard(p) for p in paths]
+        return np.concatenate([s.tta_logits for s in shards]), [s.meta.extra["zaec:method_state"] for s in shards]
+
+    full_paths = run_extraction("tps", "dtd", out=tmp_path / "full", **kw)
+    full, full_states = table(full_paths)
+    states = [json.loads(st) for st in full_states]
+    assert states[-1]["skipped_steps"] > 0
+    # a scale history worth resuming: at the cut (after part 1) neither the scale nor the tracker is the initial one
+    assert states[1]["loss_scale"] != {"scale": 1000.0, "growth_tracker": 0}
+    assert len({json.dumps(st["loss_scale"]) for st in states}) > 2
+
+    real_write, count = runner.write_shard, {"n": 0}
+
+    def failing(*a, **k):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(runner, "write_shard", failing)
+    with pytest.raises(KeyboardInterrupt):
+        run_extraction("tps", "dtd", out=tmp_path / "r", **kw)
+    monkeypatch.setattr(runner, "write_shard", real_write)
+    kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "r").rglob("part-*.parquet")}
+    assert len(kept) == 2
+    resumed, resumed_states = table(run_extraction("tps", "dtd", out=tmp_path / "r", **kw))
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the kept parts were not recomputed
+    assert resumed_states == full_states
+    np.testing.assert_array_equal(resumed, full)
+    marker = json.loads(next((tmp_path / "r").rglob("_zaec_complete.json")).read_text())
+    assert marker["method_summary"] == {"skipped_steps": states[-1]["skipped_steps"],
+                                        "loss_scale": states[-1]["loss_scale"]["scale"]}
