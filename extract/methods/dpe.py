@@ -7,7 +7,8 @@ prototypes W_g (K, D), a positive cache (3 per class) and the number n of global
    (§1.3): f_x, z₀, H, ŷ.
 2. Cache update with (f_x, H / log₂K) (TDA's rule). Image prototypes K_c = mean cached feature of class c, for
    the classes present; K' = normalize(K + R_i) with a zero cache residual R_i.
-3. One AdamW step (fresh optimiser, lr per group, eps 1e-3, weight decay 0.1) on
+3. One AdamW step (fresh optimiser, lr per group, eps 1e-3, weight decay 0.1; fp16 residuals by default, see
+   `residual_step`) on
    L = H(softmax(z₀ + α·exp(-β(1 - f_x·K'ᵀ))·onehot)) + λ·InfoNCE(K', W'[classes]) at temperature 0.01.
 4. Output z = s·f·W'ᵀ + α·exp(-β(1 - f·K'ᵀ))·onehot with the stepped residuals, on view 0 — or, for ImageNet-A,
    on all views re-selected under W' (`all_view_inference`).
@@ -183,7 +184,7 @@ class DPE(TTAMethod):
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         if self.config.amp_fp16 and view_feats.device.type != self._amp_device_type:
-            raise ValueError("amp_fp16 reproduces the official CUDA fp16 numerics and needs CUDA inputs; got "
+            raise ValueError("amp_fp16 runs the official CUDA fp16 autocast and needs CUDA inputs; got "
                              f"{view_feats.device} (set amp_fp16=false)")
         dt = self._dtype_for(view_feats)
         if self.w_global is None:

@@ -10,19 +10,24 @@ The image encoder is frozen, so the view features come from the feature cache. T
 forward + backward over the K prompts per step and one forward for the prediction, for all views at once. Samples
 are independent, so `pass_budget // K` samples are tuned together: their contexts are stacked into one (G, n_ctx, W)
 tensor, the loss is the sum of the per-sample losses (each context only reaches its own loss) and AdamW is
-element-wise, which makes the batched step equal to G separate steps.
+element-wise, which makes the batched step equal to G separate steps at the same loss scale.
 
 Precision: on CUDA with `amp` the text tower runs under autocast (fp16) with fp32 weights and an fp32 context, and
 the loss goes through a dynamic loss scale that behaves as the one `GradScaler(init_scale=1000)` the official code
 creates once per run (it is not reset between samples; a step whose gradient is not finite is skipped and the scale
 halved, and the scale doubles after 2000 finite steps). On the CPU everything is fp32 and the scale is 1.
 
+The official loop updates the scale after every sample, so the next sample already runs at the new scale. A
+batched pass keeps that order (`_tune_in_order`): it tunes its G samples at the scale in force, replays the
+GradScaler updates in stream order up to the first step that changes the scale (an overflow or a growth step),
+keeps the samples up to it and re-runs the rest at the new scale. Batched and one-at-a-time runs therefore give the
+same rows, the same skipped steps and the same final scale (a pass is re-run once per scale change: rare, except in
+a run of overflows). The count of skipped steps and the scale are the method's `summary()` (recorded per part in
+the shard metadata and printed at the end of a run); both are also state, restored on resume.
+
 `EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context.
 
 Where this differs from the official loops (numerics only; the formulas are the same):
-    * `pass_budget`: within one pass every sample uses the loss scale in force when the pass starts, where the
-      official code would already use a scale halved (or doubled) by the previous sample. The scale only changes
-      fp16 gradient rounding, not the update; `pass_budget` <= K (one sample per pass) restores the exact order.
     * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
       (O-TPT's code re-encodes the prompts outside autocast; C-TPT's uses the autocast features): same values up
       to fp16 rounding. O-TPT's Householder products are applied as vectors (O(K²) memory instead of O(K³)).
@@ -174,7 +179,8 @@ class EpisodicConfig(MethodConfig):
     amp: bool = True  # autocast (fp16) + dynamic loss scale on CUDA; ignored on the CPU (fp32)
     grad_scale_init: float = 1000.0  # GradScaler(init_scale=1000)
     grad_scale_growth_interval: int = 2000  # GradScaler default
-    # Execution only, results unchanged: how many (sample x class) rows one tuning pass may stack (memory cap).
+    # Execution only: how many (sample x class) rows one tuning pass may stack (memory cap). Results equal the
+    # one-at-a-time loop's, loss-scale updates included (see `_tune_in_order`).
     pass_budget: int = 2048
 
     def __post_init__(self) -> None:
