@@ -590,7 +590,7 @@ def run_extraction(
                 rows = {k: [] for k in rows}
         summary = method_obj.summary()
         if summary:
-            say(f"{method} on {dataset}: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+            say(f"{method} on {dataset}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     write_json_atomic(marker, {"n_samples": n_run, "n_total": n_total, "limit": limit, "settings": settings,
                                "parts": [p.name for p in written], "method_summary": method_obj.summary(),
                                "accuracy": correct[0] / max(n_run, 1),
