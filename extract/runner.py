@@ -527,11 +527,15 @@ def run_extraction(
             lo, hi = p * part_size, min((p + 1) * part_size, n_run)
             if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
                 break
-            if episodic:
+            if episodic:  # its state after this part: recompute from here when it is missing or not this part's
                 try:
-                    kept_state = json.loads(sh.meta.extra["zaec:method_state"])
-                except (KeyError, ValueError):
-                    break  # (a part without the state: recompute from here)
+                    state = json.loads(sh.meta.extra["zaec:method_state"])
+                    usable = int(state["n_seen"]) == hi and all(f in state for f in method_obj._state_fields)
+                except (KeyError, ValueError, TypeError):
+                    usable = False
+                if not usable:
+                    break
+                kept_state = state
             kept_stats[0] += int((sh.tta_logits.argmax(1) == sh.label).sum())
             kept_stats[1] += int((sh.zs_logits.argmax(1) == sh.label).sum())
             start_part = p + 1

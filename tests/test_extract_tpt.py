@@ -726,3 +726,20 @@ def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):  # n
     marker = json.loads(next((tmp_path / "r").rglob("_zaec_complete.json")).read_text())
     assert marker["method_summary"] == {"skipped_steps": states[-1]["skipped_steps"],
                                         "loss_scale": states[-1]["loss_scale"]["scale"]}
+    # a kept part without its state (an older extractor) is recomputed, not resumed from a guess
+    import dataclasses as dc
+
+    from schemas import write_shard
+
+    last = sorted((tmp_path / "r").rglob("part-*.parquet"))
+    sh = read_shard(last[1])
+    extra = {k: v for k, v in sh.meta.extra.items() if k != "zaec:method_state"}
+    write_shard(last[1], dc.replace(sh.meta, extra=extra), sh.sample_id, sh.label, sh.zs_logits, sh.tta_logits,
+                stream_pos=sh.stream_pos)
+    for q in last[2:]:
+        q.unlink()
+    next((tmp_path / "r").rglob("_zaec_complete.json")).unlink()
+    before = last[0].stat().st_mtime_ns
+    again, again_states = table(run_extraction("tps", "dtd", out=tmp_path / "r", **kw))
+    assert last[0].stat().st_mtime_ns == before and again_states == full_states
+    np.testing.assert_array_equal(again, full)
