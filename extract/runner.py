@@ -10,10 +10,12 @@
        method's own prompts with `anchor="method"`), and write shards of `part_size` rows as the stream advances.
 
 Resume: the shards of a run are parts over fixed stream ranges [p * part_size, (p + 1) * part_size). A restarted run
-keeps every valid part with the same metadata, replays the features of the kept prefix through the (online) method
-to rebuild its state - the same `adapt` calls on the same cached inputs - and continues; the result equals an
-uninterrupted run. A finished run carries a marker file `_zaec_complete.json` next to its parts
-(`run_is_complete`).
+keeps every valid part with the same metadata and rebuilds the method's state at the end of the kept prefix: an
+online method (TDA, DPE, DLAE) replays the features of the prefix - the same `adapt` calls on the same cached
+inputs -; an episodic method (the TPT family, TPS), whose only state is small (the loss scale and the count of
+skipped steps), loads the state recorded in the last kept part (`zaec:method_state`, the state after the part's
+last row). Either way the result equals an uninterrupted run. A finished run carries a marker file
+`_zaec_complete.json` next to its parts (`run_is_complete`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ DEFAULT_OUT = Path("data") / "shards"
 #: TDA, DPE and DLAE seed their stream with 1 (spec §1.4)
 DEFAULT_SEED = 1
 STREAM_RULE = "numpy.random.default_rng([seed, crc32(dataset)]).permutation(N)"
+# Per-part metadata that follows the stream (the method's state and summary after the part's last row): left out
+# when a resumed run compares the settings of the parts on disk with its own.
+PART_STATE_KEYS: frozenset[bytes] = frozenset({b"zaec:method_state", b"zaec:method_summary"})
 
 
 class RunError(ValueError):
@@ -371,6 +376,20 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
+def _settings_kv(meta: ShardMeta) -> dict[bytes, bytes]:
+    """A part's metadata without the keys that follow the stream (`PART_STATE_KEYS`)."""
+    return {k: v for k, v in meta.to_kv().items() if k not in PART_STATE_KEYS}
+
+
+def _part_meta(meta: ShardMeta, method: Any, episodic: bool) -> ShardMeta:
+    """The metadata of a part just finished: the run's, plus the method's summary and, for an episodic method, its
+    state (plain numbers) after the part's last row, which a resumed run loads."""
+    extra = {**meta.extra, "zaec:method_summary": json.dumps(method.summary(), sort_keys=True)}
+    if episodic:
+        extra["zaec:method_state"] = json.dumps(method.state_dict(), sort_keys=True)
+    return dataclasses.replace(meta, extra=extra)
+
+
 def _existing_parts(sdir: Path) -> list[Path]:
     return sorted(sdir.glob("part-*.parquet")) if sdir.is_dir() else []
 
@@ -463,7 +482,9 @@ def run_extraction(
         model = load_model(backbone, pretrained, device)
     cache_root = resolve_cache_dir(cache_dir)
     config = plan.config
-    method_prompts = build_prompt_set(dataset, testset.class_names, policy=config.prompts, cupl=bool(config.cupl),
+    # the names the method's prompts are built from (TPS has its own ImageNet list)
+    method_names = plan.method_cls.method_class_names(dataset, testset.class_names, testset.imagenet_indices)
+    method_prompts = build_prompt_set(dataset, method_names, policy=config.prompts, cupl=bool(config.cupl),
                                       cupl_dir=cupl_dir)
     if anchor == "single":
         anchor_prompts = build_prompt_set(dataset, testset.class_names, policy="single")
@@ -479,6 +500,9 @@ def run_extraction(
                          int(method_text.shape[1]), model.cache_dtype,
                          stream_fp=f"{zlib.crc32(perm.tobytes()):08x}", chunk_size=chunk_size)
 
+    method_obj = build_method(plan.method_cls, config, method_text, model, backbone=plan.backbone, dataset=dataset,
+                              class_names=method_names)
+    warnings += method_obj.warnings
     zs_desc = {"anchor": anchor, **anchor_prompts.describe(), "view": 0, "logit_scale": model.logit_scale}
     extra = {
         "zaec:warnings": json.dumps(warnings),
@@ -489,6 +513,8 @@ def run_extraction(
         "zaec:n_total": str(n_total),
         "zaec:layout": testset.layout,
     }
+    if tuple(method_names) != tuple(testset.class_names):
+        extra["zaec:method_class_names"] = json.dumps(list(method_names))
     if testset.imagenet_indices is not None and len(testset.imagenet_indices) != 1000:
         extra["zaec:imagenet_indices"] = json.dumps(list(testset.imagenet_indices))
     for k, v in testset.notes.items():
@@ -498,11 +524,13 @@ def run_extraction(
     meta = ShardMeta(backbone=plan.backbone, pretrained=model.pretrained, dataset=dataset, method=method, seed=seed,
                      class_names=testset.class_names, method_config=_config_dict(config), zs_prompts=zs_desc,
                      extra=extra)
-    meta_kv = meta.to_kv()
+    meta_kv = _settings_kv(meta)
+    episodic = bool(getattr(config, "episodic", False))
 
     n_parts = -(-n_run // part_size)
     marker.unlink(missing_ok=True)
     start_part = 0
+    kept_state: dict[str, Any] | None = None  # an episodic method's state after the last kept part
     kept_stats = [0, 0]  # correct tta, correct zs in the kept parts
     if resume and not force:  # (force: every part is rewritten; the old ones go only now that the model loaded)
         for p in range(n_parts):
@@ -513,14 +541,23 @@ def run_extraction(
                 sh = read_shard(path)
             except ShardError:
                 break
-            if sh.meta.to_kv() != meta_kv:
-                diff = [k.decode() for k in set(meta_kv) | set(sh.meta.to_kv())
-                        if meta_kv.get(k) != sh.meta.to_kv().get(k)]
+            kv = _settings_kv(sh.meta)
+            if kv != meta_kv:
+                diff = [k.decode() for k in set(meta_kv) | set(kv) if meta_kv.get(k) != kv.get(k)]
                 raise RunError(f"{path} was written by a run with different settings ({', '.join(sorted(diff))}); "
                                f"use --force to overwrite it or write elsewhere with --out")
             lo, hi = p * part_size, min((p + 1) * part_size, n_run)
             if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
                 break
+            if episodic:  # its state after this part: recompute from here when it is missing or not this part's
+                try:
+                    state = json.loads(sh.meta.extra["zaec:method_state"])
+                    usable = int(state["n_seen"]) == hi and all(f in state for f in method_obj._state_fields)
+                except (KeyError, ValueError, TypeError):
+                    usable = False
+                if not usable:
+                    break
+                kept_state = state
             kept_stats[0] += int((sh.tta_logits.argmax(1) == sh.label).sum())
             kept_stats[1] += int((sh.zs_logits.argmax(1) == sh.label).sum())
             start_part = p + 1
@@ -532,8 +569,6 @@ def run_extraction(
     dev = model.device
     if workers is None:
         workers = min(16, os.cpu_count() or 1) if dev.type == "cuda" else 0
-    method_obj = build_method(plan.method_cls, config, method_text, model, backbone=plan.backbone, dataset=dataset,
-                              class_names=testset.class_names)
     reader = _FeatureReader(cache, plan.policy)
     start_pos = min(start_part * part_size, n_run)
     written = [shard_path(out, plan.key, p) for p in range(start_part)]
@@ -553,15 +588,14 @@ def run_extraction(
                 say(f"warning: {w}")
         encode_pass(model, testset, perm, cache, plan.policy, n_run, seed=seed, batch_size=batch_size,
                     workers=workers, progress=prog)
-        episodic = bool(getattr(config, "episodic", False))
         if 0 < start_pos < n_run and not episodic:  # (all parts kept: nothing left to adapt, no replay)
             task = prog.task(f"replaying {start_pos} samples", start_pos)
             for s in range(0, start_pos, adapt_batch):
                 e = min(s + adapt_batch, start_pos)
                 method_obj.adapt(torch.from_numpy(reader.get(s, e)).to(dev))
                 task.advance(e - s)
-        elif start_pos:
-            method_obj.n_seen = start_pos
+        elif start_pos and kept_state is not None:
+            method_obj.load_state_dict(kept_state)
         task = prog.task(f"{method} on {dataset}", n_run - start_pos)
         correct = list(kept_stats)
         rows: dict[str, list[np.ndarray]] = {k: [] for k in ("sid", "label", "zs", "tta", "pos")}
@@ -582,11 +616,14 @@ def run_extraction(
             if e % part_size == 0 or e == n_run:
                 p = (e - 1) // part_size
                 cat = {k: np.concatenate(v) for k, v in rows.items()}
-                written.append(write_shard(shard_path(out, plan.key, p), meta, cat["sid"], cat["label"],
-                                           cat["zs"], cat["tta"], stream_pos=cat["pos"]))
+                written.append(write_shard(shard_path(out, plan.key, p), _part_meta(meta, method_obj, episodic),
+                                           cat["sid"], cat["label"], cat["zs"], cat["tta"], stream_pos=cat["pos"]))
                 rows = {k: [] for k in rows}
+        summary = method_obj.summary()
+        if summary:
+            say(f"{method} on {dataset}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     write_json_atomic(marker, {"n_samples": n_run, "n_total": n_total, "limit": limit, "settings": settings,
-                               "parts": [p.name for p in written],
+                               "parts": [p.name for p in written], "method_summary": method_obj.summary(),
                                "accuracy": correct[0] / max(n_run, 1),
                                "zero_shot_accuracy": correct[1] / max(n_run, 1)})
     return written

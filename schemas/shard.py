@@ -73,7 +73,8 @@ class RunKey:
 
 @dataclass(frozen=True)
 class ShardMeta:
-    """File-level metadata of a shard (identical for every shard of a run)."""
+    """File-level metadata of a shard (identical for every shard of a run, except the extractor's per-part
+    `zaec:method_summary` / `zaec:method_state` notes in `extra`)."""
 
     backbone: str
     pretrained: str

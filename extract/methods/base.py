@@ -22,7 +22,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import torch
 
@@ -216,6 +216,8 @@ class TTAMethod(abc.ABC):
         self.text_encoder = text_encoder
         self.n_classes, self.dim = text_features.shape
         self.n_seen = 0  # samples adapted so far (the stream position of the next sample)
+        # Notes on how the method was set up (a fallback, a guess), recorded in the shard metadata (`zaec:warnings`).
+        self.warnings: list[str] = []
 
     # Settings for a dataset the official configs never saw (a user's folder or split file): the method's row for
     # `unseen_like`, then `unseen_changes`. Each method sets both, with the reason; docs/methods.md lists them. The
@@ -267,6 +269,24 @@ class TTAMethod(abc.ABC):
         out = self._adapt(view_feats)
         self.n_seen += b
         return out.detach().float()
+
+    @classmethod
+    def method_class_names(cls, dataset: str, class_names: Sequence[str],
+                           imagenet_indices: Sequence[int] | None = None) -> tuple[str, ...]:
+        """The class names this method builds its prompts from: the dataset's own by default; a method whose
+        official code uses a different list (TPS on ImageNet) overrides this.
+
+        Args:
+            dataset: canonical dataset key.
+            class_names: the dataset's K class names.
+            imagenet_indices: for the ImageNet family, the ImageNet-1k index of each of the K classes.
+        """
+        return tuple(class_names)
+
+    def summary(self) -> dict[str, Any]:
+        """Plain numbers about the run so far (JSON-able), printed at the end of a run and recorded in the shard
+        metadata (`zaec:method_summary`); empty by default."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """The online state after `n_seen` samples: tensors, numbers, lists and dicts only (safe for
