@@ -71,8 +71,13 @@ def _plain_blocks(transformer: Any) -> bool:
     """open_clip's standard batch-first `ResidualAttentionBlock`s (what the shared-prefix path calls into)."""
     from open_clip.transformer import ResidualAttentionBlock
 
+    def plain_attention(a: Any) -> bool:  # packed input projection, no extra keys, no dropout
+        return (isinstance(a, torch.nn.MultiheadAttention) and a.batch_first and a._qkv_same_embed_dim
+                and a.bias_k is None and a.bias_v is None and not a.add_zero_attn and (a.dropout == 0 or not a.training))
+
     return (bool(getattr(transformer, "batch_first", False)) and not getattr(transformer, "grad_checkpointing", False)
-            and all(type(b) is ResidualAttentionBlock and not hasattr(b, "ln_1_kv") for b in transformer.resblocks))
+            and all(type(b) is ResidualAttentionBlock and not hasattr(b, "ln_1_kv") and plain_attention(b.attn)
+                    for b in transformer.resblocks))
 
 
 def class_prompt(ctx_init: str, name: str) -> str:
@@ -195,29 +200,70 @@ class PromptTextEncoder:
 
     def _encode_group_shared(self, ctx: torch.Tensor, prefix: torch.Tensor, suffix: torch.Tensor,
                              pool: torch.Tensor, length: int) -> torch.Tensor:
-        """As `_encode_group`, with the start + context positions computed once per context (B, not B*K_b)."""
+        """As `_encode_group`, with the class-independent work done once (see the module doc).
+
+        The blocks are open_clip's `ResidualAttentionBlock.forward` written out on two streams: the start + context
+        positions (B, n_pre, W), run once per context, and each class's remaining positions (B, K_b, L_s, W), which
+        attend to the prefix's keys and values (projected once per context, not once per class) and to their own.
+        Before the first attention the class positions do not depend on the context, so the first block's ln_1 and
+        input projection run once for the K_b classes, not B·K_b times. In the last block only the end-of-text
+        position is pooled, so only its query, attention output and MLP are computed (keys and values still cover
+        every position it attends to). Every operation is the one `nn.MultiheadAttention` (batch-first, packed
+        input projection, `scaled_dot_product_attention`) and the block apply, in the same dtypes under autocast.
+        """
         t = self._t
         b, k = ctx.shape[0], suffix.shape[0]
         n_pre = 1 + self.n_ctx
+        n_suf = length - n_pre
+        w = self.width
         cast = t.transformer.get_cast_dtype()
         pos = t.positional_embedding[:length].to(cast)
         pre = torch.cat([prefix[:1].expand(b, -1, -1), ctx.to(prefix.dtype)], dim=1).to(cast) + pos[:n_pre]
-        suf = (suffix.to(cast) + pos[n_pre:])[None].expand(b, -1, -1, -1).reshape(b * k, length - n_pre, self.width)
+        suf = (suffix.to(cast) + pos[n_pre:])[None]  # (1, K_b, L_s, W): the same for every context so far
         mask = t.attn_mask[:length, :length]
+        eot = pool - n_pre  # (K_b,) end-of-text position within the class positions
         blocks = list(t.transformer.resblocks)
         for i, blk in enumerate(blocks):
-            pre_ln = blk.ln_1(pre)  # (B, n_pre, W): keys/values every class position can see
-            suf_ln = blk.ln_1(suf)  # (B*K_b, L_s, W)
-            kv = torch.cat([pre_ln[:, None].expand(-1, k, -1, -1).reshape(b * k, n_pre, self.width), suf_ln], dim=1)
-            x = suf + blk.ls_1(blk.attention(q_x=suf_ln, k_x=kv, v_x=kv, attn_mask=mask[n_pre:]))
+            last = i + 1 == len(blocks)
+            attn = blk.attn
+            h = attn.num_heads
+            hd = w // h
+            wt, bias = attn.in_proj_weight, attn.in_proj_bias
+            pre_ln = blk.ln_1(pre)  # (B, n_pre, W)
+            m = mask.to(pre_ln.dtype)  # as `ResidualAttentionBlock.attention`: attn_mask.to(q_x.dtype)
+            qkv_p = F.linear(pre_ln, wt, bias).unflatten(-1, (3, h, hd)).permute(2, 0, 3, 1, 4)  # (3, B, H, n_pre, hd)
+            suf_ln = blk.ln_1(suf)  # (B or 1, K_b, L_s, W)
+            if last:  # the query of the end-of-text position only
+                base = suf[:, torch.arange(k, device=suf.device), eot][:, :, None]  # (B or 1, K_b, 1, W)
+                q_ln = suf_ln[:, torch.arange(k, device=suf.device), eot][:, :, None]
+                q = F.linear(q_ln, wt[:w], None if bias is None else bias[:w]).unflatten(-1, (h, hd))
+                kv = F.linear(suf_ln, wt[w:], None if bias is None else bias[w:]).unflatten(-1, (2, h, hd))
+                k_s, v_s = kv.unbind(-3)
+                q_mask = m[pool][:, None][None].expand(b, -1, -1, -1).reshape(b * k, 1, 1, length)
+            else:
+                q, k_s, v_s = F.linear(suf_ln, wt, bias).unflatten(-1, (3, h, hd)).unbind(-3)
+                q_mask = m[n_pre:]
+            n_q = q.shape[2]
+
+            def heads(x: torch.Tensor) -> torch.Tensor:  # (B or 1, K_b, L, H, hd) -> (B·K_b, H, L, hd)
+                return x.transpose(2, 3).expand(b, -1, -1, -1, -1).reshape(b * k, h, x.shape[2], hd)
+
+            keys = [qkv_p[j][:, None].expand(-1, k, -1, -1, -1).reshape(b * k, h, n_pre, hd) for j in (1, 2)]
+            key = torch.cat([keys[0], heads(k_s)], dim=2)  # (B·K_b, H, L_b, hd): prefix, then own positions
+            val = torch.cat([keys[1], heads(v_s)], dim=2)
+            o = F.scaled_dot_product_attention(heads(q), key, val, attn_mask=q_mask)  # (B·K_b, H, n_q, hd)
+            o = F.linear(o.transpose(1, 2).reshape(b, k, n_q, w), attn.out_proj.weight, attn.out_proj.bias)
+            x = (suf if not last else base) + blk.ls_1(o)
             suf = x + blk.ls_2(blk.mlp(blk.ln_2(x)))
-            if i + 1 < len(blocks):  # the prefix after the last block is not needed
-                pre = blk(pre, attn_mask=mask[:n_pre, :n_pre])
-        x = t.ln_final(suf)
-        x = x[torch.arange(b * k, device=x.device), (pool - n_pre).repeat(b)]  # end-of-text comes after the prefix
+            if not last:  # the prefix's own block (its output after the last block is not needed)
+                o_p = F.scaled_dot_product_attention(qkv_p[0], qkv_p[1], qkv_p[2], attn_mask=m[:n_pre, :n_pre])
+                o_p = F.linear(o_p.transpose(1, 2).reshape(b, n_pre, w), attn.out_proj.weight, attn.out_proj.bias)
+                x = pre + blk.ls_1(o_p)
+                pre = x + blk.ls_2(blk.mlp(blk.ln_2(x)))
+        x = t.ln_final(suf[:, :, 0])  # (B, K_b, W) at end-of-text
         if t.text_projection is not None:
             x = t.text_projection(x) if isinstance(t.text_projection, torch.nn.Linear) else x @ t.text_projection
-        return x.reshape(b, k, -1)
+        return x
 
     def __call__(self, ctx: torch.Tensor) -> torch.Tensor:
         """Encode the K prompts with context `ctx`.
