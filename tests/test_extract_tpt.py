@@ -203,6 +203,42 @@ def test_prompt_encoder_gradient_only_to_context_and_same_on_every_path(tiny_mod
     assert all(p.grad is None for p in tiny_model.model.parameters())
 
 
+def test_shared_prefix_path_on_a_deep_tower_equals_encode_text():
+    """The written-out blocks of the shared-prefix path (first, middle and last block differ) on a 3-layer tower
+    with LayerScale, against open_clip's own encode_text and the full path: features, gradients, batching."""
+    import open_clip
+    from open_clip.tokenizer import SimpleTokenizer
+
+    torch.manual_seed(0)
+    text_cfg = {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 3, "ls_init_value": 0.5}
+    model = open_clip.CLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": 1, "width": 32, "head_width": 16,
+                                                     "patch_size": 8}, text_cfg=text_cfg).eval().requires_grad_(False)
+    tok = SimpleTokenizer(context_length=32)
+    names = list(NAMES) + ["a rather long class name with many words", "x_y"]
+    with torch.no_grad():
+        ref = model.encode_text(tok([f"a photo of a {n.replace('_', ' ')}." for n in names]), normalize=True)
+    full = PromptTextEncoder(model, tok, names, truncate=False)
+    shared = PromptTextEncoder(model, tok, names, min_bucket=3)
+    assert shared.shared_prefix and not full.shared_prefix and len(shared.buckets) > 1
+    # a unit-norm feature through 3 blocks of width 32: a few times the one-block tolerance
+    tol = 3 * FEAT_TOL
+    torch.testing.assert_close(shared(shared.ctx_init), ref, rtol=0, atol=tol)
+    g = torch.Generator().manual_seed(2)
+    ctx0 = shared.ctx_init + 0.05 * torch.randn(3, *shared.ctx_init.shape, generator=g)
+    weights = torch.randn(3, len(names), 16, generator=g)
+    out, grads = [], []
+    for enc in (full, shared):
+        ctx = ctx0.clone().requires_grad_(True)
+        feats = enc(ctx)
+        (feats * weights).sum().backward()
+        out.append(feats.detach())
+        grads.append(ctx.grad)
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=tol)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=tol * float(grads[0].abs().max()))
+    for b in range(3):  # one context at a time: the same rows
+        torch.testing.assert_close(shared(ctx0[b]), out[1][b], rtol=0, atol=tol)
+
+
 def test_prompt_encoder_rejects_unsupported_towers(tiny_model):  # noqa: F811
     with pytest.raises(TextEncoderError, match="CLIP-style text tower"):
         PromptTextEncoder(torch.nn.Linear(2, 2), tiny_model.tokenizer, NAMES)
