@@ -524,6 +524,84 @@ def test_batched_tuning_follows_the_loss_scale_in_stream_order(tiny_model, monke
     assert (one[~all_skipped] - init[~all_skipped]).abs().amax(-1).median() > 1e-3  # the others adapted
 
 
+def emulate_memory_sizing(monkeypatch, m, free: list[float], oom_at: int) -> list[int]:
+    """Size the passes as on CUDA, on the CPU: the free memory reported before pass attempt j is `free[j % len]`,
+    every pass measures 1 byte per sample, and attempt `oom_at` runs out of memory after it has tuned (after
+    `_tune_in_order` moved the loss scale, which the retry must undo). Returns the pass sizes tried."""
+    tried: list[int] = []
+    monkeypatch.setattr(m, "_sized_by_memory", lambda device: True)
+    monkeypatch.setattr(m, "_free_memory", lambda device: free[len(tried) % len(free)])
+
+    @contextlib.contextmanager
+    def measure(device, n):
+        tried.append(n)
+        yield
+        m._pass_bytes = 1.0
+
+    monkeypatch.setattr(m, "_measure_pass", measure)
+    tune_in_order = m._tune_in_order
+
+    def maybe_oom(feats):
+        param = tune_in_order(feats)
+        if len(tried) - 1 == oom_at:
+            raise torch.OutOfMemoryError("emulated")
+        return param
+
+    monkeypatch.setattr(m, "_tune_in_order", maybe_oom)
+    return tried
+
+
+@pytest.mark.parametrize("key,steps", [("tpt", 1), ("tps", 2)])
+def test_passes_sized_from_memory_follow_the_loss_scale(tiny_model, monkeypatch, key, steps):  # noqa: F811
+    """Passes sized from (emulated) free GPU memory - a whole `adapt` call of 60 samples, 7, 1, and an
+    out-of-memory retry with half - give the one-at-a-time rows, skip count and final scale under emulated fp16
+    overflows (issue 13)."""
+    n = 120
+    x = stream(tiny_model, n, v=16, seed=8)
+    g = np.random.default_rng(5)
+    thresholds = g.choice([250.0, 500.0, 1000.0, 2000.0, 4000.0, float("inf")], size=n,
+                          p=[0.05, 0.1, 0.1, 0.2, 0.25, 0.3]).tolist()
+    skipped, final, growths = ref_grad_scaler(thresholds, steps, interval=3)
+    assert sum(skipped) >= 5 and growths >= 3
+
+    def run(memory: bool, **changes):
+        m = make(key, tiny_model, n_views=16, tta_steps=steps, grad_scale_growth_interval=3, **changes)
+        emulate_loss_scaling(monkeypatch, m, x, lambda i, scale: scale >= thresholds[i])
+        # 0.7 of the free bytes at 1 byte per sample: 1, 7, 70 (all that is left), 42 samples
+        tried = emulate_memory_sizing(monkeypatch, m, [1.5, 10.0, 100.0, 60.0], oom_at=2) if memory else []
+        out = torch.cat([m.adapt(x[i:i + 60]) for i in range(0, n, 60)])
+        return out, m, tried
+
+    one, m_one, _ = run(False, pass_budget=K)
+    assert m_one.summary() == {"skipped_steps": sum(skipped), "loss_scale": final}
+    sized, m_sized, tried = run(True)
+    # pass_budget first (all 60), then 7, then all that is left (out of memory), then at most half of that, then 1
+    assert tried[:2] == [60, 7] and tried[2] >= 53 and m_sized._pass_cap == tried[2] // 2
+    assert max(tried[3:]) == m_sized._pass_cap and 1 in tried[3:]
+    assert m_sized.summary() == m_one.summary() and m_sized.loss_scale == m_one.loss_scale
+    torch.testing.assert_close(sized, one, rtol=1e-5, atol=1e-5)
+
+
+def test_pass_size_from_memory_and_config_checks(tiny_model, monkeypatch):  # noqa: F811
+    m = make("tpt", tiny_model)
+    cpu = torch.device("cpu")
+    assert not m._sized_by_memory(cpu) and m._pass_size(cpu, 10**6) == 2048 // K  # the CPU keeps pass_budget
+    assert make("tpt", tiny_model, pass_memory_fraction=0.0)._sized_by_memory(torch.device("cuda")) is False
+    assert m._sized_by_memory(torch.device("cuda"))
+    monkeypatch.setattr(m, "_sized_by_memory", lambda device: True)
+    monkeypatch.setattr(m, "_free_memory", lambda device: 10_000)
+    assert m._pass_size(cpu, 10**6) == 2048 // K  # nothing measured yet: the first pass uses pass_budget
+    m._pass_bytes = 100.0
+    assert m._pass_size(cpu, 10**6) == 70 and m._pass_size(cpu, 5) == 5  # 0.7 * 10,000 / 100, capped by what is left
+    m._pass_bytes = 1e9
+    assert m._pass_size(cpu, 10) == 1
+    m._pass_bytes, m._pass_cap = 1.0, 33
+    assert m._pass_size(cpu, 10**6) == 33
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="pass_memory_fraction"):
+            make("tpt", tiny_model, pass_memory_fraction=bad)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed precision runs only on CUDA")
 @pytest.mark.parametrize("key", EPISODIC)
 def test_cuda_mixed_precision_close_to_fp32(tiny_model_dir, key):  # noqa: F811
@@ -545,6 +623,25 @@ def test_cuda_mixed_precision_close_to_fp32(tiny_model_dir, key):  # noqa: F811
     assert out.dtype == torch.float32 and out.device.type == "cuda" and torch.isfinite(out).all()
     assert (out - still).abs().max() > 1e-3
     assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 5}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pass sizing from GPU memory runs only on CUDA")
+def test_cuda_passes_sized_from_free_memory(tiny_model_dir):  # noqa: F811
+    from extract.models import load_model
+
+    gpu = load_model(None, f"local-dir:{tiny_model_dir}", "cuda")
+    x = stream(gpu, 12, seed=6).cuda()
+    m = make("tpt", gpu, pass_budget=2 * K)  # first pass: 2 samples; then sized from the measured peak
+    dev = x.device
+    assert m._sized_by_memory(dev) and m._free_memory(dev) > 0
+    out = m.adapt(x)
+    assert m._pass_bytes is not None and m._pass_bytes > 0
+    assert m._pass_size(dev, 10**6) > 2  # the tiny model: far more than pass_budget allows
+    one = make("tpt", gpu, pass_budget=K, pass_memory_fraction=0.0)
+    ref = torch.cat([one.adapt(x[i:i + 1]) for i in range(12)])
+    # fp16 text features; other batch shapes may pick other kernels: ~10 fp16 eps of the largest logit
+    torch.testing.assert_close(out, ref, rtol=0, atol=0.01 * float(ref.abs().max()))
+    assert m.summary() == one.summary()
 
 
 # ------------------------------------------------------------------------------------------ configs, errors

@@ -182,6 +182,11 @@ class EpisodicConfig(MethodConfig):
     # Execution only: how many (sample x class) rows one tuning pass may stack (memory cap). Results equal the
     # one-at-a-time loop's, loss-scale updates included (see `_tune_in_order`).
     pass_budget: int = 2048
+    # Execution only, CUDA: size the passes from free GPU memory instead - this fraction of what is free (driver
+    # free + the allocator's cached, unused blocks) over the peak bytes per sample measured on the previous pass
+    # (the first pass uses `pass_budget`). `pass_budget // K` is 2 samples at K = 1,000, which leaves the GPU idle
+    # on kernel launches. 0 uses `pass_budget` on CUDA too. Ignored on the CPU.
+    pass_memory_fraction: float = 0.7
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -194,6 +199,8 @@ class EpisodicConfig(MethodConfig):
             raise ValueError(f"{name}: lr and weight_decay must be >= 0 and adam_eps > 0")
         if self.pass_budget < 1 or self.grad_scale_init <= 0 or self.grad_scale_growth_interval < 1:
             raise ValueError(f"{name}: pass_budget, grad_scale_init and grad_scale_growth_interval must be positive")
+        if not 0.0 <= self.pass_memory_fraction < 1.0:
+            raise ValueError(f"{name}.pass_memory_fraction must be in [0, 1), got {self.pass_memory_fraction}")
 
 
 class EpisodicTuner(TTAMethod):
@@ -223,6 +230,10 @@ class EpisodicTuner(TTAMethod):
         self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
         self.skipped_steps = 0  # steps not taken because the loss or the gradient was not finite
         self._loss_scaling = False  # whether the last `adapt` used the loss scale (for `summary`)
+        # pass sizing on CUDA (execution only, not state): peak bytes per sample of the last pass, and the largest
+        # pass size known to fit after an out-of-memory error
+        self._pass_bytes: float | None = None
+        self._pass_cap: int | None = None
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -239,6 +250,37 @@ class EpisodicTuner(TTAMethod):
 
     def _rows_per_pass(self) -> int:
         return max(1, self.config.pass_budget // self.n_classes)  # type: ignore[attr-defined]
+
+    # -- pass sizing (execution only: the rows do not depend on it) ---------------------------------------------
+    def _sized_by_memory(self, device: torch.device) -> bool:
+        return device.type == "cuda" and self.config.pass_memory_fraction > 0  # type: ignore[attr-defined]
+
+    def _free_memory(self, device: torch.device) -> int:
+        """Bytes a pass can still allocate: free on the device plus cached blocks the allocator is not using."""
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+    @contextlib.contextmanager
+    def _measure_pass(self, device: torch.device, n: int) -> Iterator[None]:
+        """Record the peak bytes per sample of a pass of `n` samples (`_pass_bytes`), on CUDA."""
+        if not self._sized_by_memory(device):
+            yield
+            return
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield
+        self._pass_bytes = max(1.0, (torch.cuda.max_memory_allocated(device) - base) / n)
+
+    def _pass_size(self, device: torch.device, left: int) -> int:
+        """Samples in the next tuning pass: `pass_budget // K`, or on CUDA `pass_memory_fraction` of the free
+        memory over the bytes per sample of the last pass; never more than an out-of-memory error allowed."""
+        g = self._rows_per_pass()
+        if self._sized_by_memory(device) and self._pass_bytes is not None:
+            frac = self.config.pass_memory_fraction  # type: ignore[attr-defined]
+            g = max(1, int(frac * self._free_memory(device) / self._pass_bytes))
+        if self._pass_cap is not None:
+            g = min(g, self._pass_cap)
+        return max(1, min(g, left))
 
     # -- machinery -----------------------------------------------------------------------------------------------
     def _use_amp(self, device: torch.device) -> bool:
@@ -376,15 +418,34 @@ class EpisodicTuner(TTAMethod):
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         feats = view_feats.to(self.compute_dtype(view_feats))
         self._loss_scaling = self._use_amp(feats.device)
+        dev = feats.device
         out = []
-        g = self._rows_per_pass()
         i = 0
         while i < feats.shape[0]:
-            param = self._tune_in_order(feats[i:i + g])
-            chunk = feats[i:i + param.shape[0]]
-            with torch.no_grad(), self._autocast(chunk.device):
-                text = self._class_features(param)
-                out.append(self._logits(chunk[:, :1], text)[:, 0].float())  # the original view only
+            g = self._pass_size(dev, feats.shape[0] - i)
+            kept = dict(self.loss_scale), self.skipped_steps
+            try:
+                with self._measure_pass(dev, g):
+                    param = self._tune_in_order(feats[i:i + g])
+                    chunk = feats[i:i + param.shape[0]]
+                    with torch.no_grad(), self._autocast(dev):
+                        text = self._class_features(param)
+                        logits = self._logits(chunk[:, :1], text)[:, 0].float()  # the original view only
+            except torch.OutOfMemoryError:
+                if g == 1:
+                    raise
+                oom = True
+            else:
+                oom = False
+            if oom:  # (outside the handler, so the failed pass's tensors are released first)
+                # nothing of this pass is kept: undo its loss-scale bookkeeping and retry with half the samples
+                self.loss_scale, self.skipped_steps = kept
+                self._pass_cap = g // 2
+                param = text = logits = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            out.append(logits)
             i += param.shape[0]
         return torch.cat(out)
 
