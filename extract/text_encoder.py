@@ -80,6 +80,42 @@ def _plain_blocks(transformer: Any) -> bool:
                     for b in transformer.resblocks))
 
 
+class _Attention(torch.autograd.Function):
+    """`F.scaled_dot_product_attention` (the call `nn.MultiheadAttention` makes) with the textbook backward.
+
+    The forward is the fused kernel itself, so the features are what open_clip computes. The backward recomputes the
+    softmax in fp32 and applies dV = PᵀdO, dS = P ∘ (dO Vᵀ − rowsum(P ∘ dO Vᵀ)), dQ = s·dS K, dK = s·dSᵀQ (s =
+    1/√head_dim), the formulas the fused backward kernels evaluate, with fp32 accumulation as theirs. It is here
+    because those kernels have no `torch.func.vmap` batching rule: the shared first forward of the TPT tuners
+    (`EpisodicTuner._share_first_forward`) runs G backward passes through one graph under vmap, and a rule-less
+    kernel would run once per sample. The prompts are short (at most 77 positions), so P is small.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, mask = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for fp16/bf16 inputs
+        qf, kf, vf, do = q.to(acc), k.to(acc), v.to(acc), d_out.to(acc)
+        p = torch.softmax(qf @ kf.transpose(-1, -2) * scale + mask.to(acc), dim=-1)  # (..., L_q, L_k)
+        dp = do @ vf.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq = (ds @ kf) * scale
+        dk = (ds.transpose(-1, -2) @ qf) * scale
+        dv = p.transpose(-1, -2) @ do
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
 def class_prompt(ctx_init: str, name: str) -> str:
     """TPT's prompt string: `"{ctx_init} {name}."` with underscores in the name replaced by spaces.
 
@@ -251,12 +287,12 @@ class PromptTextEncoder:
             keys = [qkv_p[j][:, None].expand(-1, k, -1, -1, -1).reshape(b * k, h, n_pre, hd) for j in (1, 2)]
             key = torch.cat([keys[0], heads(k_s)], dim=2)  # (B·K_b, H, L_b, hd): prefix, then own positions
             val = torch.cat([keys[1], heads(v_s)], dim=2)
-            o = F.scaled_dot_product_attention(heads(q), key, val, attn_mask=q_mask)  # (B·K_b, H, n_q, hd)
+            o = _Attention.apply(heads(q), key, val, q_mask)  # (B·K_b, H, n_q, hd)
             o = F.linear(o.transpose(1, 2).reshape(b, k, n_q, w), attn.out_proj.weight, attn.out_proj.bias)
             x = (suf if not last else base) + blk.ls_1(o)
             suf = x + blk.ls_2(blk.mlp(blk.ln_2(x)))
             if not last:  # the prefix's own block (its output after the last block is not needed)
-                o_p = F.scaled_dot_product_attention(qkv_p[0], qkv_p[1], qkv_p[2], attn_mask=m[:n_pre, :n_pre])
+                o_p = _Attention.apply(qkv_p[0], qkv_p[1], qkv_p[2], m[:n_pre, :n_pre])
                 o_p = F.linear(o_p.transpose(1, 2).reshape(b, n_pre, w), attn.out_proj.weight, attn.out_proj.bias)
                 x = pre + blk.ls_1(o_p)
                 pre = x + blk.ls_2(blk.mlp(blk.ln_2(x)))

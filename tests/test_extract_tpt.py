@@ -239,6 +239,29 @@ def test_shared_prefix_path_on_a_deep_tower_equals_encode_text():
         torch.testing.assert_close(shared(ctx0[b]), out[1][b], rtol=0, atol=tol)
 
 
+def test_attention_backward_equals_autograd_of_sdpa_and_batches_under_vmap():
+    """`_Attention`: SDPA forward, textbook backward; equal to autograd through SDPA (float64), also per sample
+    under `torch.func.vmap` (the shared first forward's use)."""
+    from extract.text_encoder import _Attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, n, 8, generator=g, dtype=torch.float64) for n in (5, 9, 9))
+    mask = torch.zeros(5, 9, dtype=torch.float64).masked_fill(torch.ones(5, 9).triu(5).bool(), float("-inf"))
+    d_out = torch.randn(3, 2, 5, 8, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]), _Attention.apply):
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*x, mask)
+        grads.append((out.detach(), *torch.autograd.grad(out, x, d_out)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    out, vjp = torch.func.vjp(lambda q_: _Attention.apply(q_, k, v, mask), q)
+    cots = torch.randn(4, *out.shape, generator=g, dtype=torch.float64)
+    (batched,) = torch.func.vmap(vjp)(cots)
+    for i in range(4):
+        torch.testing.assert_close(batched[i], vjp(cots[i])[0], rtol=1e-12, atol=1e-12)
+
+
 def test_prompt_encoder_rejects_unsupported_towers(tiny_model):  # noqa: F811
     with pytest.raises(TextEncoderError, match="CLIP-style text tower"):
         PromptTextEncoder(torch.nn.Linear(2, 2), tiny_model.tokenizer, NAMES)
@@ -365,9 +388,10 @@ def test_one_step_lowers_the_tuned_loss(tiny_model, key):  # noqa: F811
     assert [s.tolist() for s in sel] == [ref_select(zi, 0.1) for zi in z0]
 
 
+@pytest.mark.parametrize("shortcuts", [False, True])
 @pytest.mark.parametrize("key", ["tpt", "ctpt", "otpt"])
-def test_tpt_family_matches_slow_reference(tiny_model, key):  # noqa: F811
-    m = make(key, tiny_model, text_shortcuts=False)
+def test_tpt_family_matches_slow_reference(tiny_model, key, shortcuts):  # noqa: F811
+    m = make(key, tiny_model, text_shortcuts=shortcuts)
     x = stream(tiny_model, 3, seed=1)
     out = m.adapt(x)
     lam = getattr(m.config, "lambda_term", 0.0)
@@ -411,6 +435,21 @@ def test_tps_reselects_views_at_every_step_tpt_once(tiny_model, monkeypatch, key
     if key == "tps":  # ... and those are the current step's logits, after the shift moved
         assert all((a[0] - b[0]).abs().max() > 1e-3 for a, b in zip(calls, calls[1:]))
         assert any(not torch.equal(a[1], b[1]) for a, b in zip(calls, calls[1:])), "the selection must change"
+
+
+@pytest.mark.parametrize("shortcuts", [True, False])
+def test_first_forward_shared_by_a_pass(tiny_model, monkeypatch, shortcuts):  # noqa: F811
+    """With the text shortcuts, step 0 encodes the prompts once per pass (one context), then the prediction G;
+    without them, G and G. The rows agree (the reference comparison is `test_tpt_family_matches_slow_reference`)."""
+    m = make("tpt", tiny_model, text_shortcuts=shortcuts)
+    rows = []
+    features = m._class_features
+    monkeypatch.setattr(m, "_class_features", lambda param: rows.append(param.shape[0]) or features(param))
+    x = stream(tiny_model, 6, seed=9)
+    out = m.adapt(x)
+    assert rows == ([1, 6] if shortcuts else [6, 6])
+    ref = make("tpt", tiny_model, text_shortcuts=not shortcuts).adapt(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2 * FEAT_TOL * tiny_model.logit_scale)
 
 
 @pytest.mark.parametrize("key", EPISODIC)

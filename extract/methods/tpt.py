@@ -248,6 +248,17 @@ class EpisodicTuner(TTAMethod):
         """(G, K, D) class features -> (G,) term added to the loss, or None."""
         return None
 
+    def _share_first_forward(self) -> bool:
+        """Whether step 0 runs `_class_features` once for a pass instead of once per sample (execution only).
+
+        Every sample starts from the same parameter, so step 0's class features - and the graph behind them - are
+        the same for all G samples; only the cotangents (each sample's loss gradient at the features) differ. One
+        forward and G vector-Jacobian products through it (`torch.func.vjp` + `vmap`) give each sample the gradient
+        a forward of its own would: the same operations in the same dtypes (autocast included), fed the same
+        numbers. Worth it where the forward is expensive (the TPT text encoder: one of its three passes per sample
+        saved, and the activations of only one sample kept for the backward)."""
+        return False
+
     def _rows_per_pass(self) -> int:
         return max(1, self.config.pass_budget // self.n_classes)  # type: ignore[attr-defined]
 
@@ -345,10 +356,17 @@ class EpisodicTuner(TTAMethod):
         if cfg.tta_steps == 0:
             with torch.no_grad(), self._autocast(dev):
                 sel = select_confident(self._logits(feats, self._class_features(param)), cfg.selection_p)
-        for _ in range(cfg.tta_steps):
+        for step in range(cfg.tta_steps):
             p = param.detach().requires_grad_(True)
+            vjp = None
             with self._autocast(dev):
-                text = self._class_features(p)
+                if step == 0 and self._share_first_forward() and torch.equal(param, param[:1].expand_as(param)):
+                    # every sample starts from the same parameter: one forward for all, and each sample's
+                    # gradient is a backward pass through it with that sample's cotangent (`_share_first_forward`)
+                    text1, vjp = torch.func.vjp(self._class_features, param[:1])
+                    text = text1.detach().expand(param.shape[0], *text1.shape[1:]).clone().requires_grad_(True)
+                else:
+                    text = self._class_features(p)
                 logits = self._logits(feats, text)  # (G, V, K)
                 # TPT chooses the views at step 0 and reuses them (`test_time_tuning`); TPS re-selects at every
                 # step (`run_shift_iter`). Identical with the default single step.
@@ -362,7 +380,12 @@ class EpisodicTuner(TTAMethod):
             if reg is not None:
                 loss = loss + reg
             scale = float(self.loss_scale["scale"]) if amp else 1.0
-            (grad,) = torch.autograd.grad(loss.sum() * scale, p)
+            if vjp is None:
+                (grad,) = torch.autograd.grad(loss.sum() * scale, p)
+            else:  # loss i reaches only row i of `text`, so this is each sample's own cotangent, as one tensor
+                (cot,) = torch.autograd.grad(loss.sum() * scale, text)
+                (grad,) = torch.func.vmap(vjp)(cot[:, None])  # (G, 1, ...): G backward passes, one call
+                grad = grad[:, 0]
             grad = grad.float() / scale
             finite = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(loss.detach())
             param = adamw_step(param, grad, state, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
@@ -468,8 +491,9 @@ class TPTConfig(EpisodicConfig):
     cupl: bool = field(default=False, metadata={"fixed": True})
     ctx_init: str = "a photo of a"  # --ctx_init a_photo_of_a: n_ctx = 4 context tokens
     # Execution only: run each prompt only up to its end-of-text token, in length groups, and the class-independent
-    # start + context positions once per sample (both exact under the causal mask; `text_encoder.py`). False runs
-    # open_clip's encode_text path, bit for bit.
+    # start + context positions once per sample (both exact under the causal mask; `text_encoder.py`); and step 0's
+    # text forward once per pass, not once per sample (`EpisodicTuner._share_first_forward`). False runs open_clip's
+    # encode_text path per sample, bit for bit.
     text_shortcuts: bool = True
 
 
@@ -511,6 +535,9 @@ class TPT(EpisodicTuner):
 
     def _class_features(self, param: torch.Tensor) -> torch.Tensor:
         return self.prompts(param.to(self.prompts.device))
+
+    def _share_first_forward(self) -> bool:
+        return bool(self.config.text_shortcuts)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
