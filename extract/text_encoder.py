@@ -15,10 +15,12 @@ of transformer calls small. `truncate=False` runs the full context in one call, 
 and reproduces `model.encode_text` bit for bit.
 
 The causal mask also makes the first 1 + n_ctx positions (start token and context) the same for every class:
-with `share_prefix=True` they run once per context, and each class's remaining positions attend to them as extra
-keys and values (the block's own `attention` with separate query and key/value inputs). For ImageNet-length prompts
-this roughly halves the work again. It needs open_clip's plain `ResidualAttentionBlock` (batch-first); other block
-types use the full sequences.
+with `share_prefix=True` they run once per context, and each class's remaining positions attend to their keys and
+values, projected once per context (the blocks are written out: `_encode_group_shared`). Before the first attention
+the class positions do not depend on the context either, and only the end-of-text position is pooled, so the first
+block's class inputs are projected once and the last block computes that one position. For ImageNet-length prompts
+this roughly halves the work again. It needs open_clip's plain `ResidualAttentionBlock` (batch-first, a packed
+`nn.MultiheadAttention`); other block types use the full sequences.
 
     >>> enc = PromptTextEncoder(loaded.model, loaded.tokenizer, ["cat", "dog"])   # doctest: +SKIP
     >>> feats = enc(enc.ctx_init)   # doctest: +SKIP

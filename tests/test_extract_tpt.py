@@ -583,7 +583,7 @@ def emulate_memory_sizing(monkeypatch, m, free: list[float], oom_at: int) -> lis
     def maybe_oom(feats):
         param = tune_in_order(feats)
         if len(tried) - 1 == oom_at:
-            raise torch.OutOfMemoryError("emulated")
+            raise torch.cuda.OutOfMemoryError("emulated")
         return param
 
     monkeypatch.setattr(m, "_tune_in_order", maybe_oom)

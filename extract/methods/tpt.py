@@ -8,9 +8,11 @@ original view only.
 
 The image encoder is frozen, so the view features come from the feature cache. The cost is the text encoder: one
 forward + backward over the K prompts per step and one forward for the prediction, for all views at once. Samples
-are independent, so `pass_budget // K` samples are tuned together: their contexts are stacked into one (G, n_ctx, W)
-tensor, the loss is the sum of the per-sample losses (each context only reaches its own loss) and AdamW is
-element-wise, which makes the batched step equal to G separate steps at the same loss scale.
+are independent, so G samples are tuned together (`pass_budget // K` on the CPU; on CUDA as many as a fraction of
+the free GPU memory holds, `pass_memory_fraction`): their contexts are stacked into one (G, n_ctx, W) tensor, the
+loss is the sum of the per-sample losses (each context only reaches its own loss) and AdamW is element-wise, which
+makes the batched step equal to G separate steps at the same loss scale. All G contexts start equal, so step 0's
+text forward runs once for the pass and each sample's gradient is a VJP through it (`_share_first_forward`).
 
 Precision: on CUDA with `amp` the text tower runs under autocast (fp16) with fp32 weights and an fp32 context, and
 the loss goes through a dynamic loss scale that behaves as the one `GradScaler(init_scale=1000)` the official code
@@ -454,7 +456,7 @@ class EpisodicTuner(TTAMethod):
                     with torch.no_grad(), self._autocast(dev):
                         text = self._class_features(param)
                         logits = self._logits(chunk[:, :1], text)[:, 0].float()  # the original view only
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError from torch 2.5 on)
                 if g == 1:
                     raise
                 oom = True
