@@ -247,12 +247,12 @@ class PromptTextEncoder:
         input projection run once for the K_b classes, not B·K_b times. In the last block only the end-of-text
         position is pooled, so only its query, attention output and MLP are computed (keys and values still cover
         every position it attends to). Every operation is the one `nn.MultiheadAttention` (batch-first, packed
-        input projection, `scaled_dot_product_attention`) and the block apply, in the same dtypes under autocast.
+        input projection, `scaled_dot_product_attention`) and the block apply, in the same dtypes under autocast;
+        the attention's backward is `_Attention`'s.
         """
         t = self._t
         b, k = ctx.shape[0], suffix.shape[0]
         n_pre = 1 + self.n_ctx
-        n_suf = length - n_pre
         w = self.width
         cast = t.transformer.get_cast_dtype()
         pos = t.positional_embedding[:length].to(cast)
