@@ -452,6 +452,31 @@ def test_first_forward_shared_by_a_pass(tiny_model, monkeypatch, shortcuts):  # 
     torch.testing.assert_close(out, ref, rtol=0, atol=2 * FEAT_TOL * tiny_model.logit_scale)
 
 
+@pytest.mark.parametrize("key", ["tpt", "otpt"])
+def test_shared_first_forward_under_fp16_autocast(tiny_model, monkeypatch, key):  # noqa: F811
+    """The shared forward (torch.func.vjp + vmap, `_Attention`) under fp16 autocast, emulated with the CPU's autocast
+    (the CUDA run is `test_cuda_mixed_precision_close_to_fp32`): it runs, it is used, and with a zero step it gives
+    the per-sample path's logits to fp16 rounding."""
+    x = stream(tiny_model, 5, seed=10)
+    outs = {}
+    for shortcuts in (True, False):
+        for lr in (0.0, 5e-3):
+            m = make(key, tiny_model, text_shortcuts=shortcuts, lr=lr, weight_decay=0.01 if lr else 0.0)
+            monkeypatch.setattr(m, "_use_amp", lambda device: True)
+            monkeypatch.setattr(m, "_autocast", lambda device: torch.autocast("cpu", dtype=torch.float16))
+            rows = []
+            features = m._class_features
+            monkeypatch.setattr(m, "_class_features", lambda param, f=features: rows.append(param.shape[0]) or f(param))
+            outs[shortcuts, lr] = m.adapt(x)
+            assert rows == ([1, 5] if shortcuts else [5, 5])
+            assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 5} and m.skipped_steps == 0
+            assert outs[shortcuts, lr].dtype == torch.float32 and torch.isfinite(outs[shortcuts, lr]).all()
+    ref = outs[False, 0.0]
+    # fp16 text features (eps 2**-10, width 32): ~10 fp16 eps of the largest logit, as the CUDA test
+    torch.testing.assert_close(outs[True, 0.0], ref, rtol=0, atol=0.01 * float(ref.abs().max()))
+    assert (outs[True, 5e-3] - outs[True, 0.0]).abs().max() > 1e-3  # the step moved the logits
+
+
 @pytest.mark.parametrize("key", EPISODIC)
 def test_episodic_reset_order_and_batching_invariant(tiny_model, key):  # noqa: F811
     x = stream(tiny_model, 9, seed=3)
