@@ -75,7 +75,8 @@ def _plain_blocks(transformer: Any) -> bool:
 
     def plain_attention(a: Any) -> bool:  # packed input projection, no extra keys, no dropout
         return (isinstance(a, torch.nn.MultiheadAttention) and a.batch_first and a._qkv_same_embed_dim
-                and a.bias_k is None and a.bias_v is None and not a.add_zero_attn and (a.dropout == 0 or not a.training))
+                and a.bias_k is None and a.bias_v is None and not a.add_zero_attn
+                and (a.dropout == 0 or not a.training))
 
     return (bool(getattr(transformer, "batch_first", False)) and not getattr(transformer, "grad_checkpointing", False)
             and all(type(b) is ResidualAttentionBlock and not hasattr(b, "ln_1_kv") and plain_attention(b.attn)
