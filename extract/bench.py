@@ -3,7 +3,8 @@
 Measured in one process, one run each (ratios, not absolute speeds, are the point):
     * encoding pass alone (fill an empty feature cache) vs one full zero-shot run from an empty cache;
     * TDA with an empty cache vs TDA after another method filled the cache (the cache speed-up);
-    * the same for a 64-view (AugMix) method on a smaller set, where view generation dominates.
+    * the same for a 64-view (AugMix) method on a smaller set, where view generation dominates;
+    * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample).
 
     python -m extract.bench [--images 256] [--multi-view-images 8] [--image-size 64]
 """
@@ -54,9 +55,9 @@ def _dataset(root: Path, n: int, n_classes: int = 10, size: int = 96) -> None:
                                                                                   "test": test}))
 
 
-def _tpt_rate(model, n_classes: int, n_samples: int) -> float:
-    """TPT samples/s on random 64-view features: the adaptation alone (text-encoder forward + backward and the
-    prediction forward), as the runner feeds it from the feature cache, `adapt_batch` 64."""
+def _tpt_rate(model, n_classes: int, n_samples: int, method_key: str = "tpt") -> float:
+    """Samples/s of a TPT-family method on random 64-view features: the adaptation alone (text-encoder forward +
+    backward and the prediction forward), as the runner feeds it from the feature cache, `adapt_batch` 64."""
     import torch
     import torch.nn.functional as F
 
@@ -64,7 +65,7 @@ def _tpt_rate(model, n_classes: int, n_samples: int) -> float:
 
     names = [f"class {c}" for c in range(n_classes)]
     text = model.text_prototypes([[f"a photo of a {n}."] for n in names])
-    cls = get_method("tpt")
+    cls = get_method(method_key)
     method = cls(cls.default_config("dtd", model.backbone), text, model.logit_scale, backbone=model.backbone,
                  dataset="dtd", text_encoder=model, class_names=names)
     feats = F.normalize(torch.randn(n_samples, 64, text.shape[1], generator=torch.Generator().manual_seed(0)), dim=-1)
@@ -80,7 +81,7 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
          multi_view_images: int = typer.Option(8, help="images for the 64-view measurement"),
          image_size: int = typer.Option(64, help="model input size"),
          batch_size: int = typer.Option(128, help="images per encoder call"),
-         tpt_samples: int = typer.Option(64, help="samples for the TPT throughput line")) -> None:
+         tpt_samples: int = typer.Option(64, help="samples for the TPT / A-TPT throughput line")) -> None:
     """Print timings and ratios measured in this one run."""
     import torch
     from rich.console import Console
@@ -135,9 +136,12 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
         console.print("encode: the encoding pass alone into an empty cache; zs cold: a whole zero-shot run from an "
                       "empty cache; full/enc = zs cold / encode (close to 1: encoding dominates); speed-up = tda cold "
                       "/ tda warm, TDA from an empty cache vs after the zero-shot run filled it.")
+        # A-TPT adds its K×K angular term to TPT's step: the ratio shows what that costs
         for k in (10, 100):
-            console.print(f"TPT samples/s (CPU, small model): {_tpt_rate(model, k, tpt_samples):.1f} "
-                          f"(K = {k} classes, 64 views, adaptation from cached features)")
+            rates = {key: _tpt_rate(model, k, tpt_samples, key) for key in ("tpt", "atpt")}
+            console.print(f"TPT samples/s (CPU, small model): {rates['tpt']:.1f}; A-TPT {rates['atpt']:.1f} "
+                          f"(atpt/tpt time {rates['tpt'] / rates['atpt']:.2f}x) (K = {k} classes, 64 views, "
+                          "adaptation from cached features)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
