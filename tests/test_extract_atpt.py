@@ -247,3 +247,24 @@ def test_shard_metadata_records_the_sign(tmp_path, tiny_model):  # noqa: F811
     assert (recorded["official_head"]["sign"], recorded["official_head"]["direction"]) == ("official_head", "contract")
     assert np.isfinite(read_shard(paths[0]).tta_logits).all()
 
+
+
+def test_cli_runs_atpt_and_rejects_a_bad_sign(tmp_path, tiny_model_dir):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from extract.cli import app
+    from schemas import find_shards, read_shard
+
+    root = tmp_path / "data"
+    make_json_dataset(root, "dtd", n_classes=2, per_class=1)
+    base = ["--method", "atpt", "--dataset", "dtd", "--data-root", str(root), "--out", str(tmp_path / "out"),
+            "--cache-dir", str(tmp_path / "cache"), "--pretrained", f"local-dir:{tiny_model_dir}", "--device", "cpu",
+            "--quiet"]
+    r = CliRunner().invoke(app, base + ["--set", "sign=official_head"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    (path,) = find_shards([tmp_path / "out"])
+    cfg = read_shard(path).meta.method_config
+    assert (cfg["sign"], cfg["direction"], cfg["lambda_term"]) == ("official_head", "contract", 80.0)
+    r = CliRunner().invoke(app, base + ["--set", "sign=up"], catch_exceptions=False)
+    assert r.exit_code == 2 and "sign: expected one of 'paper', 'official_head', got 'up'" in r.output
+    assert "Traceback" not in r.output
