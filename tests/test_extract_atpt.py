@@ -268,3 +268,32 @@ def test_cli_runs_atpt_and_rejects_a_bad_sign(tmp_path, tiny_model_dir):  # noqa
     r = CliRunner().invoke(app, base + ["--set", "sign=up"], catch_exceptions=False)
     assert r.exit_code == 2 and "sign: expected one of 'paper', 'official_head', got 'up'" in r.output
     assert "Traceback" not in r.output
+
+
+def test_mixed_precision_emulated_on_cpu_keeps_the_term_in_fp32(tiny_model):  # noqa: F811
+    """The CUDA path (autocast fp16 + loss scale 1000) emulated with the CPU's fp16 autocast: the term is computed
+    in fp32 from the fp16 text features, and its scaled gradient through the fp16 text forward stays finite (no
+    step skipped) at the official λ = 80."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def fp16(device):
+        with torch.autocast(device_type="cpu", dtype=torch.float16):
+            yield
+
+    x = stream(tiny_model, 6, seed=5)
+    for sign in ("paper", "official_head"):
+        m = make("atpt", tiny_model, sign=sign)
+        m._use_amp, m._autocast = (lambda device: True), fp16
+        seen = []
+        inner = m._regulariser
+
+        def spy(text, inner=inner, seen=seen):
+            out = inner(text)
+            seen.append(out.dtype)
+            return out
+
+        m._regulariser = spy
+        out = m.adapt(x)
+        assert torch.isfinite(out).all() and seen == [torch.float32]
+        assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 6}
