@@ -20,13 +20,15 @@ term ran.
 Deliberate deviations (numerics only):
     * AD is computed in float32 (float64 for float64 inputs) outside autocast, from the text features of the
       entropy forward re-normalised in float32, for both entry points. The official fine-grained path runs a second,
-      fp32 text forward for it (the same values up to the fp16 rounding of the entropy forward's features); the
+      fp32 text forward for it (the same values up to the fp16 rounding of the entropy forward's features; its
+      gradient then runs back through that fp32 forward, here through the autocast one, under the loss scale); the
       official natural-shift path forms the cosine matrix under autocast in fp16, where τ = 0.99999 rounds to 1.0, so
       the clamp no longer bounds θ away from 0 and any cosine above ~0.99976 reads as exactly 1 (θ = 0). In fp32
       the clamp works as written: θ ≥ arccos(0.99999) = 0.004472 and clamped rows get zero gradient either way.
     * With several samples tuned in one pass (`pass_budget`), AD is taken per sample over that sample's own K×K
       cosine matrix and the per-sample losses are summed (as for C-TPT/O-TPT), so the batched step equals G
       separate steps.
+    * `lambda_term` 0 builds no term, so that `atpt` is then `tpt` bit for bit.
 """
 
 from __future__ import annotations
