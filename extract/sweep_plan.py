@@ -71,11 +71,11 @@ ENCODE_S_PER_VIEW: dict[str, float] = {"vit": 1 / 1000, "rn": 1 / 1500}
 #: DPE and DLAE one AdamW step on the prototype residuals per sample (DLAE adds its reflection step); TPS one AdamW
 #: step on a (K, D) shift for a batch of samples at once.
 ADAPT_S_PER_SAMPLE: dict[str, float] = {"zero-shot": 0.0001, "tda": 0.003, "dpe": 0.025, "dlae": 0.03, "tps": 0.005,
-                                        "tpt": 0.005, "ctpt": 0.005, "otpt": 0.005}
+                                        "tpt": 0.005, "ctpt": 0.005, "otpt": 0.005, "atpt": 0.005}
 #: ... plus GPU-seconds per sample and class, for the methods that run the text encoder per sample: the TPT family
 #: does one forward + backward and one forward of the text transformer over the K prompts per sample (about
 #: 25 GFLOP per prompt at ~100 TFLOP/s effective fp16), so ImageNet's 1000 classes cost ~0.25 s a sample.
-ADAPT_S_PER_SAMPLE_CLASS: dict[str, float] = {"tpt": 2.5e-4, "ctpt": 2.5e-4, "otpt": 2.5e-4}
+ADAPT_S_PER_SAMPLE_CLASS: dict[str, float] = {"tpt": 2.5e-4, "ctpt": 2.5e-4, "otpt": 2.5e-4, "atpt": 2.5e-4}
 #: Adaptation cost assumed for a registered method missing from the tables above (flagged in the plan).
 DEFAULT_ADAPT_S_PER_SAMPLE = 0.03
 #: Per-job overhead: start-up, model load, text prototypes (seconds).
