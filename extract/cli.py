@@ -51,6 +51,9 @@ def extract(
     tda_sh_filter: bool = typer.Option(False, "--tda-sh-filter",
                                        help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 (drops file "
                                             "names containing 'sh'); off by default"),
+    fingerprint: str = typer.Option("stat", help="how image files are fingerprinted for the feature cache and the "
+                                                 "finished-run check: 'stat' (size and modification time, cheap) "
+                                                 "or 'content' (sha256 of every file)"),
     batch_size: int = typer.Option(256, help="images per encoder call"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to 16 on CUDA, 0 on CPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -69,7 +72,8 @@ def extract(
         paths = run_extraction(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
-            cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, batch_size=batch_size,
+            cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
+            batch_size=batch_size,
             workers=workers, progress=not quiet)
     except _user_errors() as e:
         err.print("[bold red]error:[/bold red]", end=" ")

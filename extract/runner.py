@@ -19,6 +19,7 @@ uninterrupted run. A finished run carries a marker file `_zaec_complete.json` ne
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -31,7 +32,8 @@ import numpy as np
 import torch
 
 from extract.cache import FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
-from extract.datasets import TestSet, get_dataset, load_testset, open_image
+from extract.datasets import TestSet, get_dataset, load_testset, open_image, resolve_data_root
+from extract.fingerprint import check_mode, fingerprint as data_fingerprint
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
 from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
@@ -353,6 +355,32 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
+def _data_identity(testset: TestSet, data_root: str | os.PathLike | None, mode: str) -> dict[str, str]:
+    """The resolved data root and the data fingerprint of the test set's image files (`extract.fingerprint`)."""
+    return {"data_root": str(resolve_data_root(data_root).resolve()),
+            "data_fingerprint": data_fingerprint(testset, mode)}
+
+
+def _cache_key(testset: TestSet, data: Mapping[str, str]) -> str:
+    """The test-set part of the feature cache key: sample list, data root and data fingerprint (16 hex)."""
+    raw = "\n".join((testset.fingerprint(), data["data_root"], data["data_fingerprint"]))
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+#: what a changed setting of a finished run means, for the refusal message
+_SETTING_HINTS = {"data_fingerprint": "the image files changed (size, modification time or content)",
+                  "data_root": "another data root", "samples": "another split or class list"}
+
+
+def _settings_differ(sdir: Path, old: Any, new: Mapping[str, Any]) -> str:
+    """One line saying which settings of the finished run under `sdir` differ from this run's."""
+    old = old if isinstance(old, dict) else {}
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    why = ", ".join(f"{k} ({_SETTING_HINTS[k]})" if k in _SETTING_HINTS else k for k in keys)
+    return (f"a finished run under {sdir} used different settings: {why}; use --force to recompute it or write "
+            "elsewhere with --out")
+
+
 def _existing_parts(sdir: Path) -> list[Path]:
     return sorted(sdir.glob("part-*.parquet")) if sdir.is_dir() else []
 
@@ -375,6 +403,7 @@ def run_extraction(
     cache_dir: str | os.PathLike | None = None,
     cupl_dir: str | os.PathLike | None = None,
     sh_filter: bool = False,
+    fingerprint: str = "stat",
     batch_size: int = 256,
     workers: int | None = None,
     chunk_size: int = 512,
@@ -404,6 +433,8 @@ def run_extraction(
         cache_dir: feature cache root (None: $ZAEC_CACHE_DIR, else data/cache).
         cupl_dir: CuPL prompt files (None: $ZAEC_CUPL_DIR).
         sh_filter: the TDA file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (spec §13.9), off by default.
+        fingerprint: how the image files are fingerprinted for the feature cache and the finished-run check:
+            "stat" (size and modification time of each file) or "content" (sha256 of each file).
         batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, up to 16 on CUDA).
         chunk_size: samples per cache chunk. adapt_batch: samples per `method.adapt` call.
         part_size: rows per shard (a multiple of `adapt_batch`).
@@ -423,20 +454,21 @@ def run_extraction(
         backbone, pretrained = model.backbone, model.pretrained
     plan = plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                     anchor=anchor, limit=limit)
+    check_mode(fingerprint)
     testset = load_testset(dataset, data_root, sh_filter=sh_filter)
+    data = _data_identity(testset, data_root, fingerprint)
     n_total = len(testset)
     n_run = n_total if limit is None else min(limit, n_total)
     out = Path(out)
     sdir = shard_dir(out, plan.key)
     # what a finished run must match to be reused without --force
     settings = {"method_config": _config_dict(plan.config), "pretrained": pretrained, "anchor": anchor,
-                "sh_filter": bool(sh_filter), "samples": testset.fingerprint()}
+                "sh_filter": bool(sh_filter), "samples": testset.fingerprint(), **data}
     marker = sdir / COMPLETE_MARKER
     if not force and run_is_complete(out, plan.key, limit=limit):
         info = json.loads(marker.read_text(encoding="utf-8"))
         if info.get("settings") != settings:
-            raise RunError(f"a finished run under {sdir} used different settings ({info.get('settings')}); "
-                           "use --force to recompute it or write elsewhere with --out")
+            raise RunError(_settings_differ(sdir, info.get("settings"), settings))
         return [sdir / p for p in info["parts"]]
 
     if model is None:
@@ -455,7 +487,7 @@ def run_extraction(
     anchor_text = method_text if anchor_prompts is method_prompts else text_prototypes(model, anchor_prompts,
                                                                                         text_cache)
     perm = stream_permutation(dataset, seed, n_total)
-    cache = FeatureCache(cache_root, model.fingerprint, dataset, testset.fingerprint(), int(seed), n_total,
+    cache = FeatureCache(cache_root, model.fingerprint, dataset, _cache_key(testset, data), int(seed), n_total,
                          int(method_text.shape[1]), model.cache_dtype,
                          stream_fp=f"{zlib.crc32(perm.tobytes()):08x}", chunk_size=chunk_size)
 
@@ -468,6 +500,8 @@ def run_extraction(
         "zaec:stream": STREAM_RULE,
         "zaec:n_total": str(n_total),
         "zaec:layout": testset.layout,
+        "zaec:data_root": data["data_root"],
+        "zaec:data_fingerprint": data["data_fingerprint"],
     }
     if testset.imagenet_indices is not None and len(testset.imagenet_indices) != 1000:
         extra["zaec:imagenet_indices"] = json.dumps(list(testset.imagenet_indices))
