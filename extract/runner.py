@@ -37,11 +37,10 @@ from extract.fingerprint import check_mode, fingerprint as data_fingerprint
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
 from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
-from schemas import RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
+from schemas import COMPLETE_MARKER, RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
 
 Anchor = Literal["single", "method"]
 ANCHORS: tuple[str, ...] = ("single", "method")
-COMPLETE_MARKER = "_zaec_complete.json"
 DEFAULT_OUT = Path("data") / "shards"
 #: TDA, DPE and DLAE seed their stream with 1 (spec §1.4)
 DEFAULT_SEED = 1
@@ -381,6 +380,23 @@ def _settings_differ(sdir: Path, old: Any, new: Mapping[str, Any]) -> str:
             "elsewhere with --out")
 
 
+#: metadata keys that may differ between the kept parts of a resumed run and the run resuming them
+_RESTAMPED_KEYS = (b"zaec:limit",)
+
+
+def _meta_diff(old: Mapping[bytes, bytes], new: Mapping[bytes, bytes]) -> list[str]:
+    """Sorted metadata keys whose values differ, ignoring those a resumed run rewrites (`_RESTAMPED_KEYS`)."""
+    return sorted(k.decode() for k in set(old) | set(new)
+                  if k not in _RESTAMPED_KEYS and old.get(k) != new.get(k))
+
+
+def _restamp(shard: Any, meta: ShardMeta) -> Path:
+    """Rewrite a kept part with this run's metadata (its rows unchanged), so every part of a run agrees on
+    `zaec:limit` and a reader knows how many samples the run announces."""
+    return write_shard(shard.path, meta, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits,
+                       stream_pos=shard.stream_pos)
+
+
 def _existing_parts(sdir: Path) -> list[Path]:
     return sorted(sdir.glob("part-*.parquet")) if sdir.is_dir() else []
 
@@ -499,6 +515,7 @@ def run_extraction(
         "zaec:logit_scale": repr(model.logit_scale),
         "zaec:stream": STREAM_RULE,
         "zaec:n_total": str(n_total),
+        "zaec:limit": "none" if limit is None else str(int(limit)),
         "zaec:layout": testset.layout,
         "zaec:data_root": data["data_root"],
         "zaec:data_fingerprint": data["data_fingerprint"],
@@ -525,14 +542,15 @@ def run_extraction(
                 sh = read_shard(path)
             except ShardError:
                 break
-            if sh.meta.to_kv() != meta_kv:
-                diff = [k.decode() for k in set(meta_kv) | set(sh.meta.to_kv())
-                        if meta_kv.get(k) != sh.meta.to_kv().get(k)]
-                raise RunError(f"{path} was written by a run with different settings ({', '.join(sorted(diff))}); "
+            diff = _meta_diff(sh.meta.to_kv(), meta_kv)
+            if diff:
+                raise RunError(f"{path} was written by a run with different settings ({', '.join(diff)}); "
                                f"use --force to overwrite it or write elsewhere with --out")
             lo, hi = p * part_size, min((p + 1) * part_size, n_run)
             if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
                 break
+            if sh.meta.to_kv() != meta_kv:  # a full part of a run with another --limit: same rows, new footer
+                _restamp(sh, meta)
             kept_stats[0] += int((sh.tta_logits.argmax(1) == sh.label).sum())
             kept_stats[1] += int((sh.zs_logits.argmax(1) == sh.label).sum())
             start_part = p + 1

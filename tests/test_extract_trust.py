@@ -96,3 +96,22 @@ def test_changed_image_in_place_recomputes(tmp_path, two_roots, tiny_model):  # 
     np.testing.assert_array_equal(again[1:], first[1:])  # the others are the same images
     ref = _logits(_run(a, tmp_path / "ref", tmp_path / "fresh_cache", tiny_model))
     np.testing.assert_array_equal(again, ref)
+
+
+def test_writer_announces_counts_and_resumed_parts_agree(tmp_path, tiny_model):  # noqa: F811
+    from calibrate.run import check_complete
+    from schemas import PartialRunError, find_shards, group_shards
+
+    root = tmp_path / "data"
+    make_json_dataset(root, "dtd", n_classes=3, per_class=6)  # 18 samples; parts of 8 rows
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    limited = _run(root, out, cache, tiny_model, limit=8)
+    assert read_shard(limited[0]).meta.extra["zaec:limit"] == "8"
+    assert read_shard(limited[0]).meta.extra["zaec:n_total"] == "18"
+    full = _run(root, out, cache, tiny_model)  # keeps part 0, restamps it with this run's limit
+    assert [read_shard(p).meta.extra["zaec:limit"] for p in full] == ["none"] * 3
+    assert check_complete(group_shards(find_shards([out]))) == []
+    full[-1].unlink()  # a crash before the last part: 16 of 18 rows
+    (full[0].parent / "_zaec_complete.json").unlink()
+    with pytest.raises(PartialRunError, match="16 of 18 samples in 2 shard"):
+        check_complete(group_shards(find_shards([out])))

@@ -2,7 +2,7 @@
 
     zaec-calibrate tables SHARDS... [--out results] [--bootstrap 1000] [--seed 0] [--bins 20]
                           [--ts-source imagenet] [--temperature T] [--reference-dataset imagenet_a]
-                          [--drop-nonfinite] [--quiet]
+                          [--drop-nonfinite] [--allow-partial] [--quiet]
 
 A user error ends in one line on stderr and exit code 2, never a traceback.
 """
@@ -44,6 +44,9 @@ def tables(
     reference_dataset: str = typer.Option(layout.REFERENCE_DATASET,
                                           help="dataset of Figures 2c/2d and 4 (paper: imagenet_a)"),
     drop_nonfinite: bool = typer.Option(False, "--drop-nonfinite", help="drop rows with NaN/inf logits (reported)"),
+    allow_partial: bool = typer.Option(False, "--allow-partial",
+                                       help="use runs whose shards hold fewer samples than their writer announced "
+                                            "(each such run is noted); default: stop naming the run"),
     quiet: bool = typer.Option(False, "--quiet", help="print only errors"),
 ) -> None:
     """Regenerate the paper's tables and figures from the shards under SHARDS into OUT."""
@@ -64,6 +67,7 @@ def tables(
         with progress:
             summaries = load_summaries(
                 shards, ALL_SPECS, ts_source=ts_source, temperature=temperature, drop_nonfinite=drop_nonfinite,
+                allow_partial=allow_partial,
                 on_run=lambda key, i, n: progress.update(task, completed=i, total=n),
             )
         t1 = time.perf_counter()
