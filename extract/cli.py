@@ -24,8 +24,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from extract.prompts import PromptError
     from extract.runner import RunError
     from schemas import ShardError
-    # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it
-    return (DatasetError, ModelError, PromptError, RunError, CacheError, ShardError, ValueError)
+    # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it;
+    # OSError: a folder that became unwritable or a full disk while writing (the message names the path)
+    return (DatasetError, ModelError, PromptError, RunError, CacheError, ShardError, ValueError, OSError)
 
 
 @app.command()
@@ -87,8 +88,21 @@ def extract(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    app(args=argv if argv is not None else sys.argv[1:], prog_name="zaec-extract")
+    """Console-script entry point. A usage error (`--limit abc`, an unknown option) is one line on stderr, exit 2."""
+    # typer vendors click in recent versions: find its exception classes through typer's own
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+    args = list(argv if argv is not None else sys.argv[1:]) or ["--help"]
+    try:
+        code = typer.main.get_command(app).main(args=args, prog_name="zaec-extract", standalone_mode=False)
+    except click_error as e:
+        hint = " (see zaec-extract --help)" if isinstance(e, usage_error) else ""
+        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

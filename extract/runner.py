@@ -354,6 +354,53 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
+def check_output_dir(path: str | os.PathLike, option: str) -> Path:
+    """Fail fast on an output folder that cannot be written: `path` (or the folder it would be created in) must not
+    be a file and its nearest existing folder must be writable. Checked before any image is read.
+
+    Raises:
+        RunError: one line naming the option, the path and what is wrong.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    where = f"{option} {path}" + ("" if probe == path else f" (to be created in {probe})")
+    if probe.exists() and not probe.is_dir():
+        raise RunError(f"{where}: {probe} is a file, expected a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunError(f"{where}: folder {probe} is not writable; choose another with {option}")
+    return path
+
+
+def check_run_options(*, batch_size: int, workers: int | None, out: str | os.PathLike,
+                      cache_dir: str | os.PathLike | None) -> None:
+    """The numeric options and the output folders of a run, checked before any image is read (RunError)."""
+    if batch_size < 1:
+        raise RunError(f"--batch-size must be a positive integer, got {batch_size}")
+    if workers is not None and workers < 0:
+        raise RunError(f"--workers must be >= 0, got {workers}")
+    check_output_dir(out, "--out")
+    check_output_dir(resolve_cache_dir(cache_dir), "--cache-dir" if cache_dir is not None else "the cache folder "
+                     "($ZAEC_CACHE_DIR or data/cache; set --cache-dir)")
+
+
+def check_finite_logits(method: str, tta: np.ndarray, zs: np.ndarray, sample_ids: np.ndarray, start: int) -> None:
+    """Stop the run at the first adapted or zero-shot logit row holding NaN or inf, naming the method, the sample
+    and its stream position (the run is then never marked complete).
+
+    Args:
+        tta, zs: (B, K) logits of stream positions [start, start + B); sample_ids: (B,) their sample ids.
+    """
+    bad = ~(np.isfinite(tta).all(axis=1) & np.isfinite(zs).all(axis=1))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        which = "adapted" if not np.isfinite(tta[i]).all() else "zero-shot"
+        raise RunError(f"method {method!r} produced non-finite {which} logits for sample_id {int(sample_ids[i])} at "
+                       f"stream position {start + i} ({int(bad.sum())} of {len(bad)} row(s) in this batch); the run "
+                       "is not marked complete; check the --set values")
+
+
 def _data_identity(testset: TestSet, data_root: str | os.PathLike | None, mode: str) -> dict[str, str]:
     """The resolved data root and the data fingerprint of the test set's image files (`extract.fingerprint`)."""
     return {"data_root": str(resolve_data_root(data_root).resolve()),
@@ -466,6 +513,7 @@ def run_extraction(
     """
     if part_size % adapt_batch:
         raise RunError(f"part_size ({part_size}) must be a multiple of adapt_batch ({adapt_batch})")
+    check_run_options(batch_size=batch_size, workers=workers, out=out, cache_dir=cache_dir)
     if model is not None:
         backbone, pretrained = model.backbone, model.pretrained
     plan = plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
@@ -598,6 +646,7 @@ def run_extraction(
                    else np.asarray(tta, np.float32))
             zs = (model.logit_scale * feats[:, 0] @ anchor_text.T).float().cpu().numpy()
             sid = perm[s:e]
+            check_finite_logits(method, tta, zs, sid, s)
             label = testset.labels[sid]
             correct[0] += int((tta.argmax(1) == label).sum())
             correct[1] += int((zs.argmax(1) == label).sum())

@@ -115,3 +115,221 @@ def test_writer_announces_counts_and_resumed_parts_agree(tmp_path, tiny_model): 
     (full[0].parent / "_zaec_complete.json").unlink()
     with pytest.raises(PartialRunError, match="16 of 18 samples in 2 shard"):
         check_complete(group_shards(find_shards([out])))
+
+
+# --- bad input: one line on stderr, exit 2, nothing half-written, checked before any image is read ------------
+
+def _tiny_ckpt(d, name, cut=None, layers=1):
+    """A tiny checkpoint of the registered TINY_ARCH; `cut` truncates it, `layers` != 1 makes it another arch."""
+    import open_clip
+    from extract_fixtures import make_tiny_checkpoint, tiny_model_cfg
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    path = make_tiny_checkpoint(d / name)
+    if layers != 1:
+        cfg = tiny_model_cfg()
+        cfg["vision_cfg"] = dict(cfg["vision_cfg"], layers=layers)
+        save_file({k: v.contiguous() for k, v in open_clip.CLIP(**cfg).state_dict().items()}, str(path))
+    if cut is not None:
+        path.write_bytes(path.read_bytes()[:cut])
+    return path
+
+
+def _ro(path):
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o555)
+    return path
+
+
+def _garbage_local_dir(d, model_dir):
+    shutil.copytree(model_dir, d / "m")
+    (d / "m" / "open_clip_model.safetensors").write_bytes(b"\x00" * 64)
+    return f"local-dir:{d / 'm'}"
+
+
+#: (id, argv builder (tmp_path, data_root, model) -> args replacing the defaults, expected words of the one line)
+BAD_INPUTS = [
+    ("batch-size-0", lambda t, r, m: {"--batch-size": "0"}, "--batch-size must be a positive integer, got 0"),
+    ("batch-size-neg", lambda t, r, m: {"--batch-size": "-1"}, "--batch-size must be a positive integer, got -1"),
+    ("workers-neg", lambda t, r, m: {"--workers": "-2"}, "--workers must be >= 0, got -2"),
+    ("out-read-only", lambda t, r, m: {"--out": str(_ro(t / "ro") / "shards")}, "is not writable"),
+    ("cache-read-only", lambda t, r, m: {"--cache-dir": str(_ro(t / "ro"))}, "--cache-dir"),
+    ("cwd-read-only-default-data", lambda t, r, m: {"--out": None, "--cache-dir": None, "cwd": _ro(t / "ro")},
+     "--out data/shards (to be created in .): folder . is not writable"),
+    ("out-is-file", lambda t, r, m: {"--out": str(_touch(t / "f.txt"))}, "f.txt is a file, expected a folder"),
+    ("cache-is-file", lambda t, r, m: {"--cache-dir": str(_touch(t / "f.txt") / "sub")},
+     "f.txt is a file, expected a folder"),
+    ("safetensors-truncated", lambda t, r, m: {"--pretrained": str(_tiny_ckpt(t / "w", "t.safetensors", cut=300)),
+                                               "--backbone": "zaec-tiny-vit"},
+     "not a readable safetensors file (truncated or corrupt?)"),
+    ("safetensors-garbage-local-dir", lambda t, r, m: {"--pretrained": _garbage_local_dir(t, m)},
+     "not a readable safetensors file"),
+    ("wrong-architecture", lambda t, r, m: {"--pretrained": str(_tiny_ckpt(t / "w", "two.safetensors", layers=2)),
+                                            "--backbone": "zaec-tiny-vit"},
+     "does not fit the architecture zaec-tiny-vit: Unexpected key(s) in state_dict (12): visual.transformer."),
+    ("folder-without-local-dir", lambda t, r, m: {"--pretrained": str(m)}, "pass --pretrained local-dir:"),
+    ("set-nan", lambda t, r, m: {"--set": "alpha=nan"}, "TDAConfig.alpha must be a finite number, got nan"),
+    ("set-inf", lambda t, r, m: {"--set": "beta=inf"}, "TDAConfig.beta must be a finite number, got inf"),
+    ("set-fraction-0", lambda t, r, m: {"--set": "selection_p=0"}, "selection_p is a fraction in (0, 1], got 0.0"),
+    ("set-fraction-2", lambda t, r, m: {"--set": "selection_p=2"}, "selection_p is a fraction in (0, 1], got 2.0"),
+    ("set-capacity-neg", lambda t, r, m: {"--set": "pos_capacity=-1"}, "pos_capacity must be >= 0, got -1"),
+    ("limit-abc", lambda t, r, m: {"--limit": "abc"}, "Invalid value for '--limit'"),
+    ("limit-0", lambda t, r, m: {"--limit": "0"}, "--limit must be >= 1, got 0"),
+    ("unknown-option", lambda t, r, m: {"--bogus": "1"}, "No such option: --bogus"),
+    ("fingerprint-mode", lambda t, r, m: {"--fingerprint": "mtime"}, "available: stat, content"),
+    # these already worked before issue 14; kept here so they stay one line
+    ("seed-neg", lambda t, r, m: {"--seed": "-1"}, "seed must be >= 0, got -1"),
+    ("unknown-method", lambda t, r, m: {"--method": "tdaa"}, "unknown method 'tdaa'; available: zero-shot, tda"),
+    ("unknown-dataset", lambda t, r, m: {"--dataset": "dtdd"}, "unknown dataset 'dtdd'; available:"),
+    ("set-no-equals", lambda t, r, m: {"--set": "alpha"}, "--set expects key=value, got 'alpha'"),
+    ("set-not-float", lambda t, r, m: {"--set": "alpha=big"}, "alpha: expected float, got 'big'"),
+    ("missing-checkpoint", lambda t, r, m: {"--pretrained": str(t / "none.pt")}, "none.pt does not exist"),
+    ("data-root-missing", lambda t, r, m: {"--data-root": str(t / "nowhere")}, "nowhere (from --data-root) is not"),
+]
+
+
+def _touch(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("x")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cli_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-input-data")
+    make_json_dataset(root, "dtd", n_classes=2, per_class=3)
+    return root
+
+
+def _cli(args, capsys):
+    from extract.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+@pytest.mark.parametrize("build, needle", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_one_line_exit_2_nothing_read_or_written(tmp_path, cli_data, tiny_model_dir, capsys,  # noqa: F811
+                                                           monkeypatch, build, needle):
+    import extract.runner
+
+    opts = {"--method": "tda", "--dataset": "dtd", "--data-root": str(cli_data), "--out": str(tmp_path / "out"),
+            "--cache-dir": str(tmp_path / "cache"), "--pretrained": f"local-dir:{tiny_model_dir}",
+            "--device": "cpu", "--quiet": ""}
+    opts.update(build(tmp_path, cli_data, tiny_model_dir))
+    cwd = opts.pop("cwd", None)
+    read_only = [p for p in tmp_path.rglob("ro")] + ([cwd] if cwd else [])
+    if read_only and os.geteuid() == 0:
+        # root writes through 0o555: emulate the read-only folder the way the check sees it
+        real_access = os.access
+        monkeypatch.setattr(extract.runner.os, "access", lambda p, mode, **kw: False if any(
+            os.path.abspath(p) == os.path.abspath(r) for r in read_only) else real_access(p, mode, **kw))
+    if cwd:
+        monkeypatch.chdir(cwd)
+    opened = []
+    monkeypatch.setattr(extract.runner, "open_image", lambda p: opened.append(p))
+    args = [a for k, v in opts.items() if v is not None for a in ([k, v] if v != "" else [k])]
+    code, out, err = _cli(args, capsys)
+    for r in read_only:
+        r.chmod(0o755)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+    assert opened == []  # failed before any image was read
+    assert not list(tmp_path.rglob("*.parquet")) and not list(tmp_path.rglob("_zaec_complete.json"))
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("chunk-*.npy"))
+
+
+def test_nonfinite_logits_fail_the_run_naming_the_sample(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    import torch
+    import extract.methods as methods
+    from extract.methods.zero_shot import ZeroShot
+    from extract.runner import run_is_complete, stream_permutation
+    from schemas import RunKey
+
+    class Poisoned(ZeroShot):
+        """Zero-shot logits, but NaN from stream position 10 on (a method whose state went bad)."""
+        key = "poisoned"
+
+        def _adapt(self, view_feats):
+            out = super()._adapt(view_feats)
+            pos = self.n_seen + torch.arange(out.shape[0])
+            return torch.where((pos >= 10)[:, None], torch.full_like(out, float("nan")), out)
+
+    monkeypatch.setitem(methods.REGISTRY, "poisoned", Poisoned)
+    root = tmp_path / "data"
+    make_json_dataset(root, "dtd", n_classes=3, per_class=6)
+    sid = int(stream_permutation("dtd", 1, 18)[10])
+    with pytest.raises(RunError, match=rf"method 'poisoned' produced non-finite adapted logits for sample_id {sid} "
+                                       r"at stream position 10 \(2 of 4 row\(s\) in this batch\); the run is not "
+                                       "marked complete"):
+        _run(root, tmp_path / "out", tmp_path / "cache", tiny_model, method="poisoned")
+    assert not run_is_complete(tmp_path / "out", RunKey("tiny-clip", "dtd", "poisoned", 1))
+    parts = sorted((tmp_path / "out").rglob("*.parquet"))
+    assert [len(read_shard(p)) for p in parts] == [8]  # the finite part before it stays; nothing after it
+
+
+# --- images of every mode ----------------------------------------------------------------------------------------
+
+def _grey16(h=6, w=7):
+    return (np.arange(h * w, dtype=np.int64).reshape(h, w) * 65535 // (h * w - 1)).astype(np.uint16)
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
+def test_16bit_grey_images_scale_to_8bit(tmp_path, mode):
+    from PIL import Image
+
+    from extract.datasets import open_image
+
+    a = _grey16()
+    im = Image.fromarray(a) if mode == "I;16" else Image.fromarray(a.astype(np.int32), "I")
+    if mode == "I;16B":
+        im = Image.frombytes("I;16B", im.size, a.astype(">u2").tobytes())
+    path = tmp_path / ("g.png" if mode == "I;16" else "g.tif")  # mode I: how some 16-bit files open
+    im.save(path) if mode != "I;16B" else _save_raw_tiff(im, path)
+    got = np.asarray(open_image(path))
+    want = np.round(a / 257.0).astype(np.uint8)  # 65535 -> 255; a / 257 is never exactly half-way
+    assert got.shape == a.shape + (3,) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got[..., 0], want)
+    np.testing.assert_array_equal(got[..., 1], want)
+    assert got.max() == 255 and got.min() == 0 and 100 < got.mean() < 155  # a ramp, not a white image
+
+
+def _save_raw_tiff(im, path):
+    try:
+        im.save(path)
+    except (OSError, ValueError, KeyError):
+        pytest.skip("this Pillow cannot write big-endian 16-bit TIFF")
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "RGBA", "CMYK", "YCbCr"])
+def test_8bit_modes_convert_like_pil(tmp_path, mode):
+    from PIL import Image
+
+    from extract.datasets import open_image
+
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 6, 3), dtype=np.uint8), "RGB")
+    im = rgb.convert(mode)
+    path = tmp_path / ("x.tif" if mode in ("CMYK", "YCbCr") else "x.png")
+    try:
+        im.save(path)
+    except (OSError, KeyError):
+        pytest.skip(f"Pillow cannot save mode {mode} to {path.suffix}")
+    with Image.open(path) as ref:
+        want = np.asarray(ref.convert("RGB"))
+    np.testing.assert_array_equal(np.asarray(open_image(path)), want)
+
+
+def test_unsupported_modes_rejected_by_name(tmp_path):
+    from PIL import Image
+
+    from extract.datasets import DatasetError, open_image
+
+    Image.fromarray(np.zeros((4, 4), np.float32), "F").save(tmp_path / "f.tif")
+    with pytest.raises(DatasetError, match=r"f.tif: floating-point image \(mode F\) is not supported"):
+        open_image(tmp_path / "f.tif")
+    Image.fromarray(np.full((4, 4), 70000, np.int32), "I").save(tmp_path / "i.tif")
+    with pytest.raises(DatasetError, match=r"i.tif: 32-bit integer image \(mode I\) with values outside 0..65535"):
+        open_image(tmp_path / "i.tif")
