@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 import zlib
@@ -248,35 +249,51 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     if not missing:
         return 0
     gen = ViewGenerator(model.preprocess, policy, seed=seed)
+    # per chunk: the rows to encode ([keep, need) of each missing part) - only the positions the run needs
+    plans = [_chunk_plan(cache, c, miss, n_positions, batch_size) for c, miss in missing]
     jobs: list[tuple[int, bool, bool]] = []
-    for c, miss in missing:
-        start, stop = cache.chunk_range(c)
-        jobs += [(pos, "view0" in miss, policy in miss) for pos in range(start, stop)]
+    for c, start, need, keep in plans:
+        lo = min(keep.values())
+        jobs += [(start + i, i >= keep.get("view0", need), i >= keep.get(policy, need)) for i in range(lo, need)]
     loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen), batch_size=None, shuffle=False,
                                          num_workers=workers, pin_memory=model.device.type == "cuda")
     task = (progress or _Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))
     it = iter(loader)
-    for c, miss in missing:
-        start, stop = cache.chunk_range(c)
-        n = stop - start
-        v0 = np.empty((n, cache.dim), np.float32) if "view0" in miss else None
-        aug = np.empty((n, N_AUG_VIEWS, cache.dim), np.float32) if policy in miss else None
-        b0 = _Batcher(model, v0, batch_size) if v0 is not None else None
-        ba = _Batcher(model, aug, batch_size) if aug is not None else None
-        for _ in range(n):
+    for c, start, need, keep in plans:
+        out = {part: np.empty(cache.expected_shape(part, c, need - k), np.float32)  # type: ignore[arg-type]
+               for part, k in keep.items()}
+        batchers = {part: _Batcher(model, arr, batch_size) for part, arr in out.items()}
+        for _ in range(need - min(keep.values())):
             pos, x0, xa = next(it)
-            if b0 is not None:
-                b0.add(x0.unsqueeze(0))
-            if ba is not None:
-                ba.add(xa)
+            if x0.numel():
+                batchers["view0"].add(x0.unsqueeze(0))
+            if xa.numel():
+                batchers[policy].add(xa)
             task.advance(1)
-        if b0 is not None:
-            b0.finish()
-            cache.save("view0", c, v0)
-        if ba is not None:
-            ba.finish()
-            cache.save(policy, c, aug)  # type: ignore[arg-type]
+        for part, b in batchers.items():
+            b.finish()
+            k = keep[part]
+            cpart: Any = part
+            new = out[part] if k == 0 else np.concatenate([np.asarray(cache.load(cpart, c)[:k], np.float32), out[part]])
+            cache.save(cpart, c, new)
     return len(jobs)
+
+
+def _chunk_plan(cache: FeatureCache, c: int, miss: tuple[str, ...], n_positions: int, batch_size: int
+                ) -> tuple[int, int, int, dict[str, int]]:
+    """(chunk, first stream position, rows needed, {missing part: rows of its stored prefix kept}).
+
+    A stored prefix is kept up to its last micro-batch boundary (a multiple of `batch_size` images from the chunk's
+    start; a part with V images per position keeps a multiple of batch_size / gcd(V, batch_size) positions) and the
+    rest re-encoded, so the extended chunk is encoded in the same micro-batches as a chunk encoded whole."""
+    start, stop = cache.chunk_range(c)
+    need = min(stop, n_positions) - start
+    keep = {}
+    for part in miss:
+        per_pos = 1 if part == "view0" else N_AUG_VIEWS
+        step = batch_size // math.gcd(per_pos, batch_size)
+        keep[part] = min(cache.rows(part, c), need) // step * step  # type: ignore[arg-type]
+    return c, start, need, keep
 
 
 class _FeatureReader:

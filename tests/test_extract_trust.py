@@ -333,3 +333,52 @@ def test_unsupported_modes_rejected_by_name(tmp_path):
     Image.fromarray(np.full((4, 4), 70000, np.int32), "I").save(tmp_path / "i.tif")
     with pytest.raises(DatasetError, match=r"i.tif: 32-bit integer image \(mode I\) with values outside 0..65535"):
         open_image(tmp_path / "i.tif")
+
+
+# --- --limit encodes only what it needs ----------------------------------------------------------------------------
+
+def _count_encoded(monkeypatch, model):
+    calls: list[int] = []
+    orig = type(model).encode_images
+    monkeypatch.setattr(type(model), "encode_images", lambda self, x: calls.append(len(x)) or orig(self, x))
+    return calls
+
+
+def _cache_arrays(cache):
+    return {str(p.relative_to(cache).parts[-2:]): np.load(p) for p in sorted(cache.rglob("chunk-*.npy"))}
+
+
+def test_limit_encodes_only_needed_positions_and_extends_prefix(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    root = tmp_path / "data"
+    make_json_dataset(root, "dtd", n_classes=3, per_class=6)  # 18 samples, chunks of 5, micro-batches of 2
+    kw = dict(chunk_size=5, batch_size=2)
+    calls = _count_encoded(monkeypatch, tiny_model)
+    cache = tmp_path / "cache"
+    _run(root, tmp_path / "o3", cache, tiny_model, limit=3, **kw)
+    assert sum(calls) == 3  # not the whole first chunk (5)
+    calls.clear()
+    _run(root, tmp_path / "o8", cache, tiny_model, limit=8, **kw)
+    # chunk 0 keeps its 2 rows up to the micro-batch boundary and re-encodes 2..4; chunk 1: positions 5..7
+    assert sum(calls) == 3 + 3
+    calls.clear()
+    full = _run(root, tmp_path / "full", cache, tiny_model, **kw)
+    assert sum(calls) == 3 + 5 + 3  # chunk 1 keeps 5..6 and encodes 7..9 (7 again); chunks 2 and 3
+    calls.clear()
+    fresh = _run(root, tmp_path / "fresh", tmp_path / "cache2", tiny_model, **kw)
+    # the extended chunks equal chunks encoded whole (same micro-batches), and so do the shards
+    a, b = _cache_arrays(cache), _cache_arrays(tmp_path / "cache2")
+    assert a.keys() == b.keys() and len(a) == 4
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    np.testing.assert_array_equal(_logits(full), _logits(fresh))
+
+
+def test_limit_with_64_views_encodes_limit_times_64_images(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    root = tmp_path / "data"
+    make_json_dataset(root, "dtd", n_classes=3, per_class=6)
+    calls = _count_encoded(monkeypatch, tiny_model)
+    _run(root, tmp_path / "out", tmp_path / "cache", tiny_model, limit=2, chunk_size=16, batch_size=64,
+         overrides={"n_views": "64", "augmix": "true"})
+    assert sum(calls) == 2 * 64  # 2 originals + 2 x 63 augmented views, not 16 x 64
+    shapes = sorted(np.load(p).shape[:2] for p in (tmp_path / "cache").rglob("chunk-*.npy"))
+    assert shapes == [(2, 16), (2, 63)]  # prefixes of the first chunk: (2, D) view 0, (2, 63, D) augmented
