@@ -275,10 +275,10 @@ def calibrate_paths(
                 cache_key = (key.backbone + "\0" + key.method, src_keys)
                 if cache_key not in fitted:
                     src_members = [m for k in src_keys for m in groups[k]]
-                    t = TemperatureScaling().fit(batches=_batches(src_members, drop_nonfinite)).temperature_
-                    fitted[cache_key] = t
+                    ts = TemperatureScaling().fit(batches=_batches(src_members, drop_nonfinite))
+                    fitted[cache_key] = t = float(ts.temperature_)
                     report.temperatures[desc] = t
-                    report.notes.append(f"temperature scaling fitted on {desc}: T = {t:.4f}")
+                    report.notes.append(ts.describe_fit(desc))
                 fc = TemperatureScaling(T=fitted[cache_key])
                 fc.spec = c.spec
                 active.append(fc)

@@ -57,7 +57,7 @@ def extract(
                                                  "or 'content' (sha256 of every file)"),
     batch_size: int = typer.Option(256, help="images per encoder call"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to 16 on CUDA, 0 on CPU)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (warnings and errors still print)"),
 ) -> None:
     """Run METHOD over DATASET and write shards under OUT."""
     from rich.console import Console
@@ -84,7 +84,7 @@ def extract(
         err.print("interrupted; rerun the same command to resume")
         raise typer.Exit(130)
     where = paths[0].parent if paths else out
-    Console().print(f"{len(paths)} shard(s) in {where}", highlight=False)
+    print(f"{len(paths)} shard(s) in {where}")  # plain: never wrapped, so scripts can parse the path
 
 
 def main(argv: list[str] | None = None) -> None:

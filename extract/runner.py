@@ -171,6 +171,19 @@ class _Progress:
             self._p.console.print(msg)
 
 
+def _warn(message: str, progress: _Progress, log: Callable[[str], None] | None) -> None:
+    """A warning always reaches the user: through `log`, the progress console, or (progress bar off, `--quiet`)
+    stderr - quiet hides the progress, never a warning."""
+    if log is not None:
+        log(f"warning: {message}")
+    elif progress.enabled:
+        from rich.markup import escape
+        progress.print(f"[yellow]warning:[/yellow] {escape(message)}")
+    else:
+        import sys
+        print(f"warning: {message}", file=sys.stderr)
+
+
 class _Task:
     def __init__(self, progress: Any, description: str, total: int):
         self.p = progress
@@ -634,13 +647,8 @@ def run_extraction(
     written = [shard_path(out, plan.key, p) for p in range(start_part)]
 
     with _Progress(progress) as prog:
-        say = log or prog.print
         for w in warnings:
-            if log is None:
-                from rich.markup import escape
-                say(f"[yellow]warning:[/yellow] {escape(w)}")
-            else:
-                say(f"warning: {w}")
+            _warn(w, prog, log)
         encode_pass(model, testset, perm, cache, plan.policy, n_run, seed=seed, batch_size=batch_size,
                     workers=workers, progress=prog)
         episodic = bool(getattr(config, "episodic", False))

@@ -382,3 +382,50 @@ def test_limit_with_64_views_encodes_limit_times_64_images(tmp_path, tiny_model,
     assert sum(calls) == 2 * 64  # 2 originals + 2 x 63 augmented views, not 16 x 64
     shapes = sorted(np.load(p).shape[:2] for p in (tmp_path / "cache").rglob("chunk-*.npy"))
     assert shapes == [(2, 16), (2, 63)]  # prefixes of the first chunk: (2, D) view 0, (2, 63, D) augmented
+
+
+# --- small things --------------------------------------------------------------------------------------------------
+
+def test_quiet_keeps_warnings_and_the_last_line_is_not_wrapped(tmp_path, cli_data, tiny_model_dir, capsys):  # noqa: F811
+    out = tmp_path / ("a-long-folder-name-" * 5) / "shards"
+    code, stdout, err = _cli(["--method", "dpe", "--dataset", "dtd", "--limit", "2", "--data-root", cli_data,
+                              "--out", out, "--cache-dir", tmp_path / "cache", "--cupl-dir", tmp_path / "no-cupl",
+                              "--pretrained", f"local-dir:{tiny_model_dir}", "--device", "cpu", "--quiet"], capsys)
+    assert code == 0, err
+    assert "warning:" in err and "CuPL" in err  # the fallback to templates is said even with --quiet
+    sdir = out / "backbone=tiny-clip" / "dataset=dtd" / "method=dpe" / "seed=1"
+    assert stdout.splitlines()[-1] == f"1 shard(s) in {sdir}"  # one line, whatever its length
+
+
+def test_torchscript_load_does_not_claim_random_init(tmp_path, caplog, capfd):
+    from extract_fixtures import make_tiny_checkpoint
+
+    from extract.models import load_model
+
+    path = make_tiny_checkpoint(tmp_path / "jit.pt", fmt="jit")
+    with caplog.at_level("INFO"):
+        load_model("zaec-tiny-vit", str(path), "cpu")
+    said = caplog.text + "".join(capfd.readouterr())
+    assert "initialized randomly" not in said
+    with caplog.at_level("INFO"):  # the filter is gone afterwards: a real random init is still reported
+        import logging
+        logging.getLogger().warning("Model x initialized randomly.")
+    assert "initialized randomly" in caplog.text
+
+
+def test_temperature_at_its_bound_is_not_reported_as_fitted(tmp_path, make_meta):
+    from calibrate.calibrators import TS_BETA_MIN, TemperatureScaling
+    from calibrate.run import calibrate_paths
+    from schemas import shard_path, write_shard
+
+    z = np.array([[5.0, 0.0], [0.0, 5.0], [4.0, 1.0]])
+    wrong = TemperatureScaling().fit(z, np.array([1, 0, 1]))  # every prediction wrong: NLL falls as T grows
+    assert wrong.at_bound_ and wrong.temperature_ == pytest.approx(1 / TS_BETA_MIN, rel=1e-6)
+    assert "is the bound of its search range" in wrong.describe_fit("src")
+    mixed = TemperatureScaling().fit(np.array([[2.0, 0.0], [0.0, 1.0], [1.0, 0.5]]), np.array([0, 0, 0]))
+    assert not mixed.at_bound_ and mixed.describe_fit("src").startswith("temperature scaling fitted on src: T = ")
+    meta = make_meta(dataset="imagenet", k=2)
+    write_shard(shard_path(tmp_path, meta.key, 0), meta, [0, 1, 2], [1, 0, 1], z, z)
+    notes = calibrate_paths([tmp_path], calibrators="temperature").notes
+    assert any("is the bound of its search range" in n for n in notes)
+    assert not any(n.startswith("temperature scaling fitted on") for n in notes)

@@ -284,8 +284,11 @@ def load_summaries(
                         shard = _checked(shard, drop_nonfinite, [])
                         yield shard.tta_logits, shard.label
 
-                cache[ck] = float(TemperatureScaling().fit(batches=batches).temperature_)
+                ts = TemperatureScaling().fit(batches=batches)
+                cache[ck] = float(ts.temperature_)
                 out.temperatures[desc] = cache[ck]
+                if ts.at_bound_:
+                    out.notes.append(ts.describe_fit(desc))
             fitted[key] = cache[ck]
         for backbone, method in sorted(missing):
             out.notes.append(
