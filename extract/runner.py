@@ -448,6 +448,13 @@ _SETTING_HINTS = {"data_fingerprint": "the image files changed (size, modificati
                   "data_root": "another data root", "samples": "another split or class list"}
 
 
+def _predates_data_fingerprint(old: Any, new: Mapping[str, Any]) -> bool:
+    """A finished run recorded before data fingerprints existed, with otherwise the same settings: its data cannot be
+    verified, so it is recomputed rather than served or refused."""
+    return (isinstance(old, dict) and "data_fingerprint" not in old
+            and {k: v for k, v in new.items() if k not in ("data_fingerprint", "data_root")} == old)
+
+
 def _settings_differ(sdir: Path, old: Any, new: Mapping[str, Any]) -> str:
     """One line saying which settings of the finished run under `sdir` differ from this run's."""
     old = old if isinstance(old, dict) else {}
@@ -561,9 +568,14 @@ def run_extraction(
     marker = sdir / COMPLETE_MARKER
     if not force and run_is_complete(out, plan.key, limit=limit):
         info = json.loads(marker.read_text(encoding="utf-8"))
-        if info.get("settings") != settings:
-            raise RunError(_settings_differ(sdir, info.get("settings"), settings))
-        return [sdir / p for p in info["parts"]]
+        old = info.get("settings")
+        if old == settings:
+            return [sdir / p for p in info["parts"]]
+        if not _predates_data_fingerprint(old, settings):
+            raise RunError(_settings_differ(sdir, old, settings))
+        _warn(f"{sdir}: the finished run predates data fingerprints (it cannot be checked against the images); recomputing it",
+              _Progress(False), log)
+        force = True
 
     if model is None:
         model = load_model(backbone, pretrained, device)
@@ -619,6 +631,8 @@ def run_extraction(
             try:
                 sh = read_shard(path)
             except ShardError:
+                break
+            if b"zaec:data_fingerprint" not in sh.meta.to_kv():  # written before data fingerprints: recompute
                 break
             diff = _meta_diff(sh.meta.to_kv(), meta_kv)
             if diff:

@@ -429,3 +429,40 @@ def test_temperature_at_its_bound_is_not_reported_as_fitted(tmp_path, make_meta)
     notes = calibrate_paths([tmp_path], calibrators="temperature").notes
     assert any("is the bound of its search range" in n for n in notes)
     assert not any(n.startswith("temperature scaling fitted on") for n in notes)
+
+
+def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):  # noqa: F811
+    root = tmp_path / "data"
+    make_json_dataset(root, "dtd", n_classes=3, per_class=3)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    paths = _run(root, out, cache, tiny_model)
+    want = _logits(paths)
+    # rewrite the run as an older zaec wrote it: no data keys in the marker's settings or the shards' metadata
+    import dataclasses
+    import json as _json
+
+    from schemas import write_shard
+    marker = paths[0].parent / "_zaec_complete.json"
+    info = _json.loads(marker.read_text())
+    for k in ("data_root", "data_fingerprint"):
+        del info["settings"][k]
+    marker.write_text(_json.dumps(info))
+    for p in paths:
+        sh = read_shard(p)
+        extra = {k: v for k, v in sh.meta.extra.items() if k not in ("zaec:data_root", "zaec:data_fingerprint")}
+        write_shard(p, dataclasses.replace(sh.meta, extra=extra), sh.sample_id, sh.label, sh.zs_logits,
+                    sh.tta_logits, stream_pos=sh.stream_pos)
+    notes = []
+    again = run_extraction("zero-shot", "dtd", data_root=root, out=out, cache_dir=cache, model=tiny_model,
+                           log=notes.append, **SMALL)
+    assert any("predates data fingerprints" in n for n in notes)
+    assert all("zaec:data_fingerprint" in read_shard(p).meta.extra for p in again)
+    np.testing.assert_array_equal(_logits(again), want)
+    (again[0].parent / "_zaec_complete.json").unlink()  # an interrupted legacy run: its parts are rewritten too
+    for p in again:
+        sh = read_shard(p)
+        extra = {k: v for k, v in sh.meta.extra.items() if k != "zaec:data_fingerprint"}
+        write_shard(p, dataclasses.replace(sh.meta, extra=extra), sh.sample_id, sh.label, sh.zs_logits,
+                    sh.tta_logits, stream_pos=sh.stream_pos)
+    third = run_extraction("zero-shot", "dtd", data_root=root, out=out, cache_dir=cache, model=tiny_model, **SMALL)
+    assert all("zaec:data_fingerprint" in read_shard(p).meta.extra for p in third)
