@@ -573,8 +573,8 @@ def run_extraction(
             return [sdir / p for p in info["parts"]]
         if not _predates_data_fingerprint(old, settings):
             raise RunError(_settings_differ(sdir, old, settings))
-        _warn(f"{sdir}: the finished run predates data fingerprints (it cannot be checked against the images); recomputing it",
-              _Progress(False), log)
+        _warn(f"{sdir}: the finished run predates data fingerprints (it cannot be checked against the images); "
+              "recomputing it", _Progress(False), log)
         force = True
 
     if model is None:

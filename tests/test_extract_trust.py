@@ -386,7 +386,8 @@ def test_limit_with_64_views_encodes_limit_times_64_images(tmp_path, tiny_model,
 
 # --- small things --------------------------------------------------------------------------------------------------
 
-def test_quiet_keeps_warnings_and_the_last_line_is_not_wrapped(tmp_path, cli_data, tiny_model_dir, capsys):  # noqa: F811
+def test_quiet_keeps_warnings_and_the_last_line_is_unwrapped(tmp_path, cli_data, tiny_model_dir,  # noqa: F811
+                                                             capsys):
     out = tmp_path / ("a-long-folder-name-" * 5) / "shards"
     code, stdout, err = _cli(["--method", "dpe", "--dataset", "dtd", "--limit", "2", "--data-root", cli_data,
                               "--out", out, "--cache-dir", tmp_path / "cache", "--cupl-dir", tmp_path / "no-cupl",
