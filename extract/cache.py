@@ -3,7 +3,7 @@
 The image encoder is frozen in every method of this stage, so features are computed once and reused by every method
 (zero-shot, TDA, DPE, DLAE, ...). Layout under the cache root (default `data/cache`):
 
-    <root>/<model fingerprint>/<dataset>-<test-set fingerprint>/seed=<s>/
+    <root>/<model fingerprint>/<dataset>-<test-set key>/seed=<s>/   (key: sample list, data root, data fingerprint)
         meta.json                     n_total, chunk size, feature dim, dtype, stream fingerprint
         view0/chunk-00000.npy         (n, D)      original view of stream positions [0, chunk)
         augmix/chunk-00000.npy        (n, 63, D)  views 1..63 (AugMix policy)
@@ -13,8 +13,9 @@ The image encoder is frozen in every method of this stage, so features are compu
 Chunks follow the stream order of the seed, and every chunk always holds the same samples, encoded in the same
 micro-batches: a chunk's content never depends on which run produced it. `--limit N` encodes only the first N
 positions: the last chunk it touches is stored as a prefix (fewer rows than the chunk), which a later run extends,
-re-encoding from the last micro-batch boundary of that prefix, so that the extended chunk equals one encoded whole. View 0 is stored once per (model, dataset, seed) and shared by the single-view and the
-multi-view policies, so a single-view method reuses the original view of a multi-view cache exactly (same numbers).
+re-encoding from the last micro-batch boundary of that prefix, so that the extended chunk equals one encoded whole.
+View 0 is stored once per (model, dataset, seed) and shared by the single-view and the multi-view policies, so a
+single-view method reuses the original view of a multi-view cache exactly (same numbers).
 Every file is written under a temporary name and renamed: a crash leaves no half-written chunk, and a restarted run
 encodes only the missing chunks.
 """
@@ -63,7 +64,8 @@ class FeatureCache:
         root: cache root.
         model_fp: `LoadedModel.fingerprint`.
         dataset: canonical dataset key.
-        testset_fp: `TestSet.fingerprint()`.
+        testset_fp: the test-set key: the runner hashes the sample list (`TestSet.fingerprint()`), the resolved
+            data root and the data fingerprint of the image files (`extract.fingerprint`) into it.
         seed: the run seed (orders the stream, seeds the views).
         n_total: number of samples in the test set.
         dim: feature dimension D.
