@@ -2,6 +2,7 @@
 
     zaec-extract --method dpe --dataset dtd [--backbone ViT-B-16] [--pretrained openai|FILE|local-dir:DIR]
                  [--data-root DIR] [--out DIR] [--seed S] [--device D] [--limit N] [--set key=value ...]
+    zaec-extract --method tda --dataset folder:PATH [--dataset-name NAME] [--class-names FILE] ...
 
 User errors (unknown names, missing data or weights, bad `--set`) end in one line on stderr and exit status 2.
 """
@@ -32,7 +33,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 @app.command()
 def extract(
     method: str = typer.Option(..., "--method", "-m", help="TTA method: zero-shot, tda, dpe, dlae, ..."),
-    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key: imagenet, imagenet_a, dtd, ..."),
+    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key (imagenet, dtd, imagenet_c:fog:3, ...), "
+                                                            "folder:PATH (one sub-folder per class) or "
+                                                            "split:FILE.json (a CoOp split)"),
+    dataset_name: Optional[str] = typer.Option(None, help="name of a folder:/split: dataset in the shards "
+                                                          "(default: the folder's name)"),
+    class_names: Optional[Path] = typer.Option(None, help="class names of a folder:/split: dataset, label order: "
+                                                          "one per line or a JSON list"),
     backbone: Optional[str] = typer.Option(
         None, help="open_clip model name (ViT-B-16, RN50); default ViT-B-16, or the local-dir's model"),
     pretrained: str = typer.Option("openai", help="pretrained tag, checkpoint file, or local-dir:DIR"),
@@ -64,9 +71,11 @@ def extract(
 
     err = Console(stderr=True)
     try:
+        from extract.datasets import resolve_dataset
         from extract.runner import parse_overrides, plan_run, run_extraction
 
         overrides = parse_overrides(set_)
+        dataset = resolve_dataset(dataset, name=dataset_name, class_names=class_names)
         # resolve every name before any file is read (run_extraction repeats it; it is cheap)
         plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                  anchor=anchor, limit=limit)
@@ -74,8 +83,7 @@ def extract(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
-            batch_size=batch_size,
-            workers=workers, progress=not quiet)
+            batch_size=batch_size, workers=workers, progress=not quiet)
     except _user_errors() as e:
         err.print("[bold red]error:[/bold red]", end=" ")
         err.print(str(e), markup=False, highlight=False, soft_wrap=True)
@@ -89,20 +97,9 @@ def extract(
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point. A usage error (`--limit abc`, an unknown option) is one line on stderr, exit 2."""
-    # typer vendors click in recent versions: find its exception classes through typer's own
-    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-    args = list(argv if argv is not None else sys.argv[1:]) or ["--help"]
-    try:
-        code = typer.main.get_command(app).main(args=args, prog_name="zaec-extract", standalone_mode=False)
-    except click_error as e:
-        hint = " (see zaec-extract --help)" if isinstance(e, usage_error) else ""
-        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
-        sys.exit(2)
-    except typer.Abort:
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+    from calibrate.cli_errors import run_app  # the one place typer's usage errors become one line (CPU-side, light)
+
+    run_app(app, list(argv if argv is not None else sys.argv[1:]) or ["--help"], "zaec-extract")
 
 
 if __name__ == "__main__":

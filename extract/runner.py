@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from extract.cache import FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
-from extract.datasets import TestSet, get_dataset, load_testset, open_image, resolve_data_root
+from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, open_image, resolve_data_root
 from extract.fingerprint import check_mode, fingerprint as data_fingerprint
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
@@ -213,7 +213,10 @@ class _ViewData(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         pos, need0, need_aug = self.jobs[i]
         sid = int(self.perm[pos])
-        img = open_image(self.testset.paths[sid])
+        try:
+            img = open_image(self.testset.paths[sid])
+        except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
+            return pos, str(e), torch.empty(0)  # type: ignore[return-value]
         v0 = self.gen.original(img) if need0 else torch.empty(0)
         aug = self.gen.augmented(img, sid) if need_aug else torch.empty(0)
         return pos, v0, aug
@@ -278,6 +281,8 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
         batchers = {part: _Batcher(model, arr, batch_size) for part, arr in out.items()}
         for _ in range(need - min(keep.values())):
             pos, x0, xa = next(it)
+            if isinstance(x0, str):  # an image the loader cannot read (named in the message)
+                raise DatasetError(x0)
             if x0.numel():
                 batchers["view0"].add(x0.unsqueeze(0))
             if xa.numel():
@@ -354,6 +359,8 @@ class _Plan:
     backbone: str
     policy: ViewPolicy
     key: RunKey
+    #: for a dataset without official settings: which settings apply (printed at the start, kept in the shards)
+    settings_note: str = ""
 
 
 def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str, seed: int,
@@ -370,14 +377,25 @@ def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str
     if seed < 0:
         raise RunError(f"seed must be >= 0, got {seed}")
     name = resolve_backbone_name(backbone, pretrained)
-    config = cls.default_config(spec.hparams_from, name)
+    unseen = spec.hparams_from is None  # a user's dataset: the method's documented settings for unseen data
+    config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
     if overrides:
         config = apply_overrides(config, dict(overrides))
     try:
         policy = view_policy(int(config.n_views), bool(config.augmix))
     except ValueError as e:
         raise RunError(f"{method}: {e}") from None
-    return _Plan(cls, config, dataset, name, policy, RunKey(name, dataset, method, int(seed)))
+    note = ""
+    if unseen:
+        from extract.prompts import USER_PROMPT_POLICIES
+        if config.prompts not in USER_PROMPT_POLICIES or config.cupl:
+            raise RunError(f"dataset {spec.key!r} has no per-dataset templates or CuPL sentences: prompts must be "
+                           f"one of {', '.join(USER_PROMPT_POLICIES)} and cupl false, got prompts={config.prompts}, "
+                           f"cupl={config.cupl}")
+        changes = "".join(f", {k}={v}" for k, v in cls.unseen_changes.items())
+        note = f"{method}'s settings for unseen data: {cls.unseen_like}'s row{changes}"
+        note += f", then --set {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""
+    return _Plan(cls, config, spec.key, name, policy, RunKey(name, spec.key, method, int(seed)), note)
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
@@ -432,9 +450,11 @@ def check_finite_logits(method: str, tta: np.ndarray, zs: np.ndarray, sample_ids
 
 
 def _data_identity(testset: TestSet, data_root: str | os.PathLike | None, mode: str) -> dict[str, str]:
-    """The resolved data root and the data fingerprint of the test set's image files (`extract.fingerprint`)."""
-    return {"data_root": str(resolve_data_root(data_root).resolve()),
-            "data_fingerprint": data_fingerprint(testset, mode)}
+    """The resolved data root (for a user's `folder:`/`split:` dataset, which needs none: its own folder) and the
+    data fingerprint of the test set's image files (`extract.fingerprint`)."""
+    own = get_dataset(testset.key).ref is not None
+    root = testset.dataset_dir if own else resolve_data_root(data_root)
+    return {"data_root": str(Path(root).resolve()), "data_fingerprint": data_fingerprint(testset, mode)}
 
 
 def _cache_key(testset: TestSet, data: Mapping[str, str]) -> str:
@@ -517,7 +537,8 @@ def run_extraction(
 
     Args:
         method: method key (`extract.methods.REGISTRY`).
-        dataset: dataset key (`extract.datasets.REGISTRY`).
+        dataset: dataset key (`extract.datasets.REGISTRY`), a user dataset's name (`resolve_dataset`), or a
+            `folder:PATH` / `split:FILE.json` reference (named after its folder).
         backbone: open_clip model name; None = `ViT-B-16`, or with `pretrained="local-dir:DIR"` the directory's
             model name.
         pretrained: tag (`openai`), checkpoint file or `local-dir:DIR`.
@@ -555,6 +576,7 @@ def run_extraction(
         backbone, pretrained = model.backbone, model.pretrained
     plan = plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                     anchor=anchor, limit=limit)
+    dataset = plan.spec_key  # a `folder:`/`split:` reference -> the dataset's canonical name
     check_mode(fingerprint)
     testset = load_testset(dataset, data_root, sh_filter=sh_filter)
     data = _data_identity(testset, data_root, fingerprint)
@@ -614,6 +636,8 @@ def run_extraction(
         extra["zaec:imagenet_indices"] = json.dumps(list(testset.imagenet_indices))
     for k, v in testset.notes.items():
         extra[f"zaec:{k}"] = v
+    if plan.settings_note:
+        extra["zaec:method_settings"] = plan.settings_note
     meta = ShardMeta(backbone=plan.backbone, pretrained=model.pretrained, dataset=dataset, method=method, seed=seed,
                      class_names=testset.class_names, method_config=_config_dict(config), zs_prompts=zs_desc,
                      extra=extra)
@@ -661,6 +685,13 @@ def run_extraction(
     written = [shard_path(out, plan.key, p) for p in range(start_part)]
 
     with _Progress(progress) as prog:
+        say = log or prog.print
+        from rich.markup import escape
+        if plan.settings_note:  # a dataset without official settings: say which apply before the first image
+            fields = " ".join(f"{k}={v}" for k, v in _config_dict(config).items() if k != "episodic")
+            line = (f"{dataset} has no official settings; {plan.settings_note}: {fields} "
+                    "(change any with --set key=value)")
+            say(line if log is not None else escape(line))
         for w in warnings:
             _warn(w, prog, log)
         encode_pass(model, testset, perm, cache, plan.policy, n_run, seed=seed, batch_size=batch_size,

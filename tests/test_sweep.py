@@ -15,11 +15,11 @@ import pytest
 from extract_fixtures import make_json_dataset, tiny_model_dir  # noqa: F401  (pytest fixture)
 from typer.testing import CliRunner
 
-from extract import sweep
+from extract.sweep import cli as sweep
 from extract.datasets import PAPER_DATASETS, get_dataset
 from extract.methods import REGISTRY, get_method
 from extract.runner import run_is_complete
-from extract.sweep_plan import (
+from extract.sweep.plan import (
     ADAPT_S_PER_SAMPLE,
     ADAPT_S_PER_SAMPLE_CLASS,
     DEFAULT_ADAPT_S_PER_SAMPLE,
@@ -441,7 +441,7 @@ def test_error_line_is_one_line():
 def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_dir, data_root,  # noqa: F811
                                                            monkeypatch):
     from extract import runner as extract_runner
-    from extract.sweep_job import run_group
+    from extract.sweep.job import run_group
 
     runs = expand_grid(Grid(("zero-shot", "tda"), ("dtd",), (), pretrained=f"local-dir:{tiny_model_dir}"),
                        out=tmp_path / "out", data_root=data_root, cache_dir=tmp_path / "cache", device="cpu")

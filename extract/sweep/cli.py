@@ -28,7 +28,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import typer
 
-from extract.sweep_plan import (
+from extract.sweep.plan import (
     ACTIVE_STATES,
     EXECUTORS,
     Grid,
@@ -205,7 +205,7 @@ def _import_submitit() -> Any:
 def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: str) -> list[tuple[Group, Any]]:
     """Submit the groups; returns (group, submitit job) pairs. Raises SweepError when the scheduler refuses."""
     submitit = _import_submitit()
-    from extract.sweep_job import GroupJob
+    from extract.sweep.job import GroupJob
 
     folder = sweep_dir(out) / "submitit"
     try:
@@ -360,13 +360,13 @@ def refresh(manifest: Manifest, live: Mapping[str, Any] | None = None) -> list[t
 
 
 def _now() -> str:
-    from extract.sweep_plan import now
+    from extract.sweep.plan import now
 
     return now()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# rendering (rich) of the polars frames built in extract.sweep_plan
+# rendering (rich) of the polars frames built in extract.sweep.plan
 
 STATE_STYLE = {"done": "green", "failed": "bold red", "running": "cyan", "pending": "yellow"}
 
@@ -409,7 +409,7 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
     from rich.table import Table
 
     df = plan_frame(groups)
-    t = Table(title="sweep plan (GPU-hours: an estimate, see extract/sweep_plan.py)")
+    t = Table(title="sweep plan (GPU-hours: an estimate, see extract/sweep/plan.py)")
     for h in ("group (backbone/dataset/views/seed)", "methods", "images", "views", "est. GPU-h"):
         t.add_column(h, justify="right" if h in ("images", "views", "est. GPU-h") else "left")
     for r in df.iter_rows(named=True):
@@ -627,7 +627,9 @@ _EXEC_HELP = "executor setting (see `zaec-sweep run --help`)"
 @app.command()
 def run(
     methods: Optional[str] = typer.Option(None, help="comma-separated method keys: zero-shot,tda,dpe,dlae"),
-    datasets: Optional[str] = typer.Option(None, help="comma-separated dataset keys, or 'all' (the 15 of the paper)"),
+    datasets: Optional[str] = typer.Option(None, help="comma-separated dataset keys, 'all' (the 15 of the paper), "
+                                                      "'imagenet_c' (its 75 keys), folder:PATH, split:FILE.json, "
+                                                      "NAME=folder:PATH"),
     backbones: Optional[str] = typer.Option(
         None, help="comma-separated open_clip names (ViT-B-16,RN50), each optionally NAME=PRETRAINED; may be "
                    "omitted with --pretrained local-dir:DIR [default: ViT-B-16]"),
@@ -717,7 +719,7 @@ def status(
     state: Optional[str] = typer.Option(None, help="show only runs in this state: pending, running, done, failed"),
 ) -> None:
     """Show the manifest as a table; states are refreshed from the jobs and the shards on disk."""
-    from extract.sweep_plan import STATES
+    from extract.sweep.plan import STATES
 
     console = _console()
     try:

@@ -1,0 +1,3 @@
+from extract.sweep.cli import main
+
+main()
