@@ -467,3 +467,24 @@ def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):  # 
                     sh.tta_logits, stream_pos=sh.stream_pos)
     third = run_extraction("zero-shot", "dtd", data_root=root, out=out, cache_dir=cache, model=tiny_model, **SMALL)
     assert all("zaec:data_fingerprint" in read_shard(p).meta.extra for p in third)
+
+
+def test_user_folder_dataset_gets_the_fingerprint_for_free(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    import extract.datasets as ds
+    from extract_fixtures import write_image
+
+    monkeypatch.setattr(ds, "_USER_SPECS", {})  # as a fresh process: no user dataset registered yet
+    rng = np.random.default_rng(0)
+    root = tmp_path / "pets"
+    for c in ("cat", "dog"):
+        for i in range(2):
+            write_image(root / c / f"{i}.png", rng)
+    ref = f"folder:{root}"
+    kw = dict(out=tmp_path / "out", cache_dir=tmp_path / "cache", model=tiny_model, progress=False)
+    paths = run_extraction("zero-shot", ref, **kw)
+    extra = read_shard(paths[0]).meta.extra
+    assert extra["zaec:data_root"] == str(root.resolve())  # a user's folder needs no data root: its own folder
+    assert extra["zaec:data_fingerprint"] == fingerprint(load_testset(ds.resolve_dataset(ref)))
+    shutil.copyfile(root / "dog" / "0.png", root / "cat" / "0.png")
+    with pytest.raises(RunError, match="data_fingerprint"):
+        run_extraction("zero-shot", ref, **kw)
