@@ -6,8 +6,8 @@ same sample list but a different data fingerprint, so the cache recomputes and a
 
 Modes:
     stat     (default) relative path, size and modification time (ns) of every file: one `os.stat` per file, no
-             reading (50,000 ImageNet images take well under a second on a local disk). Touching or copying files
-             without preserving times changes it (a recompute, never a stale result).
+             reading (about 25 us per file, mostly `os.stat`, on a loaded 2-core machine: ~1 s for ImageNet's
+             50,000). Touching or copying files without preserving times changes it (a recompute, never stale).
     content  relative path and sha256 of every file's bytes: survives copies, costs reading every image once.
 
 The function works from any `TestSet` (its `paths` and `dataset_dir`), so every dataset kind gets it for free.
@@ -25,11 +25,9 @@ FINGERPRINT_MODES: tuple[str, ...] = ("stat", "content")
 _BLOCK = 1 << 20
 
 
-def _rel(path: Path, base: Path) -> str:
-    try:
-        return path.relative_to(base).as_posix()
-    except ValueError:  # a kind whose files lie outside its folder: the absolute path identifies them
-        return path.as_posix()
+def _rel(path: str, prefix: str) -> str:
+    # string slicing, not Path.relative_to: this runs once per image (50,000 on ImageNet)
+    return path[len(prefix):] if path.startswith(prefix) else path  # outside the folder: the path identifies it
 
 
 def check_mode(mode: str) -> FingerprintMode:
@@ -52,20 +50,20 @@ def files_fingerprint(paths: Sequence[Path], base: Path, mode: str = "stat") -> 
         'stat:'
     """
     mode = check_mode(mode)
-    h = hashlib.sha256()
-    h.update(f"{mode}\n{Path(base).resolve().as_posix()}\n".encode())
-    for p in paths:
-        rel = _rel(Path(p), Path(base))
+    prefix = os.fspath(base).rstrip(os.sep) + os.sep
+    lines = [f"{mode}\n{Path(base).resolve().as_posix()}\n"]
+    for p in map(os.fspath, paths):
+        rel = _rel(p, prefix).replace(os.sep, "/")
         if mode == "stat":
             st = os.stat(p)
-            h.update(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+            lines.append(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}\n")
         else:
             fh_hash = hashlib.sha256()
             with open(p, "rb") as fh:
                 for block in iter(lambda: fh.read(_BLOCK), b""):
                     fh_hash.update(block)
-            h.update(f"{rel}\t{fh_hash.hexdigest()}\n".encode())
-    return f"{mode}:{h.hexdigest()[:16]}"
+            lines.append(f"{rel}\t{fh_hash.hexdigest()}\n")
+    return f"{mode}:{hashlib.sha256(''.join(lines).encode()).hexdigest()[:16]}"
 
 
 def fingerprint(testset, mode: str = "stat") -> str:
