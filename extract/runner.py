@@ -457,6 +457,13 @@ def _data_identity(testset: TestSet, data_root: str | os.PathLike | None, mode: 
     return {"data_root": str(Path(root).resolve()), "data_fingerprint": data_fingerprint(testset, mode)}
 
 
+def data_identity(dataset: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False,
+                  mode: str = "stat") -> dict[str, str]:
+    """`{"data_root": ..., "data_fingerprint": ...}` as a run of `dataset` would record them in its settings (for
+    checks outside a run, e.g. a sweep deciding whether a finished run still matches its images)."""
+    return _data_identity(load_testset(dataset, data_root, sh_filter=sh_filter), data_root, mode)
+
+
 def _cache_key(testset: TestSet, data: Mapping[str, str]) -> str:
     """The test-set part of the feature cache key: sample list, data root and data fingerprint (16 hex)."""
     raw = "\n".join((testset.fingerprint(), data["data_root"], data["data_fingerprint"]))
