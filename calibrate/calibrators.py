@@ -592,6 +592,22 @@ class TemperatureScaling(Calibrator):
         self.temperature_, self.n_iter_ = fit_temperature(batches)
         return self
 
+    @property
+    def at_bound_(self) -> bool:
+        """Whether the fitted T sits at a bound of its search range [1/TS_BETA_MAX, 1/TS_BETA_MIN]: the NLL optimum
+        lies outside (e.g. source logits that are all wrong), so T is a cap, not a fitted value."""
+        t = float(self.temperature_)
+        return self.T is None and (t >= (1.0 - 1e-6) / TS_BETA_MIN or t <= (1.0 + 1e-6) / TS_BETA_MAX)
+
+    def describe_fit(self, source: str) -> str:
+        """One line for the notes: the fitted T, or that it was capped."""
+        t = float(self.temperature_)
+        if self.at_bound_:
+            return (f"temperature scaling on {source}: T = {t:g} is the bound of its search range "
+                    f"[{1 / TS_BETA_MAX:g}, {1 / TS_BETA_MIN:g}], not a fitted optimum (the NLL keeps falling "
+                    "beyond it, e.g. all source predictions wrong)")
+        return f"temperature scaling fitted on {source}: T = {t:.4f}"
+
     def temperatures(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
         if not self.is_fitted:
             raise ValueError("temperature scaling is not fitted: call fit(...) or give T")

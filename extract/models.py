@@ -265,6 +265,94 @@ def _local_dir_config(path: Path) -> dict[str, Any]:
 DEFAULT_BACKBONE = "ViT-B-16"
 
 
+@contextlib.contextmanager
+def _without_random_init_warning() -> Iterator[None]:
+    """Hide open_clip's "Model initialized randomly" warning while a model is built to receive weights loaded
+    separately (TorchScript archives): the weights are loaded, the warning would say the opposite."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "initialized randomly" not in record.getMessage()
+
+    root = logging.getLogger()
+    drop = _Drop()
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)
+
+
+def checkpoint_shapes(path: Path, state: dict[str, torch.Tensor] | None = None) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of a checkpoint file (safetensors header, or a weights-only memory-mapped state dict),
+    with open_clip's `state_dict` wrapper and `module.` prefixes removed; {} when unreadable."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        if state is not None:
+            sd: Any = state
+        elif path.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt") as fh:
+                return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+            sd = sd["state_dict"]
+        for k, v in (sd.items() if isinstance(sd, dict) else ()):
+            if isinstance(v, torch.Tensor):
+                shapes[k[len("module."):] if k.startswith("module.") else k] = tuple(v.shape)
+    except Exception:  # a best-effort hint for an error message: any failure means "no hint"
+        return {}
+    return shapes
+
+
+def guess_architectures(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """open_clip model names whose vision tower matches a checkpoint's shapes (width, layers, patch size for a ViT;
+    stage depths and width for a ResNet), e.g. `["ViT-B-16", ...]`; [] when nothing matches."""
+    import open_clip
+    from open_clip.factory import _MODEL_CONFIGS
+
+    conv1 = shapes.get("visual.conv1.weight")
+    want: dict[str, Any]
+    if conv1 is not None and len(conv1) == 4 and "visual.class_embedding" in shapes:
+        n_layers = len({k.split(".")[3] for k in shapes if k.startswith("visual.transformer.resblocks.")})
+        want = {"width": conv1[0], "layers": n_layers, "patch_size": conv1[-1]}
+    elif "visual.layer1.0.conv1.weight" in shapes:
+        depth = tuple(len({k.split(".")[2] for k in shapes if k.startswith(f"visual.layer{i}.")}) for i in range(1, 5))
+        want = {"layers": list(depth), "width": shapes["visual.conv1.weight"][0] * 2}
+    else:
+        return []
+    names = []
+    for name in open_clip.list_models():
+        vc = _MODEL_CONFIGS.get(name, {}).get("vision_cfg", {})
+        if all((list(vc.get(k)) if isinstance(vc.get(k), (list, tuple)) else vc.get(k)) == v
+               for k, v in want.items()):
+            names.append(name)
+    return names
+
+
+def _state_dict_error(e: BaseException, name: str, pretrained: str, weights: Path | None,
+                      state: dict[str, torch.Tensor] | None) -> str:
+    """One line for a checkpoint that does not fit the architecture: a few missing / unexpected / mismatched keys
+    and the architectures the file looks like."""
+    lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+    parts = []
+    for ln in lines:
+        head, _, rest = ln.partition(":")
+        keys = [k.strip().strip('"') for k in rest.rstrip(". ").split(",") if k.strip()]
+        if head.startswith("size mismatch"):
+            if sum(p.startswith("size mismatch") for p in parts) < 2:
+                parts.append(ln[:160])
+        elif keys:
+            parts.append(f"{head.strip()} ({len(keys)}): {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}")
+    guess = guess_architectures(checkpoint_shapes(weights, state)) if weights is not None else []
+    looks = (f"; the file looks like {', '.join(guess[:4])} (pass it as --backbone)" if guess
+             else "; the file does not match any open_clip architecture by its vision tower")
+    detail = "; ".join(parts) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{pretrained} does not fit the architecture {name}: {detail}{looks}"
+
+
 def load_model(
     backbone: str | None = None,
     pretrained: str = "openai",
@@ -327,6 +415,9 @@ def load_model(
                              f"{', '.join(m for m in open_clip.list_models() if m in OPENAI_ARCHS)}, ... "
                              "(see open_clip.list_models())")
         looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
+        if Path(pretrained).expanduser().is_dir() and (looks_like_path or not get_pretrained_cfg(name, pretrained)):
+            raise ModelError(f"--pretrained {pretrained} is a folder; for a folder holding open_clip_config.json "
+                             f"and the weights pass --pretrained local-dir:{pretrained}")
         if looks_like_path or Path(pretrained).is_file():
             path = Path(pretrained).expanduser()
             if not path.is_file():
@@ -380,13 +471,24 @@ def load_model(
         # Python pickle), and only the state dict is kept.
         jit_state = torchscript_state_dict(Path(weights_file))
         create = dict(model_name=create["model_name"], pretrained=None)
+    from safetensors import SafetensorError
     try:
-        model = open_clip.create_model(**create, device="cpu", weights_only=True, **kwargs)
+        with _without_random_init_warning() if jit_state is not None else contextlib.nullcontext():
+            model = open_clip.create_model(**create, device="cpu", weights_only=True, **kwargs)
         if jit_state is not None:
             # non-persistent buffers (attn_mask) are in a TorchScript state dict but not in the model's
             expected = set(model.state_dict())
             model.load_state_dict({k: v for k, v in jit_state.items() if k in expected}, strict=True)
-    except (RuntimeError, ValueError, KeyError, OSError, pickle.UnpicklingError) as e:
+    except SafetensorError as e:
+        raise ModelError(f"{weights_file}: not a readable safetensors file (truncated or corrupt?): "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except (RuntimeError, AssertionError) as e:
+        # AssertionError: open_clip's resize helpers assert on mismatched widths
+        if "Error(s) in loading state_dict" in str(e) or isinstance(e, AssertionError):
+            raise ModelError(_state_dict_error(e, name, pretrained, Path(weights_file) if weights_file else None,
+                                               jit_state)) from None
+        raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
+    except (ValueError, KeyError, OSError, pickle.UnpicklingError) as e:
         # UnpicklingError: a .pt holding Python objects beyond tensors, refused by weights_only loading
         raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
     model = model.to(dev).eval()

@@ -149,14 +149,17 @@ def resolve_cupl_dir(cupl_dir: str | os.PathLike | None) -> Path | None:
     return Path(raw).expanduser() if raw else None
 
 
-def read_class_sentences(path: str | os.PathLike, class_names: Sequence[str]
-                         ) -> tuple[list[list[str]], list[str]]:
-    """Sentences per class from a JSON object class name -> list of strings (CuPL prompts, GPT-4 descriptors).
+def class_key(name: str) -> str:
+    """The form class names are matched in: lower case, `_` as a space, runs of white space as one space.
 
-    Names are matched exactly, then with `_`/space swapped, then case-insensitively.
+    >>> class_key("Annual_Crop  Land ")
+    'annual crop land'
+    """
+    return " ".join(name.replace("_", " ").lower().split())
 
-    Returns:
-        (K lists of sentences, empty for unmatched classes; the names of the unmatched classes)
+
+def read_class_table(path: str | os.PathLike) -> dict[str, list[str]]:
+    """A JSON object class name -> list of strings, in file order.
 
     Raises:
         PromptError: unreadable file or not a JSON object of class name -> list of strings (names the file).
@@ -169,16 +172,41 @@ def read_class_sentences(path: str | os.PathLike, class_names: Sequence[str]
     if not isinstance(table, dict) or not all(
             isinstance(v, list) and all(isinstance(s, str) for s in v) for v in table.values()):
         raise PromptError(f"{path}: expected a JSON object mapping class names to lists of sentences")
-    lower = {k.lower(): v for k, v in table.items()}
+    return table
+
+
+def match_class_table(table: dict[str, list[str]], class_names: Sequence[str]
+                      ) -> tuple[list[list[str]], list[str]]:
+    """Sentences per class: a key equal to the name, else one equal after `class_key` on both sides.
+
+    Returns:
+        (K lists of sentences, empty for unmatched classes; the names of the unmatched classes)
+    """
+    loose: dict[str, list[str]] = {}
+    for k, v in table.items():
+        loose.setdefault(class_key(k), v)
     out: list[list[str]] = []
     missing: list[str] = []
     for name in class_names:
-        found = next((table[c] for c in (name, name.replace("_", " "), name.replace(" ", "_")) if c in table),
-                     lower.get(name.lower()))
+        found = table[name] if name in table else loose.get(class_key(name))
         if found is None:
             missing.append(name)
         out.append(list(found or []))
     return out, missing
+
+
+def read_class_sentences(path: str | os.PathLike, class_names: Sequence[str]
+                         ) -> tuple[list[list[str]], list[str]]:
+    """Sentences per class from a JSON object class name -> list of strings (CuPL prompts, GPT-4 descriptors),
+    matched by name (`match_class_table`).
+
+    Returns:
+        (K lists of sentences, empty for unmatched classes; the names of the unmatched classes)
+
+    Raises:
+        PromptError: unreadable file or not a JSON object of class name -> list of strings (names the file).
+    """
+    return match_class_table(read_class_table(path), class_names)
 
 
 def load_cupl(dataset: str, class_names: Sequence[str], cupl_dir: str | os.PathLike | None

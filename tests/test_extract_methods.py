@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from extract_fixtures import tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures, for prompt-tuning methods)
 
 from extract.methods import HPARAMS_KEYS, REGISTRY, apply_overrides, get_method
-from extract.methods.common import ClassCache, adamw_first_step, info_nce, marginal_entropy
+from extract.methods.common import ClassCache, adamw_first_step, info_nce, marginal_entropy, torch_adamw_step
 from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
@@ -261,7 +261,10 @@ def ref_info_nce(q, k, tau):
 
 
 def ref_dual(x_stream, text, scale, cfg, dlae: bool):
-    """DPE (spec §7) / DLAE (spec §8, §13.4-5) sample by sample, with a real fresh torch AdamW per sample."""
+    """DPE (spec §7) / DLAE (spec §8, §13.4-5) sample by sample, with a real fresh torch AdamW per sample on
+    residual parameters created as fp16 (the official `TextResidue`/`PositiveCacheResidue`) or, for
+    `residual_step="exact"`, in the stream's dtype."""
+    rdt = torch.float16 if cfg.residual_step == "official_fp16" else text.dtype
     w_g, n_avg, cache, outs = text.clone(), 0, {}, []
     counter, count = torch.ones(K, dtype=text.dtype), K
     conf_mean, conf_cnt = torch.zeros(K, dtype=text.dtype), torch.zeros(K, dtype=text.dtype)
@@ -278,7 +281,7 @@ def ref_dual(x_stream, text, scale, cfg, dlae: bool):
         return ref_summary(x, adjusted, cfg.selection_p), y2
 
     for t, x in enumerate(x_stream):
-        r_t = torch.zeros_like(w_g, requires_grad=True)
+        r_t = torch.zeros(w_g.shape, dtype=rdt, requires_grad=True)
         w = F.normalize(w_g + r_t, dim=1)
         (f, z0, h, prob, y), y2 = views(x, w)
         if dlae:
@@ -309,7 +312,7 @@ def ref_dual(x_stream, text, scale, cfg, dlae: bool):
             ref_keep_lowest(cache, y, [f, float(h) / math.log2(K)], cfg.shot_capacity)
         classes = sorted(cache)
         protos = torch.stack([sum(it[0] for it in cache[c]) / len(cache[c]) for c in classes])
-        r_i = torch.zeros_like(protos, requires_grad=True)
+        r_i = torch.zeros(protos.shape, dtype=rdt, requires_grad=True)
         keys = F.normalize(protos + r_i, dim=1)
         z = z0.clone()
         for j, c in enumerate(classes):
@@ -447,6 +450,98 @@ def test_adamw_first_step_sign_behaviour():
     assert step[3] == pytest.approx(1e-2 * 1e-6 / 1e-3, rel=1e-3)
 
 
+def torch_adamw_fp16(init: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """The official step: a fresh torch AdamW (eps 1e-3, weight decay 0.1) on an fp16 parameter."""
+    p = torch.nn.Parameter(init.to(torch.float16).clone())
+    p.grad = grad.to(torch.float16)
+    torch.optim.AdamW([p], lr=lr, eps=1e-3, weight_decay=0.1).step()
+    return p.detach()
+
+
+def test_official_residual_step_is_torch_adamw_on_fp16():
+    """`torch_adamw_step` on fp16 residuals equals torch.optim.AdamW on fp16 parameters, bit for bit, over
+    gradients from 1e-6 to 10, with one learning rate per group (DPE's text and cache residuals)."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 16, generator=g) * torch.logspace(-6, 1, 16), torch.randn(3, 16, generator=g) * 1e-3]
+    zeros = [torch.zeros(5, 16, dtype=torch.float16), torch.zeros(3, 16, dtype=torch.float16)]
+    got = torch_adamw_step(zeros, grads, [6e-4, 1e-2], 1e-3, 0.1)
+    for z, gr, lr, out in zip(zeros, grads, [6e-4, 1e-2], got):
+        assert out.dtype == torch.float16
+        torch.testing.assert_close(out, torch_adamw_fp16(z, gr, lr), rtol=0, atol=0)
+    # weight decay acts on a non-zero parameter as in torch
+    init = torch.randn(4, 4, generator=g).half()
+    (out,) = torch_adamw_step([init], [torch.full((4, 4), 0.02)], [0.1], 1e-3, 0.1)
+    torch.testing.assert_close(out, torch_adamw_fp16(init, torch.full((4, 4), 0.02), 0.1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("g, official, exact", [
+    (1e-3, 1.0, 1e-3 / 2e-3),  # v = 1e-9 underflows in fp16: step lr·g/eps
+    (5e-3, 5.0, 5e-3 / 6e-3),  # v = 2.5e-8 below half the smallest fp16 subnormal (2^-25): still 0
+    (0.1, 0.1 / 0.101, 0.1 / 0.101),  # v = 1e-5, a normal fp16 number: the exact step up to fp16 rounding
+])
+def test_fp16_adamw_second_moment_underflow(g, official, exact):
+    """Step / lr of the first AdamW step at |g| (issue 10): fp16 state (official DPE/DLAE) vs exact arithmetic."""
+    lr = 6e-4
+    grad = torch.tensor([g, -g])
+    (out,) = torch_adamw_step([torch.zeros(2, dtype=torch.float16)], [grad], [lr], 1e-3, 0.1)
+    ref = torch_adamw_fp16(torch.zeros(2), grad, lr)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # fp16 rounding of the moments and of the step: a few fp16 eps of the step
+    tol = 4 * torch.finfo(torch.float16).eps
+    torch.testing.assert_close(-out.double() / lr, torch.tensor([official, -official], dtype=torch.float64),
+                               rtol=tol, atol=0)
+    step = adamw_first_step(torch.zeros(2, dtype=torch.float64), torch.tensor([g, -g], dtype=torch.float64), lr,
+                            1e-3, 0.1)
+    torch.testing.assert_close(-step / lr, torch.tensor([exact, -exact], dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("cls", [DPE, DLAE])
+def test_residual_step_default_is_official_and_recorded(cls, monkeypatch):
+    import extract.methods.dpe as dpe_module
+
+    cfg = cls.default_config("imagenet", "ViT-B-16")
+    assert cfg.residual_step == "official_fp16" and not cfg.amp_fp16
+    assert json.loads(json.dumps(dataclasses.asdict(cfg)))["residual_step"] == "official_fp16"  # in method_config
+    seen = []
+    real = dpe_module.torch_adamw_step
+
+    def spy(params, grads, lrs, eps, weight_decay):
+        seen.append(([p.dtype for p in params], [gr.dtype for gr in grads], lrs, eps, weight_decay))
+        return real(params, grads, lrs, eps, weight_decay)
+
+    monkeypatch.setattr(dpe_module, "torch_adamw_step", spy)
+    text = make_text()
+    x = make_stream(12, 1, text, seed=3, noise=1.5)
+    official = build(cls, 1, lr_text=5e-3, lr_image=5e-3).adapt(x) if cls is DPE else \
+        build(cls, 1, lr_text=5e-3).adapt(x)
+    assert len(seen) == 12
+    assert all(d == ([torch.float16] * 2, [torch.float16] * 2, [5e-3, 5e-3], 1e-3, 0.1) for d in seen)
+    exact = build(cls, 1, lr_text=5e-3, residual_step="exact", **({"lr_image": 5e-3} if cls is DPE else {})).adapt(x)
+    assert len(seen) == 12  # the exact step does not go through the optimiser
+    assert (official - exact).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cls", [DPE, DLAE])
+def test_amp_prototypes_become_fp32_after_first_update(cls, monkeypatch):
+    """Under CUDA autocast F.normalize returns fp32 (its norm autocasts to fp32), so the official W_g, fp16 at
+    first, is fp32 from its first update on. Emulated with CPU bfloat16 autocast and a normalize that follows the
+    CUDA rule."""
+    emulated = type("Emulated" + cls.__name__, (cls,), {"_amp_device_type": "cpu", "_amp_dtype": torch.bfloat16})
+    real = F.normalize
+    monkeypatch.setattr(F, "normalize", lambda x, *a, **k: real(x.float() if torch.is_autocast_enabled("cpu") else x,
+                                                                   *a, **k))
+    text = make_text(dtype=torch.float32)
+    x = make_stream(30, 1, text, seed=14, noise=0.5).float()
+    cfg = dataclasses.replace(cls.default_config("dtd", "RN50"), n_views=1, amp_fp16=True)
+    m = emulated(cfg, text, 100.0, backbone="RN50", dataset="dtd")
+    dtypes = []
+    for i in range(30):
+        m.adapt(x[i:i + 1])
+        dtypes.append((m.n_global_updates, m.w_global.dtype))
+    assert {d for n, d in dtypes if n == 0} <= {torch.bfloat16}
+    assert {d for n, d in dtypes if n > 0} == {torch.float32}, "the stream must evolve the prototypes"
+
+
 def test_info_nce_one_directional():
     g = torch.Generator().manual_seed(6)
     a, b = torch.randn(4, D, generator=g, dtype=torch.float64), torch.randn(4, D, generator=g, dtype=torch.float64)
@@ -462,12 +557,14 @@ def test_marginal_entropy_is_entropy_of_mean_softmax():
         torch.testing.assert_close(marginal_entropy(z[i]), ref_entropy(z[i].softmax(-1).mean(0)))
 
 
+@pytest.mark.parametrize("residual_step", ["official_fp16", "exact"])
 @pytest.mark.parametrize("v,dataset", [(1, "dtd"), (20, "imagenet"), (20, "imagenet_a"), (64, "imagenet_r")])
-def test_dpe_matches_reference(v, dataset):
+def test_dpe_matches_reference(v, dataset, residual_step):
     text = make_text()
     x = make_stream(40, v, text, seed=8, noise=2.0)
     # A low scale and cache weight keep some outputs above the evolution threshold; larger steps show the update.
-    m = build(DPE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, lr_image=1e-2)
+    m = build(DPE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, lr_image=1e-2,
+              residual_step=residual_step)
     got = torch.cat([m.adapt(x[:13]), m.adapt(x[13:])])
     want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=False)
     assert 0 < stats["global"] < len(x), "the stream must exercise the global evolution both ways"
@@ -495,12 +592,13 @@ def test_dpe_residual_step_moves_prototypes():
 
 # ---------------------------------------------------------------------------------------------- DLAE
 
+@pytest.mark.parametrize("residual_step", ["official_fp16", "exact"])
 @pytest.mark.parametrize("v,dataset", [(1, "eurosat"), (20, "imagenet"), (20, "imagenet_a")])
-def test_dlae_matches_reference(v, dataset):
+def test_dlae_matches_reference(v, dataset, residual_step):
     text = make_text()
     x = make_stream(45, v, text, seed=10, noise=2.0)
     m = build(DLAE, v, dataset=dataset, scale=10.0, alpha=2.0, lr_text=2e-2, adjust_alpha=3.0,
-              reflection_alpha=0.7, doubt_rate=0.05)
+              reflection_alpha=0.7, doubt_rate=0.05, residual_step=residual_step)
     got = torch.cat([m.adapt(x[:1]), m.adapt(x[1:20]), m.adapt(x[20:])])
     want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=True)
     assert stats["reflections"] > 0 and stats["doubts"] > 0, "the stream must exercise reflection and doubt"

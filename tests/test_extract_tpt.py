@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import make_json_dataset, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from extract_fixtures import (  # noqa: F401  (pytest fixtures)
+    make_imagenet_folders,
+    make_json_dataset,
+    tiny_model,
+    tiny_model_dir,
+)
 
 from extract.methods import REGISTRY, apply_overrides, get_method
 from extract.methods.base import HPARAMS_KEYS
@@ -26,7 +31,7 @@ from extract.methods.tpt import (
     householder_orthogonality,
     select_confident,
 )
-from extract.methods.tps import TPS, descriptor_sentence
+from extract.methods.tps import TPS, descriptor_sentence, load_descriptors
 from extract.text_encoder import PromptTextEncoder, TextEncoderError
 
 NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
@@ -98,14 +103,15 @@ def ref_marginal_entropy(z: torch.Tensor) -> torch.Tensor:
 
 
 def ref_episodic(feats: torch.Tensor, init: torch.Tensor, features, scale: float, *, lr: float, steps: int = 1,
-                 reg=None, p: float = 0.1) -> torch.Tensor:
-    """One sample the way TPT's loop does it: a fresh torch AdamW, selection at step 0, predict on view 0."""
+                 reg=None, p: float = 0.1, reselect: bool = False, eps: float = 1e-8) -> torch.Tensor:
+    """One sample the way TPT's loop does it: a fresh torch AdamW, selection at step 0 (TPT `test_time_tuning`) or
+    at every step (`reselect`, TPS `run_shift_iter`), predict on view 0."""
     param = torch.nn.Parameter(init.clone())
-    opt = torch.optim.AdamW([param], lr=lr)  # weight decay 0.01 (default)
+    opt = torch.optim.AdamW([param], lr=lr, eps=eps)  # weight decay 0.01 (default)
     sel = None
     for _ in range(steps):
         logits = scale * feats @ features(param).T
-        if sel is None:
+        if sel is None or reselect:
             sel = ref_select(logits.detach(), p)
         loss = ref_marginal_entropy(logits[sel])
         if reg is not None:
@@ -345,8 +351,32 @@ def test_tps_matches_slow_reference(tiny_model):  # noqa: F811
     base = F.normalize(zs_text(tiny_model), dim=-1)
     for i in range(4):
         expect = ref_episodic(x[i], torch.zeros(K, base.shape[1]), lambda s: F.normalize(base + s, dim=-1),
-                              tiny_model.logit_scale, lr=m.config.lr, steps=2)
+                              tiny_model.logit_scale, lr=m.config.lr, steps=2, reselect=True)
         torch.testing.assert_close(out[i], expect, rtol=0, atol=2 * FEAT_TOL * tiny_model.logit_scale)
+
+
+@pytest.mark.parametrize("key", ["tps", "tpt"])
+def test_tps_reselects_views_at_every_step_tpt_once(tiny_model, monkeypatch, key):  # noqa: F811
+    """TPS `run_shift_iter` selects the confident views from the logits of every step; TPT selects at step 0."""
+    import extract.methods.tpt as tpt_module
+
+    calls = []
+
+    def spy(logits, p):
+        sel = select_confident(logits, p)
+        calls.append((logits.detach().clone(), sel))
+        return sel
+
+    monkeypatch.setattr(tpt_module, "select_confident", spy)
+    m = make(key, tiny_model, tta_steps=3, lr=0.05)
+    x = stream(tiny_model, 6, seed=2, noise=0.8)
+    m.adapt(x)
+    assert len(calls) == (3 if key == "tps" else 1)
+    for (z, sel) in calls:  # each selection: the lowest-entropy views of the logits it was given
+        assert [s.tolist() for s in sel] == [ref_select(zi, 0.1) for zi in z]
+    if key == "tps":  # ... and those are the current step's logits, after the shift moved
+        assert all((a[0] - b[0]).abs().max() > 1e-3 for a, b in zip(calls, calls[1:]))
+        assert any(not torch.equal(a[1], b[1]) for a, b in zip(calls, calls[1:])), "the selection must change"
 
 
 @pytest.mark.parametrize("key", EPISODIC)
@@ -371,24 +401,93 @@ def test_cpu_runs_fp32_without_loss_scaling(tiny_model):  # noqa: F811
     assert m_amp.loss_scale == {"scale": 1000.0, "growth_tracker": 0}  # untouched on the CPU
 
 
+def emulate_loss_scaling(monkeypatch, m, x: torch.Tensor, overflows) -> None:
+    """Run the CUDA loss-scale bookkeeping on the CPU (autocast itself needs a GPU): `overflows(i, scale)` says
+    whether the tuning step of stream sample i (a row of `x`) overflows at the loss scale in force; such a step
+    gets NaN logits, hence a non-finite loss and gradient, as an fp16 overflow would."""
+    monkeypatch.setattr(m, "_use_amp", lambda device: True)
+    monkeypatch.setattr(m, "_autocast", lambda device: contextlib.nullcontext())
+    logits = m._logits
+
+    def poisoned(feats, text):
+        z = logits(feats, text)
+        if not torch.is_grad_enabled():  # selection at tta_steps = 0 and the prediction
+            return z
+        ids = (feats[:, None, 0] == x[None, :, 0]).all(-1).float().argmax(1).tolist()  # which samples these are
+        scale = float(m.loss_scale["scale"])
+        bad = torch.tensor([overflows(i, scale) for i in ids])
+        return z + torch.where(bad, float("nan"), 0.0)[:, None, None]
+
+    monkeypatch.setattr(m, "_logits", poisoned)
+
+
 def test_loss_scale_path_unscales_and_skips_non_finite_steps(tiny_model, monkeypatch):  # noqa: F811
-    """The CUDA bookkeeping run on the CPU (autocast itself needs a GPU): scaled gradients are unscaled, a sample
-    whose gradient is not finite keeps its initial context (zero-shot logits) and halves the scale."""
+    """Scaled gradients are unscaled; a sample whose step is not finite keeps its initial context (zero-shot logits)
+    and halves the scale before the next sample."""
     x = stream(tiny_model, 3, seed=4)
     plain = make("tpt", tiny_model).adapt(x)
     m = make("tpt", tiny_model)
-    monkeypatch.setattr(m, "_use_amp", lambda device: True)
-    monkeypatch.setattr(m, "_autocast", lambda device: contextlib.nullcontext())
+    emulate_loss_scaling(monkeypatch, m, x, lambda i, scale: False)
     tol = 2 * FEAT_TOL * tiny_model.logit_scale  # unscaling by a power of two is exact; the rest is reordering
     torch.testing.assert_close(m.adapt(x), plain, rtol=0, atol=tol)
     assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 3}
-    poison = torch.tensor([0.0, float("nan"), 0.0])
-    monkeypatch.setattr(m, "_regulariser", lambda text: text.sum((-1, -2)) * poison)
+    m = make("tpt", tiny_model)
+    emulate_loss_scaling(monkeypatch, m, x, lambda i, scale: i == 1)
     out = m.adapt(x)
     zs = tiny_model.logit_scale * x[:, 0] @ zs_text(tiny_model).T
     torch.testing.assert_close(out[1], zs[1], rtol=0, atol=tol)  # step skipped
     torch.testing.assert_close(out[[0, 2]], plain[[0, 2]], rtol=0, atol=tol)
     assert m.loss_scale == {"scale": 500.0, "growth_tracker": 1}
+    assert m.summary() == {"skipped_steps": 1, "loss_scale": 500.0}
+
+
+def ref_grad_scaler(thresholds: list[float], steps: int, interval: int) -> tuple[list[int], float, int]:
+    """The official loop's GradScaler over the stream, one sample (and step) at a time: step t of sample i
+    overflows when the scale is >= thresholds[i]. Returns (skipped steps per sample, final scale, growth events)."""
+    scale, tracker, skipped, growths = 1000.0, 0, [], 0
+    for th in thresholds:
+        n = 0
+        for _ in range(steps):
+            if scale >= th:
+                scale, tracker, n = scale * 0.5, 0, n + 1
+            else:
+                tracker += 1
+                if tracker == interval:
+                    scale, tracker, growths = scale * 2.0, 0, growths + 1
+        skipped.append(n)
+    return skipped, scale, growths
+
+
+@pytest.mark.parametrize("key,n,steps", [("tps", 120, 1), ("tps", 60, 2), ("tpt", 24, 1)])
+def test_batched_tuning_follows_the_loss_scale_in_stream_order(tiny_model, monkeypatch, key, n, steps):  # noqa: F811
+    """Default `pass_budget` (many samples per pass) == `pass_budget = K` (the official one-at-a-time loop) row for
+    row under emulated fp16 overflows, skip count and final scale included (issue 10)."""
+    x = stream(tiny_model, n, v=16, seed=7)
+    g = np.random.default_rng(3)
+    # thresholds around the scales the stream visits: overflows come in runs, the scale halves and grows back
+    thresholds = g.choice([250.0, 500.0, 1000.0, 2000.0, 4000.0, float("inf")], size=n,
+                          p=[0.05, 0.1, 0.1, 0.2, 0.25, 0.3]).tolist()
+    skipped, final, growths = ref_grad_scaler(thresholds, steps, interval=3)
+    assert sum(skipped) >= 5 and growths >= 5, "the stream must overflow and grow the scale several times"
+
+    def run(**changes):
+        m = make(key, tiny_model, n_views=16, tta_steps=steps, grad_scale_growth_interval=3, **changes)
+        emulate_loss_scaling(monkeypatch, m, x, lambda i, scale: scale >= thresholds[i])
+        out = torch.cat([m.adapt(x[i:i + 50]) for i in range(0, n, 50)])
+        return out, m
+
+    one, m_one = run(pass_budget=K)
+    assert m_one.summary() == {"skipped_steps": sum(skipped), "loss_scale": final}
+    batched, m_batched = run()
+    assert m_batched._rows_per_pass() >= 50
+    assert m_batched.summary() == m_one.summary() and m_batched.loss_scale == m_one.loss_scale
+    torch.testing.assert_close(batched, one, rtol=1e-5, atol=1e-5)
+    # a sample whose every step was skipped predicts with the initial parameter: its zero-shot logits
+    with torch.no_grad():
+        init = m_one._logits(x[:, :1], m_one._class_features(m_one._init_param(n, x.device)))[:, 0]
+    all_skipped = torch.tensor([k == steps for k in skipped])
+    torch.testing.assert_close(one[all_skipped], init[all_skipped], rtol=1e-5, atol=1e-5)
+    assert (one[~all_skipped] - init[~all_skipped]).abs().amax(-1).median() > 1e-3  # the others adapted
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed precision runs only on CUDA")
@@ -478,6 +577,80 @@ def test_tps_descriptor_prototypes(tiny_model, tmp_path):  # noqa: F811
         make("tps", tiny_model, descriptors=str(path))
 
 
+def test_tps_descriptor_files_keyed_loosely_or_by_position(tiny_model, tmp_path):  # noqa: F811
+    names = ["sea_lion", "Annual Crop Land", "abbey", "newt", "tights"]
+    # SUN397-style keys: `_` and spaces mixed, other case, extra spaces: matched by name, no warning
+    loose = {"Sea Lion": ["flippers"], "annual_crop_land": ["fields"], " Abbey ": ["a cloister"],
+             "newt": ["a tail"], "TIGHTS": ["legs"]}
+    path = tmp_path / "loose.json"
+    path.write_text(json.dumps(loose))
+    descs, warnings = load_descriptors(path, names)
+    assert descs == [["flippers"], ["fields"], ["a cloister"], ["a tail"], ["legs"]] and warnings == []
+    # the official ImageNet file's keys differ from the class names ('eft' for 'newt', 'maillot' for 'tights'):
+    # TPS pairs by position
+    official = {"sea lion": ["flippers"], "annual crop land": ["fields"], "abbey": ["a cloister"],
+                "eft": ["a small salamander"], "maillot": ["a swimsuit"]}
+    path.write_text(json.dumps(official))
+    descs, warnings = load_descriptors(path, names)
+    assert descs == [v for v in official.values()]
+    assert len(warnings) == 1 and "by position" in warnings[0] and "'newt' <- 'eft'" in warnings[0]
+    # with another number of entries there is no pairing to fall back on
+    del official["maillot"]
+    path.write_text(json.dumps(official))
+    with pytest.raises(ValueError, match="no descriptors for 2 of 5 classes \\('newt', 'tights'\\); it has 4 entries"):
+        load_descriptors(path, names)
+
+
+def test_tps_imagenet_names_are_tps_own():
+    from extract.datasets import imagenet_classnames, imagenet_subset
+
+    clip = imagenet_classnames()
+    assert clip[744] == clip[657] == "missile" and clip[836] == clip[837] == "sunglasses"  # CLIP/TPT duplicates
+    tps = TPS.method_class_names("imagenet", clip, range(1000))
+    assert (tps[744], tps[836]) == ("projectile", "sunglass") and len(set(tps)) == 1000
+    assert [i for i in range(1000) if tps[i] != clip[i]] == [744, 836]
+    for key in ("imagenet_v2", "imagenet_sketch"):
+        assert TPS.method_class_names(key, clip, range(1000)) == tps
+    for which in ("a", "r"):  # TPS indexes its list with the masks; neither subset holds 744 or 836
+        idx = imagenet_subset(which)
+        sub = tuple(clip[i] for i in idx)
+        assert TPS.method_class_names(f"imagenet_{which}", sub, idx) == sub
+    assert TPS.method_class_names("dtd", ["a", "b"], None) == ("a", "b")
+    for key in ("tpt", "ctpt", "otpt"):  # the TPT family keeps the CLIP/TPT list (the official TPT has the duplicates)
+        assert get_method(key).method_class_names("imagenet", clip, range(1000)) == clip
+
+
+def test_run_records_tps_imagenet_names_and_descriptor_warning(tmp_path, tiny_model):  # noqa: F811
+    from extract.datasets import imagenet_classnames, imagenet_synsets
+    from extract.runner import run_extraction
+    from schemas import read_shard
+
+    syn = imagenet_synsets()
+    make_imagenet_folders(tmp_path / "data", "imagenet", [syn[744], syn[836]], per_class=1)
+    common = dict(data_root=tmp_path / "data", cache_dir=tmp_path / "cache", model=tiny_model, progress=False,
+                  anchor="method")
+    quick = {"prompts": "single", "n_views": "1"}  # 1000 prompts, one view: enough to see the names
+    (path,) = run_extraction("tps", "imagenet", out=tmp_path / "out", overrides=quick, **common)
+    sh = read_shard(path)
+    names = json.loads(sh.meta.extra["zaec:method_class_names"])
+    assert (names[744], names[836]) == ("projectile", "sunglass") and sh.meta.class_names == imagenet_classnames()
+    # the method's prompts (here also the anchor) use them: no two classes share a prototype any more
+    assert not np.array_equal(sh.zs_logits[:, 657], sh.zs_logits[:, 744])
+    assert not np.array_equal(sh.zs_logits[:, 836], sh.zs_logits[:, 837])
+    (path,) = run_extraction("tpt", "imagenet", out=tmp_path / "out", overrides={"n_views": "1"}, limit=1, **common)
+    sh = read_shard(path)
+    assert "zaec:method_class_names" not in sh.meta.extra
+    np.testing.assert_array_equal(sh.zs_logits[:, 657], sh.zs_logits[:, 744])  # the CLIP/TPT duplicate
+    # a descriptor file paired by position: the warning is in the shard metadata
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=1)
+    desc = tmp_path / "desc.json"
+    desc.write_text(json.dumps({"first": ["a"], "second": ["b"], "third": ["c"]}))
+    (path,) = run_extraction("tps", "dtd", out=tmp_path / "out", overrides={**quick, "descriptors": str(desc)},
+                             **common)
+    warnings = json.loads(read_shard(path).meta.extra["zaec:warnings"])
+    assert any("paired with the classes by position" in w for w in warnings)
+
+
 # ------------------------------------------------------------------------------------------ end to end
 
 @pytest.mark.parametrize("key", EPISODIC)
@@ -500,3 +673,84 @@ def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key): 
     assert not np.allclose(tta, zs)  # adapted, and paired with the zero-shot anchor
     assert shards[0].meta.method_config["episodic"] is True
     assert np.abs(zs).max() <= tiny_model.logit_scale * 1.0001  # cosine logits
+
+
+def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    """A resumed episodic run equals an uninterrupted one under emulated fp16 overflows: the loss scale, its growth
+    tracker and the skip count come back from the last kept part (issue 10)."""
+    from extract import runner
+    from extract.runner import run_extraction
+    from schemas import read_shard
+
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=6)  # 18 samples
+
+    def overflows(feats: torch.Tensor, scale: float) -> torch.Tensor:
+        """(G,) whether a sample's step overflows at `scale`: a threshold fixed by its features."""
+        thresholds = torch.tensor([250.0, 1000.0, 2000.0, float("inf")])
+        return scale >= thresholds[(feats[:, 0, :3].abs().sum(-1) * 1e4).long() % 4]
+
+    logits = TPS._logits
+
+    def poisoned(self, feats, text):
+        z = logits(self, feats, text)
+        if torch.is_grad_enabled():
+            z = z + torch.where(overflows(feats, float(self.loss_scale["scale"])), float("nan"), 0.0)[:, None, None]
+        return z
+
+    monkeypatch.setattr(TPS, "_use_amp", lambda self, device: True)
+    monkeypatch.setattr(TPS, "_autocast", lambda self, device: contextlib.nullcontext())
+    monkeypatch.setattr(TPS, "_logits", poisoned)
+    kw = dict(data_root=tmp_path / "data", cache_dir=tmp_path / "cache", model=tiny_model, progress=False,
+              part_size=4, adapt_batch=2, chunk_size=5, batch_size=3,
+              overrides={"n_views": "1", "grad_scale_growth_interval": "2"})
+
+    def table(paths):
+        shards = [read_shard(p) for p in paths]
+        return np.concatenate([s.tta_logits for s in shards]), [s.meta.extra["zaec:method_state"] for s in shards]
+
+    full_paths = run_extraction("tps", "dtd", out=tmp_path / "full", **kw)
+    full, full_states = table(full_paths)
+    states = [json.loads(st) for st in full_states]
+    assert states[-1]["skipped_steps"] > 0
+    # a scale history worth resuming: at the cut (after part 1) neither the scale nor the tracker is the initial one
+    assert states[1]["loss_scale"] != {"scale": 1000.0, "growth_tracker": 0}
+    assert len({json.dumps(st["loss_scale"]) for st in states}) > 2
+
+    real_write, count = runner.write_shard, {"n": 0}
+
+    def failing(*a, **k):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(runner, "write_shard", failing)
+    with pytest.raises(KeyboardInterrupt):
+        run_extraction("tps", "dtd", out=tmp_path / "r", **kw)
+    monkeypatch.setattr(runner, "write_shard", real_write)
+    kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "r").rglob("part-*.parquet")}
+    assert len(kept) == 2
+    resumed, resumed_states = table(run_extraction("tps", "dtd", out=tmp_path / "r", **kw))
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the kept parts were not recomputed
+    assert resumed_states == full_states
+    np.testing.assert_array_equal(resumed, full)
+    marker = json.loads(next((tmp_path / "r").rglob("_zaec_complete.json")).read_text())
+    assert marker["method_summary"] == {"skipped_steps": states[-1]["skipped_steps"],
+                                        "loss_scale": states[-1]["loss_scale"]["scale"]}
+    # a kept part without its state (an older extractor) is recomputed, not resumed from a guess
+    import dataclasses as dc
+
+    from schemas import write_shard
+
+    last = sorted((tmp_path / "r").rglob("part-*.parquet"))
+    sh = read_shard(last[1])
+    extra = {k: v for k, v in sh.meta.extra.items() if k != "zaec:method_state"}
+    write_shard(last[1], dc.replace(sh.meta, extra=extra), sh.sample_id, sh.label, sh.zs_logits, sh.tta_logits,
+                stream_pos=sh.stream_pos)
+    for q in last[2:]:
+        q.unlink()
+    next((tmp_path / "r").rglob("_zaec_complete.json")).unlink()
+    before = last[0].stat().st_mtime_ns
+    again, again_states = table(run_extraction("tps", "dtd", out=tmp_path / "r", **kw))
+    assert last[0].stat().st_mtime_ns == before and again_states == full_states
+    np.testing.assert_array_equal(again, full)

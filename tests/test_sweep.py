@@ -486,6 +486,20 @@ def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_
                         console=Console(file=io.StringIO()))
     assert not manifest_path(tmp_path / "out").exists()
 
+    # the same grid after an image was touched: the finished runs no longer match their images (issue 14)
+    same = expand_grid(Grid(("zero-shot", "tda"), ("dtd",), (), pretrained=f"local-dir:{tiny_model_dir}"),
+                       out=tmp_path / "out", data_root=data_root)
+    img = sorted(Path(data_root).rglob("*.png"))[0]
+    st = os.stat(img)
+    os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        with pytest.raises(SweepError, match=r"2 finished run\(s\) used other settings .*\(data_fingerprint\)"):
+            sweep.sweep_run(same, sweep.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
+                            console=Console(file=io.StringIO()))
+    finally:
+        os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert not manifest_path(tmp_path / "out").exists()
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # real sweeps through submitit's local executor (jobs are subprocesses of this machine)

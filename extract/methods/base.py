@@ -19,10 +19,11 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import torch
 
@@ -92,6 +93,13 @@ class MethodConfig:
             if choices is not None and value not in choices:
                 raise ValueError(f"{type(self).__qualname__}.{f.name}: expected one of "
                                  f"{', '.join(map(repr, choices))}, got {value!r}")
+            if hints[f.name] is float and not math.isfinite(value):
+                raise ValueError(f"{type(self).__qualname__}.{f.name} must be a finite number, got {value!r}")
+            if hints[f.name] is int and value < 0:
+                raise ValueError(f"{type(self).__qualname__}.{f.name} must be >= 0, got {value!r}")
+            # `*_p` fields are fractions of the views (selection_p: the confident views kept)
+            if f.name.endswith("_p") and hints[f.name] is float and not 0.0 < value <= 1.0:
+                raise ValueError(f"{type(self).__qualname__}.{f.name} is a fraction in (0, 1], got {value!r}")
         if self.n_views < 1:
             raise ValueError(f"{type(self).__qualname__}.n_views must be >= 1, got {self.n_views}")
 
@@ -216,6 +224,8 @@ class TTAMethod(abc.ABC):
         self.text_encoder = text_encoder
         self.n_classes, self.dim = text_features.shape
         self.n_seen = 0  # samples adapted so far (the stream position of the next sample)
+        # Notes on how the method was set up (a fallback, a guess), recorded in the shard metadata (`zaec:warnings`).
+        self.warnings: list[str] = []
 
     # Settings for a dataset the official configs never saw (a user's folder or split file): the method's row for
     # `unseen_like`, then `unseen_changes`. Each method sets both, with the reason; docs/methods.md lists them. The
@@ -267,6 +277,24 @@ class TTAMethod(abc.ABC):
         out = self._adapt(view_feats)
         self.n_seen += b
         return out.detach().float()
+
+    @classmethod
+    def method_class_names(cls, dataset: str, class_names: Sequence[str],
+                           imagenet_indices: Sequence[int] | None = None) -> tuple[str, ...]:
+        """The class names this method builds its prompts from: the dataset's own by default; a method whose
+        official code uses a different list (TPS on ImageNet) overrides this.
+
+        Args:
+            dataset: canonical dataset key.
+            class_names: the dataset's K class names.
+            imagenet_indices: for the ImageNet family, the ImageNet-1k index of each of the K classes.
+        """
+        return tuple(class_names)
+
+    def summary(self) -> dict[str, Any]:
+        """Plain numbers about the run so far (JSON-able), printed at the end of a run and recorded in the shard
+        metadata (`zaec:method_summary`); empty by default."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """The online state after `n_seen` samples: tensors, numbers, lists and dicts only (safe for

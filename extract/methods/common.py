@@ -263,7 +263,8 @@ def adamw_first_step(
     Decoupled decay, then Adam with bias-corrected moments m̂ = g and v̂ = g²:
     p ← p (1 - lr·wd) - lr · g / (|g| + eps). DPE/DLAE build a new optimiser for every sample and take one step
     from zero residuals (spec §7 step 5, §13.10), so this is the whole optimisation; the decay term is zero there
-    and eps (1e-3) sets the step size of small gradients.
+    and eps (1e-3) sets the step size of small gradients. This is the step in exact arithmetic (DPE/DLAE
+    `residual_step="exact"`); the official code's fp16 residuals step differently (`torch_adamw_step`).
 
     Args:
         param: parameter value before the step.
@@ -274,3 +275,30 @@ def adamw_first_step(
         The parameter value after the step (a new tensor).
     """
     return param * (1.0 - lr * weight_decay) - lr * grad / (grad.abs() + eps)
+
+
+def torch_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], lrs: list[float], eps: float,
+                     weight_decay: float) -> list[torch.Tensor]:
+    """One step of a freshly built `torch.optim.AdamW` (one parameter group per tensor), in the parameters' dtype.
+
+    This is the official DPE/DLAE step on their fp16 residuals: AdamW keeps its moments in the parameter's dtype,
+    so in fp16 the second moment v = (1 - β₂) g² = 0.001 g² underflows to 0 for |g| below about 5.5e-3 and the
+    step becomes lr·g/eps (up to 5.4·lr) instead of lr·g/(|g| + eps) (`adamw_first_step`). The real optimiser is
+    used so that the rounding is torch's own on every device.
+
+    Args:
+        params: parameter values (not modified); their dtype is the optimiser's.
+        grads: their gradients (cast to the parameter's dtype, as autograd delivers them for a leaf).
+        lrs: learning rate per parameter.
+        eps, weight_decay: the AdamW settings (betas 0.9/0.999).
+
+    Returns:
+        The parameter values after the step (new tensors).
+    """
+    leaves = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for leaf, g in zip(leaves, grads):
+        leaf.grad = g.detach().to(leaf.dtype)
+    opt = torch.optim.AdamW([{"params": [leaf], "lr": lr} for leaf, lr in zip(leaves, lrs)], eps=eps,
+                            weight_decay=weight_decay)
+    opt.step()
+    return [leaf.detach() for leaf in leaves]

@@ -7,7 +7,8 @@ prototypes W_g (K, D), a positive cache (3 per class) and the number n of global
    (§1.3): f_x, z₀, H, ŷ.
 2. Cache update with (f_x, H / log₂K) (TDA's rule). Image prototypes K_c = mean cached feature of class c, for
    the classes present; K' = normalize(K + R_i) with a zero cache residual R_i.
-3. One AdamW step (fresh optimiser, lr per group, eps 1e-3, weight decay 0.1) on
+3. One AdamW step (fresh optimiser, lr per group, eps 1e-3, weight decay 0.1; fp16 residuals by default, see
+   `residual_step`) on
    L = H(softmax(z₀ + α·exp(-β(1 - f_x·K'ᵀ))·onehot)) + λ·InfoNCE(K', W'[classes]) at temperature 0.01.
 4. Output z = s·f·W'ᵀ + α·exp(-β(1 - f·K'ᵀ))·onehot with the stepped residuals, on view 0 — or, for ImageNet-A,
    on all views re-selected under W' (`all_view_inference`).
@@ -23,7 +24,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,10 @@ from extract.methods.common import (
     info_nce,
     marginal_entropy,
     summarise_views,
+    torch_adamw_step,
 )
+
+ResidualStep = Literal["official_fp16", "exact"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,15 @@ class DualPrototypeConfig(MethodConfig):
     weight_decay: float = 0.1  # AdamW weight_decay (DPE `main_dpe.py`); no effect on zero residuals (§13.10)
     global_threshold: float = 0.1  # evolve W_g when H/log2(K) is below this (DPE `main_dpe.py`)
     all_view_inference: bool = False  # ImageNet-A only: predict from all views (DPE `main_dpe.py`, dataset 'A')
-    # The official code runs with fp16 weights and residuals under CUDA autocast, without a gradient scaler
-    # (spec §13.10). Off by default: fp32 is the reference numerics and the only option on the CPU.
+    # How the residuals take their AdamW step. "official_fp16" (default, the numerics of the paper's numbers): the
+    # residuals are fp16 parameters stepped by a real `torch.optim.AdamW`, whose fp16 second moment underflows for
+    # |g| below about 5.5e-3 (step lr·g/eps instead of lr·g/(|g| + eps)); this is the optimiser's dtype, not
+    # autocast, so it holds on the CPU too. "exact": the step in the compute dtype, `adamw_first_step` (a named
+    # deviation: what the official step would be without fp16 rounding).
+    residual_step: ResidualStep = "official_fp16"
+    # The rest of the official numerics: fp16 weights and features under CUDA autocast, without a gradient scaler
+    # (spec §13.10); the global prototypes become fp32 after their first update there, as in the official code.
+    # Off by default (fp32 features and prototypes, and the only option on the CPU).
     amp_fp16: bool = False
 
 
@@ -180,7 +191,7 @@ class DPE(TTAMethod):
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         if self.config.amp_fp16 and view_feats.device.type != self._amp_device_type:
-            raise ValueError("amp_fp16 reproduces the official CUDA fp16 numerics and needs CUDA inputs; got "
+            raise ValueError("amp_fp16 runs the official CUDA fp16 autocast and needs CUDA inputs; got "
                              f"{view_feats.device} (set amp_fp16=false)")
         dt = self._dtype_for(view_feats)
         if self.w_global is None:
@@ -193,13 +204,16 @@ class DPE(TTAMethod):
         """One sample: x (V, D) normalised views at stream position t -> (K,) adapted logits."""
         c = self.config
         w_loc = self.w_global  # detached: W_g never carries autograd history
-        r_text = torch.zeros_like(w_loc, requires_grad=True)
+        # Official: both residuals are created as fp16 parameters (`TextResidue`, `PositiveCacheResidue`), whatever
+        # the dtype of W_g; W' = normalize(W_g + R) then has the promoted dtype.
+        rdt = torch.float16 if c.residual_step == "official_fp16" else w_loc.dtype
+        r_text = torch.zeros(w_loc.shape, dtype=rdt, device=w_loc.device, requires_grad=True)
         with torch.enable_grad(), self._autocast():
             w = F.normalize(w_loc + r_text, dim=-1)  # W' (K, D)
             s = self._train_summary(x, w, t)
             classes = self._present_classes()
             protos = self.cache.class_means(classes)  # (P, D) image prototypes, not normalised
-            r_cache = torch.zeros_like(protos, requires_grad=True)
+            r_cache = torch.zeros(protos.shape, dtype=rdt, device=protos.device, requires_grad=True)
             keys = F.normalize(protos + r_cache, dim=-1)
             z = self._cache_logits(s.logits[0], s.feats[0], keys, classes)
             loss = marginal_entropy(z[None])  # official avg_entropy of one row = H(softmax z)
@@ -209,14 +223,20 @@ class DPE(TTAMethod):
             g_text, g_cache = torch.autograd.grad(loss, [r_text, r_cache])
         # A fresh AdamW per sample, one step from zero (spec §7 step 5, §13.10).
         with torch.no_grad(), self._autocast():
-            r_text = adamw_first_step(r_text.detach(), g_text, c.lr_text, c.adamw_eps, c.weight_decay)
-            r_cache = adamw_first_step(r_cache.detach(), g_cache, self.lr_image, c.adamw_eps, c.weight_decay)
+            if c.residual_step == "official_fp16":
+                r_text, r_cache = torch_adamw_step([r_text, r_cache], [g_text, g_cache], [c.lr_text, self.lr_image],
+                                                   c.adamw_eps, c.weight_decay)
+            else:
+                r_text = adamw_first_step(r_text.detach(), g_text, c.lr_text, c.adamw_eps, c.weight_decay)
+                r_cache = adamw_first_step(r_cache.detach(), g_cache, self.lr_image, c.adamw_eps, c.weight_decay)
             w_new = F.normalize(w_loc + r_text, dim=-1)
             z, f = self._inference(x, w_new)
             final = self._cache_logits(z, f, F.normalize(protos.detach() + r_cache, dim=-1), classes)
-            # Global text evolution (spec §7 step 7): a cumulative average, W_g deliberately not re-normalised.
+            # Global text evolution (spec §7 step 7): a cumulative average, W_g deliberately not re-normalised. Its
+            # dtype is the promoted one, as in the official code: under autocast W' comes out of F.normalize in
+            # fp32, so fp16 prototypes become fp32 at their first update.
             if float(marginal_entropy(final[None].float())) / math.log2(self.n_classes) < c.global_threshold:
                 self.n_global_updates += 1
                 n = self.n_global_updates
-                self.w_global = w_loc * (n / (n + 1)) + w_new.to(w_loc.dtype) * (1 / (n + 1))
+                self.w_global = w_loc * (n / (n + 1)) + w_new * (1 / (n + 1))
         return final.float()

@@ -10,19 +10,24 @@ The image encoder is frozen, so the view features come from the feature cache. T
 forward + backward over the K prompts per step and one forward for the prediction, for all views at once. Samples
 are independent, so `pass_budget // K` samples are tuned together: their contexts are stacked into one (G, n_ctx, W)
 tensor, the loss is the sum of the per-sample losses (each context only reaches its own loss) and AdamW is
-element-wise, which makes the batched step equal to G separate steps.
+element-wise, which makes the batched step equal to G separate steps at the same loss scale.
 
 Precision: on CUDA with `amp` the text tower runs under autocast (fp16) with fp32 weights and an fp32 context, and
 the loss goes through a dynamic loss scale that behaves as the one `GradScaler(init_scale=1000)` the official code
 creates once per run (it is not reset between samples; a step whose gradient is not finite is skipped and the scale
 halved, and the scale doubles after 2000 finite steps). On the CPU everything is fp32 and the scale is 1.
 
+The official loop updates the scale after every sample, so the next sample already runs at the new scale. A
+batched pass keeps that order (`_tune_in_order`): it tunes its G samples at the scale in force, replays the
+GradScaler updates in stream order up to the first step that changes the scale (an overflow or a growth step),
+keeps the samples up to it and re-runs the rest at the new scale. Batched and one-at-a-time runs therefore give the
+same rows, the same skipped steps and the same final scale (a pass is re-run once per scale change: rare, except in
+a run of overflows). The count of skipped steps and the scale are the method's `summary()` (recorded per part in
+the shard metadata and printed at the end of a run); both are also state, restored on resume.
+
 `EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context.
 
 Where this differs from the official loops (numerics only; the formulas are the same):
-    * `pass_budget`: within one pass every sample uses the loss scale in force when the pass starts, where the
-      official code would already use a scale halved (or doubled) by the previous sample. The scale only changes
-      fp16 gradient rounding, not the update; `pass_budget` <= K (one sample per pass) restores the exact order.
     * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
       (O-TPT's code re-encodes the prompts outside autocast; C-TPT's uses the autocast features): same values up
       to fp16 rounding. O-TPT's Householder products are applied as vectors (O(K²) memory instead of O(K³)).
@@ -174,7 +179,8 @@ class EpisodicConfig(MethodConfig):
     amp: bool = True  # autocast (fp16) + dynamic loss scale on CUDA; ignored on the CPU (fp32)
     grad_scale_init: float = 1000.0  # GradScaler(init_scale=1000)
     grad_scale_growth_interval: int = 2000  # GradScaler default
-    # Execution only, results unchanged: how many (sample x class) rows one tuning pass may stack (memory cap).
+    # Execution only: how many (sample x class) rows one tuning pass may stack (memory cap). Results equal the
+    # one-at-a-time loop's, loss-scale updates included (see `_tune_in_order`).
     pass_budget: int = 2048
 
     def __post_init__(self) -> None:
@@ -200,7 +206,9 @@ class EpisodicTuner(TTAMethod):
     """
 
     Config: ClassVar[type[MethodConfig]] = EpisodicConfig
-    _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale",)
+    _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale", "skipped_steps")
+    # TPS re-selects the confident views at every step, TPT at step 0 only (see `_tune`).
+    reselect_each_step: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
@@ -213,6 +221,8 @@ class EpisodicTuner(TTAMethod):
         cfg: EpisodicConfig = self.config  # type: ignore[assignment]
         # GradScaler state: {"scale", "growth_tracker"} (plain numbers, so `state_dict` can save them)
         self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
+        self.skipped_steps = 0  # steps not taken because the loss or the gradient was not finite
+        self._loss_scaling = False  # whether the last `adapt` used the loss scale (for `summary`)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -242,18 +252,22 @@ class EpisodicTuner(TTAMethod):
         else:
             yield
 
-    def _update_scale(self, finite: torch.Tensor) -> None:
-        """GradScaler.update once per sample, in stream order (backoff 0.5, growth 2)."""
+    def _scaler_step(self, scaler: dict[str, float | int], finite: bool) -> bool:
+        """One `GradScaler.update` on `scaler` (backoff 0.5, growth 2); True when the scale changed."""
         cfg: EpisodicConfig = self.config  # type: ignore[assignment]
-        for ok in finite.tolist():
-            if not ok:
-                self.loss_scale["scale"] = float(self.loss_scale["scale"]) * 0.5
-                self.loss_scale["growth_tracker"] = 0
-            else:
-                self.loss_scale["growth_tracker"] = int(self.loss_scale["growth_tracker"]) + 1
-                if self.loss_scale["growth_tracker"] == cfg.grad_scale_growth_interval:
-                    self.loss_scale["scale"] = float(self.loss_scale["scale"]) * 2.0
-                    self.loss_scale["growth_tracker"] = 0
+        if not finite:
+            scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 0.5, 0
+            return True
+        scaler["growth_tracker"] = int(scaler["growth_tracker"]) + 1
+        if scaler["growth_tracker"] == cfg.grad_scale_growth_interval:
+            scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 2.0, 0
+            return True
+        return False
+
+    def _update_scale(self, finite: torch.Tensor) -> None:
+        """GradScaler.update once per step, in the order given (stream order)."""
+        for ok in finite.flatten().tolist():
+            self._scaler_step(self.loss_scale, bool(ok))
 
     def _logits(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """s · f̂ t̂ᵀ: feats (G, V, D), text (G, K, D) -> (G, V, K)."""
@@ -262,19 +276,29 @@ class EpisodicTuner(TTAMethod):
         return self.logit_scale * feats @ text.transpose(-1, -2)
 
     def tune(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tune the parameter of G samples from scratch.
+        """Tune the parameter of G samples from scratch, every step at the loss scale in force now (the loss scale
+        is left unchanged; `_adapt` applies its updates in stream order).
 
         Args:
             feats: (G, V, D) L2-normalised view features.
 
         Returns:
-            (tuned parameter (G, ...), selected view indices (G, n)).
+            (tuned parameter (G, ...), selected view indices of the last step (G, n)).
+        """
+        param, sel, _ = self._tune(feats, update_scale=False)
+        return param, sel
+
+    def _tune(self, feats: torch.Tensor, *, update_scale: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`tune`, plus the (G, tta_steps) bool record of which steps had a finite loss and gradient.
+
+        With `update_scale` (for one sample) the loss scale is updated after every step, as the official loop does.
         """
         cfg: EpisodicConfig = self.config  # type: ignore[assignment]
         dev = feats.device
         amp = self._use_amp(dev)
         param = self._init_param(feats.shape[0], dev)
         state = AdamWState.zeros_like(param)
+        finite_steps = []
         sel = None
         if cfg.tta_steps == 0:
             with torch.no_grad(), self._autocast(dev):
@@ -284,7 +308,9 @@ class EpisodicTuner(TTAMethod):
             with self._autocast(dev):
                 text = self._class_features(p)
                 logits = self._logits(feats, text)  # (G, V, K)
-                if sel is None:  # chosen at step 0 and reused (TPT `test_time_tuning`)
+                # TPT chooses the views at step 0 and reuses them (`test_time_tuning`); TPS re-selects at every
+                # step (`run_shift_iter`). Identical with the default single step.
+                if sel is None or self.reselect_each_step:
                     sel = select_confident(logits, cfg.selection_p)
                 chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
                 # fp32 before summing: G scaled fp16 losses (each up to 1000 · ln K) would overflow their sum
@@ -299,22 +325,74 @@ class EpisodicTuner(TTAMethod):
             finite = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(loss.detach())
             param = adamw_step(param, grad, state, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                weight_decay=cfg.weight_decay, active=finite)
-            if amp:
+            finite_steps.append(finite)
+            if amp and update_scale:
                 self._update_scale(finite)
         assert sel is not None
-        return param.detach(), sel
+        steps = (torch.stack(finite_steps, 1) if finite_steps
+                 else torch.ones(feats.shape[0], 0, dtype=torch.bool, device=dev))
+        return param.detach(), sel, steps
+
+    def _tune_in_order(self, feats: torch.Tensor) -> torch.Tensor:
+        """Tune the first samples of `feats` exactly as the official one-sample-at-a-time loop would.
+
+        All G samples are tuned at the loss scale in force. The GradScaler updates are then replayed in stream order
+        (sample by sample, step by step) up to the first one that changes the scale (an overflow or a growth step):
+        the samples up to it were tuned at the right scale and are kept; the caller re-runs the rest at the new
+        scale. When the scale changes before the last step of the first sample, that sample is re-tuned alone with
+        the scale updated after every step. Without loss scaling every sample is kept.
+
+        Args:
+            feats: (G, V, D) view features of consecutive samples.
+
+        Returns:
+            (n, ...) tuned parameters of the first n >= 1 samples; `loss_scale` and `skipped_steps` cover them.
+        """
+        param, _, finite = self._tune(feats, update_scale=False)
+        if not self._use_amp(feats.device):
+            self.skipped_steps += int((~finite).sum())
+            return param
+        rows = finite.tolist()
+        scaler = dict(self.loss_scale)
+        for i, row in enumerate(rows):
+            before = dict(scaler)
+            for t, ok in enumerate(row):
+                if not self._scaler_step(scaler, ok):
+                    continue
+                if t == len(row) - 1:  # changed at this sample's last step: samples 0..i are right
+                    n, self.loss_scale = i + 1, scaler
+                elif i > 0:  # changed in the middle of sample i: keep 0..i-1
+                    n, self.loss_scale = i, before
+                else:  # ... of the first sample: tune it alone, updating the scale after every step
+                    param, _, finite = self._tune(feats[:1], update_scale=True)
+                    self.skipped_steps += int((~finite).sum())
+                    return param
+                self.skipped_steps += int((~finite[:n]).sum())
+                return param[:n]
+        self.loss_scale = scaler
+        self.skipped_steps += int((~finite).sum())
+        return param
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         feats = view_feats.to(self.compute_dtype(view_feats))
+        self._loss_scaling = self._use_amp(feats.device)
         out = []
         g = self._rows_per_pass()
-        for i in range(0, feats.shape[0], g):
-            chunk = feats[i:i + g]
-            param, _ = self.tune(chunk)
+        i = 0
+        while i < feats.shape[0]:
+            param = self._tune_in_order(feats[i:i + g])
+            chunk = feats[i:i + param.shape[0]]
             with torch.no_grad(), self._autocast(chunk.device):
                 text = self._class_features(param)
                 out.append(self._logits(chunk[:, :1], text)[:, 0].float())  # the original view only
+            i += param.shape[0]
         return torch.cat(out)
+
+    def summary(self) -> dict[str, Any]:
+        """Steps skipped for a non-finite loss or gradient, and the loss scale now (None when the run does not use
+        loss scaling: the CPU, or `amp` off)."""
+        scale = float(self.loss_scale["scale"]) if self._loss_scaling else None
+        return {"skipped_steps": int(self.skipped_steps), "loss_scale": scale}
 
 
 # ---------------------------------------------------------------------------------------------------------------

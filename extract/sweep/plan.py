@@ -480,26 +480,34 @@ def is_complete(run: RunSpec) -> bool:
     return run_is_complete(run.out, run.key, limit=run.limit)
 
 
-def settings_mismatch(run: RunSpec) -> str | None:
-    """For a complete run: the recorded settings (method config, anchor) that differ from this sweep's, else None.
+def settings_mismatch(run: RunSpec, data_cache: dict[tuple[str, str | None], dict[str, str]] | None = None
+                      ) -> str | None:
+    """For a complete run: the recorded settings (method config, anchor, data root and data fingerprint) that
+    differ from this sweep's, else None.
 
     The extractor refuses to reuse such a run without `--force`; the sweep reports it before submitting anything.
+    The data fingerprint (one `os.stat` per image) is computed once per (dataset, data root) in `data_cache`.
     """
-    from extract.runner import COMPLETE_MARKER, plan_run
+    from extract.runner import COMPLETE_MARKER, data_identity, plan_run
 
     info = read_json(run.shard_dir / COMPLETE_MARKER) or {}
     recorded = info.get("settings") or {}
     plan = plan_run(run.method, run.dataset, backbone=run.backbone_arg, pretrained=run.pretrained, seed=run.seed,
                     overrides=dict(run.overrides) or None, anchor=run.anchor, limit=run.limit)
+    data_cache = {} if data_cache is None else data_cache
+    if (run.dataset, run.data_root) not in data_cache:
+        run.register_dataset()
+        data_cache[(run.dataset, run.data_root)] = data_identity(run.dataset, run.data_root)
     wanted = {"method_config": json.loads(json.dumps(dataclasses.asdict(plan.config), default=str)),
-              "anchor": run.anchor}
+              "anchor": run.anchor, **data_cache[(run.dataset, run.data_root)]}
     diff = [k for k, v in wanted.items() if k in recorded and recorded[k] != v]
     return ", ".join(diff) or None
 
 
 def check_finished_settings(runs: Sequence[RunSpec]) -> None:
     """Raise SweepError when complete runs were made with other settings than the sweep asks for."""
-    bad = [(r, d) for r in runs if (d := settings_mismatch(r))]
+    data_cache: dict[tuple[str, str | None], dict[str, str]] = {}
+    bad = [(r, d) for r in runs if (d := settings_mismatch(r, data_cache))]
     if bad:
         r, d = bad[0]
         raise SweepError(f"{len(bad)} finished run(s) used other settings than this sweep, e.g. {r.run_id} "
