@@ -9,6 +9,8 @@ weights) on synthetic JPEGs of about 500x375 px, it measures, in this order:
     fixed cost   wall seconds of a `zaec-extract` process that finds every feature in its cache (imports, weights,
                  text prototypes, loader start: what a process pays before its first new image), and its phases
     tpt, tps     samples/s of the adaptation alone from cached 64-view features, at K = 47, 200 and 1000 classes
+    per core     views/s of one thread generating views (no GPU), and the loader's efficiency: the 64-view rates
+                 over `--workers` times that (1.0 = the loader processes scale perfectly)
 
 and prints each as a ratio to the ceiling measured in the same run: images/s or views/s over the ceiling (1.0 = the
 encoder's pace), the fixed cost as the images the encoder could have encoded meanwhile, a TPT sample as the
@@ -324,7 +326,11 @@ def run(
             r["ratios"] = ratios(r)
             results["backbones"][bb] = r
         # the CPU side alone: views/s of one thread, to read the loader's efficiency against
-        results["views_per_core"] = {p: view_rate(p, seconds=min(secs, 1.0)) for p in ("crop_flip", "augmix")}
+        per_core = {p: view_rate(p, seconds=min(secs, 1.0)) for p in ("crop_flip", "augmix")}
+        results["views_per_core"] = per_core
+        if nw:  # how much of `workers` times one thread's rate the pass delivered (1.0: perfect scaling)
+            for r in results["backbones"].values():
+                r["ratios"]["loader_efficiency"] = {p: r[f"{p}_views_per_s"] / (nw * per_core[p]) for p in per_core}
         results["seconds"] = time.perf_counter() - t_all
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -332,6 +338,12 @@ def run(
     console.print(f"one thread: {results['views_per_core']['crop_flip']:,.0f} crop+flip views/s, "
                   f"{results['views_per_core']['augmix']:,.0f} AugMix views/s; {nw} loader processes; "
                   f"whole run {results['seconds']:.0f} s")
+    for bb, r in results["backbones"].items():
+        if "loader_efficiency" in r["ratios"]:
+            eff = r["ratios"]["loader_efficiency"]
+            console.print(f"{bb}: 64-view rate / ({nw} x one thread): crop+flip {eff['crop_flip']:.2f}, AugMix "
+                          f"{eff['augmix']:.2f} (1.0 = the processes scale perfectly; below it, the GPU or the "
+                          "transfer sets the pace)")
     if json_out is not None:
         from schemas.atomic import atomic_path
         with atomic_path(json_out) as tmp:
