@@ -279,7 +279,7 @@ def run(
     backbones: str = typer.Option("ViT-B-16,RN50", help="comma-separated open_clip architectures (random weights)"),
     device: str = typer.Option("cuda", help="torch device; cpu only for a smoke run (with --tiny)"),
     tiny: bool = typer.Option(False, "--tiny", help="a small model and few images instead (a smoke run)"),
-    images: Optional[int] = typer.Option(None, help="JPEGs of the single-view pass (default 2048; tiny 8)"),
+    images: Optional[int] = typer.Option(None, help="JPEGs of the single-view pass (default 4096; tiny 8)"),
     multi_view_images: Optional[int] = typer.Option(None, help="JPEGs of each 64-view pass (default 96; tiny 2)"),
     batch_size: Optional[int] = typer.Option(None, help="images per encoder call (default 256; tiny 64)"),
     workers: Optional[int] = typer.Option(None, help="loader processes (default min(16, CPUs); tiny 0)"),
@@ -302,7 +302,7 @@ def run(
     except ValueError:
         raise _fail(f"--ks expects comma-separated class counts, got {ks!r}") from None
     bbs = [b.strip() for b in backbones.split(",") if b.strip()]
-    n_single = images if images is not None else (8 if tiny else 2048)
+    n_single = images if images is not None else (8 if tiny else 4096)
     n_multi = multi_view_images if multi_view_images is not None else (2 if tiny else 96)
     bs = batch_size if batch_size is not None else (64 if tiny else 256)
     nw = workers if workers is not None else (0 if tiny else min(16, os.cpu_count() or 1))

@@ -59,3 +59,12 @@ def test_without_cuda_one_line_and_exit_2():
 def test_bad_class_counts_are_one_line():
     res = runner.invoke(bench_gpu.app, ["run", "--device", "cpu", "--tiny", "--ks", "a,b"])
     assert res.exit_code == 2 and "--ks expects comma-separated class counts" in res.stderr
+
+
+def test_loader_rates_of_make_bench_extract():
+    """The loader line of `make bench-extract`: the runner's loader with worker processes and one thread doing the
+    same items both deliver views (the values depend on the machine; only that they are measured is checked)."""
+    from extract.bench import loader_rates, view_rate
+    many, one = loader_rates("crop_flip", 1, 3, size=32)
+    assert many > 0 and one > 0
+    assert view_rate("crop_flip", seconds=0.01, reference=True) > 0
