@@ -18,22 +18,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from calibrate.cli_errors import USER_ERRORS, fail, run_app
 from calibrate.run import DEFAULT_CALIBRATORS, DEFAULT_TS_SOURCE, RunReport, calibrate_paths, write_metrics
-from schemas import ShardError, error_line
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 PERCENT = ("accuracy", "ece", "mce", "ece_mass", "mean_confidence")
-
-
-#: what a user can cause (bad shards, bad specs or options, unreadable paths): one line and exit 2, no traceback
-USER_ERRORS = (ShardError, ValueError, OSError)
-
-
-def fail(prog: str, e: BaseException, err: Console) -> None:
-    """Print `prog: error: <first line of e>` on stderr and exit with status 2."""
-    err.print(f"{prog}: error: {error_line(e)}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 def render(report: RunReport, console: Console) -> None:
@@ -107,24 +97,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     """Console script `zaec-calibrate`; `zaec-calibrate tables ...` dispatches to the tables CLI."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "tables":
-        from calibrate.tables.cli import app as tables_app  # helper-owned subpackage, imported only when used
+        from calibrate.tables.cli import main as tables_main  # imported only when used
 
-        tables_app(args=args[1:], prog_name="zaec-calibrate tables")
-        return
-    # typer's usage errors (click's ClickException/UsageError; typer >= 0.2x vendors click, so find them by name)
-    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-    command = typer.main.get_command(app)
-    try:
-        code = command.main(args=args, prog_name="zaec-calibrate", standalone_mode=False)
-    except click_error as e:  # one line, like every other user error
-        hint = " (see zaec-calibrate --help)" if isinstance(e, usage_error) else ""
-        print(f"zaec-calibrate: error: {e.format_message()}{hint}", file=sys.stderr)
-        sys.exit(2)
-    except typer.Abort:
-        print("zaec-calibrate: aborted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        tables_main(args[1:])  # exits
+    run_app(app, args, "zaec-calibrate")
 
 
 if __name__ == "__main__":

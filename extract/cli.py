@@ -2,6 +2,7 @@
 
     zaec-extract --method dpe --dataset dtd [--backbone ViT-B-16] [--pretrained openai|FILE|local-dir:DIR]
                  [--data-root DIR] [--out DIR] [--seed S] [--device D] [--limit N] [--set key=value ...]
+    zaec-extract --method tda --dataset folder:PATH [--dataset-name NAME] [--class-names FILE] ...
 
 User errors (unknown names, missing data or weights, bad `--set`) end in one line on stderr and exit status 2.
 """
@@ -31,7 +32,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 @app.command()
 def extract(
     method: str = typer.Option(..., "--method", "-m", help="TTA method: zero-shot, tda, dpe, dlae, ..."),
-    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key: imagenet, imagenet_a, dtd, ..."),
+    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key (imagenet, dtd, imagenet_c:fog:3, ...), "
+                                                            "folder:PATH (one sub-folder per class) or "
+                                                            "split:FILE.json (a CoOp split)"),
+    dataset_name: Optional[str] = typer.Option(None, help="name of a folder:/split: dataset in the shards "
+                                                          "(default: the folder's name)"),
+    class_names: Optional[Path] = typer.Option(None, help="class names of a folder:/split: dataset, label order: "
+                                                          "one per line or a JSON list"),
     backbone: Optional[str] = typer.Option(
         None, help="open_clip model name (ViT-B-16, RN50); default ViT-B-16, or the local-dir's model"),
     pretrained: str = typer.Option("openai", help="pretrained tag, checkpoint file, or local-dir:DIR"),
@@ -60,9 +67,11 @@ def extract(
 
     err = Console(stderr=True)
     try:
+        from extract.datasets import resolve_dataset
         from extract.runner import parse_overrides, plan_run, run_extraction
 
         overrides = parse_overrides(set_)
+        dataset = resolve_dataset(dataset, name=dataset_name, class_names=class_names)
         # resolve every name before any file is read (run_extraction repeats it; it is cheap)
         plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                  anchor=anchor, limit=limit)

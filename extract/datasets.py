@@ -1,9 +1,14 @@
 """Test sets: one registry, one generic loader.
 
-Every dataset has one canonical key (`imagenet_a`, `dtd`, ...). A registry entry says where the data may lie under
-the data root (the CoOp/TDA layout, the TPT layout, DPE's renamed folders), how its test list is read (a CoOp
-`split_zhou_*.json`, FGVC-Aircraft's variant text files, or ImageNet-style class folders) and which per-method
-hyper-parameters it uses (`hparams_from`). `load_testset` turns an entry into a `TestSet`: absolute image paths in the
+Every dataset has one canonical key (`imagenet_a`, `dtd`, `imagenet_c:fog:3`, ...). A registry entry says where the
+data may lie under the data root (the CoOp/TDA layout, the TPT layout, DPE's renamed folders), how its test list is
+read (a CoOp `split_zhou_*.json`, FGVC-Aircraft's variant text files, or ImageNet-style class folders) and which
+per-method hyper-parameters it uses (`hparams_from`).
+
+A user's own data joins through `resolve_dataset`: `folder:PATH` (one sub-folder per class) or `split:FILE.json` (a
+CoOp split) becomes a spec registered for this process under a canonical name (the folder's name, or one the user
+gives), with `hparams_from=None`: every method then uses its documented settings for unseen data
+(`TTAMethod.unseen_config`). `load_testset` turns an entry into a `TestSet`: absolute image paths in the
 canonical test order (this order defines `sample_id`), labels, and class names. Only the split/list files and the
 folder listing are read here; images are opened later, one by one, by `open_image`.
 
@@ -11,6 +16,7 @@ Canonical order:
     * JSON splits: the order of the `test` list in the file.
     * FGVC-Aircraft: the order of `images_variant_test.txt`.
     * class folders: classes by label, then file names sorted as strings within a class.
+    * `folder:PATH`: relative paths (POSIX, from PATH) sorted as strings; labels = sorted class-folder names.
 
 Example:
     >>> spec = get_dataset("dtd")
@@ -20,15 +26,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.resources
 import json
 import os
 import posixpath
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -40,8 +48,8 @@ FASHION_MNIST_CLASSES: tuple[str, ...] = (
 DATA_ROOT_ENV = "ZAEC_DATA_ROOT"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
-Kind = Literal["json", "aircraft", "folders"]
-Group = Literal["natural", "fine_grained", "demo"]
+Kind = Literal["json", "aircraft", "folders", "image_folder", "split_file"]
+Group = Literal["natural", "fine_grained", "demo", "corruption", "user"]
 #: how class folders map to labels: ImageNet wnids (all 1000), the 200-class A/R subsets, V2's numbered folders
 FolderScheme = Literal["wnid1000", "wnid_a", "wnid_r", "v2_numeric"]
 
@@ -69,12 +77,13 @@ class Layout:
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """A registry entry. `hparams_from` is the canonical key whose per-method hyper-parameters apply."""
+    """A registry entry. `hparams_from` is the canonical key whose per-method hyper-parameters apply; None for a
+    user's dataset (each method's settings for unseen data apply)."""
 
     key: str
     kind: Kind
     group: Group
-    hparams_from: str
+    hparams_from: str | None
     layouts: tuple[Layout, ...]
     #: file name of the CuPL prompts (DPE's `gpt3_prompts/` naming), None where no such file exists
     cupl_file: str | None = None
@@ -87,6 +96,10 @@ class DatasetSpec:
     #: TDA/DPE/DLAE list these folders with a helper that also drops names containing "sh" (spec §13.9)
     sh_quirk_applies: bool = False
     description: str = ""
+    #: user datasets: the reference as given, made absolute (`folder:/abs/path`, `split:/abs/file.json`)
+    ref: str | None = None
+    #: user datasets: the --class-names file the names came from (None: folder names / the split's names)
+    class_names_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -211,17 +224,165 @@ for _name in _DEMO_SETS:
         templates_from="imagenet",
         description=f"Fashion-MNIST test set ({_name}), embedded demo"))
 
+# ImageNet-C (Hendrycks & Dietterich, ICLR 2019): 15 corruptions x 5 severities of the ImageNet validation set, in
+# the release's `<corruption>/<severity>/<wnid>/` folders, all 1000 classes. Keys `imagenet_c:<corruption>:<severity>`.
+# Method settings and prompts: ImageNet's (the images are ImageNet val images; TDA/DPE never ran ImageNet-C, so
+# ImageNet's row is the nearest official one). CuPL: ImageNet's file, as DPE uses it for every ImageNet variant.
+IMAGENET_C = "imagenet_c"
+#: the 15 corruptions in the release's order (noise, blur, weather, digital)
+IMAGENET_C_CORRUPTIONS: tuple[str, ...] = (
+    "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
+    "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate", "jpeg_compression",
+)
+IMAGENET_C_SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
+for _corr in IMAGENET_C_CORRUPTIONS:
+    for _sev in IMAGENET_C_SEVERITIES:
+        _REGISTRY_LIST.append(DatasetSpec(
+            f"{IMAGENET_C}:{_corr}:{_sev}", "folders", "corruption", "imagenet",
+            (Layout("ImageNet-C", f"imagenet-c/{_corr}/{_sev}", ""),
+             Layout("ImageNet-C (capitalised)", f"ImageNet-C/{_corr}/{_sev}", "")),
+            cupl_file="CuPL_prompts_imagenet.json", folder_scheme="wnid1000",
+            description=f"ImageNet-C, {_corr.replace('_', ' ')}, severity {_sev}"))
+
 REGISTRY: dict[str, DatasetSpec] = {s.key: s for s in _REGISTRY_LIST}
-#: the 15 datasets of the paper (excludes the demo sets)
-PAPER_DATASETS: tuple[str, ...] = tuple(s.key for s in _REGISTRY_LIST if s.group != "demo")
+#: the 15 datasets of the paper (excludes the demo sets and ImageNet-C)
+PAPER_DATASETS: tuple[str, ...] = tuple(s.key for s in _REGISTRY_LIST if s.group in ("natural", "fine_grained"))
+#: the 75 ImageNet-C keys, corruption-major
+IMAGENET_C_DATASETS: tuple[str, ...] = tuple(s.key for s in _REGISTRY_LIST if s.group == "corruption")
+
+FOLDER_PREFIX = "folder:"
+SPLIT_PREFIX = "split:"
+#: user datasets registered in this process by `resolve_dataset`, by canonical name
+_USER_SPECS: dict[str, DatasetSpec] = {}
+
+
+def _available() -> str:
+    keys = [k for k, s in REGISTRY.items() if s.group != "corruption"] + list(_USER_SPECS)
+    return (f"{', '.join(keys)}, {IMAGENET_C}:<corruption>:<severity> (corruptions: "
+            f"{', '.join(IMAGENET_C_CORRUPTIONS)}; severities 1-5), {FOLDER_PREFIX}PATH, {SPLIT_PREFIX}FILE.json")
 
 
 def get_dataset(key: str) -> DatasetSpec:
-    """The registry entry of `key`; raises DatasetError listing the valid keys."""
+    """The registry entry of `key` (a registered key, a user dataset's canonical name, or a `folder:`/`split:`
+    reference, which is registered under its default name); raises DatasetError listing the valid keys."""
+    spec = REGISTRY.get(key) or _USER_SPECS.get(key)
+    if spec is not None:
+        return spec
+    if key.startswith((FOLDER_PREFIX, SPLIT_PREFIX)):
+        return _USER_SPECS[resolve_dataset(key)]
+    raise DatasetError(f"unknown dataset {key!r}; available: {_available()}")
+
+
+def expand_dataset_keys(name: str) -> tuple[str, ...]:
+    """Dataset keys a sweep entry stands for: `imagenet_c` -> the 75 ImageNet-C keys, `imagenet_c:<corruption>` ->
+    its 5 severities, anything else -> itself (checked later).
+
+    >>> len(expand_dataset_keys("imagenet_c")), expand_dataset_keys("imagenet_c:fog")[-1]
+    (75, 'imagenet_c:fog:5')
+    """
+    if name == IMAGENET_C:
+        return IMAGENET_C_DATASETS
+    head, _, corr = name.partition(":")
+    if head == IMAGENET_C and corr in IMAGENET_C_CORRUPTIONS:
+        return tuple(f"{name}:{s}" for s in IMAGENET_C_SEVERITIES)
+    return (name,)
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
+    """Class names from a file: a JSON list of strings, or one name per line (blank lines skipped), label order.
+
+    Raises:
+        DatasetError: unreadable file, a JSON document that is not a list of non-empty strings, no names.
+    """
+    path = Path(path).expanduser()
     try:
-        return REGISTRY[key]
-    except KeyError:
-        raise DatasetError(f"unknown dataset {key!r}; available: {', '.join(REGISTRY)}") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"--class-names {path}: not a readable text file ({e})") from None
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"--class-names {path}: not a valid JSON list ({e})") from None
+        if not all(isinstance(n, str) and n.strip() for n in names):
+            raise DatasetError(f"--class-names {path}: expected a JSON list of non-empty strings")
+        names = [n.strip() for n in names]
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise DatasetError(f"--class-names {path}: no class names in the file")
+    return tuple(names)
+
+
+def resolve_dataset(ref: str, *, name: str | None = None, class_names: str | os.PathLike | None = None) -> str:
+    """The canonical key of a `--dataset` value, registering a user's dataset for this process.
+
+    Args:
+        ref: a registered key, `folder:PATH` (one sub-folder per class) or `split:FILE.json` (a CoOp split whose
+            relative paths start at the file's folder).
+        name: the canonical name of a user dataset (shard metadata, shard folder, tables); default: the name of
+            the folder (of PATH, or the one holding FILE.json).
+        class_names: a file of class names in label order (`read_class_names`); default: the folder names with
+            `_` read as a space, or the split's names.
+
+    Returns:
+        The key every later step uses (`load_testset`, `build_prompt_set`, the shard's `dataset`).
+
+    Raises:
+        DatasetError: unknown key, a missing folder or file, a name that is not a plain key or clashes with a
+            registered one, `name`/`class_names` given with a registered key, an unreadable class-names file.
+
+    Example:
+        >>> resolve_dataset("dtd")
+        'dtd'
+    """
+    if not ref.startswith((FOLDER_PREFIX, SPLIT_PREFIX)):
+        if name is not None or class_names is not None:
+            raise DatasetError(f"--dataset-name and --class-names apply to {FOLDER_PREFIX}PATH and "
+                               f"{SPLIT_PREFIX}FILE.json datasets only, not to the registered key {ref!r}")
+        return get_dataset(ref).key
+    is_folder = ref.startswith(FOLDER_PREFIX)
+    raw = ref[len(FOLDER_PREFIX if is_folder else SPLIT_PREFIX):]
+    if not raw:
+        raise DatasetError(f"--dataset {ref!r}: expected {FOLDER_PREFIX}PATH or {SPLIT_PREFIX}FILE.json")
+    path = Path(raw).expanduser().resolve()
+    if is_folder and not path.is_dir():
+        raise DatasetError(f"--dataset {ref}: {path} is not a folder (expected one sub-folder per class)")
+    if not is_folder and not path.is_file():
+        raise DatasetError(f"--dataset {ref}: {path} is not a file (expected a CoOp split JSON with a 'test' list)")
+    if name is None:
+        name, origin = (path if is_folder else path.parent).name, "the folder name"
+    else:
+        origin = "--dataset-name"
+    if not _NAME_RE.fullmatch(name):
+        raise DatasetError(f"dataset name {name!r} (from {origin}) must be letters, digits, '.', '_', '+', '-' "
+                           "and start with a letter or digit; pass --dataset-name NAME")
+    if name in REGISTRY or name == IMAGENET_C or name == "all":
+        raise DatasetError(f"dataset name {name!r} (from {origin}) is a registered dataset key; pass "
+                           "--dataset-name NAME with another name")
+    names = None
+    cn_file = None
+    if class_names is not None:
+        names = read_class_names(class_names)
+        cn_file = str(Path(class_names).expanduser().resolve())
+        _check_unique(names, f"--class-names {cn_file}")
+    kind: Kind = "image_folder" if is_folder else "split_file"
+    layout = Layout("image folder" if is_folder else "split file", "", "", "" if is_folder else path.name)
+    spec = DatasetSpec(name, kind, "user", None, (layout,), class_names=names,
+                       description=f"user dataset {ref}", ref=("folder:" if is_folder else "split:") + str(path),
+                       class_names_file=cn_file)
+    _USER_SPECS[name] = spec
+    return name
+
+
+def dataset_source(key: str) -> tuple[str, str | None] | None:
+    """(reference, class-names file) of a user dataset registered in this process, None for a registered key: what
+    another process (a sweep worker) passes to `resolve_dataset` to register the same dataset."""
+    spec = _USER_SPECS.get(key)
+    return None if spec is None or spec.ref is None else (spec.ref, spec.class_names_file)
 
 
 def resolve_data_root(data_root: str | os.PathLike | None) -> Path:
@@ -475,12 +636,90 @@ def _load_folders(spec: DatasetSpec, root: Path, lay: Layout, *, sh_filter: bool
     return paths, labels, class_names, subset, notes
 
 
+def _check_unique(names: Sequence[str], where: str) -> None:
+    dup = sorted({n for n in names if list(names).count(n) > 1})
+    if dup:
+        raise DatasetError(f"{where}: duplicate class name(s) {', '.join(map(repr, dup[:5]))}; every class needs "
+                           "its own name (pass --class-names FILE)")
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _load_image_folder(spec: DatasetSpec, folder: Path) -> tuple[list[Path], list[int], tuple[str, ...]]:
+    """`folder:PATH`: label = index of the class folder in sorted order; images anywhere below a class folder
+    (hidden files and folders skipped); sample order = relative paths sorted as strings."""
+    entries = [n for n in os.listdir(folder) if not n.startswith(".")]
+    if not entries:
+        raise DatasetError(f"{folder}: the folder is empty; expected one sub-folder per class holding its images "
+                           f"({folder}/<class name>/<image>)")
+    classes = sorted(n for n in entries if (folder / n).is_dir())
+    if not classes:
+        raise DatasetError(f"{folder}: no class sub-folders (found only files); expected one sub-folder per class "
+                           f"holding its images ({folder}/<class name>/<image>)")
+    items: list[tuple[str, int]] = []
+    for label, c in enumerate(classes):
+        n_before = len(items)
+        for dirpath, dirnames, filenames in os.walk(folder / c, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel_dir = Path(dirpath).relative_to(folder).as_posix()
+            items += [(f"{rel_dir}/{f}", label) for f in filenames if _is_image(f)]
+        if len(items) == n_before:
+            raise DatasetError(f"{folder / c}: class folder holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    if spec.class_names is not None:
+        if len(spec.class_names) != len(classes):
+            raise DatasetError(f"--class-names {spec.class_names_file}: {len(spec.class_names)} class name(s) for "
+                               f"{len(classes)} class folder(s) in {folder} (one name per folder, in the folders' "
+                               "sorted order)")
+        names = spec.class_names
+    else:
+        names = tuple(_clean_name(c) for c in classes)
+        _check_unique(names, f"{folder}: class folder names (with '_' read as a space)")
+    items.sort()
+    return [folder / rel for rel, _ in items], [y for _, y in items], names
+
+
+def _load_split_file(spec: DatasetSpec, split_path: Path) -> tuple[list[Path], list[int], tuple[str, ...]]:
+    """`split:FILE.json`: the registered sets' CoOp reader, relative paths starting at the file's folder."""
+    lay = Layout("split file", "", "", split_path.name)
+    paths, labels, names = _load_json_split(dataclasses.replace(spec, class_names=None), split_path.parent, lay)
+    if spec.class_names is not None:
+        if len(spec.class_names) != len(names):
+            raise DatasetError(f"--class-names {spec.class_names_file}: {len(spec.class_names)} class name(s) for "
+                               f"the {len(names)} labels (0..{len(names) - 1}) of {split_path}")
+        names = spec.class_names
+    _check_unique(names, f"{split_path}: class names")
+    return paths, labels, names
+
+
+def _load_user(spec: DatasetSpec) -> TestSet:
+    assert spec.ref is not None
+    path = Path(spec.ref.partition(":")[2])
+    if spec.kind == "image_folder":
+        if not path.is_dir():
+            raise DatasetError(f"dataset {spec.key!r}: {path} is not a folder (expected one sub-folder per class)")
+        ddir = path
+        paths, labels, names = _load_image_folder(spec, path)
+    else:
+        if not path.is_file():
+            raise DatasetError(f"dataset {spec.key!r}: split file {path} does not exist")
+        ddir = path.parent
+        paths, labels, names = _load_split_file(spec, path)
+    notes = {"source": spec.ref}
+    if spec.class_names_file is not None:
+        notes["class_names_file"] = spec.class_names_file
+    return TestSet(key=spec.key, dataset_dir=ddir, layout=spec.layouts[0].name, paths=tuple(paths),
+                   labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names), notes=notes)
+
+
 def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False) -> TestSet:
     """Resolve dataset `key` under the data root and list its test samples (no image is opened).
 
     Args:
-        key: canonical dataset key (see `REGISTRY`).
-        data_root: folder holding the datasets; None = $ZAEC_DATA_ROOT, else ./data.
+        key: canonical dataset key (see `REGISTRY`), a user dataset's name (`resolve_dataset`), or a `folder:` /
+            `split:` reference.
+        data_root: folder holding the datasets; None = $ZAEC_DATA_ROOT, else ./data. Not used by user datasets.
         sh_filter: reproduce the TDA/DPE/DLAE listing quirk (drop files/folders whose name contains "sh") on the
             ImageNet-A/-R/-Sketch/-V2 folders (spec §13.9). Off by default; ignored for the other sets.
 
@@ -489,9 +728,12 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
 
     Raises:
         DatasetError: unknown key, missing folder (the message shows the expected layout), a bad split file, or a
-            split entry that escapes the dataset folder.
+            split entry that escapes the dataset folder; for user data also an empty folder, a class folder
+            without images, a class-names count that differs from the classes, duplicate class names.
     """
     spec = get_dataset(key)
+    if spec.ref is not None:  # a user's folder or split file: its own path, no data root
+        return _load_user(spec)
     root = resolve_data_root(data_root)
     lay = _find_layout(spec, root)
     ddir = root / lay.dataset_dir

@@ -11,7 +11,8 @@ not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) u
 the prompt set falls back to the templates and carries a warning that the runner records in the shard metadata
 (`zaec:warnings`).
 
-Demo sets (group "demo") use the templates of their `hparams_from` dataset and have no CuPL file.
+Demo sets (group "demo") use the templates of their `hparams_from` dataset and have no CuPL file. A user's own
+dataset (`folder:PATH`, `split:FILE.json`) has neither: it takes "single" or "imagenet80" (`USER_PROMPT_POLICIES`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from extract.datasets import get_dataset
 
 PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars"]
 PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars")
+#: the policies a user's own dataset may use: no per-dataset templates, no CuPL sentences exist for it
+USER_PROMPT_POLICIES: tuple[str, ...] = ("single", "imagenet80")
 CUPL_ENV = "ZAEC_CUPL_DIR"
 
 SINGLE_TEMPLATE = "a photo of a {}."
@@ -97,7 +100,11 @@ def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
     if policy == "dpe_cars":
         return DPE_STANFORD_CARS
     spec = get_dataset(dataset)
-    return _dataset_templates()[spec.templates_from or spec.hparams_from]
+    source = spec.templates_from or spec.hparams_from
+    if source is None:  # a user's dataset: no official per-dataset template
+        raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts='dataset'); use "
+                          f"{' or '.join(repr(p) for p in USER_PROMPT_POLICIES)}")
+    return _dataset_templates()[source]
 
 
 @dataclass(frozen=True)

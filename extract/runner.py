@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from extract.cache import FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
-from extract.datasets import TestSet, get_dataset, load_testset, open_image
+from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, open_image
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
 from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
@@ -198,7 +198,10 @@ class _ViewData(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         pos, need0, need_aug = self.jobs[i]
         sid = int(self.perm[pos])
-        img = open_image(self.testset.paths[sid])
+        try:
+            img = open_image(self.testset.paths[sid])
+        except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
+            return pos, str(e), torch.empty(0)  # type: ignore[return-value]
         v0 = self.gen.original(img) if need0 else torch.empty(0)
         aug = self.gen.augmented(img, sid) if need_aug else torch.empty(0)
         return pos, v0, aug
@@ -264,6 +267,8 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
         ba = _Batcher(model, aug, batch_size) if aug is not None else None
         for _ in range(n):
             pos, x0, xa = next(it)
+            if isinstance(x0, str):  # an image the loader cannot read (named in the message)
+                raise DatasetError(x0)
             if b0 is not None:
                 b0.add(x0.unsqueeze(0))
             if ba is not None:
@@ -323,6 +328,8 @@ class _Plan:
     backbone: str
     policy: ViewPolicy
     key: RunKey
+    #: for a dataset without official settings: which settings apply (printed at the start, kept in the shards)
+    settings_note: str = ""
 
 
 def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str, seed: int,
@@ -339,14 +346,25 @@ def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str
     if seed < 0:
         raise RunError(f"seed must be >= 0, got {seed}")
     name = resolve_backbone_name(backbone, pretrained)
-    config = cls.default_config(spec.hparams_from, name)
+    unseen = spec.hparams_from is None  # a user's dataset: the method's documented settings for unseen data
+    config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
     if overrides:
         config = apply_overrides(config, dict(overrides))
     try:
         policy = view_policy(int(config.n_views), bool(config.augmix))
     except ValueError as e:
         raise RunError(f"{method}: {e}") from None
-    return _Plan(cls, config, dataset, name, policy, RunKey(name, dataset, method, int(seed)))
+    note = ""
+    if unseen:
+        from extract.prompts import USER_PROMPT_POLICIES
+        if config.prompts not in USER_PROMPT_POLICIES or config.cupl:
+            raise RunError(f"dataset {spec.key!r} has no per-dataset templates or CuPL sentences: prompts must be "
+                           f"one of {', '.join(USER_PROMPT_POLICIES)} and cupl false, got prompts={config.prompts}, "
+                           f"cupl={config.cupl}")
+        changes = "".join(f", {k}={v}" for k, v in cls.unseen_changes.items())
+        note = f"{method}'s settings for unseen data: {cls.unseen_like}'s row{changes}"
+        note += f", then --set {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""
+    return _Plan(cls, config, spec.key, name, policy, RunKey(name, spec.key, method, int(seed)), note)
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
@@ -388,7 +406,8 @@ def run_extraction(
 
     Args:
         method: method key (`extract.methods.REGISTRY`).
-        dataset: dataset key (`extract.datasets.REGISTRY`).
+        dataset: dataset key (`extract.datasets.REGISTRY`), a user dataset's name (`resolve_dataset`), or a
+            `folder:PATH` / `split:FILE.json` reference (named after its folder).
         backbone: open_clip model name; None = `ViT-B-16`, or with `pretrained="local-dir:DIR"` the directory's
             model name.
         pretrained: tag (`openai`), checkpoint file or `local-dir:DIR`.
@@ -423,6 +442,7 @@ def run_extraction(
         backbone, pretrained = model.backbone, model.pretrained
     plan = plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                     anchor=anchor, limit=limit)
+    dataset = plan.spec_key  # a `folder:`/`split:` reference -> the dataset's canonical name
     testset = load_testset(dataset, data_root, sh_filter=sh_filter)
     n_total = len(testset)
     n_run = n_total if limit is None else min(limit, n_total)
@@ -473,6 +493,8 @@ def run_extraction(
         extra["zaec:imagenet_indices"] = json.dumps(list(testset.imagenet_indices))
     for k, v in testset.notes.items():
         extra[f"zaec:{k}"] = v
+    if plan.settings_note:
+        extra["zaec:method_settings"] = plan.settings_note
     meta = ShardMeta(backbone=plan.backbone, pretrained=model.pretrained, dataset=dataset, method=method, seed=seed,
                      class_names=testset.class_names, method_config=_config_dict(config), zs_prompts=zs_desc,
                      extra=extra)
@@ -518,9 +540,14 @@ def run_extraction(
 
     with _Progress(progress) as prog:
         say = log or prog.print
+        from rich.markup import escape
+        if plan.settings_note:  # a dataset without official settings: say which apply before the first image
+            fields = " ".join(f"{k}={v}" for k, v in _config_dict(config).items() if k != "episodic")
+            line = (f"{dataset} has no official settings; {plan.settings_note}: {fields} "
+                    "(change any with --set key=value)")
+            say(line if log is not None else escape(line))
         for w in warnings:
             if log is None:
-                from rich.markup import escape
                 say(f"[yellow]warning:[/yellow] {escape(w)}")
             else:
                 say(f"warning: {w}")

@@ -261,10 +261,16 @@ def test_tables_subcommand_dispatch(monkeypatch):
 
     seen = {}
     fake = types.ModuleType("calibrate.tables.cli")
-    fake.app = lambda args, prog_name: seen.update(args=args, prog=prog_name)
+
+    def fake_main(argv):
+        seen.update(args=argv)
+        raise SystemExit(0)
+
+    fake.main = fake_main
     monkeypatch.setitem(sys.modules, "calibrate.tables.cli", fake)
-    main(["tables", "shards", "--out", "x"])
-    assert seen == {"args": ["shards", "--out", "x"], "prog": "zaec-calibrate tables"}
+    with pytest.raises(SystemExit):
+        main(["tables", "shards", "--out", "x"])
+    assert seen == {"args": ["shards", "--out", "x"]}
 
 
 def test_synthetic_generator_writes_valid_shards(tmp_path):

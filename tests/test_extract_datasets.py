@@ -27,10 +27,12 @@ def test_registry_shape():
     assert len(PAPER_DATASETS) == 15
     for key, spec in REGISTRY.items():
         assert spec.key == key
-        assert spec.group == ("demo" if key.startswith("fmnist") else
-                              "natural" if key.startswith("imagenet") else "fine_grained")
+        assert spec.group == ("demo" if key.startswith("fmnist") else "corruption" if key.startswith("imagenet_c:")
+                              else "natural" if key.startswith("imagenet") else "fine_grained")
         assert spec.hparams_from in PAPER_DATASETS
-        if spec.group != "demo":
+        if spec.group == "corruption":
+            assert spec.hparams_from == "imagenet" and spec.folder_scheme == "wnid1000"
+        elif spec.group != "demo":
             assert spec.hparams_from == key
     demo = [get_dataset(k) for k in ("fmnist", "fmnist_noise", "fmnist_blur", "fmnist_contrast", "fmnist_invert",
                                      "fmnist_rotate")]

@@ -22,6 +22,8 @@ from extract.methods.zero_shot import ZeroShot
 
 K, D = 5, 16  # D = the embedding width of the tiny open_clip model of `extract_fixtures`
 NAMES = ("cat", "dog", "sea_lion", "car", "tree")
+# float32 logit tolerance: a width-D dot product at scale 100 moves by ~D eps x 100 when its summation order changes
+LOGIT_TOL32 = 2 * D * torch.finfo(torch.float32).eps * 100.0
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -80,7 +82,7 @@ def test_finite_deterministic_and_chunk_invariant(key, v, encoder):
     for chunk in (1, 7):
         m = build(cls, v, dtype=torch.float32, encoder=encoder)
         parts = torch.cat([m.adapt(x[i:i + chunk]) for i in range(0, len(x), chunk)])
-        torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(parts, whole, rtol=0, atol=LOGIT_TOL32)
 
 
 @pytest.mark.parametrize("key", METHODS)
@@ -196,7 +198,7 @@ def test_zero_shot_formula_uses_model_scale():
     text = make_text(dtype=torch.float32)
     x = make_stream(9, 1, text).float()
     m = ZeroShot(ZeroShot.default_config("imagenet", "RN50"), text, 37.5, backbone="RN50", dataset="imagenet")
-    torch.testing.assert_close(m.adapt(x), 37.5 * x[:, 0] @ text.T)
+    torch.testing.assert_close(m.adapt(x), 37.5 * x[:, 0] @ text.T, rtol=0, atol=LOGIT_TOL32 * 37.5 / 100)
 
 
 # ---------------------------------------------------------------------------------------------- slow references
@@ -347,7 +349,8 @@ def test_tda_matches_reference(v):
     got = torch.cat([got, m.adapt(x[25:])])
     want, pos, neg, log = ref_tda(x, text, scale, m.config)
     assert sum(len(i) for i in neg.values()) >= 3, "the stream must exercise the negative cache"
-    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
+    # both sides computed in float64 and rounded to float32: at most one float32 ulp apart
+    torch.testing.assert_close(got, want.float(), rtol=torch.finfo(torch.float32).eps, atol=1e-12)
     # Cache contents equal the reference's (class by class, in order).
     for c in range(K):
         ref_pos = torch.stack([f for f, _ in pos.get(c, [])]) if c in pos else torch.zeros(0, D, dtype=x.dtype)
@@ -468,7 +471,8 @@ def test_dpe_matches_reference(v, dataset):
     got = torch.cat([m.adapt(x[:13]), m.adapt(x[13:])])
     want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=False)
     assert 0 < stats["global"] < len(x), "the stream must exercise the global evolution both ways"
-    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-5)
+    # float64 on both sides, rounded to float32 (one ulp); 1e-12 absorbs float64 reordering next to zero
+    torch.testing.assert_close(got, want.float(), rtol=torch.finfo(torch.float32).eps, atol=1e-12)
     assert m.n_global_updates == stats["global"]
     torch.testing.assert_close(m.w_global, state["w_g"], rtol=1e-9, atol=1e-12)
     # Evolved prototypes are a cumulative average of unit vectors, never re-normalised (spec §7 step 7).
@@ -501,7 +505,7 @@ def test_dlae_matches_reference(v, dataset):
     want, state, stats = ref_dual(x, text, 10.0, m.config, dlae=True)
     assert stats["reflections"] > 0 and stats["doubts"] > 0, "the stream must exercise reflection and doubt"
     assert stats["global"] > 0 and m.n_global_updates == stats["global"]
-    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got, want.float(), rtol=torch.finfo(torch.float32).eps, atol=1e-12)  # as for DPE
     assert m.counter.tolist() == state["counter"].tolist() and m.count == state["count"] == K + len(x)
     torch.testing.assert_close(m.conf_mean, state["conf_mean"], rtol=1e-9, atol=1e-12)
     for c in range(K):

@@ -21,6 +21,8 @@ from extract_fixtures import (
 
 from extract.models import ModelError, load_model, resolve_device, skip_random_init
 
+EPS32 = torch.finfo(torch.float32).eps  # float32 tolerances below are multiples of it
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,7 +35,7 @@ def test_local_dir_loads_config_and_weights(tiny_model, tiny_model_dir):  # noqa
     m = tiny_model
     assert m.backbone == "tiny-clip"  # the directory's model name is recorded
     assert m.preprocess.size == (32, 32)
-    assert m.logit_scale == pytest.approx(37.5, rel=1e-6)  # the model's own scale, not 100
+    assert m.logit_scale == pytest.approx(37.5, rel=8 * EPS32)  # the model's own scale, not 100 (a float32 exp)
     assert m.quick_gelu and _uses_quick_gelu(m.model)
     from safetensors.torch import load_file
     sd = load_file(str(tiny_model_dir / "open_clip_model.safetensors"))
@@ -92,7 +94,8 @@ def test_checkpoint_file_same_weights_as_local_dir(tmp_path, tiny_model, fmt):  
     m = load_model(TINY_ARCH, str(ckpt), "cpu", quick_gelu=True)
     assert m.backbone == TINY_ARCH and m.weights_file == str(ckpt)
     x = torch.randn(3, 3, 32, 32)
-    torch.testing.assert_close(m.encode_images(x), tiny_model.encode_images(x))
+    # same weights; TorchScript may fuse ops differently: unit-norm features within ~width (32) eps
+    torch.testing.assert_close(m.encode_images(x), tiny_model.encode_images(x), rtol=0, atol=32 * EPS32)
     # a checkpoint file of a non-OpenAI architecture keeps the config's activation unless asked
     assert not load_model(TINY_ARCH, str(ckpt), "cpu").quick_gelu
 
@@ -119,7 +122,7 @@ def test_fingerprint_distinguishes_weights(tmp_path, tiny_model):  # noqa: F811
 def test_encode_outputs_are_normalised(tiny_model):  # noqa: F811
     f = tiny_model.encode_images(torch.randn(4, 3, 32, 32))
     assert f.dtype == torch.float32 and f.shape == (4, 16)
-    torch.testing.assert_close(f.norm(dim=-1), torch.ones(4))
+    torch.testing.assert_close(f.norm(dim=-1), torch.ones(4), rtol=0, atol=2 * 16 * EPS32)  # a width-16 norm
 
 
 def test_text_prototypes_match_independent_average(tiny_model):  # noqa: F811
@@ -134,7 +137,8 @@ def test_text_prototypes_match_independent_average(tiny_model):  # noqa: F811
             e = e / e.norm(dim=-1, keepdim=True)
             mean = e.mean(0)
             want.append(mean / mean.norm())
-    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-6)
+    # other batch shapes through the width-32 tower (~32 eps per unit feature), then a mean of <= 3 and a norm
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=64 * EPS32)
 
 
 @pytest.mark.parametrize("kwargs, match", [

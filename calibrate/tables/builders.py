@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 from scipy import stats
 
-from calibrate.metrics import ece
+from calibrate.metrics import ece, reliability
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, basic_interval
 from calibrate.tables.data import RunSummary
@@ -136,7 +136,8 @@ _MAIN_SCHEMA = {
     "backbone": pl.Utf8, "block": pl.Utf8, "block_label": pl.Utf8, "block_pos": pl.Int64, "row": pl.Utf8,
     "row_label": pl.Utf8, "row_pos": pl.Int64, "metric": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8,
     "column_label": pl.Utf8, "col_pos": pl.Int64, "value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
-    "n_datasets": pl.Int64, "seed_std": pl.Float64, "n_seeds": pl.Int64, "bold": pl.Boolean,
+    "n_datasets": pl.Int64, "group_size": pl.Int64, "seed_std": pl.Float64, "n_seeds": pl.Int64,
+    "in_sample": pl.Boolean, "bold": pl.Boolean,
 }
 
 
@@ -145,14 +146,18 @@ def main_table(
     backbone: str,
     replicates: CellReplicates | None = None,
     calibrators: Sequence[str] = layout.MAIN_CALIBRATORS,
+    ts_in_sample: str | None = None,
 ) -> pl.DataFrame:
     """The paper's Tables 2/3 for one backbone, long format (one row per table cell), percent.
 
     Blocks: zero-shot (Acc., ECE) on top, then one block per TTA method (Acc., then ECE for each calibrator present).
     Columns: datasets grouped like the paper (`layout.order_datasets`), each group followed by its unweighted
-    macro-average (`dataset == "avg"`, over the group's datasets present in that row; `n_datasets` counts them).
+    macro-average (`dataset == "avg"`, over the group's datasets present in that row; `n_datasets` counts them,
+    `group_size` is the number the group holds: the paper's count for its groups, else the columns shown).
     `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot is never bold.
     `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates).
+    `in_sample`: a temperature-scaling cell of dataset `ts_in_sample` (the labelled source T was fitted on, so it is
+    scored on its own fitting data), or an average that includes one.
     """
     replicates = replicates or CellReplicates(None)
     cb = cells.filter(pl.col("backbone") == backbone)
@@ -196,14 +201,18 @@ def main_table(
         bpos = block_pos.setdefault(block, len(block_pos))
         col = 0
         for group, datasets in groups:
-            vals, reps = [], []
+            size = len(layout.GROUPS.get(group, datasets))
+            vals, reps, fitted_here = [], [], False
             for d in datasets:
                 v, rep, std, n_seeds = getter(d)
                 lo, hi = replicates.interval(rep, v, floor=0.0)
+                own = row == "temperature" and d == ts_in_sample and v is not None
+                fitted_here |= own
                 rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
                                  row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset=d,
                                  column_label=layout.dataset_label(d), col_pos=col, value=v, ci_low=lo, ci_high=hi,
-                                 n_datasets=None if v is None else 1, seed_std=std, n_seeds=n_seeds, bold=False))
+                                 n_datasets=None if v is None else 1, group_size=None, seed_std=std,
+                                 n_seeds=n_seeds, in_sample=own, bold=False))
                 vals.append(v)
                 reps.append(rep)
                 col += 1
@@ -214,8 +223,8 @@ def main_table(
             rows.append(dict(backbone=backbone, block=block, block_label=block_label, block_pos=bpos, row=row,
                              row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset="avg",
                              column_label="Avg.", col_pos=col, value=avg, ci_low=lo, ci_high=hi,
-                             n_datasets=sum(v is not None for v in vals), seed_std=None, n_seeds=None,
-                             bold=False))
+                             n_datasets=sum(v is not None for v in vals), group_size=size, seed_std=None,
+                             n_seeds=None, in_sample=fitted_here, bold=False))
             col += 1
     df = pl.DataFrame(rows, schema=_MAIN_SCHEMA)
     # bold: lowest ECE per (method block, column)
@@ -278,12 +287,15 @@ def main_differences(
     return pl.DataFrame(rows, schema=schema)
 
 
-def main_intervals(cells: pl.DataFrame, backbone: str, replicates: CellReplicates) -> pl.DataFrame:
-    """ECE cells of the main table with their intervals (the companion table): block, row, column, value, CI."""
-    main = main_table(cells, backbone, replicates)
+def main_intervals(
+    cells: pl.DataFrame, backbone: str, replicates: CellReplicates, ts_in_sample: str | None = None
+) -> pl.DataFrame:
+    """ECE cells of the main table with their intervals (the companion table): block, row, column, value, CI, and
+    the marks of `main_table` (n_datasets, group_size, in_sample)."""
+    main = main_table(cells, backbone, replicates, ts_in_sample=ts_in_sample)
     return main.filter(pl.col("metric") == "ece").select(
         "backbone", "block", "block_label", "block_pos", "row", "row_label", "row_pos", "group", "dataset",
-        "column_label", "col_pos", "value", "ci_low", "ci_high")
+        "column_label", "col_pos", "value", "ci_low", "ci_high", "n_datasets", "group_size", "in_sample")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,33 +376,86 @@ def range_deviation_points(cells: pl.DataFrame, calibrators: Sequence[str] = ("n
     return pl.concat([df, avg.select(df.columns)])
 
 
-def entropy_ece_points(cells: pl.DataFrame) -> pl.DataFrame:
+def range_figure_points(
+    cells: pl.DataFrame, backbone: str, points: Sequence[tuple[str, str]] = layout.FIG2A_POINTS
+) -> tuple[pl.DataFrame, list[tuple[str, str]]]:
+    """Figure 2a as the paper draws it: the (method, calibrator) `points` (TPT + SaLS, TPT + ZAEC, O-TPT, A-TPT),
+    each eq. 8 range deviation (percent) vs ECE (percent), unweighted means over the datasets that every present
+    point has, so that all points describe the same data; when the points share no dataset, each point's own.
+
+    Returns:
+        (frame, missing): frame columns backbone, method, calibrator, label, range_deviation, ece, n_datasets,
+        datasets (comma-separated keys), in `points` order; missing: the points without any run.
+    """
+    cb = cells.filter(pl.col("backbone") == backbone)
+    have: dict[tuple[str, str], dict[str, dict]] = {}
+    missing = []
+    for m, c in points:
+        part = cb.filter((pl.col("method") == m) & (pl.col("calibrator") == c))
+        if part.height:
+            have[(m, c)] = {r["dataset"]: r for r in part.iter_rows(named=True)}
+        else:
+            missing.append((m, c))
+    common = set.intersection(*(set(v) for v in have.values())) if have else set()
+    rows = []
+    for (m, c), by_ds in have.items():
+        ds = [d for _, g in layout.order_datasets(common or by_ds) for d in g]
+        label = layout.method_label(m) if c == "none" else f"{layout.method_label(m)} + {layout.calibrator_label(c)}"
+        rows.append(dict(backbone=backbone, method=m, calibrator=c, label=label,
+                         range_deviation=float(np.mean([by_ds[d]["range_deviation"] for d in ds])),
+                         ece=float(np.mean([by_ds[d]["ece"] for d in ds])) * 100.0, n_datasets=len(ds),
+                         datasets=",".join(ds)))
+    schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "label": pl.Utf8,
+              "range_deviation": pl.Float64, "ece": pl.Float64, "n_datasets": pl.Int64, "datasets": pl.Utf8}
+    return pl.DataFrame(rows, schema=schema), missing
+
+
+def pooled_methods(present: Iterable[str], chosen: Sequence[str] | None = None) -> list[str]:
+    """Figure 2b's pooled methods: `chosen` where given (those present; "all": every present method), else every
+    present TTA method except the prompt-coupled calibration methods (C-TPT, O-TPT, A-TPT): the paper's statistic is
+    over its five TTA methods TPT, TPS, TDA, DPE, DLAE.
+
+    Example:
+        >>> pooled_methods(["otpt", "tda", "tpt", "mine", "zero-shot"])
+        ['tpt', 'tda', 'mine']
+    """
+    present = layout.order_methods(present)
+    if chosen is not None:
+        return present if "all" in chosen else [m for m in present if m in set(chosen)]
+    return [m for m in present if m not in layout.PROMPT_CALIBRATION_METHODS]
+
+
+def entropy_ece_points(cells: pl.DataFrame, pooled: Sequence[str] | None = None) -> pl.DataFrame:
     """Figure 2b: one point per (backbone, dataset, method): mean normalised entropy change (eq. 10 mean) and
-    ECE change (raw TTA minus the paired zero-shot, percentage points)."""
+    ECE change (raw TTA minus the paired zero-shot, percentage points); `pooled` is True for the methods of the
+    correlation (`pooled`; every method when None)."""
     raw = cells.filter((pl.col("calibrator") == "none") & (pl.col("method") != layout.ZERO_SHOT))
     zs = cells.filter(pl.col("calibrator") == ZERO_SHOT).select("backbone", "dataset", "method",
                                                                  pl.col("ece").alias("zs_ece"))
     df = raw.join(zs, on=["backbone", "dataset", "method"], how="inner")
+    flag = pl.lit(True) if pooled is None else pl.col("method").is_in(list(pooled))
     return df.select("backbone", "dataset", "method", "mean_delta_entropy",
-                     ((pl.col("ece") - pl.col("zs_ece")) * 100.0).alias("delta_ece"))
+                     ((pl.col("ece") - pl.col("zs_ece")) * 100.0).alias("delta_ece"), flag.alias("pooled"))
 
 
 def correlations(points: pl.DataFrame, x: str = "mean_delta_entropy", y: str = "delta_ece") -> pl.DataFrame:
     """Pearson and Spearman correlation (with two-sided p-values) of y on x per backbone (null with < 3 points or a
-    constant variable)."""
+    constant variable); `n` points of the methods named in `methods` (comma-separated, paper order)."""
     rows = []
     for bb in layout.order_backbones(points["backbone"].unique().to_list()):
         p = points.filter(pl.col("backbone") == bb)
         xs, ys = p[x].to_numpy(), p[y].to_numpy()
-        row = dict(backbone=bb, n=len(xs), pearson_r=None, pearson_p=None, spearman_rho=None, spearman_p=None)
+        methods = ",".join(layout.order_methods(p["method"].unique().to_list())) if "method" in p.columns else None
+        row = dict(backbone=bb, n=len(xs), methods=methods, pearson_r=None, pearson_p=None, spearman_rho=None,
+                   spearman_p=None)
         if len(xs) >= 3 and np.ptp(xs) > 0 and np.ptp(ys) > 0:
             pr = stats.pearsonr(xs, ys)
             sr = stats.spearmanr(xs, ys)
             row.update(pearson_r=float(pr.statistic), pearson_p=float(pr.pvalue),
                        spearman_rho=float(sr.statistic), spearman_p=float(sr.pvalue))
         rows.append(row)
-    schema = {"backbone": pl.Utf8, "n": pl.Int64, "pearson_r": pl.Float64, "pearson_p": pl.Float64,
-              "spearman_rho": pl.Float64, "spearman_p": pl.Float64}
+    schema = {"backbone": pl.Utf8, "n": pl.Int64, "methods": pl.Utf8, "pearson_r": pl.Float64,
+              "pearson_p": pl.Float64, "spearman_rho": pl.Float64, "spearman_p": pl.Float64}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -419,7 +484,73 @@ def entropy_gap_bins(s: RunSummary, n_bins: int = 10) -> pl.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Table 4, Figure 5, backbone summary
+# Figure 1, and the reliability diagrams of Figures 4 and 5
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def intro_bars(
+    cells: pl.DataFrame,
+    backbone: str,
+    methods: Sequence[str],
+    datasets: Sequence[str],
+    calibrators: Sequence[str] = layout.FIG1_CALIBRATORS,
+) -> pl.DataFrame:
+    """Figure 1: ECE (percent) of raw TTA / SaLS / ZAEC per dataset and their unweighted average, per method.
+
+    Columns: backbone, method, calibrator, dataset (`datasets` order, then "avg"), ece, n_datasets (1 on a dataset
+    row; on the "avg" row the datasets averaged, which can be fewer than `group_size` = len(datasets)). Methods or
+    calibrators without any run on `datasets` are left out.
+    """
+    cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets)))
+    lookup = {(r["method"], r["calibrator"], r["dataset"]): r["ece"] * 100.0 for r in cb.iter_rows(named=True)}
+    rows = []
+    for m in methods:
+        for c in calibrators:
+            vals = [(d, lookup[(m, c, d)]) for d in datasets if (m, c, d) in lookup]
+            if not vals:
+                continue
+            rows += [dict(backbone=backbone, method=m, calibrator=c, dataset=d, ece=v, n_datasets=1,
+                          group_size=len(datasets)) for d, v in vals]
+            rows.append(dict(backbone=backbone, method=m, calibrator=c, dataset="avg",
+                             ece=float(np.mean([v for _, v in vals])), n_datasets=len(vals),
+                             group_size=len(datasets)))
+    schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "dataset": pl.Utf8, "ece": pl.Float64,
+              "n_datasets": pl.Int64, "group_size": pl.Int64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def reliability_table(s: RunSummary, panels: Sequence[str], n_bins: int = 10, ece_bins: int = 20) -> pl.DataFrame:
+    """Reliability-diagram data of one run, one row per panel and equal-width bin (`calibrate.metrics.bin_index`).
+
+    Args:
+        s: the run (one seed: the figures plot one run, never a mean over seeds).
+        panels: "zero-shot" (the paired zero-shot prediction) or calibrator specs of `s.calibrated`.
+        n_bins: bins of the diagram (the paper: 10, for visualisation only).
+        ece_bins: bins of the panel's ECE (the tables': 20).
+
+    Returns:
+        Columns backbone, dataset, method, seed, panel, bin, lo, hi, count, share (of the run's samples),
+        confidence and accuracy (bin means; NaN in empty bins), and the ECE (percent, `ece_bins` bins) of exactly
+        the predictions the panel plots.
+    """
+    frames = []
+    for panel in panels:
+        if panel == ZERO_SHOT:
+            conf, corr = s.zs_confidence, s.zs_correct
+        else:
+            conf, corr = s.calibrated[panel].confidence, s.tta_correct
+        r = reliability(conf, corr, n_bins)
+        frames.append(pl.DataFrame({
+            "backbone": s.key.backbone, "dataset": s.key.dataset, "method": s.key.method, "seed": s.key.seed,
+            "panel": panel, "bin": np.arange(n_bins), "lo": r.edges[:-1], "hi": r.edges[1:],
+            "count": r.count.astype(np.int64), "share": r.count / max(len(s), 1), "confidence": r.confidence,
+            "accuracy": r.accuracy, "ece": 100.0 * float(ece(conf, corr, ece_bins)), "ece_bins": ece_bins,
+        }))
+    return pl.concat(frames)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Table 4, Figure 6, backbone summary (Figure 3)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -475,7 +606,7 @@ def ablation_table(
 
 
 def strength_table(cells: pl.DataFrame, strengths: Sequence[float] = layout.STRENGTHS) -> pl.DataFrame:
-    """Figure 5: ECE (percent) per (backbone, dataset, method) and restoration strength lambda."""
+    """Figure 6: ECE (percent) per (backbone, dataset, method) and restoration strength lambda."""
     rows = []
     for lam in strengths:
         spec = layout.strength_spec(lam)
@@ -489,8 +620,9 @@ def strength_table(cells: pl.DataFrame, strengths: Sequence[float] = layout.STRE
 def backbone_summary(
     cells: pl.DataFrame, backbone: str, datasets: Sequence[str], calibrators: Sequence[str] = layout.MAIN_CALIBRATORS
 ) -> pl.DataFrame:
-    """The paper's RN50 figure for any backbone: average ECE (percent) and mean entropy (nats) over `datasets` per
-    method and calibrator, with the paired zero-shot as calibrator `zero-shot`. Rows missing a dataset are left out."""
+    """Figure 3 (the paper draws it for RN50) for any backbone: average ECE (percent) and mean entropy (nats) over
+    `datasets` per method and calibrator, with the paired zero-shot as calibrator `zero-shot`. Rows missing a dataset
+    are left out."""
     cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets))
                       & (pl.col("method") != layout.ZERO_SHOT))
     rows = []

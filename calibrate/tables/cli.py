@@ -2,13 +2,15 @@
 
     zaec-calibrate tables SHARDS... [--out results] [--bootstrap 1000] [--seed 0] [--bins 20]
                           [--ts-source imagenet] [--temperature T] [--reference-dataset imagenet_a]
-                          [--drop-nonfinite] [--quiet]
+                          [--fig1-methods tpt,tda] [--fig2b-methods M,...|all] [--boundary-dataset caltech101]
+                          [--boundary-method dpe] [--drop-nonfinite] [--quiet]
 
 A user error ends in one line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -17,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from calibrate.cli_errors import USER_ERRORS, fail, run_app
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import bootstrap_runs
 from calibrate.tables.data import load_summaries
@@ -24,9 +27,16 @@ import polars as pl
 
 from calibrate.tables.render import main_rich
 from calibrate.tables.report import ALL_SPECS, BOOTSTRAP_SPECS, ReportOptions, slug, write_report
-from calibrate.cli import USER_ERRORS, fail
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def method_list(text: str, option: str) -> tuple[str, ...]:
+    """`tpt,tda` -> ("tpt", "tda"); an empty entry is a user error naming the option."""
+    items = tuple(t.strip() for t in text.split(","))
+    if not all(items):
+        raise ValueError(f"{option} expects comma-separated method keys such as tpt,tda; got {text!r}")
+    return items
 
 
 @app.command()
@@ -37,12 +47,19 @@ def tables(
     seed: int = typer.Option(0, help="seed of the bootstrap resamples"),
     level: float = typer.Option(0.95, help="interval level"),
     bins: int = typer.Option(20, help="ECE bins (TTABC: 20 equal-width bins)"),
-    reliability_bins: int = typer.Option(10, help="bins of the reliability diagrams (paper, Figure 4: 10)"),
+    reliability_bins: int = typer.Option(10, help="bins of the reliability diagrams (paper, Figures 4 and 5: 10)"),
     gap_bins: int = typer.Option(10, help="equal-frequency bins per entropy-change sign (Figures 2c/2d)"),
     ts_source: str = typer.Option("imagenet", help="labelled source dataset of temperature scaling"),
     temperature: Optional[float] = typer.Option(None, help="fix the temperature-scaling T instead of fitting it"),
     reference_dataset: str = typer.Option(layout.REFERENCE_DATASET,
-                                          help="dataset of Figures 2c/2d and 4 (paper: imagenet_a)"),
+                                          help="dataset of Figures 2c/2d and 5 (paper: imagenet_a)"),
+    fig1_methods: str = typer.Option(",".join(layout.FIG1_METHODS),
+                                     help="comma-separated methods of Figure 1, one panel each (paper: tpt,tda)"),
+    fig2b_methods: Optional[str] = typer.Option(
+        None, help="comma-separated methods pooled in Figure 2b, or 'all' (default: every TTA method but the "
+                   "prompt-coupled calibration methods ctpt, otpt, atpt)"),
+    boundary_dataset: str = typer.Option(layout.BOUNDARY_DATASET, help="dataset of Figure 4 (paper: caltech101)"),
+    boundary_method: str = typer.Option(layout.BOUNDARY_METHOD, help="method of Figure 4 (paper: dpe)"),
     drop_nonfinite: bool = typer.Option(False, "--drop-nonfinite", help="drop rows with NaN/inf logits (reported)"),
     quiet: bool = typer.Option(False, "--quiet", help="print only errors"),
 ) -> None:
@@ -57,6 +74,13 @@ def tables(
         for name, v in (("--bins", bins), ("--reliability-bins", reliability_bins), ("--gap-bins", gap_bins)):
             if v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v}")
+        opts = ReportOptions(n_bins=bins, reliability_bins=reliability_bins, gap_bins=gap_bins,
+                             reference_dataset=reference_dataset, ts_source=ts_source,
+                             temperature_fixed=temperature is not None,
+                             fig1_methods=method_list(fig1_methods, "--fig1-methods"),
+                             fig2b_methods=None if fig2b_methods is None else method_list(fig2b_methods,
+                                                                                          "--fig2b-methods"),
+                             boundary_dataset=boundary_dataset, boundary_method=boundary_method)
         t0 = time.perf_counter()
         progress = Progress(TextColumn("reading runs"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                             console=err, transient=True, disable=quiet or not err.is_terminal)
@@ -74,8 +98,6 @@ def tables(
                                   seed=seed, level=level)
             say(f"bootstrap: {bootstrap} resamples in {time.perf_counter() - t1:.1f} s")
         t2 = time.perf_counter()
-        opts = ReportOptions(n_bins=bins, reliability_bins=reliability_bins, gap_bins=gap_bins,
-                             reference_dataset=reference_dataset, ts_source=ts_source)
         report = write_report(summaries, out, boot, opts)
         say(f"tables and figures in {time.perf_counter() - t2:.1f} s")
     except USER_ERRORS as e:
@@ -93,7 +115,7 @@ def tables(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    app(args=argv, prog_name="zaec-calibrate tables")
+    run_app(app, list(sys.argv[1:] if argv is None else argv), "zaec-calibrate tables")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Figures: `prepare_*` functions return arrays, `plot_*` functions draw them (matplotlib, headless Agg).
+"""Figures: the builders (`calibrate.tables.builders`) compute, `plot_*` functions draw (matplotlib, headless).
 
-Every plot takes the DataFrame a builder made (or arrays from `prepare_reliability`) and writes one PNG atomically.
+Every plot takes the DataFrame a builder made and writes one PNG atomically; the same DataFrame is written as the
+figure's CSV, so the numbers drawn (the ECE printed on a reliability panel, too) are the numbers in the CSV.
 Figures are built on `matplotlib.figure.Figure` directly, never through pyplot: headless on any machine, no global
 backend switch, nothing left open.
 """
@@ -15,16 +16,13 @@ import matplotlib
 import numpy as np
 import polars as pl
 from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
 
-from calibrate.metrics import reliability
 from calibrate.tables import layout
+from calibrate.tables.bootstrap import ZERO_SHOT
 from schemas.atomic import atomic_path
 
 CAL_COLORS = {"zero-shot": "#7f7f7f", "none": "#d62728", "temperature": "#9467bd", "sals": "#ff7f0e",
               "zaec": "#1f77b4"}
-#: height (in panel units) of the tallest possible confidence-histogram bar (all samples in one bin)
-HIST_HEIGHT = 0.25
 CAL_MARKERS = {"none": "o", "temperature": "D", "sals": "s", "zaec": "^", "zero-shot": "x"}
 
 
@@ -42,61 +40,132 @@ def _method_colors(methods: Sequence[str]) -> dict[str, tuple]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Figure 4: reliability diagrams
+# Figure 1
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def prepare_reliability(confidence: np.ndarray, correct: np.ndarray, n_bins: int = 10) -> dict[str, np.ndarray]:
-    """Per equal-width bin (convention of `calibrate.metrics.bin_index`): edges (M+1,), count (M,), mean confidence
-    and accuracy (M,) (NaN in empty bins)."""
-    r = reliability(confidence, correct, n_bins)
-    return {"edges": r.edges, "count": r.count.astype(np.float64), "confidence": r.confidence, "accuracy": r.accuracy}
+def plot_intro(bars: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
+    """Figure 1: one panel per method; per dataset and the average, grouped bars of the ECE of raw TTA / SaLS /
+    ZAEC (`builders.intro_bars`). An average over fewer datasets than the figure shows is labelled `Avg. (n/m)`."""
+    methods = bars["method"].unique(maintain_order=True).to_list()
+    cals = [c for c in layout.FIG1_CALIBRATORS if c in set(bars["calibrator"])]
+    fig = Figure(figsize=(max(4.0, 0.55 * bars["dataset"].n_unique() + 1.5), 2.6 * len(methods) + 0.3),
+                 layout="constrained")
+    axes = fig.subplots(len(methods), 1, squeeze=False)
+    width = 0.8 / max(len(cals), 1)
+    for ax, m in zip(axes[:, 0], methods):
+        part = bars.filter(pl.col("method") == m)
+        datasets = [d for d in part["dataset"].unique(maintain_order=True).to_list() if d != "avg"] + ["avg"]
+        x = np.arange(len(datasets))
+        for k, c in enumerate(cals):
+            vals = {r["dataset"]: r["ece"] for r in part.filter(pl.col("calibrator") == c).iter_rows(named=True)}
+            ax.bar(x + (k - (len(cals) - 1) / 2) * width, [vals.get(d, np.nan) for d in datasets], width=width,
+                   color=CAL_COLORS.get(c), label="raw TTA" if c == "none" else f"TTA + {layout.calibrator_label(c)}")
+        avg = part.filter(pl.col("dataset") == "avg")
+        n, size = int(avg["n_datasets"].min()), int(avg["group_size"][0])
+        ticks = [layout.dataset_label(d) for d in datasets[:-1]] + ["Avg." if n >= size else f"Avg. ({n}/{size})"]
+        ax.set_xticks(x, ticks, fontsize=8, rotation=30 if len(datasets) > 8 else 0)
+        ax.axvline(len(datasets) - 1.5, color="#cccccc", lw=0.8)
+        ax.set_ylabel("ECE (%)")
+        ax.set_title(layout.method_label(m), fontsize=9)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(cals), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reliability diagrams: Figure 4 (boundary case) and Figure 5
+# ---------------------------------------------------------------------------------------------------------------
+
+#: what a reliability panel shows (the figures' captions in the index repeat it)
+RELIABILITY_KEY = ("Blue bars: accuracy of each equal-width confidence bin; hatched red: the gap to the bin's mean "
+                   "confidence; dashed: perfect calibration. The grey strip under each panel is the confidence "
+                   "histogram: the share of the run's samples in each bin. Each panel's ECE is computed from "
+                   "exactly the predictions it plots (one seed, the tables' ECE bins).")
+
+
+def _reliability_grid(fig, nr: int, nc: int):
+    """(nr, nc) diagram axes, each with a histogram strip below it sharing its x axis."""
+    gs = fig.add_gridspec(2 * nr, nc, height_ratios=[4, 1] * nr)
+    axes = [[fig.add_subplot(gs[2 * i, j]) for j in range(nc)] for i in range(nr)]
+    strips = [[fig.add_subplot(gs[2 * i + 1, j], sharex=axes[i][j]) for j in range(nc)] for i in range(nr)]
+    return axes, strips
+
+
+def _draw_reliability(ax, strip, panel: pl.DataFrame | None) -> None:
+    """One panel from `builders.reliability_table` rows of one panel: bars, gap, diagonal, the panel's own ECE, and
+    the confidence histogram in `strip`."""
+    ax.plot([0, 1], [0, 1], ls="--", color="k", lw=0.8)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    if panel is None or panel.is_empty():
+        ax.text(0.5, 0.5, "n/a", ha="center", va="center", transform=ax.transAxes)
+        strip.set_yticks([])
+        return
+    p = panel.sort("bin")
+    left, width = p["lo"].to_numpy(), (p["hi"] - p["lo"]).to_numpy()
+    ok = p["count"].to_numpy() > 0
+    acc, conf = p["accuracy"].to_numpy(), p["confidence"].to_numpy()
+    ax.bar(left[ok], acc[ok], width=width[ok], align="edge", color="#1f77b4", edgecolor="k", lw=0.5)
+    ax.bar(left[ok], (conf - acc)[ok], bottom=acc[ok], width=width[ok], align="edge", fill=False, hatch="///",
+           edgecolor="#d62728", lw=0.5)
+    ax.text(0.04, 0.92, f"ECE {p['ece'][0]:.2f}", transform=ax.transAxes, fontsize=8, va="top",
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1.5))
+    share = 100.0 * p["share"].to_numpy()
+    strip.bar(left, share, width=width, align="edge", color="#7f7f7f", edgecolor="k", lw=0.3)
+    strip.set_ylim(0, max(float(share.max()), 1.0) * 1.15)
+    strip.tick_params(labelsize=6)
+    ax.tick_params(labelbottom=False)
+
+
+def _reliability_legend(ax) -> None:
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(facecolor="#1f77b4", edgecolor="k", label="accuracy"),
+                       Patch(fill=False, hatch="///", edgecolor="#d62728", label="gap to confidence"),
+                       Patch(facecolor="#7f7f7f", label="samples (%), strip")], fontsize=6, loc="lower right")
 
 
 def plot_reliability_grid(
-    panels: Mapping[tuple[str, str], dict[str, np.ndarray]],
-    methods: Sequence[str],
-    calibrators: Sequence[str],
-    path: str | os.PathLike,
-    title: str,
-    ece_values: Mapping[tuple[str, str], float] | None = None,
+    table: pl.DataFrame, methods: Sequence[str], calibrators: Sequence[str], path: str | os.PathLike, title: str
 ) -> Path:
-    """Rows: calibrators (raw / SaLS / ZAEC); columns: methods. Bars: bin accuracy; hatched: the gap to the bin's
-    mean confidence; grey area: the confidence histogram (share of samples, 100% = a quarter of the height)."""
+    """Figure 5: rows calibrators (raw / SaLS / ZAEC), columns methods, from `builders.reliability_table` rows of
+    one run per method (its seed is named in the column title)."""
     nr, nc = len(calibrators), len(methods)
-    fig = Figure(figsize=(2.6 * nc + 0.4, 2.6 * nr + 0.4), layout="constrained")
-    axes = fig.subplots(nr, nc, squeeze=False, sharex=True, sharey=True)
-    for i, cal in enumerate(calibrators):
-        for j, m in enumerate(methods):
-            ax = axes[i][j]
-            p = panels.get((cal, m))
-            ax.plot([0, 1], [0, 1], ls="--", color="k", lw=0.8)
-            if p is not None:
-                edges = p["edges"]
-                width = np.diff(edges)
-                left = edges[:-1]
-                ok = p["count"] > 0
-                acc = np.where(ok, p["accuracy"], 0.0)
-                conf = np.where(ok, p["confidence"], 0.0)
-                ax.bar(left[ok], acc[ok], width=width[ok], align="edge", color="#1f77b4", edgecolor="k", lw=0.5)
-                ax.bar(left[ok], (conf - acc)[ok], bottom=acc[ok], width=width[ok], align="edge", fill=False,
-                       hatch="///", edgecolor="#d62728", lw=0.5)
-                # confidence histogram (share of samples per bin), drawn in the lowest quarter of the panel
-                share = p["count"] / max(p["count"].sum(), 1.0) * HIST_HEIGHT
-                ax.fill_between(np.r_[left, 1.0], np.r_[share, share[-1]], step="post", color="#444444", alpha=0.35,
-                                lw=0, zorder=3)
-                if ece_values and (cal, m) in ece_values:
-                    ax.text(0.04, 0.9, f"ECE {ece_values[(cal, m)]:.2f}", transform=ax.transAxes, fontsize=8)
-            else:
-                ax.text(0.5, 0.5, "n/a", ha="center", va="center", transform=ax.transAxes)
-            ax.set_xlim(0, 1)
-            ax.set_ylim(0, 1)
+    fig = Figure(figsize=(2.6 * nc + 0.4, 3.1 * nr + 0.4), layout="constrained")
+    axes, strips = _reliability_grid(fig, nr, nc)
+    for j, m in enumerate(methods):
+        pm = table.filter(pl.col("method") == m)
+        for i, cal in enumerate(calibrators):
+            _draw_reliability(axes[i][j], strips[i][j], pm.filter(pl.col("panel") == cal))
             if i == 0:
-                ax.set_title(layout.method_label(m), fontsize=10)
+                seed = f" (seed {pm['seed'][0]})" if pm.height else ""
+                axes[i][j].set_title(f"{layout.method_label(m)}{seed}", fontsize=9)
             if j == 0:
-                ax.set_ylabel(f"{layout.calibrator_label(cal)}\naccuracy", fontsize=9)
+                axes[i][j].set_ylabel(f"{layout.calibrator_label(cal)}\naccuracy", fontsize=9)
+                strips[i][j].set_ylabel("%", fontsize=7)
             if i == nr - 1:
-                ax.set_xlabel("confidence", fontsize=9)
+                strips[i][j].set_xlabel("confidence", fontsize=9)
+    _reliability_legend(axes[0][0])
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+def plot_boundary(table: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
+    """Figure 4: zero-shot, raw method and method + ZAEC reliability panels of one run side by side."""
+    panels = table["panel"].unique(maintain_order=True).to_list()
+    m = layout.method_label(table["method"][0])
+    names = {ZERO_SHOT: "Zero-shot CLIP", "none": f"{m} (raw)"}
+    fig = Figure(figsize=(2.8 * len(panels) + 0.4, 3.6), layout="constrained")
+    axes, strips = _reliability_grid(fig, 1, len(panels))
+    for j, panel in enumerate(panels):
+        _draw_reliability(axes[0][j], strips[0][j], table.filter(pl.col("panel") == panel))
+        axes[0][j].set_title(names.get(panel, f"{m} + {layout.calibrator_label(panel)}"), fontsize=9)
+        strips[0][j].set_xlabel("confidence", fontsize=9)
+    axes[0][0].set_ylabel("accuracy", fontsize=9)
+    strips[0][0].set_ylabel("%", fontsize=7)
+    _reliability_legend(axes[0][0])
     fig.suptitle(title, fontsize=10)
     return save(fig, path)
 
@@ -107,27 +176,27 @@ def plot_reliability_grid(
 
 
 def plot_range_vs_ece(points: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
-    """Figure 2a: relative logit-range deviation (eq. 8) vs ECE; one colour per method, one marker per calibrator;
-    grey arrows from SaLS to ZAEC on the same predictions."""
-    methods = layout.order_methods(points["method"].unique().to_list())
-    colors = _method_colors(methods)
+    """Figure 2a as the paper draws it (`builders.range_figure_points`): one labelled point per (method,
+    calibrator), x the mean relative logit-range deviation (eq. 8), y the ECE; grey arrows join the SaLS and ZAEC
+    points of the same method (the same underlying predictions)."""
+    colors = _method_colors(points["label"].to_list())
     fig = Figure(figsize=(5.2, 4.0), layout="constrained")
     ax = fig.subplots()
-    for m in methods:
-        part = {r["calibrator"]: r for r in points.filter(pl.col("method") == m).iter_rows(named=True)}
-        for cal, r in part.items():
-            ax.scatter(r["range_deviation"], r["ece"], color=colors[m], marker=CAL_MARKERS.get(cal, "o"), s=40,
-                       zorder=3)
-        if "sals" in part and "zaec" in part:
-            a, b = part["sals"], part["zaec"]
+    rows = list(points.iter_rows(named=True))
+    for r in rows:
+        ax.scatter(r["range_deviation"], r["ece"], color=colors[r["label"]],
+                   marker=CAL_MARKERS.get(r["calibrator"], "o"), s=50, zorder=3)
+        ax.annotate(r["label"], (r["range_deviation"], r["ece"]), textcoords="offset points", xytext=(6, 4),
+                    fontsize=8)  # each point named where it lies, as in the paper
+    by = {(r["method"], r["calibrator"]): r for r in rows}
+    for (m, c), a in by.items():
+        b = by.get((m, "zaec"))
+        if c == "sals" and b is not None:
             ax.annotate("", xy=(b["range_deviation"], b["ece"]), xytext=(a["range_deviation"], a["ece"]),
-                        arrowprops=dict(arrowstyle="->", color="#999999", lw=1.0), zorder=2)
-    handles = [Line2D([], [], color=colors[m], marker="o", ls="", label=layout.method_label(m)) for m in methods]
-    handles += [Line2D([], [], color="k", marker=CAL_MARKERS.get(c, "o"), ls="", label=layout.calibrator_label(c))
-                for c in points["calibrator"].unique(maintain_order=True).to_list()]
-    ax.legend(handles=handles, fontsize=7, loc="best")
-    ax.set_xlabel(r"relative logit-range deviation $\Delta_R$ (%)")
+                        arrowprops=dict(arrowstyle="->", color="#999999", lw=1.2), zorder=2)
+    ax.set_xlabel(r"mean relative logit-range deviation $\Delta_R$ (%)")
     ax.set_ylabel("ECE (%)")
+    ax.margins(0.15)
     ax.set_title(title, fontsize=9)
     return save(fig, path)
 
@@ -152,7 +221,8 @@ def plot_entropy_ece(points: pl.DataFrame, corr: Mapping | None, path: str | os.
     text = title
     if corr and corr.get("pearson_r") is not None:
         text += (f"\nPearson r = {corr['pearson_r']:.3f} (p = {corr['pearson_p']:.2g}), "
-                 f"Spearman ρ = {corr['spearman_rho']:.3f} (p = {corr['spearman_p']:.2g}), n = {corr['n']}")
+                 f"Spearman ρ = {corr['spearman_rho']:.3f} (p = {corr['spearman_p']:.2g})")
+    text += f"\nn = {points.height} dataset-method points of " + ", ".join(layout.method_label(m) for m in methods)
     ax.set_title(text, fontsize=8)
     ax.set_xlabel(r"mean normalised entropy change $\bar\delta^H$")
     ax.set_ylabel(r"$\Delta$ECE, TTA $-$ zero-shot (points)")
@@ -162,7 +232,7 @@ def plot_entropy_ece(points: pl.DataFrame, corr: Mapping | None, path: str | os.
 
 def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
     """Figures 2c and 2d side by side: per equal-frequency bin, mean delta^H vs Delta G = Delta Conf - Delta Acc,
-    for entropy-reduced (c) and not-reduced (d) samples, one line per method."""
+    for entropy-reduced (c) and not-reduced (d) samples, one line per method (one run each, its seed in the legend)."""
     methods = layout.order_methods(bins["method"].unique().to_list())
     colors = _method_colors(methods)
     fig = Figure(figsize=(9.5, 3.8), layout="constrained")
@@ -175,7 +245,7 @@ def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) ->
             if p.height:
                 drew = True
                 ax.plot(p["mean_delta_entropy"], p["gap"], marker="o", ms=3, color=colors[m],
-                        label=layout.method_label(m))
+                        label=f"{layout.method_label(m)} (seed {p['seed'][0]})")
         ax.axhline(0, color="#cccccc", lw=0.6)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(r"bin mean $\delta^H$")
@@ -189,12 +259,12 @@ def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) ->
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Figure 5 and the backbone summary
+# Figure 6, and Figure 3 (the per-backbone summary)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.PathLike, title: str) -> Path:
-    """Figure 5: ECE vs restoration strength lambda, one panel per dataset, one line per method."""
+    """Figure 6: ECE vs restoration strength lambda, one panel per dataset, one line per method."""
     methods = layout.order_methods(table["method"].unique().to_list())
     colors = _method_colors(methods)
     n = len(datasets)
@@ -220,8 +290,8 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
 
 
 def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
-    """The paper's RN50 figure: grouped bars of average ECE (left) and mean entropy (right) per method, one bar per
-    calibrator (zero-shot first)."""
+    """Figure 3 (the paper's RN50 figure, drawn for any backbone): grouped bars of average ECE (left) and mean
+    entropy (right) per method, one bar per calibrator (zero-shot first)."""
     methods = layout.order_methods(summary["method"].unique().to_list())
     cals = [c for c in ("zero-shot", *layout.MAIN_CALIBRATORS) if c in summary["calibrator"].to_list()]
     fig = Figure(figsize=(10, 3.6), layout="constrained")

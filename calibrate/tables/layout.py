@@ -1,8 +1,8 @@
 """The paper's table layout: dataset groups, column labels, method and calibrator order.
 
 Every dataset key present in the shards gets a place: the paper's two groups first (natural shift: Table 2;
-ImageNet and the fine-grained sets: Table 3), then any other dataset (the demo's `fmnist*` sets, a user's own data)
-in a group named `other`. Labels fall back to the key itself, so unknown keys never break a table.
+ImageNet and the fine-grained sets: Table 3), then ImageNet-C's 75 corruption/severity sets, then any other dataset
+(the demo's `fmnist*` sets, a user's own data) in a group named `other`. Labels fall back to the key itself, so unknown keys never break a table.
 """
 
 from __future__ import annotations
@@ -27,10 +27,22 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "stanford_cars",
     ),
 }
+#: ImageNet-C's 15 corruptions in the release's order (noise, blur, weather, digital) with column abbreviations; the
+#: keys `imagenet_c:<corruption>:<severity>` are extract.datasets' (a test checks the two lists agree)
+IMAGENET_C_CORRUPTIONS: dict[str, str] = {
+    "gaussian_noise": "Gauss", "shot_noise": "Shot", "impulse_noise": "Impul", "defocus_blur": "Defoc",
+    "glass_blur": "Glass", "motion_blur": "Motn", "zoom_blur": "Zoom", "snow": "Snow", "frost": "Frost",
+    "fog": "Fog", "brightness": "Brit", "contrast": "Contr", "elastic_transform": "Elast", "pixelate": "Pixel",
+    "jpeg_compression": "JPEG",
+}
+IMAGENET_C_GROUP = "imagenet_c"
+#: ImageNet-C columns: corruption-major, severity 1..5 within a corruption
+GROUPS[IMAGENET_C_GROUP] = tuple(f"imagenet_c:{c}:{s}" for c in IMAGENET_C_CORRUPTIONS for s in range(1, 6))
 OTHER_GROUP = "other"
 GROUP_LABELS: dict[str, str] = {
     "natural_shift": "Natural distribution shift",
     "fine_grained": "ImageNet and fine-grained",
+    IMAGENET_C_GROUP: "ImageNet-C (corruption, severity)",
     OTHER_GROUP: "Other datasets",
 }
 #: the paper's column headers
@@ -39,12 +51,18 @@ DATASET_LABELS: dict[str, str] = {
     "imagenet": "INet", "dtd": "DTD", "flowers102": "FLOW", "food101": "FOOD",
     "sun397": "SUN", "eurosat": "EURO", "fgvc_aircraft": "AIR", "oxford_pets": "PETS",
     "caltech101": "CALT", "ucf101": "UCF", "stanford_cars": "CAR",
-}
+} | {key: f"{IMAGENET_C_CORRUPTIONS[key.split(':')[1]]}-{key.split(':')[2]}" for key in GROUPS[IMAGENET_C_GROUP]}
 #: the "ImageNet family" of the paper's subset ablation (Table 4): ImageNet plus its four variants
 IMAGENET_FAMILY: tuple[str, ...] = ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
-#: datasets of the paper's per-sample figures (2c/2d, 4) and strength ablation (Figure 5)
+#: dataset of the paper's per-sample figures (2c/2d, 5) and datasets of the strength ablation (Figure 6)
 REFERENCE_DATASET = "imagenet_a"
 STRENGTH_DATASETS: tuple[str, ...] = ("dtd", "imagenet_v2")
+#: Figure 1 (intro): one panel per method, grouped bars of raw / SaLS / ZAEC ECE over the fine-grained group
+FIG1_METHODS: tuple[str, ...] = ("tpt", "tda")
+FIG1_CALIBRATORS: tuple[str, ...] = ("none", "sals", "zaec")
+#: Figure 4, the boundary case: zero-shot CLIP is underconfident on Caltech101 and DPE's sharpening helps
+BOUNDARY_DATASET = "caltech101"
+BOUNDARY_METHOD = "dpe"
 
 #: the paper's method order (Tables 2 and 3), then the prompt-coupled calibrated TPT variants of Figure 2a;
 #: other methods follow alphabetically
@@ -53,6 +71,11 @@ METHOD_LABELS: dict[str, str] = {
     "tpt": "TPT", "tps": "TPS", "tda": "TDA", "dpe": "DPE", "dlae": "DLAE",
     "ctpt": "C-TPT", "otpt": "O-TPT", "atpt": "A-TPT", "zero-shot": "Zero-shot",
 }
+#: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
+#: is over the paper's TTA methods, so these are left out of it by default
+PROMPT_CALIBRATION_METHODS: tuple[str, ...] = ("ctpt", "otpt", "atpt")
+#: Figure 2a as the paper draws it: (method, calibrator) points; arrows join points of the same method
+FIG2A_POINTS: tuple[tuple[str, str], ...] = (("tpt", "sals"), ("tpt", "zaec"), ("otpt", "none"), ("atpt", "none"))
 ZERO_SHOT = "zero-shot"
 BACKBONE_ORDER: tuple[str, ...] = ("ViT-B-16", "RN50")
 
@@ -69,7 +92,7 @@ SUBSET_SPECS: dict[str, str] = {
     "Entropy-increased": "zaec:subset=increased",
     "Entropy-reduced (ZAEC)": "zaec",
 }
-#: Figure 5: restoration strengths lambda (0 is raw TTA, 1 is ZAEC)
+#: Figure 6: restoration strengths lambda (0 is raw TTA, 1 is ZAEC)
 STRENGTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 

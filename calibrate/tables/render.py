@@ -19,6 +19,8 @@ from schemas.atomic import atomic_path, write_text_atomic
 DASH = "–"
 #: marks a difference whose 95% interval contains zero
 NS_MARK = "†"
+#: marks a temperature-scaling cell scored on the labelled data its temperature was fitted on (or an average with one)
+IN_SAMPLE_MARK = "‡"
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -49,8 +51,8 @@ def tex_escape(s: str) -> str:
     """Escape LaTeX specials of plain labels (dataset keys, method names) and map a few Unicode marks."""
     for a, b in (("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("$", r"\$")):
         s = s.replace(a, b)
-    for a, b in (("–", "--"), ("−", "$-$"), ("†", r"$^\dagger$"), ("λ", r"$\lambda$"), ("Δ", r"$\Delta$"),
-                 ("ρ", r"$\rho$"), ("→", r"$\to$")):
+    for a, b in (("–", "--"), ("−", "$-$"), ("†", r"$^\dagger$"), ("‡", r"$^\ddagger$"), ("λ", r"$\lambda$"),
+                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("→", r"$\to$")):
         s = s.replace(a, b)
     return s
 
@@ -157,9 +159,32 @@ def _main_rows(main: pl.DataFrame, group: str | None, cell: Callable[[dict], str
     return labels, out
 
 
+def cell_marks(r: dict) -> str:
+    """Marks after a main-table value: ‡ (temperature scaling scored on its own fitting data, or an average that
+    includes such a cell) and `(n/m)` on an average over n of the group's m datasets."""
+    text = IN_SAMPLE_MARK if r.get("in_sample") else ""
+    n, m = r.get("n_datasets"), r.get("group_size")
+    if r.get("dataset") == "avg" and r.get("value") is not None and n is not None and m is not None and n < m:
+        text += f" ({n}/{m})"
+    return text
+
+
+def marks_legend(main: pl.DataFrame) -> list[str]:
+    """The footnotes of the marks `cell_marks` puts in this table (none when no cell carries one)."""
+    notes = []
+    if "in_sample" in main.columns and main["in_sample"].any():
+        notes.append(f"{IN_SAMPLE_MARK} temperature scaling fitted on this dataset's own labelled logits, so scored "
+                     f"on its fitting data (in-sample); an Avg. marked {IN_SAMPLE_MARK} includes such a cell.")
+    if "group_size" in main.columns and main.filter(
+            (pl.col("dataset") == "avg") & pl.col("value").is_not_null()
+            & (pl.col("n_datasets") < pl.col("group_size"))).height:
+        notes.append("Avg. (n/m): the average covers only n of the group's m datasets.")
+    return notes
+
+
 def _md_cell(r: dict) -> str:
-    """`value` (bold when best), with `± std over seeds` when several seeds were averaged."""
-    text = f"**{fmt(r['value'])}**" if r["bold"] else fmt(r["value"])
+    """`value` (bold when best) and its marks, with `± std over seeds` when several seeds were averaged."""
+    text = (f"**{fmt(r['value'])}**" if r["bold"] else fmt(r["value"])) + cell_marks(r)
     if r.get("seed_std") is not None and (r.get("n_seeds") or 0) > 1:
         text += f" ± {fmt(r['seed_std'])}"
     return text
@@ -169,7 +194,7 @@ def main_markdown(main: pl.DataFrame, title: str) -> str:
     """One Markdown table per dataset group (like the paper's Tables 2 and 3), best ECE per block in bold."""
     parts = [f"# {title}\n", "Accuracy and ECE in percent; the best ECE within each TTA block in **bold**; "
              "Avg. is the unweighted macro-average over the group's datasets; ± is the standard deviation over seeds "
-             "where several were run.\n"]
+             "where several were run.\n", *(f"{n}\n" for n in marks_legend(main))]
     for group in main["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(main, group, _md_cell)
         body = [[f"{b} {rl}".strip() if rl else b, m, *cells] for item in rows if item is not None
@@ -182,8 +207,9 @@ def main_markdown(main: pl.DataFrame, title: str) -> str:
 def main_latex(main: pl.DataFrame, caption: str) -> str:
     """One LaTeX table with grouped dataset columns (\\multicolumn group headers), bold best ECE per block."""
     groups = main["group"].unique(maintain_order=True).to_list()
-    labels, rows = _main_rows(main, None,
-                              lambda r: f"\\textbf{{{fmt(r['value'])}}}" if r["bold"] else tex_escape(fmt(r["value"])))
+    labels, rows = _main_rows(main, None, lambda r: (f"\\textbf{{{fmt(r['value'])}}}" if r["bold"]
+                                                     else tex_escape(fmt(r["value"]))) + tex_escape(cell_marks(r)))
+    caption = " ".join([caption, *marks_legend(main)])
     spans = [main.filter(pl.col("group") == g).select("col_pos").unique().height for g in groups]
     top = " & ".join(["", ""] + [f"\\multicolumn{{{n}}}{{c}}{{{tex_escape(layout.GROUP_LABELS.get(g, g))}}}"
                                  for g, n in zip(groups, spans)]) + r" \\"
@@ -214,11 +240,13 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
              f"Paired bootstrap over samples ({n_resamples} resamples; zero-shot, raw and calibrated predictions "
              f"resampled together); {pct}% basic bootstrap intervals (2 x estimate minus the replicate quantiles, "
              "which undoes ECE's upward resampling bias; ECE floored at 0), ECE in percent. Avg. intervals average the "
-             "per-dataset replicates (datasets resampled independently).\n"]
+             "per-dataset replicates (datasets resampled independently).\n",
+             *(f"{n}\n" for n in marks_legend(intervals))]
     for group in intervals["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(intervals.with_columns(pl.lit("ece").alias("metric")), group,
-                                  lambda r: f"{fmt(r['value'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
-                                  if r["ci_low"] is not None else fmt(r["value"]))
+                                  lambda r: f"{fmt(r['value'])}{cell_marks(r)} [{fmt(r['ci_low'])}, "
+                                  f"{fmt(r['ci_high'])}]" if r["ci_low"] is not None
+                                  else fmt(r["value"]) + cell_marks(r))
         body = [[f"{b} {rl}".strip() if rl else b, *cells] for item in rows if item is not None
                 for b, rl, m, cells in [item]]
         parts.append(f"## ECE with {pct}% intervals: {layout.GROUP_LABELS.get(group, group)}\n")
@@ -278,7 +306,8 @@ def main_rich(main: pl.DataFrame, title: str):
     """A rich Table of a main table (all groups side by side; bold best ECE per block) for the terminal."""
     from rich.table import Table
 
-    labels, rows = _main_rows(main, None, lambda r: f"[bold]{fmt(r['value'])}[/bold]" if r["bold"] else fmt(r["value"]))
+    labels, rows = _main_rows(main, None, lambda r: (f"[bold]{fmt(r['value'])}[/bold]" if r["bold"]
+                                                     else fmt(r["value"])) + cell_marks(r))
     table = Table(title=title)
     table.add_column("Method")
     table.add_column("Metric")

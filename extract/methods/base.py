@@ -21,7 +21,8 @@ import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 
@@ -216,10 +217,28 @@ class TTAMethod(abc.ABC):
         self.n_classes, self.dim = text_features.shape
         self.n_seen = 0  # samples adapted so far (the stream position of the next sample)
 
+    # Settings for a dataset the official configs never saw (a user's folder or split file): the method's row for
+    # `unseen_like`, then `unseen_changes`. Each method sets both, with the reason; docs/methods.md lists them. The
+    # prompts stay within what needs no per-dataset text: "single" or "imagenet80", never CuPL.
+    unseen_like: ClassVar[str]
+    unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+
     @classmethod
     @abc.abstractmethod
     def default_config(cls, hparams_key: str, backbone: str) -> MethodConfig:
         """The spec's configuration for a dataset (canonical key) and an open_clip backbone name."""
+
+    @classmethod
+    def unseen_config(cls, backbone: str) -> MethodConfig:
+        """The documented configuration for a dataset without an official row (`unseen_like` + `unseen_changes`).
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> cfg = get_method("tda").unseen_config("ViT-B-16")
+            >>> cfg.n_views, cfg.prompts, cfg.alpha, cfg.beta
+            (1, 'imagenet80', 2.0, 5.0)
+        """
+        return dataclasses.replace(cls.default_config(cls.unseen_like, backbone), **dict(cls.unseen_changes))
 
     def compute_dtype(self, view_feats: torch.Tensor) -> torch.dtype:
         """float32, or float64 when the inputs are float64 (exact references in tests)."""

@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,12 @@ class DPE(TTAMethod):
     key: ClassVar[str] = "dpe"
     Config: ClassVar[type[MethodConfig]] = DPEConfig
     _state_fields: ClassVar[tuple[str, ...]] = ("cache", "w_global", "n_global_updates")
+    # Unseen data (DLAE inherits this): ImageNet's row (DPE: alpha 6, beta 5, lr 6e-4, align 0.5 - TTABC's global
+    # alpha/beta/align), one view as on DPE's ten fine-grained sets (64 AugMix views are an ImageNet-family choice),
+    # the 80 CLIP templates as for ImageNet-R/-Sketch, and no CuPL (no GPT-3 sentences exist for unknown classes).
+    unseen_like: ClassVar[str] = "imagenet"
+    unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {"n_views": 1, "augmix": False, "prompts": "imagenet80", "cupl": False})
     # Reduced-precision mode (`amp_fp16`): the official CUDA fp16 autocast. Class attributes so that a test can
     # emulate the code path on the CPU with bfloat16.
     _amp_device_type: ClassVar[str] = "cuda"

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -64,6 +65,10 @@ class TDA(TTAMethod):
     key: ClassVar[str] = "tda"
     Config: ClassVar[type[MethodConfig]] = TDAConfig
     _state_fields: ClassVar[tuple[str, ...]] = ("pos", "neg")
+    # Unseen data: ImageNet's row (alpha 2, beta 5, one view), the one config TTABC applies to every dataset
+    # (`ttabc/model_selection/tda.py`); the 80 CLIP templates, as TDA uses them where no dataset template fits (R/K).
+    unseen_like: ClassVar[str] = "imagenet"
+    unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompts": "imagenet80"})
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TDAConfig:

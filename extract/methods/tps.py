@@ -111,6 +111,10 @@ class TPS(EpisodicTuner):
             protos.append(F.normalize((0.5 * (t_mean + d_mean)).float(), dim=-1))
         return torch.stack(protos)
 
+    # Unseen data: the fine-grained settings (AugMix views, lr 1e-3; every fine-grained set has the same row), with
+    # the 80 CLIP templates TPS uses everywhere.
+    unseen_like: ClassVar[str] = "dtd"
+
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TPSConfig:
         check_hparams_key(hparams_key)

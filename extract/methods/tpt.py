@@ -357,6 +357,10 @@ class TPT(EpisodicTuner):
         self.prompts = PromptTextEncoder(model, tokenizer, self.class_names, ctx_init=cfg.ctx_init,
                                          truncate=cfg.text_shortcuts, share_prefix=cfg.text_shortcuts)
 
+    # Unseen data (C-TPT and O-TPT inherit this): the fine-grained settings - AugMix views, and for C-TPT / O-TPT the
+    # fine-grained lambda (every fine-grained set has the same row; DTD stands for them).
+    unseen_like: ClassVar[str] = "dtd"
+
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TPTConfig:
         check_hparams_key(hparams_key)

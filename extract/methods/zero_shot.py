@@ -23,6 +23,7 @@ class ZeroShot(TTAMethod):
 
     key: ClassVar[str] = "zero-shot"
     Config: ClassVar[type[MethodConfig]] = ZeroShotConfig
+    unseen_like: ClassVar[str] = "imagenet"  # the same config for every dataset
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> ZeroShotConfig:

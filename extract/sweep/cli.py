@@ -638,7 +638,9 @@ _EXEC_HELP = "executor setting (see `zaec-sweep run --help`)"
 @app.command()
 def run(
     methods: Optional[str] = typer.Option(None, help="comma-separated method keys: zero-shot,tda,dpe,dlae"),
-    datasets: Optional[str] = typer.Option(None, help="comma-separated dataset keys, or 'all' (the 15 of the paper)"),
+    datasets: Optional[str] = typer.Option(None, help="comma-separated dataset keys, 'all' (the 15 of the paper), "
+                                                      "'imagenet_c' (its 75 keys), folder:PATH, split:FILE.json, "
+                                                      "NAME=folder:PATH"),
     backbones: Optional[str] = typer.Option(
         None, help="comma-separated open_clip names (ViT-B-16,RN50), each optionally NAME=PRETRAINED; may be "
                    "omitted with --pretrained local-dir:DIR [default: ViT-B-16]"),

@@ -58,6 +58,7 @@ def run_group(group: Group, token: str) -> list[dict[str, Any]]:
             state, err, shards = "failed", model_error, []
         else:
             try:
+                run.register_dataset()
                 paths = run_extraction(
                     run.method, run.dataset, data_root=run.data_root, out=run.out, seed=run.seed, limit=run.limit,
                     overrides=dict(run.overrides) or None, anchor=run.anchor, cache_dir=run.cache_dir,

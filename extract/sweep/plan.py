@@ -167,10 +167,36 @@ def load_rates(path: str) -> Rates:
     return Rates(str(path), enc, adapt, over)
 
 
+def _listed_size(dataset: str) -> tuple[int, int] | None:
+    """(images, classes) of a user's dataset registered in this process, from its listing; None otherwise."""
+    from extract.datasets import dataset_source
+
+    source = dataset_source(dataset)
+    return None if source is None else _listing(dataset, source)
+
+
+@functools.lru_cache(maxsize=None)
+def _listing(dataset: str, source: tuple[str, str | None]) -> tuple[int, int]:
+    from extract.datasets import load_testset
+
+    ts = load_testset(dataset)
+    return len(ts), ts.num_classes
+
+
+def _table_size(dataset: str) -> tuple[int, int] | None:
+    # ImageNet-C: every corruption and severity holds the 50,000 validation images of the 1000 classes
+    base = "imagenet" if dataset.startswith("imagenet_c:") else dataset
+    if base in TEST_SIZES:
+        return TEST_SIZES[base], NUM_CLASSES[base]
+    if dataset.startswith("fmnist"):
+        return DEMO_TEST_SIZE, DEMO_NUM_CLASSES
+    return _listed_size(dataset)
+
+
 def adapt_seconds(method: str, dataset: str, backbone: str | None = None, rates: Rates | None = None) -> float:
     """Estimated adaptation GPU-seconds per sample of `method` on `dataset`: measured (`rates`) where it holds the
     backbone and method, else the tables above."""
-    k = NUM_CLASSES.get(dataset, DEMO_NUM_CLASSES)
+    k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
     measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
     if measured is not None:
         return measured
@@ -190,15 +216,16 @@ def overhead_seconds(backbone: str, rates: Rates | None = None) -> float:
 
 
 def n_images(dataset: str, limit: int | None = None) -> int:
-    """Images a run over `dataset` processes: the table's test size, capped by `--limit`.
+    """Images a run over `dataset` processes: the table's test size (a user's dataset: its listing), capped by
+    `--limit`.
 
-    >>> n_images("dtd"), n_images("imagenet", limit=1000)
-    (1692, 1000)
+    >>> n_images("dtd"), n_images("imagenet", limit=1000), n_images("imagenet_c:fog:3")
+    (1692, 1000, 50000)
     """
-    n = TEST_SIZES.get(dataset, DEMO_TEST_SIZE if dataset.startswith("fmnist") else None)
-    if n is None:
+    size = _table_size(dataset)
+    if size is None:
         raise SweepError(f"no test size for dataset {dataset!r}; known: {', '.join(TEST_SIZES)}")
-    return n if limit is None else min(int(limit), n)
+    return size[0] if limit is None else min(int(limit), size[0])
 
 
 def _family(backbone: str) -> str:
@@ -233,6 +260,16 @@ class RunSpec:
     device: str | None = None
     workers: int | None = None
     batch_size: int = 256
+    #: a user's dataset (`folder:`/`split:`): its reference and class-names file, to register it in the worker
+    dataset_ref: str = ""
+    class_names_file: str | None = None
+
+    def register_dataset(self) -> None:
+        """Register a user's dataset in this process under the run's dataset name (a no-op for registered keys)."""
+        if self.dataset_ref:
+            from extract.datasets import resolve_dataset
+
+            resolve_dataset(self.dataset_ref, name=self.dataset, class_names=self.class_names_file)
 
     @property
     def key(self) -> RunKey:
@@ -334,7 +371,8 @@ class Grid:
     """What to run, as given by the user (before resolution).
 
     Attributes:
-        methods, datasets: keys of the method and dataset registries (`datasets=("all",)` = the 15 of the paper).
+        methods, datasets: keys of the method and dataset registries (`datasets=("all",)` = the 15 of the paper;
+            see `expand_datasets` for `imagenet_c` and a user's `folder:`/`split:` datasets).
         backbones: open_clip names, each optionally `NAME=PRETRAINED` to give it its own weights; empty with a
             `local-dir:` `pretrained` (the directory names the model).
         seeds: stream/view seeds.
@@ -413,6 +451,37 @@ def _split_backbone(entry: str, pretrained: str) -> tuple[str | None, str]:
     return (name or None), (weights if sep else pretrained)
 
 
+def expand_datasets(entries: Sequence[str]) -> tuple[str, ...]:
+    """`--datasets` entries -> canonical dataset keys, in order, duplicates removed.
+
+    `all` = the 15 of the paper; `imagenet_c` = its 75 keys, `imagenet_c:<corruption>` its 5 severities;
+    `folder:PATH` / `split:FILE.json` a user's dataset named after its folder, `NAME=folder:PATH` named NAME
+    (registered in this process, see `extract.datasets.resolve_dataset`).
+
+    Raises:
+        SweepError: two different user datasets with one name. DatasetError: a bad reference or name.
+    """
+    from extract.datasets import PAPER_DATASETS, dataset_source, expand_dataset_keys, resolve_dataset
+
+    out: list[str] = []
+    refs: dict[str, str] = {}
+    for d in entries:
+        name, sep, ref = d.partition("=")
+        if not sep or d.startswith(("folder:", "split:")):
+            name, ref = "", d
+        if ref.startswith(("folder:", "split:")):
+            key = resolve_dataset(ref, name=name or None)
+            source = dataset_source(key)
+            if refs.setdefault(key, str(source)) != str(source):
+                raise SweepError(f"--datasets: two datasets are named {key!r}; name one with NAME=folder:PATH")
+            out.append(key)
+        elif sep:
+            raise SweepError(f"--datasets entry {d!r}: NAME=... names folder:PATH or split:FILE.json datasets only")
+        else:
+            out += PAPER_DATASETS if d == "all" else expand_dataset_keys(d)
+    return tuple(dict.fromkeys(out))
+
+
 def expand_grid(grid: Grid, *, out: str | os.PathLike, data_root: str | os.PathLike | None = None,
                 cache_dir: str | os.PathLike | None = None, cupl_dir: str | os.PathLike | None = None,
                 limit: int | None = None, anchor: str = "single", device: str | None = None,
@@ -428,16 +497,13 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike, data_root: str | os.PathL
         SweepError: empty grid, duplicate shard paths (one backbone name with two different weights).
         ValueError and its subclasses from the extractor (unknown method, dataset, config key, missing local-dir).
     """
-    from extract.datasets import PAPER_DATASETS
+    from extract.datasets import dataset_source
     from extract.models import LOCAL_DIR
     from extract.runner import plan_run
 
     if not grid.methods:
         raise SweepError("no methods given (--methods tda,dpe,...)")
-    datasets: tuple[str, ...] = ()
-    for d in grid.datasets or ():
-        datasets += PAPER_DATASETS if d == "all" else (d,)
-    datasets = tuple(dict.fromkeys(datasets))
+    datasets = expand_datasets(grid.datasets or ())
     if not datasets:
         raise SweepError("no datasets given (--datasets all, or a list: dtd,eurosat,...)")
     if not grid.seeds:
@@ -482,6 +548,9 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike, data_root: str | os.PathL
                                    data_root=_abs(data_root), cache_dir=_abs(cache_dir), cupl_dir=_abs(cupl_dir),
                                    limit=limit, anchor=anchor, device=device, workers=workers,
                                    batch_size=batch_size)
+                    source = dataset_source(dataset)
+                    if source is not None:
+                        spec = dataclasses.replace(spec, dataset_ref=source[0], class_names_file=source[1])
                     runs.setdefault(spec.run_id, spec)
     return list(runs.values())
 
@@ -632,7 +701,10 @@ class Manifest:
         }
 
     def spec(self, run_id: str) -> RunSpec:
-        return RunSpec.from_dict(self.rows[run_id]["spec"])
+        """The run's RunSpec; a user's dataset is registered in this process on the way."""
+        spec = RunSpec.from_dict(self.rows[run_id]["spec"])
+        spec.register_dataset()
+        return spec
 
 
 @contextlib.contextmanager

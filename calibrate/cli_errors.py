@@ -1,0 +1,42 @@
+"""User errors of both `zaec-calibrate` commands (`zaec-calibrate` and `zaec-calibrate tables`).
+
+A user error ends in one line on stderr (`prog: error: ...`) and exit code 2, never a traceback. Both command
+modules import this one; neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, NoReturn
+
+import typer
+from rich.console import Console
+
+from schemas import ShardError, error_line
+
+#: what a user can cause (bad shards, bad specs or options, unreadable paths): one line and exit 2, no traceback
+USER_ERRORS = (ShardError, ValueError, OSError)
+
+
+def fail(prog: str, e: BaseException, err: Console) -> NoReturn:
+    """Print `prog: error: <first line of e>` on stderr and exit with status 2."""
+    err.print(f"{prog}: error: {error_line(e)}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def run_app(app: typer.Typer, args: List[str], prog: str) -> NoReturn:
+    """Run a typer app on `args` and exit; typer's usage errors (unknown option, bad value) end in one line too."""
+    # typer >= 0.2x vendors click, so find click's exception classes by name on typer's own hierarchy
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except click_error as e:
+        hint = f" (see {prog} --help)" if isinstance(e, usage_error) else ""
+        print(f"{prog}: error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:
+        print(f"{prog}: aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

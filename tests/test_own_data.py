@@ -1,0 +1,365 @@
+"""A user's own test set (`folder:PATH`, `split:FILE.json`), ImageNet-C, and the methods' settings for unseen data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from extract_fixtures import (  # noqa: F401  (pytest fixtures)
+    make_imagenet_folders,
+    tiny_model,
+    tiny_model_dir,
+    write_image,
+)
+from typer.testing import CliRunner
+
+from extract import datasets as ds
+from extract.cli import app
+from extract.datasets import (
+    IMAGENET_C_CORRUPTIONS,
+    IMAGENET_C_DATASETS,
+    DatasetError,
+    expand_dataset_keys,
+    get_dataset,
+    imagenet_classnames,
+    imagenet_synsets,
+    load_testset,
+    resolve_dataset,
+)
+from extract.methods import REGISTRY as METHODS
+from extract.prompts import USER_PROMPT_POLICIES, PromptError, build_prompt_set
+from extract.runner import RunError, plan_run, run_extraction
+from extract.views import ViewGenerator
+from schemas import find_shards, read_shard
+
+cli = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_user_registry(monkeypatch):
+    # every test starts as a fresh process would: no user dataset registered
+    monkeypatch.setattr(ds, "_USER_SPECS", {})
+
+
+def make_folder(root: Path, layout: dict[str, list[str]], *, seed: int = 0) -> Path:
+    """Write `root/<class>/<relative file>` images (random pixels) for every class and file name given."""
+    rng = np.random.default_rng(seed)
+    for cls, files in layout.items():
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            write_image(root / cls / f, rng, mode="L" if len(f) % 3 == 0 else "RGB")
+    return root
+
+
+PETS = {
+    "tabby_cat": ["b.png", "a.jpg", "sub/c.png"],
+    "dog": ["z.JPEG", "m.png"],
+    "Zebra": ["1.bmp"],
+    "dog-x": ["k.png"],  # '-' sorts before '/': the global relative-path order differs from class-then-file order
+}
+
+
+def test_folder_order_labels_and_names(tmp_path):
+    root = make_folder(tmp_path / "my_pets", PETS)
+    (root / "dog" / "notes.txt").write_text("not an image")
+    (root / "dog" / ".hidden.png").write_bytes(b"")
+    (root / ".cache").mkdir()
+    (root / "README.md").write_text("top-level files are not classes")
+    key = resolve_dataset(f"folder:{root}")
+    assert key == "my_pets"
+    ts = load_testset(key)
+    classes = sorted(PETS)  # label order: the sorted folder names
+    assert ts.class_names == tuple(c.replace("_", " ") for c in classes)
+    want = sorted(f"{c}/{f}" for c, fs in PETS.items() for f in fs)
+    assert [p.relative_to(root).as_posix() for p in ts.paths] == want
+    assert ts.labels.tolist() == [classes.index(r.split("/")[0]) for r in want]
+    assert ts.labels.dtype == np.int64 and ts.dataset_dir == root.resolve()
+    assert ts.notes["source"] == f"folder:{root.resolve()}"
+    assert want.index("dog-x/k.png") < want.index("dog/m.png")  # the order really is by relative path
+    # the same object type as a registered set's: the image paths are absolute and exist
+    assert type(ts) is type(load_testset(key)) and all(p.is_absolute() and p.is_file() for p in ts.paths)
+
+
+@pytest.mark.parametrize("fmt", ["lines", "json"])
+def test_class_names_file(tmp_path, fmt):
+    root = make_folder(tmp_path / "pets", PETS)
+    names = ["a cat", "a dog", "a dog, dashed", "a zebra"]  # label order = sorted folders: Zebra, dog, dog-x, ...
+    f = tmp_path / "names.txt"
+    f.write_text(json.dumps(names) if fmt == "json" else "\n".join(names) + "\n\n")
+    key = resolve_dataset(f"folder:{root}", name="pets2", class_names=f)
+    ts = load_testset(key)
+    assert key == "pets2" and ts.class_names == tuple(names)
+    assert ts.notes["class_names_file"] == str(f.resolve())
+
+
+def _err(fn, *a, **k) -> str:
+    with pytest.raises(DatasetError) as e:
+        fn(*a, **k)
+    return str(e.value)
+
+
+def test_folder_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert "the folder is empty" in _err(load_testset, resolve_dataset(f"folder:{tmp_path / 'empty'}"))
+    flat = tmp_path / "flat"
+    write_image(flat / "a.png", np.random.default_rng(0))
+    assert "no class sub-folders" in _err(load_testset, resolve_dataset(f"folder:{flat}"))
+    holes = make_folder(tmp_path / "holes", {"cat": ["a.png"], "dog": []})
+    (holes / "dog" / "readme.txt").write_text("x")
+    msg = _err(load_testset, resolve_dataset(f"folder:{holes}"))
+    assert f"{holes / 'dog'}: class folder holds no images" in msg
+    dup = make_folder(tmp_path / "dup", {"sea_lion": ["a.png"], "sea lion": ["b.png"]})
+    assert "duplicate class name(s) 'sea lion'" in _err(load_testset, resolve_dataset(f"folder:{dup}"))
+    names = tmp_path / "names.txt"
+    names.write_text("one\ntwo\nthree\n")
+    two = make_folder(tmp_path / "two", {"a": ["a.png"], "b": ["b.png"]})
+    msg = _err(load_testset, resolve_dataset(f"folder:{two}", class_names=names))
+    assert "3 class name(s) for 2 class folder(s)" in msg and str(names.resolve()) in msg
+    names.write_text('["one", "one"]')
+    assert "duplicate class name(s) 'one'" in _err(resolve_dataset, f"folder:{two}", class_names=names)
+    names.write_text('["one", 2]')
+    assert "a JSON list of non-empty strings" in _err(resolve_dataset, f"folder:{two}", class_names=names)
+    assert "is not a folder" in _err(resolve_dataset, f"folder:{tmp_path / 'nope'}")
+    assert "is a registered dataset key" in _err(resolve_dataset, f"folder:{two}", name="dtd")
+    spaced = make_folder(tmp_path / "my pets", {"a": ["a.png"]})
+    assert "pass --dataset-name NAME" in _err(resolve_dataset, f"folder:{spaced}")
+    assert "apply to folder:PATH and split:FILE.json datasets only" in _err(resolve_dataset, "dtd", name="x")
+
+
+def test_split_file_uses_the_coop_reader(tmp_path):
+    root = tmp_path / "xray"
+    rng = np.random.default_rng(1)
+    test = []
+    for rel, y, name in [("imgs/n/1.png", 1, "normal_lung"), ("imgs/p/2.png", 0, "pneumonia"),
+                         ("imgs/n/3.png", 1, "normal_lung")]:
+        write_image(root / rel, rng)
+        test.append([rel, y, name])
+    split = root / "split.json"
+    split.write_text(json.dumps({"train": [], "val": [], "test": test}))
+    key = resolve_dataset(f"split:{split}")
+    ts = load_testset(key)
+    assert key == "xray" and ts.class_names == ("pneumonia", "normal lung")
+    assert [p.relative_to(root).as_posix() for p in ts.paths] == [t[0] for t in test]  # the file's order
+    assert ts.labels.tolist() == [1, 0, 1]
+    names = tmp_path / "names.txt"
+    names.write_text("bacterial pneumonia\nhealthy lung\n")
+    ts = load_testset(resolve_dataset(f"split:{split}", name="xray2", class_names=names))
+    assert ts.class_names == ("bacterial pneumonia", "healthy lung")
+    names.write_text("only one\n")
+    assert "1 class name(s) for the 2 labels" in _err(load_testset, resolve_dataset(f"split:{split}",
+                                                                                     class_names=names))
+    split.write_text(json.dumps({"test": [["../../etc/passwd", 0, "x"]]}))
+    assert "escapes the dataset folder" in _err(load_testset, resolve_dataset(f"split:{split}"))
+
+
+def test_imagenet_c_keys_and_layout(tmp_path):
+    assert len(IMAGENET_C_DATASETS) == 75 == len(set(IMAGENET_C_DATASETS))
+    assert expand_dataset_keys("imagenet_c") == IMAGENET_C_DATASETS
+    assert expand_dataset_keys("imagenet_c:snow") == tuple(f"imagenet_c:snow:{s}" for s in range(1, 6))
+    assert expand_dataset_keys("dtd") == ("dtd",)
+    from calibrate.tables import layout
+    assert tuple(layout.IMAGENET_C_CORRUPTIONS) == IMAGENET_C_CORRUPTIONS
+    assert layout.GROUPS[layout.IMAGENET_C_GROUP] == IMAGENET_C_DATASETS
+    syn = imagenet_synsets()
+    wnids = [syn[999], syn[0], syn[417]]
+    make_imagenet_folders(tmp_path, "imagenet_c:glass_blur:4", wnids, per_class=2)
+    assert (tmp_path / "imagenet-c" / "glass_blur" / "4" / syn[0]).is_dir()
+    ts = load_testset("imagenet_c:glass_blur:4", tmp_path)
+    assert ts.num_classes == 1000 and ts.class_names == imagenet_classnames()
+    assert ts.labels.tolist() == [0, 0, 417, 417, 999, 999]
+    assert "imagenet-c/<corruption>" not in _err(load_testset, "imagenet_c:fog:1", tmp_path)  # its own folder
+    assert f"{tmp_path}/imagenet-c/fog/1/<wnid>/<image>" in _err(load_testset, "imagenet_c:fog:1", tmp_path)
+    for key in METHODS:  # ImageNet's method settings and prompts
+        plan = plan_run(key, "imagenet_c:glass_blur:4", backbone="RN50", pretrained="openai", seed=1, overrides=None,
+                        anchor="single", limit=None)
+        assert plan.config == METHODS[key].default_config("imagenet", "RN50") and plan.settings_note == ""
+    assert build_prompt_set("imagenet_c:fog:1", ["x"], policy="dataset").templates == \
+        build_prompt_set("imagenet", ["x"], policy="dataset").templates
+
+
+@pytest.mark.parametrize("key", sorted(METHODS))
+def test_unseen_config_per_method(key):
+    cls = METHODS[key]
+    for backbone in ("ViT-B-16", "RN50"):
+        cfg = cls.unseen_config(backbone)
+        assert cfg == dataclasses.replace(cls.default_config(cls.unseen_like, backbone), **cls.unseen_changes)
+        assert cfg.prompts in USER_PROMPT_POLICIES and not cfg.cupl
+        if not cfg.episodic:  # the online cache methods: one view, as on the fine-grained sets
+            assert cfg.n_views == 1
+
+
+def test_plan_for_unseen_data(tmp_path):
+    key = resolve_dataset(f"folder:{make_folder(tmp_path / 'sat', {'a': ['a.png'], 'b': ['b.png']})}")
+    plan = plan_run("dpe", key, backbone="RN50", pretrained="openai", seed=1, overrides={"alpha": "3"},
+                    anchor="single", limit=None)
+    assert plan.config == dataclasses.replace(METHODS["dpe"].unseen_config("RN50"), alpha=3.0)
+    assert plan.key.dataset == "sat" and "imagenet's row, n_views=1" in plan.settings_note
+    assert plan.settings_note.endswith("then --set alpha=3")
+    for bad in ({"cupl": "true"}, {"prompts": "dataset"}):
+        with pytest.raises(RunError, match="prompts must be one of single, imagenet80 and cupl false"):
+            plan_run("tda", key, backbone="RN50", pretrained="openai", seed=1, overrides=bad, anchor="single",
+                     limit=None)
+    with pytest.raises(PromptError, match="has no per-dataset templates"):
+        build_prompt_set(key, ["a", "b"], policy="dataset")
+
+
+def test_run_on_a_folder_end_to_end(tmp_path, tiny_model):  # noqa: F811
+    root = make_folder(tmp_path / "pets", PETS, seed=3)
+    lines: list[str] = []
+    paths = run_extraction("zero-shot", f"folder:{root}", out=tmp_path / "out", cache_dir=tmp_path / "cache",
+                           model=tiny_model, progress=False, log=lines.append)
+    (shard,) = [read_shard(p) for p in paths]
+    meta = shard.meta
+    assert meta.dataset == "pets" and "dataset=pets" in str(paths[0])
+    assert meta.method_config == json.loads(json.dumps(dataclasses.asdict(METHODS["zero-shot"].unseen_config(
+        "tiny-clip"))))
+    assert meta.extra["zaec:method_settings"] == "zero-shot's settings for unseen data: imagenet's row"
+    assert meta.extra["zaec:source"] == f"folder:{root.resolve()}"
+    assert lines[0].startswith("pets has no official settings; zero-shot's settings for unseen data")
+    # each row is the image its sample_id names in the sorted relative-path order: recompute every image's
+    # zero-shot logits one by one and identify the row by its nearest recomputed vector
+    rels = sorted(f"{c}/{f}" for c, fs in PETS.items() for f in fs)
+    names = [c.replace("_", " ") for c in sorted(PETS)]
+    text = tiny_model.text_prototypes([[f"a photo of a {n}."] for n in names])
+    view0 = ViewGenerator(tiny_model.preprocess, "single", seed=1).original
+    with torch.no_grad():
+        feats = torch.cat([tiny_model.encode_images(view0(ds.open_image(root / r))[None]) for r in rels])
+    want = (tiny_model.logit_scale * feats @ text.T).numpy()
+    dist = ((shard.zs_logits[:, None, :] - want[None]) ** 2).sum(-1)
+    assert dist.argmin(1).tolist() == shard.sample_id.tolist()
+    assert shard.label.tolist() == [sorted(PETS).index(rels[i].split("/")[0]) for i in shard.sample_id]
+
+
+def _cli(args, tmp_path, model_dir):
+    base = ["--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--pretrained",
+            f"local-dir:{model_dir}", "--device", "cpu", "--quiet"]
+    return cli.invoke(app, args + base, catch_exceptions=False)
+
+
+def test_cli_folder_with_name_and_class_names(tmp_path, tiny_model_dir):  # noqa: F811
+    root = make_folder(tmp_path / "scans", {"benign": ["a.png", "b.png"], "malignant": ["c.png"]})
+    names = tmp_path / "names.json"
+    names.write_text('["benign lesion", "malignant lesion"]')
+    r = _cli(["--method", "tda", "--dataset", f"folder:{root}", "--dataset-name", "derm", "--class-names",
+              str(names), "--set", "beta=4"], tmp_path, tiny_model_dir)
+    assert r.exit_code == 0, r.output
+    (path,) = find_shards([tmp_path / "out"])
+    meta = read_shard(path).meta
+    assert meta.dataset == "derm" and meta.class_names == ("benign lesion", "malignant lesion")
+    assert meta.method_config["beta"] == 4.0 and meta.method_config["prompts"] == "imagenet80"
+    assert meta.method_config["n_views"] == 1
+
+
+def _bad_image_folder(tmp_path: Path) -> Path:
+    root = make_folder(tmp_path / "broken", {"a": ["ok.png"], "b": ["fine.png"]})
+    (root / "b" / "torn.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return root
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("empty", "the folder is empty"),
+    ("no_images", "class folder holds no images"),
+    ("names_count", "3 class name(s) for 2 class folder(s)"),
+    ("duplicates", "duplicate class name(s) 'a b'"),
+    ("unreadable", "torn.jpg: cannot read image"),
+    ("cupl", "prompts must be one of single, imagenet80 and cupl false"),
+])
+def test_cli_user_errors(tmp_path, tiny_model_dir, case, needle):  # noqa: F811
+    data = tmp_path / "data"
+    data.mkdir()
+    extra: list[str] = []
+    if case == "empty":
+        root = data / "void"
+        root.mkdir()
+    elif case == "no_images":
+        root = make_folder(data / "x", {"a": ["a.png"], "b": []})
+    elif case == "names_count":
+        root = make_folder(data / "x", {"a": ["a.png"], "b": ["b.png"]})
+        (data / "n.txt").write_text("1\n2\n3\n")
+        extra = ["--class-names", str(data / "n.txt")]
+    elif case == "duplicates":
+        root = make_folder(data / "x", {"a_b": ["a.png"], "a b": ["b.png"]})
+    elif case == "unreadable":
+        root = _bad_image_folder(data)
+    else:
+        root = make_folder(data / "x", {"a": ["a.png"], "b": ["b.png"]})
+        extra = ["--set", "cupl=true"]
+    r = _cli(["--method", "tda", "--dataset", f"folder:{root}"] + extra, tmp_path, tiny_model_dir)
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) <= 2  # one message (rich may wrap a long path once)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_image_from_a_loader_process_is_named(tmp_path, tiny_model):  # noqa: F811
+    root = _bad_image_folder(tmp_path)
+    with pytest.raises(DatasetError) as e:
+        run_extraction("zero-shot", f"folder:{root}", out=tmp_path / "out", cache_dir=tmp_path / "cache",
+                       model=tiny_model, progress=False, workers=1, log=lambda s: None)
+    msg = str(e.value)
+    assert msg.startswith(f"{root / 'b' / 'torn.jpg'}: cannot read image") and "Traceback" not in msg
+    assert not list((tmp_path / "out").rglob("*.parquet"))
+
+
+def test_sweep_with_own_data_and_a_fresh_worker(tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
+    from extract.sweep.job import run_group
+    from extract.sweep.plan import Grid, SweepError, expand_datasets, expand_grid, group_runs, n_images
+
+    a = make_folder(tmp_path / "a", {"x": ["1.png", "2.png"], "y": ["3.png"]})
+    b = make_folder(tmp_path / "b" / "a", {"x": ["1.png"], "y": ["2.png"]})
+    assert expand_datasets(["imagenet_c:fog", "dtd", f"folder:{a}", f"other=folder:{b}", "imagenet_c:fog:2"]) == (
+        "imagenet_c:fog:1", "imagenet_c:fog:2", "imagenet_c:fog:3", "imagenet_c:fog:4", "imagenet_c:fog:5", "dtd",
+        "a", "other")
+    assert len(expand_datasets(["imagenet_c"])) == 75 and n_images("imagenet_c:fog:3") == 50000
+    with pytest.raises(SweepError, match="two datasets are named 'a'"):
+        expand_datasets([f"folder:{a}", f"folder:{b}"])
+    with pytest.raises(SweepError, match="NAME=... names folder:PATH or split:FILE.json datasets only"):
+        expand_datasets(["x=dtd"])
+    runs = expand_grid(Grid(("zero-shot", "tda"), (f"mine=folder:{a}",), (),
+                            pretrained=f"local-dir:{tiny_model_dir}"),
+                       out=tmp_path / "out", cache_dir=tmp_path / "cache", device="cpu")
+    assert {r.dataset for r in runs} == {"mine"} and {r.dataset_ref for r in runs} == {f"folder:{a.resolve()}"}
+    (group,) = group_runs(runs)
+    assert n_images("mine") == 3
+    monkeypatch.setattr(ds, "_USER_SPECS", {})  # a worker process: nothing registered yet
+    results = run_group(group, "tok")
+    assert [r["state"] for r in results] == ["done", "done"], results
+    metas = [read_shard(p).meta for p in find_shards([tmp_path / "out"])]
+    assert {m.dataset for m in metas} == {"mine"} and {m.method for m in metas} == {"zero-shot", "tda"}
+
+
+def test_tables_group_other_datasets():
+    from calibrate.tables.layout import dataset_label, order_datasets
+
+    got = order_datasets(["mine", "imagenet_c:fog:2", "dtd", "imagenet_c:gaussian_noise:5", "fmnist"])
+    assert got == [("fine_grained", ["dtd"]), ("imagenet_c", ["imagenet_c:gaussian_noise:5", "imagenet_c:fog:2"]),
+                   ("other", ["fmnist", "mine"])]
+    assert dataset_label("imagenet_c:fog:2") == "Fog-2" and dataset_label("mine") == "mine"
+
+
+def test_get_dataset_lists_the_families():
+    msg = _err(get_dataset, "nope")
+    assert "imagenet_c:<corruption>:<severity>" in msg and "folder:PATH" in msg and "split:FILE.json" in msg
+    assert "imagenet_c:fog:1," not in msg  # the 75 keys are summarised, not listed
+    assert os.sep not in get_dataset("dtd").key
+
+
+def test_sweep_cli_dry_run_with_imagenet_c_and_a_folder(tmp_path):
+    from extract.sweep import cli as sweep_cli
+
+    a = make_folder(tmp_path / "scans", {"x": ["1.png", "2.png"], "y": ["3.png"]})
+    out = tmp_path / "out"
+    res = cli.invoke(sweep_cli.app, ["run", "--methods", "zero-shot,tda", "--datasets", f"imagenet_c,mine=folder:{a}",
+                                     "--out", str(out), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "152 run(s) to submit in 76 group(s)" in text and "mine" in text
+    assert not out.exists()
+    res = cli.invoke(sweep_cli.app, ["run", "--methods", "tda", "--datasets", f"folder:{tmp_path / 'nope'}",
+                                     "--out", str(out), "--dry-run"])
+    assert res.exit_code == 2 and "is not a folder" in res.output and "Traceback" not in res.output
