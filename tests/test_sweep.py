@@ -234,6 +234,9 @@ def test_measured_rates_price_the_plan(tmp_path):
     assert "rates measured in" in " ".join(b.output.split()) and "fixed guesses" in " ".join(a.output.split())
     want_h = (10.0 + 50000 * 64 / 5000 + 50000 * 0.5) / 3600  # TPT: crop+flip views
     assert f"about {fmt_hours(want_h)} GPU-hours" in " ".join(b.output.split()) and not out.exists()
+    # `retry` rebuilds the options from the manifest: a rates file removed since falls back to the guesses
+    kept = sweep.ExecOptions.from_dict({"rates": str(tmp_path / "r.json")})
+    assert kept.cost() is not None and sweep.ExecOptions.from_dict({"rates": str(tmp_path / "gone.json")}).cost() is None
 
 
 @pytest.mark.parametrize("doc,message", [

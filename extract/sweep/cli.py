@@ -134,6 +134,8 @@ class ExecOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["slurm_setup"] = tuple(kw.get("slurm_setup", ()))
+        if kw.get("rates") and not Path(kw["rates"]).is_file():
+            kw["rates"] = None  # the rates file of the first submission is gone: `retry` prices with the guesses
         return cls(**kw)
 
 
