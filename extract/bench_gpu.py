@@ -8,7 +8,8 @@ weights) on synthetic JPEGs of about 500x375 px, it measures, in this order:
     crop_flip    64 views per image (views/s), and augmix the same with AugMix views
     fixed cost   wall seconds of a `zaec-extract` process that finds every feature in its cache (imports, weights,
                  text prototypes, loader start: what a process pays before its first new image), and its phases
-    tpt, tps     samples/s of the adaptation alone from cached 64-view features, at K = 47, 200 and 1000 classes
+    tpt, tps     samples/s of the adaptation alone from cached 64-view features, at K = 47, 200 and 1000 classes;
+                 TPT at K = 1000 also with larger `pass_budget`s (samples tuned per pass) and their peak memory
     per core     views/s of one thread generating views (no GPU), and the loader's efficiency: the 64-view rates
                  over `--workers` times that (1.0 = the loader processes scale perfectly)
 
@@ -25,6 +26,7 @@ Without CUDA (and without `--device cpu`) it stops with one line and exit status
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -131,7 +133,7 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     return done * views / (time.perf_counter() - t0)
 
 
-def adapt_rate(model: Any, method: str, k: int, min_seconds: float) -> float:
+def adapt_rate(model: Any, method: str, k: int, min_seconds: float, pass_budget: int | None = None) -> float:
     """Samples/s of `method.adapt` on random 64-view features of K classes (the adaptation alone, as the runner
     feeds it from the feature cache). Calls of up to 64 samples (the runner's `adapt_batch`), sized from a timed
     2-sample warm-up so that K = 1000 stays within the time budget."""
@@ -144,8 +146,10 @@ def adapt_rate(model: Any, method: str, k: int, min_seconds: float) -> float:
     names = [f"class {c}" for c in range(k)]
     text = model.text_prototypes([[f"a photo of a {n}."] for n in names])
     cls = get_method(method)
-    obj = build_method(cls, cls.default_config("dtd", model.backbone), text, model, backbone=model.backbone,
-                       dataset="dtd", class_names=names)
+    config = cls.default_config("dtd", model.backbone)
+    if pass_budget is not None:
+        config = dataclasses.replace(config, pass_budget=pass_budget)
+    obj = build_method(cls, config, text, model, backbone=model.backbone, dataset="dtd", class_names=names)
     gen = torch.Generator().manual_seed(0)
 
     def feats(b: int) -> torch.Tensor:
@@ -162,6 +166,23 @@ def adapt_rate(model: Any, method: str, k: int, min_seconds: float) -> float:
         _sync(model.device)
         n += b
     return n / (time.perf_counter() - t0)
+
+
+def pass_budget_rate(model: Any, k: int, pass_budget: int, min_seconds: float) -> dict[str, Any]:
+    """TPT samples/s at K classes with `pass_budget` (sample x class rows per tuning pass), and the peak device
+    memory of the measurement: what sizing the passes from free memory (issue 13, item 3) would gain."""
+    import torch
+
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(model.device)
+    try:
+        rate = adapt_rate(model, "tpt", k, min_seconds, pass_budget=pass_budget)
+    except torch.cuda.OutOfMemoryError:
+        return {"samples_per_s": None, "error": "out of memory"}
+    peak = torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else None
+    return {"samples_per_s": rate, "samples_per_pass": max(1, pass_budget // k), "peak_gib": peak}
 
 
 def fixed_cost(model_dir: Path, root: Path, work: Path, device: str, workers: int) -> dict[str, float]:
@@ -211,7 +232,7 @@ def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), worke
 def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_single: Path, root_multi: Path,
                    n_single: int, n_multi: int, batch_size: int, workers: int, ks: Sequence[int],
                    methods: Sequence[str], min_seconds: float, with_fixed_cost: bool,
-                   say: Any) -> dict[str, Any]:
+                   say: Any, pass_budgets: Sequence[int] = ()) -> dict[str, Any]:
     from extract.models import load_model
 
     model_dir = write_model_dir(work / f"model-{backbone}", backbone, tiny)
@@ -228,6 +249,10 @@ def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_s
         f"{r['crop_flip_views_per_s']:,.0f} views/s, AugMix {r['augmix_views_per_s']:,.0f} views/s")
     r["adapt_samples_per_s"] = {m: {str(k): adapt_rate(model, m, k, min_seconds) for k in ks} for m in methods}
     say(f"{backbone}: adaptation samples/s {r['adapt_samples_per_s']}")
+    if pass_budgets and ks:
+        r["tpt_by_pass_budget"] = {"k": max(ks), **{str(b): pass_budget_rate(model, max(ks), b, min_seconds)
+                                                     for b in pass_budgets}}
+        say(f"{backbone}: TPT at K = {max(ks)} by pass_budget {r['tpt_by_pass_budget']}")
     del model
     if with_fixed_cost:
         r["fixed_cost"] = fixed_cost(model_dir, root_single, work / f"fc-{backbone}", device, workers)
@@ -268,6 +293,11 @@ def _table(results: dict[str, Any], console: Any) -> None:
         for m, per_k in r["adapt_samples_per_s"].items():
             for k, v in per_k.items():
                 t.add_row("", f"{m.upper()} K = {k}", f"{v:,.2f} samples/s", f"{q['adapt'][m][k]:.3f}")
+        for b, v in r.get("tpt_by_pass_budget", {}).items():
+            if b != "k":
+                rate = "out of memory" if v["samples_per_s"] is None else f"{v['samples_per_s']:,.2f} samples/s"
+                mem = "" if v.get("peak_gib") is None else f"peak {v['peak_gib']:.1f} GiB"
+                t.add_row("", f"  TPT K = {r['tpt_by_pass_budget']['k']}, pass_budget {b}", rate, mem)
     console.print(t)
     console.print("ratio: rate / ceiling; fixed cost: images the encoder encodes in that time; TPT/TPS: the "
                   "encoder's time for a sample's 64 views / the adaptation's time per sample.")
@@ -287,6 +317,8 @@ def run(
     methods: str = typer.Option("tpt,tps", help="adaptation methods to time"),
     seconds: Optional[float] = typer.Option(None, help="least seconds per timed rate (default 3; tiny 0.2)"),
     fixed_cost_: bool = typer.Option(True, "--fixed-cost/--no-fixed-cost", help="time a fresh process"),
+    pass_budgets: str = typer.Option("2048,8192", help="TPT pass_budget values timed at the largest K (empty: "
+                                                       "none)"),
 ) -> None:
     """Measure and print the rates and their ratios to the encoder ceiling."""
     import torch
@@ -299,8 +331,10 @@ def run(
         raise _fail(f"--device {device} runs the full-size models on the CPU for hours; add --tiny for a smoke run")
     try:
         k_list = [int(k) for k in ks.split(",") if k.strip()]
+        budgets = [int(b) for b in pass_budgets.split(",") if b.strip()]
     except ValueError:
-        raise _fail(f"--ks expects comma-separated class counts, got {ks!r}") from None
+        raise _fail(f"--ks and --pass-budgets expect comma-separated integers, got {ks!r} and {pass_budgets!r}") \
+            from None
     bbs = [b.strip() for b in backbones.split(",") if b.strip()]
     n_single = images if images is not None else (8 if tiny else 4096)
     n_multi = multi_view_images if multi_view_images is not None else (2 if tiny else 96)
@@ -322,7 +356,7 @@ def run(
             r = bench_backbone(bb, tiny=tiny, device=device, work=work, root_single=root_single,
                                root_multi=root_multi, n_single=n_single, n_multi=n_multi, batch_size=bs, workers=nw,
                                ks=k_list, methods=[m.strip() for m in methods.split(",") if m.strip()],
-                               min_seconds=secs, with_fixed_cost=fixed_cost_, say=say)
+                               min_seconds=secs, with_fixed_cost=fixed_cost_, say=say, pass_budgets=budgets)
             r["ratios"] = ratios(r)
             results["backbones"][bb] = r
         # the CPU side alone: views/s of one thread, to read the loader's efficiency against

@@ -20,7 +20,8 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
     out = tmp_path / "rates.json"
     res = runner.invoke(bench_gpu.app, ["run", "--device", "cpu", "--tiny", "--backbones", "ViT-B-16", "--ks", "5,12",
                                         "--methods", "tps", "--images", "3", "--multi-view-images", "1",
-                                        "--no-fixed-cost", "--seconds", "0.05", "--json", str(out)])
+                                        "--no-fixed-cost", "--seconds", "0.05", "--pass-budgets", "12,24",
+                                        "--json", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     r = doc["backbones"]["ViT-B-16"]
@@ -32,6 +33,8 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
     assert q["adapt"]["tps"]["5"] == pytest.approx(r["adapt_samples_per_s"]["tps"]["5"] * 64
                                                    / r["encoder_images_per_s"])
     assert doc["views_per_core"]["augmix"] > 0 and doc["tiny"] is True
+    by_budget = r["tpt_by_pass_budget"]
+    assert by_budget["k"] == 12 and by_budget["24"]["samples_per_pass"] == 2 and by_budget["12"]["samples_per_s"] > 0
     rates = load_rates(str(out))
     assert rates.encode_s[("ViT-B-16", "augmix")] == pytest.approx(1 / r["augmix_views_per_s"])
     assert "encoder alone" in res.output
@@ -58,7 +61,7 @@ def test_without_cuda_one_line_and_exit_2():
 
 def test_bad_class_counts_are_one_line():
     res = runner.invoke(bench_gpu.app, ["run", "--device", "cpu", "--tiny", "--ks", "a,b"])
-    assert res.exit_code == 2 and "--ks expects comma-separated class counts" in res.stderr
+    assert res.exit_code == 2 and "--ks and --pass-budgets expect comma-separated integers" in res.stderr
 
 
 def test_loader_rates_of_make_bench_extract():
