@@ -13,12 +13,13 @@ Measured in one process, one run each (ratios, not absolute speeds, are the poin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import typer
@@ -72,24 +73,26 @@ def write_image_set(root: Path, n: int, *, n_classes: int = 10, size: tuple[int,
 #: the view-generation measurement: a 500x375 photograph-sized image to views of 224 px (CLIP's input)
 VIEW_IMAGE = (500, 375)
 VIEW_SIZE = 224
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def _one_thread() -> Any:
-    import contextlib
-
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread for the duration (view generation runs single-threaded in each loader process)."""
     import torch
 
-    @contextlib.contextmanager
-    def ctx():
-        n = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(n)
-    return ctx()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _clip_preprocess(size: int) -> Any:
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    from extract.models import Preprocess
+    return Preprocess((size, size), tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD))
 
 
 def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False) -> float:
@@ -99,13 +102,12 @@ def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False) -> 
 
     from PIL import Image
 
-    from extract.models import Preprocess
     from extract.views import N_AUG_VIEWS, ViewGenerator, reference_augmented
 
     buf = io.BytesIO()
     photo(np.random.default_rng(0), VIEW_IMAGE).save(buf, format="JPEG", quality=90)
     img = Image.open(buf).convert("RGB")  # decoded from a JPEG, as the loader sees it
-    gen = ViewGenerator(Preprocess((VIEW_SIZE, VIEW_SIZE), _CLIP_MEAN, _CLIP_STD), policy, seed=0)  # type: ignore
+    gen = ViewGenerator(_clip_preprocess(VIEW_SIZE), policy, seed=0)  # type: ignore[arg-type]
     fn = (lambda s: reference_augmented(gen, img, s)) if reference else (lambda s: gen.augmented(img, s))
     with _one_thread():
         fn(0)
@@ -122,14 +124,13 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
     import torch
 
     from extract.datasets import load_testset
-    from extract.models import Preprocess
     from extract.runner import _ViewData, stream_permutation
     from extract.views import ViewGenerator
 
     tmp = Path(tempfile.mkdtemp(prefix="zaec-loader-"))
     try:
         ts = load_testset("dtd", write_image_set(tmp, n_images, size=VIEW_IMAGE, ext="jpg"))
-        gen = ViewGenerator(Preprocess((size, size), _CLIP_MEAN, _CLIP_STD), policy, seed=0)  # type: ignore
+        gen = ViewGenerator(_clip_preprocess(size), policy, seed=0)  # type: ignore[arg-type]
         data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(i, True, True) for i in range(len(ts))], gen)
         views = gen.n_views
         with _one_thread():
@@ -138,7 +139,8 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
             for i in range(1, len(data)):
                 data[i]
             one = (len(data) - 1) * views / (time.thread_time() - t0)
-        loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4)
+        loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers,
+                                             prefetch_factor=4 if workers else None)
         it = iter(loader)
         next(it)
         t0 = time.perf_counter()
@@ -195,7 +197,7 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
          image_size: int = typer.Option(64, help="model input size"),
          batch_size: int = typer.Option(128, help="images per encoder call"),
          tpt_samples: int = typer.Option(64, help="samples for the TPT throughput line"),
-         loader_workers: int = typer.Option(2, help="loader processes of the loader-efficiency line"),
+         loader_workers: int = typer.Option(2, min=1, help="loader processes of the loader-efficiency line"),
          loader_images: int = typer.Option(12, help="JPEGs of the loader-efficiency line"),
          only_views: bool = typer.Option(False, "--only-views", help="only the view-generation and loader lines"))\
         -> None:

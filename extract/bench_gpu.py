@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import typer
 
 from extract.bench import view_rate, write_image_set

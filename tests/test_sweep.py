@@ -236,7 +236,8 @@ def test_measured_rates_price_the_plan(tmp_path):
     assert f"about {fmt_hours(want_h)} GPU-hours" in " ".join(b.output.split()) and not out.exists()
     # `retry` rebuilds the options from the manifest: a rates file removed since falls back to the guesses
     kept = sweep.ExecOptions.from_dict({"rates": str(tmp_path / "r.json")})
-    assert kept.cost() is not None and sweep.ExecOptions.from_dict({"rates": str(tmp_path / "gone.json")}).cost() is None
+    gone = sweep.ExecOptions.from_dict({"rates": str(tmp_path / "gone.json")})
+    assert kept.cost() is not None and gone.cost() is None
 
 
 @pytest.mark.parametrize("doc,message", [
