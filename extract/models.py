@@ -201,6 +201,57 @@ def _unreachable_host(tag_cfg: dict[str, Any], timeout: float = 3.0) -> str | No
         return host
 
 
+#: torch.nn.init's random initialisers (module construction calls them through `init.<name>` at call time)
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                 "kaiming_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def skip_random_init() -> Iterator[None]:
+    """Within the block, torch.nn.init's random initialisers leave their tensor as it is (uninitialised memory).
+
+    Only for building a module whose every parameter a strict load overwrites right after: the loaded model is
+    then the same, bit for bit (tests/test_extract_models.py compares every tensor with a normally built one).
+    Constant initialisers run as usual, and so does code that draws from torch directly. Not thread-safe: it
+    swaps module attributes of torch.nn.init for the duration.
+    """
+    saved = {n: getattr(torch.nn.init, n) for n in _RANDOM_INITS}
+
+    def keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    try:
+        for n in _RANDOM_INITS:
+            setattr(torch.nn.init, n, keep)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+class LazyTokenizer:
+    """open_clip's tokenizer for `model_name`, built on first use: a run whose text prototypes come from the text
+    cache never tokenises, and building the BPE tables costs a fraction of a second per process."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self._tok: Any = None
+
+    def _get(self) -> Any:
+        if self._tok is None:
+            import open_clip
+            self._tok = open_clip.get_tokenizer(self.model_name)
+        return self._tok
+
+    def __call__(self, texts: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._get()(texts, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._get(), name)
+
+
 def _file_digest(path: Path, _memo: dict[tuple[str, int, float], str] = {}) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime)
@@ -473,8 +524,12 @@ def load_model(
         create = dict(model_name=create["model_name"], pretrained=None)
     from safetensors import SafetensorError
     try:
-        with _without_random_init_warning() if jit_state is not None else contextlib.nullcontext():
-            model = open_clip.create_model(**create, device="cpu", weights_only=True, **kwargs)
+        # every parameter is overwritten by a strict load (require_pretrained, or the state dict below), so the
+        # random initialisation is skipped: for ViT-B-16 it draws ~150M numbers, seconds of each process's start
+        quiet = _without_random_init_warning() if jit_state is not None else contextlib.nullcontext()
+        with quiet, skip_random_init():
+            model = open_clip.create_model(**create, device="cpu", weights_only=True,
+                                           require_pretrained=jit_state is None, **kwargs)
         if jit_state is not None:
             # non-persistent buffers (attn_mask) are in a TorchScript state dict but not in the model's
             expected = set(model.state_dict())
@@ -500,7 +555,7 @@ def load_model(
     pre = Preprocess(size=size, mean=tuple(float(x) for x in pcfg["mean"]), std=tuple(float(x) for x in pcfg["std"]),
                      interpolation=str(pcfg.get("interpolation", "bicubic")),
                      resize_mode=str(pcfg.get("resize_mode", "shortest")))
-    tokenizer = open_clip.get_tokenizer(create["model_name"])
+    tokenizer = LazyTokenizer(create["model_name"])
     digest_parts += [arch if not arch.startswith(LOCAL_DIR) else "local-dir", f"quick_gelu={qg}",
                      f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
     fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]
