@@ -84,7 +84,7 @@ def _exp_rest(zc: np.ndarray, top: np.ndarray, beta: np.ndarray | None = None) -
         e = np.multiply(zc, beta[:, None])
         np.exp(e, out=e)
     e[np.arange(zc.shape[0]), top] = 0.0
-    return e, e.sum(axis=1)
+    return e, np.einsum("ij->i", e)  # row sums: einsum is several times faster than ndarray.sum(axis=1) here
 
 
 def _entropy_chunk(z: np.ndarray) -> np.ndarray:
@@ -229,9 +229,9 @@ def _cumulants(zc: np.ndarray, top: np.ndarray, beta: np.ndarray | None) -> tupl
     e, eps = _exp_rest(zc, top, beta)
     s = 1.0 + eps
     e *= zc
-    m1 = e.sum(axis=1) / s  # E_p[zc] <= 0
+    m1 = np.einsum("ij->i", e) / s  # E_p[zc] <= 0
     e *= zc
-    m2 = e.sum(axis=1) / s
+    m2 = np.einsum("ij->i", e) / s
     m3 = np.einsum("ij,ij->i", e, zc) / s
     var = np.maximum(m2 - m1 * m1, 0.0)
     k3 = m3 - 3.0 * m1 * m2 + 2.0 * m1 * m1 * m1
@@ -243,12 +243,12 @@ def _moments32(zc32: np.ndarray, top: np.ndarray, beta: np.ndarray) -> tuple[np.
     e = zc32 * beta.astype(np.float32)[:, None]
     np.exp(e, out=e)
     e[np.arange(e.shape[0]), top] = 0.0
-    eps = e.sum(axis=1)
+    eps = np.einsum("ij->i", e)
     s = eps + np.float32(1.0)
     e *= zc32
-    m1 = e.sum(axis=1) / s
+    m1 = np.einsum("ij->i", e) / s
     e *= zc32
-    m2 = e.sum(axis=1) / s
+    m2 = np.einsum("ij->i", e) / s
     m3 = np.einsum("ij,ij->i", e, zc32) / s
     m1, m2, m3 = m1.astype(np.float64), m2.astype(np.float64), m3.astype(np.float64)
     var = np.maximum(m2 - m1 * m1, 0.0)
