@@ -30,7 +30,8 @@ ZAEC_T_MAX = 1e6
 ZAEC_T_MIN = 1e-6
 #: relative tolerance of the ZAEC solve. A row is accepted when |log H(T) - log target| <= ZAEC_RTOL and Newton's
 #: estimate of the distance to the root, |log T - log T*|, is <= ZAEC_RTOL too; or when float64 evaluations bracket
-#: the root in an interval of log T no wider than ZAEC_RTOL (where the entropy is too flat in T for the first test).
+#: the root in an interval of log T no wider than ZAEC_RTOL; or, where the entropy is too flat in T for the first
+#: test (|d log H / d log T| < 1e-4), when log H is at the target to its own rounding (_LOG_H_NOISE).
 #: Relative, not absolute: an absolute band of 1e-6 nats would accept T = 1 for every confident sample (H < 1e-6).
 #: Attainable for any target in float64: log H is evaluated to ~1e-13 and moves by <= ~750 eps per ulp of log T.
 ZAEC_RTOL = 1e-9
@@ -110,7 +111,7 @@ def entropy_from_logits(logits: Any) -> np.ndarray:
         (N,) float64 entropies in [0, log K].
 
     Example:
-        >>> entropy_from_logits(np.zeros((1, 4)))[0] == np.log(4)
+        >>> bool(entropy_from_logits(np.zeros((1, 4)))[0] == np.log(4))
         True
     """
     x = _as_2d(logits)
@@ -201,7 +202,7 @@ class ZaecSolution:
         target: float64 target entropy (= h_tta outside the corrected subset).
         h_zs: float64 zero-shot entropy.
         h_tta: float64 adapted entropy.
-        corrected: bool, in the corrected subset (and not already at its target).
+        corrected: bool, in the corrected subset and its target differs from h_tta (solved).
         capped: bool, target unreachable within [ZAEC_T_MIN, ZAEC_T_MAX]; T is set to the cap.
         iterations: the number of solver iterations of the slowest chunk.
     """
@@ -239,7 +240,7 @@ def _cumulants(zc: np.ndarray, top: np.ndarray, beta: np.ndarray | None) -> tupl
 
 
 def _moments32(zc32: np.ndarray, top: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_moments` in float32 (NumPy's float32 exp is about 4x faster): only to steer the search, never to accept."""
+    """`_moments` in float32 (cheaper, see _FLOAT32_STEPS): only to steer the search, never to accept."""
     e = zc32 * beta.astype(np.float32)[:, None]
     np.exp(e, out=e)
     e[np.arange(e.shape[0]), top] = 0.0
@@ -485,8 +486,10 @@ def zaec_temperature(
 
     Precision, for every sample whose target float64 can represent (entropies down to about 1e-300 nats) and that
     lies within the caps: H(softmax(tta / T)) equals the target to a relative 1e-9 (ZAEC_RTOL) and T is the exact
-    root to a relative 1e-9 (a Newton estimate at a quadratically converged point, or a bracket of float64
-    evaluations where the entropy is too flat in T). All entropies are computed with a small relative error (see
+    root to a relative 1e-9 (Newton's estimate at a converged point, or a bracket of float64 evaluations). Where
+    the entropy is nearly flat in T (|d log H / d log T| < 1e-4: nearly uniform predictions at a large T) float64
+    cannot pin T that finely; there T is exact to the rounding of H, 1e-13 / |d log H / d log T| relative.
+    Entropies are evaluated as those of (tta - max) * (1 / T), and all are computed with a small relative error (see
     `entropy_from_logits`), so confident samples (H ~ 1e-30) are solved as exactly as diffuse ones, not left at
     T = 1. Only an exact tie H_tta = target keeps T = 1. Targets unreachable within [ZAEC_T_MIN, ZAEC_T_MAX] (e.g.
     H_zs = log K, reached only at T = infinity) get the cap; count them with `solve_zaec(...).n_capped`.
