@@ -67,7 +67,8 @@ def ref_solve(z: np.ndarray, target: np.ndarray, iters: int = 120) -> tuple[np.n
             hi, lo = np.where(up, mid, hi), np.where(up, lo, mid)
         u = np.where(over, lo, np.where(under, hi, 0.5 * (lo + hi)))
         du = 1e-4
-        slope = (np.log(ref_entropies(z / np.exp(u + du)[:, None])) - np.log(ref_entropies(z / np.exp(u - du)[:, None]))) / (2 * du)
+        log_h = lambda v: np.log(ref_entropies(z / np.exp(v)[:, None]))  # noqa: E731
+        slope = (log_h(u + du) - log_h(u - du)) / (2 * du)
     return np.where(over, ZAEC_T_MIN, np.where(under, ZAEC_T_MAX, np.exp(u))), over | under, slope
 
 
@@ -77,7 +78,8 @@ def assert_exact_temperatures(zs, tta, sol, *, strength=1.0, subset="reduced"):
     LOG_H_NOISE), and H(tta / T) equal to the target to a relative ZAEC_RTOL."""
     h_zs, h_tta = ref_entropies(zs), ref_entropies(tta)
     target = (1 - strength) * h_tta + strength * h_zs  # no cancellation: H_zs = 1e-90 stays 1e-90 next to H_tta = 0.7
-    sel = {"reduced": h_tta < h_zs, "increased": h_tta > h_zs, "all": np.ones(len(zs), bool)}[subset] & (target != h_tta)
+    in_subset = {"reduced": h_tta < h_zs, "increased": h_tta > h_zs, "all": np.ones(len(zs), bool)}[subset]
+    sel = in_subset & (target != h_tta)
     t = sol.temperature
     assert np.all(t[~sel] == 1.0) and not sol.capped[~sel].any()
     const = sel & (np.ptp(np.asarray(tta, np.float64), axis=1) == 0)  # H = log K at every T: T = 1, capped
