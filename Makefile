@@ -18,14 +18,15 @@ RESULTS ?= results
 TS_SOURCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist,imagenet)
 REFERENCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist_blur,imagenet_a)
 
-.PHONY: help venv test demo bench bench-extract tables fmnist clean
+.PHONY: help venv test demo bench bench-extract bench-gpu tables fmnist clean
 
 help:
 	@echo "make demo           run the whole pipeline on the embedded default (small CLIP trained on Fashion-MNIST)"
 	@echo "make test           run the test suite (creates $(VENV) first)"
 	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS) (TS_SOURCE=$(TS_SOURCE))"
 	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
-	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model"
+	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (and view generation per core)"
+	@echo "make bench-gpu      extraction vs the image encoder's ceiling on a CUDA GPU (random ViT-B-16, RN50); JSON=FILE"
 
 # torch is pinned first: on these machines torch==2.14.1/torchvision==0.29.1 install from local disk;
 # any other resolution downloads several GB or breaks torchvision's import.
@@ -55,6 +56,11 @@ bench: $(STAMP)
 
 bench-extract: $(STAMP)
 	$(PY) -m extract.bench
+
+# writes $(JSON) too (default bench-gpu.json), for `zaec-sweep --dry-run --rates $(JSON)`
+JSON ?= bench-gpu.json
+bench-gpu: $(STAMP)
+	$(PY) -m extract.bench_gpu --json $(JSON)
 
 clean:
 	rm -rf $(RESULTS) bench-out .pytest_cache

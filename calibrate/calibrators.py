@@ -7,7 +7,9 @@ ends in `_`, and `temperatures(zs_logits, tta_logits)` returns the (N,) float64 
 calibrators (SaLS, ZAEC) take the paired zero-shot logits as their input, never labels.
 
 All computations run in float64 on row chunks (bounded memory) and subtract the row maximum before `exp`, so they
-are exact and stable for logits of any magnitude (1e4 included).
+are exact and stable for logits of any magnitude (1e4 included). Entropies are accurate to a few float64 eps
+*relative* to their value, down to about 1e-300 nats (see `entropy_from_logits`), which is what lets ZAEC solve
+confident samples exactly.
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ import numpy as np
 CHUNK_ELEMENTS = 1 << 17
 
 #: the largest ZAEC temperature. Restoring an entropy of exactly log K needs T = infinity; such samples (and any
-#: whose target needs more than this) are capped here and counted (`ZaecSolution.capped`). At T = 1e6 the entropy of
-#: logits with range R is within about (R / 1e6)^2 nats of log K, far below the 1e-6 tolerance for CLIP-scale logits.
+#: whose target needs more than this) are capped here and counted (`ZaecSolution.capped`).
 ZAEC_T_MAX = 1e6
 #: the smallest ZAEC temperature (only the `all` / `increased` ablations sharpen, T < 1). Exact ties at the top make
 #: low entropies unreachable; such samples are capped here and counted.
 ZAEC_T_MIN = 1e-6
-#: |H(T) - target| tolerance of the ZAEC solve, in nats
-ZAEC_TOL = 1e-6
-#: iteration limit of the safeguarded Halley solve (it needs about 3; bisection alone would need < 60)
+#: relative tolerance of the ZAEC solve. A row is accepted when |log H(T) - log target| <= ZAEC_RTOL and Newton's
+#: estimate of the distance to the root, |log T - log T*|, is <= ZAEC_RTOL too; or when float64 evaluations bracket
+#: the root in an interval of log T no wider than ZAEC_RTOL; or, where the entropy is too flat in T for the first
+#: test (|d log H / d log T| < 1e-4), when log H is at the target to its own rounding (_LOG_H_NOISE).
+#: Relative, not absolute: an absolute band of 1e-6 nats would accept T = 1 for every confident sample (H < 1e-6).
+#: Attainable for any target in float64: log H is evaluated to ~1e-13 and moves by <= ~750 eps per ulp of log T.
+ZAEC_RTOL = 1e-9
+#: iteration limit of the safeguarded Halley solve (it needs about 4; bisection alone would need < 60)
 ZAEC_MAX_ITER = 100
 
 Subset = Literal["reduced", "all", "increased"]
@@ -57,25 +63,46 @@ def _chunks(n: int, k: int) -> Iterator[slice]:
         yield slice(start, min(n, start + rows))
 
 
-def _centred(x: np.ndarray) -> np.ndarray:
-    """A float64 copy of (n, K) rows minus their maximum (<= 0, max exactly 0): exp never overflows."""
+def _centred(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A float64 copy of (n, K) rows minus their maximum (<= 0, max exactly 0): exp never overflows; and the (n,)
+    index of each row's (first) maximum."""
     z = x.astype(np.float64)  # always a copy, so the in-place subtraction never touches the input
-    z -= z.max(axis=1, keepdims=True)
-    return z
+    top = z.argmax(axis=1)
+    z -= z[np.arange(z.shape[0]), top][:, None]
+    return z, top
+
+
+def _exp_rest(zc: np.ndarray, top: np.ndarray, beta: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """e = exp(beta * zc) with the top entry (exactly exp(0) = 1) set to 0, and eps = sum(e) = s - 1.
+
+    Keeping the top class out of the sum gives eps to full relative precision even when it is below 1e-16, so
+    log s = log1p(eps) is exact where log(1 + eps) would round to 0. The top entry has zc = 0, so sums of e * zc^j
+    are unchanged.
+    """
+    if beta is None:
+        e = np.exp(zc)
+    else:
+        e = np.multiply(zc, beta[:, None])
+        np.exp(e, out=e)
+    e[np.arange(zc.shape[0]), top] = 0.0
+    return e, np.einsum("ij->i", e)  # row sums: einsum is several times faster than ndarray.sum(axis=1) here
 
 
 def _entropy_chunk(z: np.ndarray) -> np.ndarray:
-    """(n, K) float -> (n,) entropy. H = log s - sum_k p_k (z_k - m), with m = max z and s = sum exp(z - m)."""
-    zc = _centred(z)  # 0 * (-huge) stays 0 below
-    e = np.exp(zc)
-    s = e.sum(axis=1)
-    return np.log(s) - np.einsum("ij,ij->i", e, zc) / s
+    """(n, K) float -> (n,) entropy. H = log1p(eps) + sum_k e_k (m - z_k) / (1 + eps), m = max z, e_k = exp(z_k - m)
+    off the top class and eps = sum_k e_k: two sums of non-negative terms, so H is accurate relative to its size."""
+    zc, top = _centred(z)  # 0 * (-huge) stays 0 below
+    e, eps = _exp_rest(zc, top)
+    return np.log1p(eps) - np.einsum("ij,ij->i", e, zc) / (1.0 + eps)
 
 
 def entropy_from_logits(logits: Any) -> np.ndarray:
     """Entropy of softmax(logits) per row, in nats, computed in float64.
 
     H(softmax(z)) = log sum_k exp(z_k - m) - sum_k p_k (z_k - m), m = max_k z_k; exact for |z| ~ 1e4 and beyond.
+    Both terms are non-negative and each is computed from sums of non-negative terms (the first as log1p of the sum
+    over the non-top classes), so H has a small *relative* error (a few eps times max |z - m| at worst, ~1e-13) for
+    every entropy float64 can represent, down to about 1e-300 nats; below that it underflows to 0.
 
     Args:
         logits: (N, K) float logits (float32 or float64).
@@ -84,7 +111,7 @@ def entropy_from_logits(logits: Any) -> np.ndarray:
         (N,) float64 entropies in [0, log K].
 
     Example:
-        >>> entropy_from_logits(np.zeros((1, 4)))[0] == np.log(4)
+        >>> bool(entropy_from_logits(np.zeros((1, 4)))[0] == np.log(4))
         True
     """
     x = _as_2d(logits)
@@ -147,9 +174,9 @@ def softmax_stats(logits: Any, temperatures: Any = 1.0, labels: Any = None) -> S
         am = z.argmax(axis=1)
         rows = np.arange(z.shape[0])
         zc = (z - z[rows, am][:, None]) / t[sl][:, None]  # <= 0, max exactly 0
-        e = np.exp(zc)
-        s = e.sum(axis=1)
-        log_s = np.log(s)
+        e, eps = _exp_rest(zc, am)  # the top class (e = 1) is left out, see _exp_rest
+        s = 1.0 + eps
+        log_s = np.log1p(eps)
         pred[sl] = am
         conf[sl] = 1.0 / s
         ent[sl] = log_s - np.einsum("ij,ij->i", e, zc) / s
@@ -157,7 +184,7 @@ def softmax_stats(logits: Any, temperatures: Any = 1.0, labels: Any = None) -> S
             yl = y[sl]
             nll[sl] = log_s - zc[rows, yl]
             p_y = np.exp(zc[rows, yl]) / s
-            brier[sl] = np.einsum("ij,ij->i", e, e) / (s * s) - 2.0 * p_y + 1.0
+            brier[sl] = (np.einsum("ij,ij->i", e, e) + 1.0) / (s * s) - 2.0 * p_y + 1.0
     return SoftmaxStats(pred, conf, ent, nll, brier)
 
 
@@ -175,7 +202,7 @@ class ZaecSolution:
         target: float64 target entropy (= h_tta outside the corrected subset).
         h_zs: float64 zero-shot entropy.
         h_tta: float64 adapted entropy.
-        corrected: bool, in the corrected subset (and not already at its target).
+        corrected: bool, in the corrected subset and its target differs from h_tta (solved).
         capped: bool, target unreachable within [ZAEC_T_MIN, ZAEC_T_MAX]; T is set to the cap.
         iterations: the number of solver iterations of the slowest chunk.
     """
@@ -193,41 +220,40 @@ class ZaecSolution:
         return int(self.capped.sum())
 
 
-def _cumulants(zc: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, ...]:
+def _cumulants(zc: np.ndarray, top: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, ...]:
     """log sum exp(beta zc), and the mean, variance and third central moment of zc under p = softmax(beta * zc).
 
-    Rows are centred (zc <= 0, max 0), so exp never overflows; one exp pass, in place.
+    Rows are centred (zc <= 0, max 0 at index `top`), so exp never overflows; one exp pass, in place. The log-sum
+    is log1p of the non-top sum (exact for tiny sums) and the mean is a sum of non-positive terms, so
+    H = log_s - beta * mean keeps full relative precision however small it is.
     """
-    if beta is None:  # beta = 1: skip the multiplication
-        e = np.exp(zc)
-        beta = np.ones(zc.shape[0])
-    else:
-        e = np.multiply(zc, beta[:, None])
-        np.exp(e, out=e)
-    s = e.sum(axis=1)
+    e, eps = _exp_rest(zc, top, beta)
+    s = 1.0 + eps
     e *= zc
-    m1 = e.sum(axis=1) / s  # E_p[zc] <= 0
+    m1 = np.einsum("ij->i", e) / s  # E_p[zc] <= 0
     e *= zc
-    m2 = e.sum(axis=1) / s
+    m2 = np.einsum("ij->i", e) / s
     m3 = np.einsum("ij,ij->i", e, zc) / s
     var = np.maximum(m2 - m1 * m1, 0.0)
     k3 = m3 - 3.0 * m1 * m2 + 2.0 * m1 * m1 * m1
-    return np.log(s), m1, var, k3
+    return np.log1p(eps), m1, var, k3
 
 
-def _moments32(zc32: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_moments` in float32 (NumPy's float32 exp is about 4x faster): only to steer the search, never to accept."""
+def _moments32(zc32: np.ndarray, top: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_moments` in float32 (cheaper, see _FLOAT32_STEPS): only to steer the search, never to accept."""
     e = zc32 * beta.astype(np.float32)[:, None]
     np.exp(e, out=e)
-    s = e.sum(axis=1)
+    e[np.arange(e.shape[0]), top] = 0.0
+    eps = np.einsum("ij->i", e)
+    s = eps + np.float32(1.0)
     e *= zc32
-    m1 = e.sum(axis=1) / s
+    m1 = np.einsum("ij->i", e) / s
     e *= zc32
-    m2 = e.sum(axis=1) / s
+    m2 = np.einsum("ij->i", e) / s
     m3 = np.einsum("ij,ij->i", e, zc32) / s
     m1, m2, m3 = m1.astype(np.float64), m2.astype(np.float64), m3.astype(np.float64)
     var = np.maximum(m2 - m1 * m1, 0.0)
-    return np.log(s.astype(np.float64)) - beta * m1, var, m3 - 3.0 * m1 * m2 + 2.0 * m1 * m1 * m1
+    return np.log1p(eps.astype(np.float64)) - beta * m1, var, m3 - 3.0 * m1 * m2 + 2.0 * m1 * m1 * m1
 
 
 def _halley_log(x: np.ndarray, h: np.ndarray, v: np.ndarray, k3: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -243,13 +269,19 @@ def _halley_log(x: np.ndarray, h: np.ndarray, v: np.ndarray, k3: np.ndarray, t: 
     return halley, newton
 
 
-def _moments(zc: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """H, Var and third central moment of z under p = softmax(beta * zc), for centred rows zc <= 0 (max 0).
+def _moments(zc: np.ndarray, top: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """H, Var and third central moment of z under p = softmax(beta * zc), for centred rows zc <= 0 (max 0 at `top`).
 
     With mu(beta) = E_p[z]: H = log sum exp(beta zc) - beta mu, dH/dbeta = -beta Var, dVar/dbeta = kappa3.
     """
-    log_s, m1, var, k3 = _cumulants(zc, beta)
+    log_s, m1, var, k3 = _cumulants(zc, top, beta)
     return (log_s - m1 if beta is None else log_s - beta * m1), var, k3
+
+
+def _entropy_at(zc: np.ndarray, top: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """H alone (no Var, kappa3) of softmax(beta * zc): the cheaper float64 evaluation that certifies a last step."""
+    e, eps = _exp_rest(zc, top, beta)
+    return np.log1p(eps) - beta * (np.einsum("ij,ij->i", e, zc) / (1.0 + eps))
 
 
 _X_LO = float(np.log(1.0 / ZAEC_T_MAX))  # log beta at the largest temperature
@@ -258,12 +290,38 @@ _X_HI = float(np.log(1.0 / ZAEC_T_MIN))  # log beta at the smallest temperature
 #: that can throw an undamped step decades away
 _MAX_STEP = 2.0
 #: Halley steps evaluated in float32 before the float64 iteration takes over (0 disables them). float32 `exp` is
-#: about 4x cheaper, and the steps only steer: every accepted temperature is evaluated and certified in float64.
-_FLOAT32_STEPS = 2
+#: cheaper (4x on AVX2 CPUs, 1.5x with AVX-512), and the steps only steer: every accepted temperature is evaluated
+#: and certified in float64.
+_FLOAT32_STEPS = 1
+#: a row whose Newton distance is below this takes a last step: its new point is evaluated for H alone (Var and
+#: kappa3 kept from a point at most this far away in log T, so they still steer and estimate the slope correctly)
+_LAST_STEP = 1e-4
+
+
+#: the rounding error of log H as evaluated here (sums of non-negative terms: a few eps, 1e-13 with a wide margin).
+#: Where the entropy is so flat in T that |f| cannot get below rtol * |f'|, a row with |f| below this is at the
+#: root as far as float64 can tell.
+_LOG_H_NOISE = 1e-13
+
+
+def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """a[rows] for sorted unique row indices, without the copy when they are all the rows."""
+    return a if rows.size == a.shape[0] else a[rows]
+
+
+def _unsolved(x: np.ndarray, h: np.ndarray, v: np.ndarray, target: np.ndarray, rtol: float) -> np.ndarray:
+    """Rows not yet accepted. With f(x) = log H - log target and f'(x) = -beta^2 Var / H in x = log beta = -log T,
+    accepted means |f| <= rtol and either |f / f'| <= rtol (Newton's estimate of the distance to the root, so T is
+    within a relative rtol) or |f| <= _LOG_H_NOISE (the entropy is flat in T and already exact to its rounding)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        f = np.abs(np.log(h / target))
+        slope = np.exp(2.0 * x) * v / h
+        near = (f == 0.0) | (f <= rtol * slope) | (f <= _LOG_H_NOISE)
+    return ~((f <= rtol) & near)
 
 
 def _solve_beta(
-    zc: np.ndarray, target: np.ndarray, h1: np.ndarray, v1: np.ndarray, k1: np.ndarray, tol: float
+    zc: np.ndarray, top: np.ndarray, target: np.ndarray, h1: np.ndarray, v1: np.ndarray, k1: np.ndarray, rtol: float
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Solve H(softmax(beta * zc)) = target for beta in [1/T_MAX, 1/T_MIN], per row, vectorised.
 
@@ -274,6 +332,8 @@ def _solve_beta(
     underflowed to 0) it bisects the bracket, or moves towards a never-evaluated end (the T caps) by _MAX_STEP;
     reaching a cap evaluates it and marks the row capped when the target is still missed. The first _FLOAT32_STEPS
     steps are evaluated in float32 and only move x; the bracket, the tolerance test and the caps use float64 only.
+    A row is accepted by `_unsolved`'s relative test, or when float64 evaluations on both sides bracket the root
+    within rtol in x (= log T up to sign), so T is exact to a relative rtol whatever the size of the target.
     Starts at beta = 1, where (H, Var, kappa3) = (h1, v1, k1) are already known. Returns (beta, capped, iterations).
     """
     n = zc.shape[0]
@@ -284,29 +344,29 @@ def _solve_beta(
     lo_seen = np.zeros(n, dtype=bool)  # H(lo) evaluated (and >= target)
     hi_seen = np.zeros(n, dtype=bool)
     capped = np.zeros(n, dtype=bool)
-    active = np.flatnonzero(np.abs(h - target) > tol)
+    active = np.flatnonzero(_unsolved(x, h, v, target, rtol))
     it = 0
     if _FLOAT32_STEPS and active.size:
         # steer: a few Halley steps evaluated in float32 (cheap), then every step below is evaluated in float64 and
         # only a float64 evaluation can accept a row; the bracket is built from float64 evaluations only
         a = active
-        zc32 = zc[a].astype(np.float32)
+        zc32, top32 = _take(zc, a).astype(np.float32), top[a]
         xs, hs, vs, ks, ts = x[a], h[a], v[a], k3[a], target[a]
         for _ in range(_FLOAT32_STEPS):
             halley, newton = _halley_log(xs, hs, vs, ks, ts)
             step = np.where(np.isfinite(halley), halley, newton)
             ok = np.isfinite(step)
             xs = np.where(ok, np.clip(step, _X_LO, _X_HI), xs)
-            hs, vs, ks = _moments32(zc32, np.exp(xs))
+            hs, vs, ks = _moments32(zc32, top32, np.exp(xs))
             if not (np.isfinite(hs).all() and np.isfinite(vs).all()):
                 break
         halley, newton = _halley_log(xs, hs, vs, ks, ts)
         step = np.where(np.isfinite(halley), halley, newton)
         xs = np.where(np.isfinite(step), np.clip(step, _X_LO, _X_HI), xs)
         x[a] = xs
-        h[a], v[a], k3[a] = _moments(zc[a], np.exp(xs))
+        h[a], v[a], k3[a] = _moments(_take(zc, a), top32, np.exp(xs))
         it = _FLOAT32_STEPS + 1
-        active = a[np.abs(h[a] - target[a]) > tol]
+        active = a[_unsolved(x[a], h[a], v[a], target[a], rtol)]
     while active.size and it < ZAEC_MAX_ITER:
         it += 1
         xa, ha, va, ka, ta = x[active], h[active], v[active], k3[active], target[active]
@@ -327,7 +387,13 @@ def _solve_beta(
         nxt = np.where(ok, nxt, 0.5 * (lo_a + hi_a))
         nxt = np.where(~ok & below & ~lo_s, np.maximum(xa - _MAX_STEP, lo_a), nxt)
         nxt = np.where(~ok & ~below & ~hi_s, np.minimum(xa + _MAX_STEP, hi_a), nxt)
-        collapsed = (hi_a - lo_a) <= 1e-15
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            slope = np.exp(2.0 * xa) * va / ha  # |d log H / dx|: a bracket this narrow pins H to rtol as well
+        narrow = (hi_a - lo_a) * np.where(np.isfinite(slope), np.maximum(slope, 1.0), 1.0) <= rtol
+        collapsed = narrow & lo_s & hi_s  # the root is bracketed by float64 evaluations within rtol: accept x
+        # a narrow interval against a never-evaluated cap: evaluate the cap itself, which decides `capped`
+        nxt = np.where(narrow & below & ~lo_s, lo_a, nxt)
+        nxt = np.where(narrow & ~below & ~hi_s, hi_a, nxt)
         lo[active], hi[active] = lo_a, hi_a
         lo_seen[active], hi_seen[active] = lo_s | (nxt <= _X_LO), hi_s | (nxt >= _X_HI)
         done = cap | collapsed
@@ -336,8 +402,14 @@ def _solve_beta(
         if go.size == 0:
             break
         x[go] = nxt[~done]
-        h[go], v[go], k3[go] = _moments(zc[go], np.exp(x[go]))
-        active = go[np.abs(h[go] - target[go]) > tol]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            last = (np.abs(np.log(ha / ta)) <= _LAST_STEP * slope)[~done]
+        full, light = go[~last], go[last]
+        if full.size:
+            h[full], v[full], k3[full] = _moments(_take(zc, full), top[full], np.exp(x[full]))
+        if light.size:
+            h[light] = _entropy_at(_take(zc, light), top[light], np.exp(x[light]))
+        active = go[_unsolved(x[go], h[go], v[go], target[go], rtol)]
     return np.exp(x), capped, it
 
 
@@ -347,9 +419,10 @@ def solve_zaec(
     *,
     strength: float = 1.0,
     subset: Subset = "reduced",
-    tol: float = ZAEC_TOL,
+    rtol: float = ZAEC_RTOL,
 ) -> ZaecSolution:
-    """Solve ZAEC's per-sample temperatures, with diagnostics. See `zaec_temperature` for the definition."""
+    """Solve ZAEC's per-sample temperatures, with diagnostics. See `zaec_temperature` for the definition and the
+    precision guarantee (`rtol`, relative in H and in T)."""
     zs = _as_2d(zs_logits, "zs_logits")
     tta = _as_2d(tta_logits, "tta_logits")
     if zs.shape != tta.shape:
@@ -369,16 +442,18 @@ def solve_zaec(
     iters = 0
     for sl in _chunks(n, k):
         hz = _entropy_chunk(zs[sl])
-        zc = _centred(tta[sl])
-        ht, vt, kt = _moments(zc, None)
-        tg = ht + strength * (hz - ht)
+        zc, top = _centred(tta[sl])
+        ht, vt, kt = _moments(zc, top, None)
+        # a convex combination of two non-negative numbers: relatively exact (ht + strength * (hz - ht) would
+        # cancel to 0 for hz ~ 1e-90 next to ht ~ 0.7), and exactly hz at strength 1, exactly ht at strength 0
+        tg = (1.0 - strength) * ht + strength * hz
         if subset == "reduced":
             sel = ht < hz
         elif subset == "increased":
             sel = ht > hz
         else:
             sel = np.ones_like(ht, dtype=bool)
-        sel &= np.abs(tg - ht) > tol  # already at the target: T = 1 exactly (lambda = 0 is the identity)
+        sel &= tg != ht  # only an exact tie is "already there": T = 1 exactly (lambda = 0 is the identity)
         h_zs[sl], h_tta[sl] = hz, ht
         target[sl] = np.where(sel, tg, ht)
         corrected[sl] = sel
@@ -387,9 +462,9 @@ def solve_zaec(
         capped[sl] = const
         idx = np.flatnonzero(sel & ~const)
         if idx.size:
-            beta, cap, it = _solve_beta(zc[idx], tg[idx], ht[idx], vt[idx], kt[idx], tol)
+            beta, cap, it = _solve_beta(zc[idx], top[idx], tg[idx], ht[idx], vt[idx], kt[idx], rtol)
             t_sl, cap_sl = temp[sl], capped[sl]
-            t_sl[idx] = 1.0 / beta
+            t_sl[idx] = np.where(cap, np.where(beta < 1.0, ZAEC_T_MAX, ZAEC_T_MIN), 1.0 / beta)  # a cap exactly
             cap_sl[idx] = cap
             iters = max(iters, it)
     return ZaecSolution(temp, target, h_zs, h_tta, corrected, capped, iters)
@@ -405,11 +480,19 @@ def zaec_temperature(
     """ZAEC per-sample temperatures (Zero-shot-Anchored Entropy Calibration).
 
     With H_zs = H(softmax(zs)), H_tta = H(softmax(tta)) and target = H_tta + strength * (H_zs - H_tta):
-    for samples in the corrected subset, T is the unique T with H(softmax(tta / T)) = target, solved in float64 to
-    |H - target| <= 1e-6 nats; T = 1 elsewhere. Subsets: `reduced` (the paper's ZAEC: H_tta < H_zs, so T >= 1 is the
-    smallest temperature reaching the target), `all` (every sample, T < 1 where H_tta > H_zs), `increased`
-    (H_tta > H_zs only). Targets unreachable within [ZAEC_T_MIN, ZAEC_T_MAX] (e.g. H_zs = log K) get the cap; count
-    them with `solve_zaec(...).n_capped`.
+    for samples in the corrected subset, T is the unique T with H(softmax(tta / T)) = target; T = 1 elsewhere.
+    Subsets: `reduced` (the paper's ZAEC: H_tta < H_zs, so T >= 1 is the smallest temperature reaching the
+    target), `all` (every sample, T < 1 where H_tta > H_zs), `increased` (H_tta > H_zs only).
+
+    Precision, for every sample whose target float64 can represent (entropies down to about 1e-300 nats) and that
+    lies within the caps: H(softmax(tta / T)) equals the target to a relative 1e-9 (ZAEC_RTOL) and T is the exact
+    root to a relative 1e-9 (Newton's estimate at a converged point, or a bracket of float64 evaluations). Where
+    the entropy is nearly flat in T (|d log H / d log T| < 1e-4: nearly uniform predictions at a large T) float64
+    cannot pin T that finely; there T is exact to the rounding of H, 1e-13 / |d log H / d log T| relative.
+    Entropies are evaluated as those of (tta - max) * (1 / T), and all are computed with a small relative error (see
+    `entropy_from_logits`), so confident samples (H ~ 1e-30) are solved as exactly as diffuse ones, not left at
+    T = 1. Only an exact tie H_tta = target keeps T = 1. Targets unreachable within [ZAEC_T_MIN, ZAEC_T_MAX] (e.g.
+    H_zs = log K, reached only at T = infinity) get the cap; count them with `solve_zaec(...).n_capped`.
 
     Args:
         zs_logits: (N, K) float zero-shot logits (logit scale included).
@@ -423,7 +506,8 @@ def zaec_temperature(
     Example:
         >>> zs, tta = np.array([[1.0, 0.0, 0.0]]), np.array([[4.0, 0.0, 0.0]])
         >>> t = zaec_temperature(zs, tta)
-        >>> bool(abs(entropy_from_logits(tta / t[:, None])[0] - entropy_from_logits(zs)[0]) <= 1e-6)
+        >>> h, h_zs = entropy_from_logits(tta / t[:, None])[0], entropy_from_logits(zs)[0]
+        >>> bool(abs(np.log(h / h_zs)) <= 1e-9)
         True
     """
     return solve_zaec(zs_logits, tta_logits, strength=strength, subset=subset).temperature
@@ -449,9 +533,9 @@ def nll_derivatives(logits: Any, labels: Any, beta: float) -> tuple[float, float
     f = g = h = t = 0.0
     for sl in _chunks(x.shape[0], x.shape[1]):
         z = x[sl].astype(np.float64)
-        zc = z - z.max(axis=1, keepdims=True)
+        zc, top = _centred(z)
         rows = np.arange(z.shape[0])
-        log_s, m1, var, k3 = _cumulants(zc, np.full(z.shape[0], float(beta)))
+        log_s, m1, var, k3 = _cumulants(zc, top, np.full(z.shape[0], float(beta)))
         zy = zc[rows, y[sl]]
         f += float((log_s - beta * zy).sum())
         g += float((m1 - zy).sum())
@@ -591,6 +675,22 @@ class TemperatureScaling(Calibrator):
             batches = lambda: [(z, y)]  # noqa: E731
         self.temperature_, self.n_iter_ = fit_temperature(batches)
         return self
+
+    @property
+    def at_bound_(self) -> bool:
+        """Whether the fitted T sits at a bound of its search range [1/TS_BETA_MAX, 1/TS_BETA_MIN]: the NLL optimum
+        lies outside (e.g. source logits that are all wrong), so T is a cap, not a fitted value."""
+        t = float(self.temperature_)
+        return self.T is None and (t >= (1.0 - 1e-6) / TS_BETA_MIN or t <= (1.0 + 1e-6) / TS_BETA_MAX)
+
+    def describe_fit(self, source: str) -> str:
+        """One line for the notes: the fitted T, or that it was capped."""
+        t = float(self.temperature_)
+        if self.at_bound_:
+            return (f"temperature scaling on {source}: T = {t:g} is the bound of its search range "
+                    f"[{1 / TS_BETA_MAX:g}, {1 / TS_BETA_MIN:g}], not a fitted optimum (the NLL keeps falling "
+                    "beyond it, e.g. all source predictions wrong)")
+        return f"temperature scaling fitted on {source}: T = {t:.4f}"
 
     def temperatures(self, zs_logits: Any, tta_logits: Any) -> np.ndarray:
         if not self.is_fitted:

@@ -2,6 +2,7 @@
 
     zaec-calibrate PATH... [--calibrators none,temperature,sals,zaec] [--bins 20] [--binning width|mass]
                    [--out DIR] [--samples] [--ts-source imagenet] [--temperature T] [--drop-nonfinite]
+                   [--allow-partial]
     zaec-calibrate tables ...     (the paper's tables and figures: calibrate.tables.cli)
 
 A user error ends in one line on stderr and exit code 2, never a traceback.
@@ -56,6 +57,9 @@ def run(
     ts_source: str = typer.Option(DEFAULT_TS_SOURCE, help="dataset whose labelled logits fit temperature scaling"),
     temperature: Optional[float] = typer.Option(None, help="fix the temperature-scaling T instead of fitting it"),
     drop_nonfinite: bool = typer.Option(False, "--drop-nonfinite", help="drop rows with NaN/inf logits (reported)"),
+    allow_partial: bool = typer.Option(False, "--allow-partial",
+                                       help="use runs whose shards hold fewer samples than their writer announced "
+                                            "(each such run is noted); default: stop naming the run"),
     quiet: bool = typer.Option(False, "--quiet", help="no table, no progress bar"),
 ) -> None:
     """Calibrate every run (backbone, dataset, method, seed) found under PATHS and write metric tables.
@@ -80,6 +84,7 @@ def run(
                 ts_source=ts_source,
                 temperature=temperature,
                 drop_nonfinite=drop_nonfinite,
+                allow_partial=allow_partial,
                 samples_dir=out / "samples" if samples else None,
                 progress=lambda n: progress.advance(task, n),
                 on_total=lambda n: progress.update(task, total=n),

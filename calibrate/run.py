@@ -19,7 +19,17 @@ import pyarrow.parquet as pq
 from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
 from schemas.atomic import atomic_path, write_json_atomic
-from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, read_shard
+from schemas import (
+    PartialRunError,
+    RunKey,
+    Shard,
+    ShardError,
+    ShardMeta,
+    find_shards,
+    group_shards,
+    read_shard,
+    run_completeness,
+)
 
 ZERO_SHOT = "zero-shot"
 KEY_COLUMNS = ("backbone", "dataset", "method", "seed")
@@ -74,6 +84,33 @@ class _DuplicateCheck:
                 )
         self.seen = np.concatenate([self.seen, ids])
         self.seen.sort(kind="stable")
+
+
+def check_complete(groups: dict[RunKey, Members], allow_partial: bool = False) -> list[str]:
+    """Check that every run's shards hold all the samples their writer announced; returns notes for the reader.
+
+    A run with fewer rows than its shards' `zaec:n_total` / `zaec:limit` announce (an interrupted extraction, one
+    still running, or only some of its parts given) raises PartialRunError naming the run and the counts, unless
+    `allow_partial`, in which case a note says the run is partial. Runs whose shards carry no `zaec:n_total`
+    (other writers) get a note that their completeness is unknown. Reads only the Parquet footers.
+    """
+    notes: list[str] = []
+    unknown: list[str] = []
+    for key in sorted(groups, key=lambda k: (k.backbone, k.dataset, k.method, k.seed)):
+        c = run_completeness(groups[key])
+        if not c.known:
+            unknown.append(str(key))
+        elif c.partial:
+            if not allow_partial:
+                raise PartialRunError(
+                    f"run {key} is incomplete: {c.describe()} (an interrupted or still running extraction?); "
+                    "finish it by rerunning the same zaec-extract command, or pass --allow-partial to use what is "
+                    "there")
+            notes.append(f"{key}: PARTIAL run, {c.describe()} (--allow-partial)")
+    if unknown:
+        notes.append(f"completeness not checked for {len(unknown)} run(s) whose shards carry no 'zaec:n_total' "
+                     f"(written by another tool?): {', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}")
+    return notes
 
 
 def resolve_ts_sources(
@@ -178,6 +215,7 @@ def calibrate_paths(
     ts_source: str = DEFAULT_TS_SOURCE,
     temperature: float | None = None,
     drop_nonfinite: bool = False,
+    allow_partial: bool = False,
     samples_dir: Path | None = None,
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
@@ -191,11 +229,14 @@ def calibrate_paths(
         ts_source: dataset whose labelled logits (same backbone and method) fit temperature scaling.
         temperature: fix the temperature-scaling T instead of fitting it.
         drop_nonfinite: drop rows with NaN/inf logits (counted in the notes) instead of failing.
+        allow_partial: calibrate runs whose shards hold fewer samples than announced (noted per run) instead of
+            failing (`check_complete`).
         samples_dir: also write per-sample results there.
         progress: called with the number of rows done after each shard; on_total: called once with the total.
 
     Raises:
         ShardError, ValueError: bad input; the message names the file/column or lists the valid choices.
+        PartialRunError: an incomplete run without `allow_partial`.
     """
     # resolve every name before reading any logit
     cals = parse_calibrators(calibrators)
@@ -212,7 +253,7 @@ def calibrate_paths(
     groups = group_shards(files)
     if on_total is not None:
         on_total(sum(pq.ParquetFile(p).metadata.num_rows for p in files))
-    report = RunReport(pl.DataFrame())
+    report = RunReport(pl.DataFrame(), notes=check_complete(groups, allow_partial))
     sources = resolve_ts_sources(groups, ts_source)
     ts_cals = [c for c in cals if isinstance(c, TemperatureScaling)]
     fitted: dict[tuple[str, tuple[RunKey, ...]], float] = {}
@@ -234,10 +275,10 @@ def calibrate_paths(
                 cache_key = (key.backbone + "\0" + key.method, src_keys)
                 if cache_key not in fitted:
                     src_members = [m for k in src_keys for m in groups[k]]
-                    t = TemperatureScaling().fit(batches=_batches(src_members, drop_nonfinite)).temperature_
-                    fitted[cache_key] = t
+                    ts = TemperatureScaling().fit(batches=_batches(src_members, drop_nonfinite))
+                    fitted[cache_key] = t = float(ts.temperature_)
                     report.temperatures[desc] = t
-                    report.notes.append(f"temperature scaling fitted on {desc}: T = {t:.4f}")
+                    report.notes.append(ts.describe_fit(desc))
                 fc = TemperatureScaling(T=fitted[cache_key])
                 fc.spec = c.spec
                 active.append(fc)

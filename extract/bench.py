@@ -3,18 +3,24 @@
 Measured in one process, one run each (ratios, not absolute speeds, are the point):
     * encoding pass alone (fill an empty feature cache) vs one full zero-shot run from an empty cache;
     * TDA with an empty cache vs TDA after another method filled the cache (the cache speed-up);
-    * the same for a 64-view (AugMix) method on a smaller set, where view generation dominates.
+    * the same for a 64-view (AugMix) method on a smaller set, where view generation dominates;
+    * view generation alone: `ViewGenerator.augmented` on a 500x375 image to 63 views of 224 px, CPU time of one
+      thread, the fast path against the obvious code (`views.reference_augmented`), crop+flip and AugMix;
+    * the loader: views/s of `--loader-workers` processes from JPEGs against that many times one thread's rate;
+    * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample).
 
-    python -m extract.bench [--images 256] [--multi-view-images 8] [--image-size 64]
+    python -m extract.bench [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import typer
@@ -38,20 +44,112 @@ def _model_dir(path: Path, image_size: int) -> Path:
     return path
 
 
-def _dataset(root: Path, n: int, n_classes: int = 10, size: int = 96) -> None:
+def photo(rng: np.random.Generator, size: tuple[int, int]) -> Any:
+    """A (w, h) RGB PIL image: a smooth colour field plus noise, which compresses and decodes like a photograph
+    rather than like white noise."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
+    coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
+    px = np.asarray(coarse, dtype=np.int16) + rng.integers(-12, 13, (size[1], size[0], 3), dtype=np.int16)
+    return Image.fromarray(np.clip(px, 0, 255).astype(np.uint8))
+
+
+def write_image_set(root: Path, n: int, *, n_classes: int = 10, size: tuple[int, int] = (96, 96),
+                    ext: str = "png", seed: int = 0) -> Path:
+    """`n` images of `size` (w, h) in the dtd layout under `root` (JPEG quality 90 for ext="jpg"); returns root."""
+    rng = np.random.default_rng(seed)
     img_dir = root / "dtd" / "images"
     test = []
     for i in range(n):
         c = i % n_classes
-        rel = f"c{c}/{i}.png"
+        rel = f"c{c}/{i}.{ext}"
         (img_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(img_dir / rel)
+        photo(rng, size).save(img_dir / rel, quality=90)
         test.append([rel, c, f"class {c}"])
     (root / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps({"train": [], "val": [],
                                                                                   "test": test}))
+    return root
+
+
+#: the view-generation measurement: a 500x375 photograph-sized image to views of 224 px (CLIP's input)
+VIEW_IMAGE = (500, 375)
+VIEW_SIZE = 224
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread for the duration (view generation runs single-threaded in each loader process)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _clip_preprocess(size: int) -> Any:
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    from extract.models import Preprocess
+    return Preprocess((size, size), tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD))
+
+
+def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False) -> float:
+    """Views/s per core: `ViewGenerator.augmented` (or `reference_augmented`) on one 500x375 image to 63 views of
+    224 px, over the CPU time of this one thread (so other load on the machine changes it little)."""
+    import io
+
+    from PIL import Image
+
+    from extract.views import N_AUG_VIEWS, ViewGenerator, reference_augmented
+
+    buf = io.BytesIO()
+    photo(np.random.default_rng(0), VIEW_IMAGE).save(buf, format="JPEG", quality=90)
+    img = Image.open(buf).convert("RGB")  # decoded from a JPEG, as the loader sees it
+    gen = ViewGenerator(_clip_preprocess(VIEW_SIZE), policy, seed=0)  # type: ignore[arg-type]
+    fn = (lambda s: reference_augmented(gen, img, s)) if reference else (lambda s: gen.augmented(img, s))
+    with _one_thread():
+        fn(0)
+        n, t0 = 0, time.thread_time()
+        while n == 0 or time.thread_time() - t0 < seconds:
+            fn(n + 1)
+            n += 1
+        return n * N_AUG_VIEWS / (time.thread_time() - t0)
+
+
+def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE) -> tuple[float, float]:
+    """(views/s of the runner's loader with `workers` processes (wall time, after its first item), views/s of one
+    thread doing the same items (`_ViewData`: JPEG decode, view 0, views 1..63; CPU time)) on 500x375 JPEGs."""
+    import torch
+
+    from extract.datasets import load_testset
+    from extract.runner import _ViewData, stream_permutation
+    from extract.views import ViewGenerator
+
+    tmp = Path(tempfile.mkdtemp(prefix="zaec-loader-"))
+    try:
+        ts = load_testset("dtd", write_image_set(tmp, n_images, size=VIEW_IMAGE, ext="jpg"))
+        gen = ViewGenerator(_clip_preprocess(size), policy, seed=0)  # type: ignore[arg-type]
+        data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(i, True, True) for i in range(len(ts))], gen)
+        views = gen.n_views
+        with _one_thread():
+            data[0]
+            t0 = time.thread_time()
+            for i in range(1, len(data)):
+                data[i]
+            one = (len(data) - 1) * views / (time.thread_time() - t0)
+        loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers,
+                                             prefetch_factor=4 if workers else None)
+        it = iter(loader)
+        next(it)
+        t0 = time.perf_counter()
+        n = sum(1 for _ in it)
+        many = n * views / (time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return many, one
 
 
 def _tpt_rate(model, n_classes: int, n_samples: int, *, class_names: list[str] | None = None,
@@ -91,12 +189,35 @@ def _tpt_rate(model, n_classes: int, n_samples: int, *, class_names: list[str] |
     return n_samples / (time.perf_counter() - t)
 
 
+def views_table(console: Any, workers: int, n_images: int) -> None:
+    """View generation per core (fast path vs the obvious code) and the loader's efficiency, as a rich table."""
+    from rich.table import Table
+
+    table = Table(title=f"views of a {VIEW_IMAGE[0]}x{VIEW_IMAGE[1]} image, {VIEW_SIZE} px (one thread, CPU time)")
+    for col in ("policy", "obvious code", "fast path", "speed-up",
+                f"loader, {workers} proc.", f"{workers} x one thread", "efficiency"):
+        table.add_column(col, justify="right")
+    for policy in ("crop_flip", "augmix"):
+        ref, fast = view_rate(policy, reference=True), view_rate(policy)
+        many, one = loader_rates(policy, workers, n_images)
+        table.add_row(policy, f"{ref:,.0f}", f"{fast:,.0f}", f"{fast / ref:.2f}x", f"{many:,.0f}",
+                      f"{workers * one:,.0f}", f"{many / (workers * one):.2f}")
+    console.print(table)
+    console.print("views/s; the loader columns count view 0 too and include JPEG decoding; efficiency = loader / "
+                  f"({workers} x one thread): 1.0 when the processes scale perfectly (wall time, so a loaded machine "
+                  "lowers it).")
+
+
 @app.command()
 def main(images: int = typer.Option(256, help="images in the single-view set"),
          multi_view_images: int = typer.Option(8, help="images for the 64-view measurement"),
          image_size: int = typer.Option(64, help="model input size"),
          batch_size: int = typer.Option(128, help="images per encoder call"),
-         tpt_samples: int = typer.Option(64, help="samples for the TPT throughput line")) -> None:
+         tpt_samples: int = typer.Option(64, help="samples for the TPT / A-TPT throughput line"),
+         loader_workers: int = typer.Option(2, min=1, help="loader processes of the loader-efficiency line"),
+         loader_images: int = typer.Option(12, help="JPEGs of the loader-efficiency line"),
+         only_views: bool = typer.Option(False, "--only-views", help="only the view-generation and loader lines"))\
+        -> None:
     """Print timings and ratios measured in this one run."""
     import torch
     from rich.console import Console
@@ -109,6 +230,9 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     console = Console()
+    views_table(console, loader_workers, loader_images)
+    if only_views:
+        return
     tmp = Path(tempfile.mkdtemp(prefix="zaec-bench-"))
     try:
         model = load_model(None, f"local-dir:{_model_dir(tmp / 'model', image_size)}", "cpu")
@@ -117,7 +241,7 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
         for label, n, overrides in (("1", images, None),
                                     ("64 AugMix", multi_view_images, {"n_views": "64", "augmix": "true"})):
             root = tmp / f"data-{n}"
-            _dataset(root, n)
+            write_image_set(root, n)
             ts = load_testset("dtd", root)
             perm = stream_permutation("dtd", 1, len(ts))
             common = dict(data_root=root, model=model, progress=False, batch_size=batch_size, overrides=overrides)
@@ -151,9 +275,12 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
         console.print("encode: the encoding pass alone into an empty cache; zs cold: a whole zero-shot run from an "
                       "empty cache; full/enc = zs cold / encode (close to 1: encoding dominates); speed-up = tda cold "
                       "/ tda warm, TDA from an empty cache vs after the zero-shot run filled it.")
+        # A-TPT adds its K×K angular term to TPT's step: the ratio shows what that costs
         for k in (10, 100):
-            console.print(f"TPT samples/s (CPU, small model): {_tpt_rate(model, k, tpt_samples):.1f} "
-                          f"(K = {k} classes, 64 views, adaptation from cached features)")
+            rates = {key: _tpt_rate(model, k, tpt_samples, method=key) for key in ("tpt", "atpt")}
+            console.print(f"TPT samples/s (CPU, small model): {rates['tpt']:.1f}; A-TPT {rates['atpt']:.1f} "
+                          f"(atpt/tpt time {rates['tpt'] / rates['atpt']:.2f}x) (K = {k} classes, 64 views, "
+                          "adaptation from cached features)")
         from extract.datasets import imagenet_classnames
 
         rate = _tpt_rate(model, 1000, max(8, tpt_samples // 4), class_names=list(imagenet_classnames()))

@@ -3,17 +3,19 @@
 The image encoder is frozen in every method of this stage, so features are computed once and reused by every method
 (zero-shot, TDA, DPE, DLAE, ...). Layout under the cache root (default `data/cache`):
 
-    <root>/<model fingerprint>/<dataset>-<test-set fingerprint>/seed=<s>/
+    <root>/<model fingerprint>/<dataset>-<test-set key>/seed=<s>/   (key: sample list, data root, data fingerprint)
         meta.json                     n_total, chunk size, feature dim, dtype, stream fingerprint
         view0/chunk-00000.npy         (n, D)      original view of stream positions [0, chunk)
         augmix/chunk-00000.npy        (n, 63, D)  views 1..63 (AugMix policy)
         crop_flip/chunk-00000.npy     (n, 63, D)  views 1..63 (crop + flip policy)
     <root>/<model fingerprint>/text/<prompt-set fingerprint>.npy    (K, D) prototypes
 
-Chunks follow the stream order of the seed, so `--limit N` encodes only the chunks covering the first N positions,
-and every chunk always holds the same samples, encoded in the same micro-batches: a chunk's content never depends on
-which run produced it. View 0 is stored once per (model, dataset, seed) and shared by the single-view and the
-multi-view policies, so a single-view method reuses the original view of a multi-view cache exactly (same numbers).
+Chunks follow the stream order of the seed, and every chunk always holds the same samples, encoded in the same
+micro-batches: a chunk's content never depends on which run produced it. `--limit N` encodes only the first N
+positions: the last chunk it touches is stored as a prefix (fewer rows than the chunk), which a later run extends,
+re-encoding from the last micro-batch boundary of that prefix, so that the extended chunk equals one encoded whole.
+View 0 is stored once per (model, dataset, seed) and shared by the single-view and the multi-view policies, so a
+single-view method reuses the original view of a multi-view cache exactly (same numbers).
 Every file is written under a temporary name and renamed: a crash leaves no half-written chunk, and a restarted run
 encodes only the missing chunks.
 """
@@ -62,7 +64,8 @@ class FeatureCache:
         root: cache root.
         model_fp: `LoadedModel.fingerprint`.
         dataset: canonical dataset key.
-        testset_fp: `TestSet.fingerprint()`.
+        testset_fp: the test-set key: the runner hashes the sample list (`TestSet.fingerprint()`), the resolved
+            data root and the data fingerprint of the image files (`extract.fingerprint`) into it.
         seed: the run seed (orders the stream, seeds the views).
         n_total: number of samples in the test set.
         dim: feature dimension D.
@@ -122,33 +125,52 @@ class FeatureCache:
     def has(self, part: Part, c: int) -> bool:
         return self.path(part, c).is_file()
 
-    def expected_shape(self, part: Part, c: int) -> tuple[int, ...]:
+    def expected_shape(self, part: Part, c: int, rows: int | None = None) -> tuple[int, ...]:
+        """Shape of chunk c of `part` when whole, or holding its first `rows` positions."""
         from extract.views import N_AUG_VIEWS
         start, stop = self.chunk_range(c)
-        return (stop - start, self.dim) if part == "view0" else (stop - start, N_AUG_VIEWS, self.dim)
+        n = stop - start if rows is None else rows
+        return (n, self.dim) if part == "view0" else (n, N_AUG_VIEWS, self.dim)
 
     def save(self, part: Part, c: int, array: np.ndarray) -> Path:
-        if array.shape != self.expected_shape(part, c):
-            raise ValueError(f"chunk {c} of {part}: shape {array.shape}, expected {self.expected_shape(part, c)}")
+        """Store chunk c of `part`, whole or a prefix of it (its first `len(array)` positions)."""
+        start, stop = self.chunk_range(c)
+        if not 0 < array.shape[0] <= stop - start or array.shape != self.expected_shape(part, c, array.shape[0]):
+            raise ValueError(f"chunk {c} of {part}: shape {array.shape}, expected {self.expected_shape(part, c)} or "
+                             "a prefix of it")
         return save_npy_atomic(self.path(part, c), array.astype(self.dtype, copy=False))
 
     def load(self, part: Part, c: int) -> np.ndarray:
-        """A chunk as stored (memory-mapped); raises CacheError if it does not match the expected shape."""
+        """A chunk as stored, whole or a prefix (memory-mapped); raises CacheError if its shape does not fit."""
         p = self.path(part, c)
         try:
             arr = np.load(p, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:
             raise CacheError(f"{p}: unreadable cache chunk ({e}); delete it to recompute") from None
-        if arr.shape != self.expected_shape(part, c):
-            raise CacheError(f"{p}: shape {arr.shape}, expected {self.expected_shape(part, c)}; delete it to "
-                             "recompute")
+        start, stop = self.chunk_range(c)
+        if arr.ndim < 1 or not 0 < arr.shape[0] <= stop - start or arr.shape != self.expected_shape(part, c,
+                                                                                                    arr.shape[0]):
+            raise CacheError(f"{p}: shape {arr.shape}, expected {self.expected_shape(part, c)} or a prefix of it; "
+                             "delete it to recompute")
         return arr
 
+    def rows(self, part: Part, c: int) -> int:
+        """Positions stored in chunk c of `part` (0: absent or unreadable, then recomputed)."""
+        if not self.has(part, c):
+            return 0
+        try:
+            return int(self.load(part, c).shape[0])
+        except CacheError:
+            return 0
+
     def missing(self, parts: tuple[str, ...], n_positions: int) -> list[tuple[int, tuple[str, ...]]]:
-        """[(chunk, parts missing in it)] for the chunks covering [0, n_positions)."""
+        """[(chunk, parts missing in it)] for the chunks covering [0, n_positions); a part stored as a prefix too
+        short for `n_positions` counts as missing."""
         out = []
         for c in self.chunks_for(n_positions):
-            miss = tuple(p for p in parts if not self.has(p, c))  # type: ignore[arg-type]
+            start, stop = self.chunk_range(c)
+            need = min(stop, n_positions) - start
+            miss = tuple(p for p in parts if self.rows(p, c) < need)  # type: ignore[arg-type]
             if miss:
                 out.append((c, miss))
         return out

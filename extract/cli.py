@@ -25,8 +25,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from extract.prompts import PromptError
     from extract.runner import RunError
     from schemas import ShardError
-    # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it
-    return (DatasetError, ModelError, PromptError, RunError, CacheError, ShardError, ValueError)
+    # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it;
+    # OSError: a folder that became unwritable or a full disk while writing (the message names the path)
+    return (DatasetError, ModelError, PromptError, RunError, CacheError, ShardError, ValueError, OSError)
 
 
 @app.command()
@@ -58,9 +59,12 @@ def extract(
     tda_sh_filter: bool = typer.Option(False, "--tda-sh-filter",
                                        help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 (drops file "
                                             "names containing 'sh'); off by default"),
+    fingerprint: str = typer.Option("stat", help="how image files are fingerprinted for the feature cache and the "
+                                                 "finished-run check: 'stat' (size and modification time, cheap) "
+                                                 "or 'content' (sha256 of every file)"),
     batch_size: int = typer.Option(256, help="images per encoder call"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to 16 on CUDA, 0 on CPU)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (warnings and errors still print)"),
 ) -> None:
     """Run METHOD over DATASET and write shards under OUT."""
     from rich.console import Console
@@ -78,8 +82,8 @@ def extract(
         paths = run_extraction(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
-            cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, batch_size=batch_size,
-            workers=workers, progress=not quiet)
+            cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
+            batch_size=batch_size, workers=workers, progress=not quiet)
     except _user_errors() as e:
         err.print("[bold red]error:[/bold red]", end=" ")
         err.print(str(e), markup=False, highlight=False, soft_wrap=True)
@@ -88,12 +92,14 @@ def extract(
         err.print("interrupted; rerun the same command to resume")
         raise typer.Exit(130)
     where = paths[0].parent if paths else out
-    Console().print(f"{len(paths)} shard(s) in {where}", highlight=False)
+    print(f"{len(paths)} shard(s) in {where}")  # plain: never wrapped, so scripts can parse the path
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    app(args=argv if argv is not None else sys.argv[1:], prog_name="zaec-extract")
+    """Console-script entry point. A usage error (`--limit abc`, an unknown option) is one line on stderr, exit 2."""
+    from calibrate.cli_errors import run_app  # the one place typer's usage errors become one line (CPU-side, light)
+
+    run_app(app, list(argv if argv is not None else sys.argv[1:]) or ["--help"], "zaec-extract")
 
 
 if __name__ == "__main__":

@@ -751,12 +751,38 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
                    imagenet_indices=inet, notes=notes)
 
 
+#: PIL modes of 16-bit grey images: their 0..65535 range is mapped onto 0..255 (PIL's own convert clips at 255,
+#: which turns a 16-bit image white)
+_MODES_16BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _to_rgb(im, path: Path):
+    """An RGB copy of a PIL image of any mode: 8-bit modes by PIL's convert, 16-bit grey scaled by 255/65535 (rounded),
+    32-bit integer images only when their values lie in 0..65535 (how PIL opens some 16-bit PNGs); float images and
+    modes PIL cannot convert are rejected naming the file and the mode."""
+    from PIL import Image
+
+    if im.mode in _MODES_16BIT or im.mode == "I":
+        a = np.asarray(im).astype(np.int64)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            raise DatasetError(f"{path}: 32-bit integer image (mode {im.mode}) with values outside 0..65535 is not "
+                               "supported; convert it to 8- or 16-bit")
+        return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L").convert("RGB")
+    if im.mode == "F":
+        raise DatasetError(f"{path}: floating-point image (mode F) is not supported; convert it to 8- or 16-bit")
+    try:
+        return im.convert("RGB")
+    except ValueError as e:
+        raise DatasetError(f"{path}: cannot convert image mode {im.mode} to RGB ({e})") from None
+
+
 def open_image(path: Path):
-    """Open one image as RGB PIL (grey-scale and palette images are converted). Raises DatasetError if unreadable."""
+    """Open one image as RGB PIL, whatever its mode (grey-scale, palette, CMYK, RGBA and 16-bit grey are converted;
+    unsupported modes are rejected by name). Raises DatasetError if unreadable."""
     from PIL import Image, UnidentifiedImageError
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")
+            return _to_rgb(im, path)
     except FileNotFoundError:
         raise DatasetError(f"{path}: image listed in the test split does not exist") from None
     except (UnidentifiedImageError, OSError) as e:

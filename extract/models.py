@@ -201,6 +201,57 @@ def _unreachable_host(tag_cfg: dict[str, Any], timeout: float = 3.0) -> str | No
         return host
 
 
+#: torch.nn.init's random initialisers (module construction calls them through `init.<name>` at call time)
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                 "kaiming_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def skip_random_init() -> Iterator[None]:
+    """Within the block, torch.nn.init's random initialisers leave their tensor as it is (uninitialised memory).
+
+    Only for building a module whose every parameter a strict load overwrites right after: the loaded model is
+    then the same, bit for bit (tests/test_extract_models.py compares every tensor with a normally built one).
+    Constant initialisers run as usual, and so does code that draws from torch directly. Not thread-safe: it
+    swaps module attributes of torch.nn.init for the duration.
+    """
+    saved = {n: getattr(torch.nn.init, n) for n in _RANDOM_INITS}
+
+    def keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    try:
+        for n in _RANDOM_INITS:
+            setattr(torch.nn.init, n, keep)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+class LazyTokenizer:
+    """open_clip's tokenizer for `model_name`, built on first use: a run whose text prototypes come from the text
+    cache never tokenises, and building the BPE tables costs a fraction of a second per process."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self._tok: Any = None
+
+    def _get(self) -> Any:
+        if self._tok is None:
+            import open_clip
+            self._tok = open_clip.get_tokenizer(self.model_name)
+        return self._tok
+
+    def __call__(self, texts: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._get()(texts, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._get(), name)
+
+
 def _file_digest(path: Path, _memo: dict[tuple[str, int, float], str] = {}) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime)
@@ -265,6 +316,94 @@ def _local_dir_config(path: Path) -> dict[str, Any]:
 DEFAULT_BACKBONE = "ViT-B-16"
 
 
+@contextlib.contextmanager
+def _without_random_init_warning() -> Iterator[None]:
+    """Hide open_clip's "Model initialized randomly" warning while a model is built to receive weights loaded
+    separately (TorchScript archives): the weights are loaded, the warning would say the opposite."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "initialized randomly" not in record.getMessage()
+
+    root = logging.getLogger()
+    drop = _Drop()
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)
+
+
+def checkpoint_shapes(path: Path, state: dict[str, torch.Tensor] | None = None) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of a checkpoint file (safetensors header, or a weights-only memory-mapped state dict),
+    with open_clip's `state_dict` wrapper and `module.` prefixes removed; {} when unreadable."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        if state is not None:
+            sd: Any = state
+        elif path.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt") as fh:
+                return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+            sd = sd["state_dict"]
+        for k, v in (sd.items() if isinstance(sd, dict) else ()):
+            if isinstance(v, torch.Tensor):
+                shapes[k[len("module."):] if k.startswith("module.") else k] = tuple(v.shape)
+    except Exception:  # a best-effort hint for an error message: any failure means "no hint"
+        return {}
+    return shapes
+
+
+def guess_architectures(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """open_clip model names whose vision tower matches a checkpoint's shapes (width, layers, patch size for a ViT;
+    stage depths and width for a ResNet), e.g. `["ViT-B-16", ...]`; [] when nothing matches."""
+    import open_clip
+    from open_clip.factory import _MODEL_CONFIGS
+
+    conv1 = shapes.get("visual.conv1.weight")
+    want: dict[str, Any]
+    if conv1 is not None and len(conv1) == 4 and "visual.class_embedding" in shapes:
+        n_layers = len({k.split(".")[3] for k in shapes if k.startswith("visual.transformer.resblocks.")})
+        want = {"width": conv1[0], "layers": n_layers, "patch_size": conv1[-1]}
+    elif "visual.layer1.0.conv1.weight" in shapes:
+        depth = tuple(len({k.split(".")[2] for k in shapes if k.startswith(f"visual.layer{i}.")}) for i in range(1, 5))
+        want = {"layers": list(depth), "width": shapes["visual.conv1.weight"][0] * 2}
+    else:
+        return []
+    names = []
+    for name in open_clip.list_models():
+        vc = _MODEL_CONFIGS.get(name, {}).get("vision_cfg", {})
+        if all((list(vc.get(k)) if isinstance(vc.get(k), (list, tuple)) else vc.get(k)) == v
+               for k, v in want.items()):
+            names.append(name)
+    return names
+
+
+def _state_dict_error(e: BaseException, name: str, pretrained: str, weights: Path | None,
+                      state: dict[str, torch.Tensor] | None) -> str:
+    """One line for a checkpoint that does not fit the architecture: a few missing / unexpected / mismatched keys
+    and the architectures the file looks like."""
+    lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+    parts = []
+    for ln in lines:
+        head, _, rest = ln.partition(":")
+        keys = [k.strip().strip('"') for k in rest.rstrip(". ").split(",") if k.strip()]
+        if head.startswith("size mismatch"):
+            if sum(p.startswith("size mismatch") for p in parts) < 2:
+                parts.append(ln[:160])
+        elif keys:
+            parts.append(f"{head.strip()} ({len(keys)}): {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}")
+    guess = guess_architectures(checkpoint_shapes(weights, state)) if weights is not None else []
+    looks = (f"; the file looks like {', '.join(guess[:4])} (pass it as --backbone)" if guess
+             else "; the file does not match any open_clip architecture by its vision tower")
+    detail = "; ".join(parts) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{pretrained} does not fit the architecture {name}: {detail}{looks}"
+
+
 def load_model(
     backbone: str | None = None,
     pretrained: str = "openai",
@@ -327,6 +466,9 @@ def load_model(
                              f"{', '.join(m for m in open_clip.list_models() if m in OPENAI_ARCHS)}, ... "
                              "(see open_clip.list_models())")
         looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
+        if Path(pretrained).expanduser().is_dir() and (looks_like_path or not get_pretrained_cfg(name, pretrained)):
+            raise ModelError(f"--pretrained {pretrained} is a folder; for a folder holding open_clip_config.json "
+                             f"and the weights pass --pretrained local-dir:{pretrained}")
         if looks_like_path or Path(pretrained).is_file():
             path = Path(pretrained).expanduser()
             if not path.is_file():
@@ -380,13 +522,28 @@ def load_model(
         # Python pickle), and only the state dict is kept.
         jit_state = torchscript_state_dict(Path(weights_file))
         create = dict(model_name=create["model_name"], pretrained=None)
+    from safetensors import SafetensorError
     try:
-        model = open_clip.create_model(**create, device="cpu", weights_only=True, **kwargs)
+        # every parameter is overwritten by a strict load (require_pretrained, or the state dict below), so the
+        # random initialisation is skipped: for ViT-B-16 it draws ~150M numbers, seconds of each process's start
+        quiet = _without_random_init_warning() if jit_state is not None else contextlib.nullcontext()
+        with quiet, skip_random_init():
+            model = open_clip.create_model(**create, device="cpu", weights_only=True,
+                                           require_pretrained=jit_state is None, **kwargs)
         if jit_state is not None:
             # non-persistent buffers (attn_mask) are in a TorchScript state dict but not in the model's
             expected = set(model.state_dict())
             model.load_state_dict({k: v for k, v in jit_state.items() if k in expected}, strict=True)
-    except (RuntimeError, ValueError, KeyError, OSError, pickle.UnpicklingError) as e:
+    except SafetensorError as e:
+        raise ModelError(f"{weights_file}: not a readable safetensors file (truncated or corrupt?): "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except (RuntimeError, AssertionError) as e:
+        # AssertionError: open_clip's resize helpers assert on mismatched widths
+        if "Error(s) in loading state_dict" in str(e) or isinstance(e, AssertionError):
+            raise ModelError(_state_dict_error(e, name, pretrained, Path(weights_file) if weights_file else None,
+                                               jit_state)) from None
+        raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
+    except (ValueError, KeyError, OSError, pickle.UnpicklingError) as e:
         # UnpicklingError: a .pt holding Python objects beyond tensors, refused by weights_only loading
         raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
     model = model.to(dev).eval()
@@ -398,7 +555,7 @@ def load_model(
     pre = Preprocess(size=size, mean=tuple(float(x) for x in pcfg["mean"]), std=tuple(float(x) for x in pcfg["std"]),
                      interpolation=str(pcfg.get("interpolation", "bicubic")),
                      resize_mode=str(pcfg.get("resize_mode", "shortest")))
-    tokenizer = open_clip.get_tokenizer(create["model_name"])
+    tokenizer = LazyTokenizer(create["model_name"])
     digest_parts += [arch if not arch.startswith(LOCAL_DIR) else "local-dir", f"quick_gelu={qg}",
                      f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
     fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]

@@ -21,7 +21,9 @@ last row). Either way the result equals an uninterrupted run. A finished run car
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import time
 import zlib
@@ -33,15 +35,15 @@ import numpy as np
 import torch
 
 from extract.cache import FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
-from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, open_image
+from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, open_image, resolve_data_root
+from extract.fingerprint import check_mode, fingerprint as data_fingerprint
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
 from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
-from schemas import RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
+from schemas import COMPLETE_MARKER, RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
 
 Anchor = Literal["single", "method"]
 ANCHORS: tuple[str, ...] = ("single", "method")
-COMPLETE_MARKER = "_zaec_complete.json"
 DEFAULT_OUT = Path("data") / "shards"
 #: TDA, DPE and DLAE seed their stream with 1 (spec §1.4)
 DEFAULT_SEED = 1
@@ -174,6 +176,19 @@ class _Progress:
             self._p.console.print(msg)
 
 
+def _warn(message: str, progress: _Progress, log: Callable[[str], None] | None) -> None:
+    """A warning always reaches the user: through `log`, the progress console, or (progress bar off, `--quiet`)
+    stderr - quiet hides the progress, never a warning."""
+    if log is not None:
+        log(f"warning: {message}")
+    elif progress.enabled:
+        from rich.markup import escape
+        progress.print(f"[yellow]warning:[/yellow] {escape(message)}")
+    else:
+        import sys
+        print(f"warning: {message}", file=sys.stderr)
+
+
 class _Task:
     def __init__(self, progress: Any, description: str, total: int):
         self.p = progress
@@ -255,37 +270,53 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     if not missing:
         return 0
     gen = ViewGenerator(model.preprocess, policy, seed=seed)
+    # per chunk: the rows to encode ([keep, need) of each missing part) - only the positions the run needs
+    plans = [_chunk_plan(cache, c, miss, n_positions, batch_size) for c, miss in missing]
     jobs: list[tuple[int, bool, bool]] = []
-    for c, miss in missing:
-        start, stop = cache.chunk_range(c)
-        jobs += [(pos, "view0" in miss, policy in miss) for pos in range(start, stop)]
+    for c, start, need, keep in plans:
+        lo = min(keep.values())
+        jobs += [(start + i, i >= keep.get("view0", need), i >= keep.get(policy, need)) for i in range(lo, need)]
     loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen), batch_size=None, shuffle=False,
                                          num_workers=workers, pin_memory=model.device.type == "cuda")
     task = (progress or _Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))
     it = iter(loader)
-    for c, miss in missing:
-        start, stop = cache.chunk_range(c)
-        n = stop - start
-        v0 = np.empty((n, cache.dim), np.float32) if "view0" in miss else None
-        aug = np.empty((n, N_AUG_VIEWS, cache.dim), np.float32) if policy in miss else None
-        b0 = _Batcher(model, v0, batch_size) if v0 is not None else None
-        ba = _Batcher(model, aug, batch_size) if aug is not None else None
-        for _ in range(n):
+    for c, start, need, keep in plans:
+        out = {part: np.empty(cache.expected_shape(part, c, need - k), np.float32)  # type: ignore[arg-type]
+               for part, k in keep.items()}
+        batchers = {part: _Batcher(model, arr, batch_size) for part, arr in out.items()}
+        for _ in range(need - min(keep.values())):
             pos, x0, xa = next(it)
             if isinstance(x0, str):  # an image the loader cannot read (named in the message)
                 raise DatasetError(x0)
-            if b0 is not None:
-                b0.add(x0.unsqueeze(0))
-            if ba is not None:
-                ba.add(xa)
+            if x0.numel():
+                batchers["view0"].add(x0.unsqueeze(0))
+            if xa.numel():
+                batchers[policy].add(xa)
             task.advance(1)
-        if b0 is not None:
-            b0.finish()
-            cache.save("view0", c, v0)
-        if ba is not None:
-            ba.finish()
-            cache.save(policy, c, aug)  # type: ignore[arg-type]
+        for part, b in batchers.items():
+            b.finish()
+            k = keep[part]
+            cpart: Any = part
+            new = out[part] if k == 0 else np.concatenate([np.asarray(cache.load(cpart, c)[:k], np.float32), out[part]])
+            cache.save(cpart, c, new)
     return len(jobs)
+
+
+def _chunk_plan(cache: FeatureCache, c: int, miss: tuple[str, ...], n_positions: int, batch_size: int
+                ) -> tuple[int, int, int, dict[str, int]]:
+    """(chunk, first stream position, rows needed, {missing part: rows of its stored prefix kept}).
+
+    A stored prefix is kept up to its last micro-batch boundary (a multiple of `batch_size` images from the chunk's
+    start; a part with V images per position keeps a multiple of batch_size / gcd(V, batch_size) positions) and the
+    rest re-encoded, so the extended chunk is encoded in the same micro-batches as a chunk encoded whole."""
+    start, stop = cache.chunk_range(c)
+    need = min(stop, n_positions) - start
+    keep = {}
+    for part in miss:
+        per_pos = 1 if part == "view0" else N_AUG_VIEWS
+        step = batch_size // math.gcd(per_pos, batch_size)
+        keep[part] = min(cache.rows(part, c), need) // step * step  # type: ignore[arg-type]
+    return c, start, need, keep
 
 
 class _FeatureReader:
@@ -390,6 +421,112 @@ def _part_meta(meta: ShardMeta, method: Any, episodic: bool) -> ShardMeta:
     return dataclasses.replace(meta, extra=extra)
 
 
+def check_output_dir(path: str | os.PathLike, option: str) -> Path:
+    """Fail fast on an output folder that cannot be written: `path` (or the folder it would be created in) must not
+    be a file and its nearest existing folder must be writable. Checked before any image is read.
+
+    Raises:
+        RunError: one line naming the option, the path and what is wrong.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    where = f"{option} {path}" + ("" if probe == path else f" (to be created in {probe})")
+    if probe.exists() and not probe.is_dir():
+        raise RunError(f"{where}: {probe} is a file, expected a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunError(f"{where}: folder {probe} is not writable; choose another with {option}")
+    return path
+
+
+def check_run_options(*, batch_size: int, workers: int | None, out: str | os.PathLike,
+                      cache_dir: str | os.PathLike | None) -> None:
+    """The numeric options and the output folders of a run, checked before any image is read (RunError)."""
+    if batch_size < 1:
+        raise RunError(f"--batch-size must be a positive integer, got {batch_size}")
+    if workers is not None and workers < 0:
+        raise RunError(f"--workers must be >= 0, got {workers}")
+    check_output_dir(out, "--out")
+    check_output_dir(resolve_cache_dir(cache_dir), "--cache-dir" if cache_dir is not None else "the cache folder "
+                     "($ZAEC_CACHE_DIR or data/cache; set --cache-dir)")
+
+
+def check_finite_logits(method: str, tta: np.ndarray, zs: np.ndarray, sample_ids: np.ndarray, start: int) -> None:
+    """Stop the run at the first adapted or zero-shot logit row holding NaN or inf, naming the method, the sample
+    and its stream position (the run is then never marked complete).
+
+    Args:
+        tta, zs: (B, K) logits of stream positions [start, start + B); sample_ids: (B,) their sample ids.
+    """
+    bad = ~(np.isfinite(tta).all(axis=1) & np.isfinite(zs).all(axis=1))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        which = "adapted" if not np.isfinite(tta[i]).all() else "zero-shot"
+        raise RunError(f"method {method!r} produced non-finite {which} logits for sample_id {int(sample_ids[i])} at "
+                       f"stream position {start + i} ({int(bad.sum())} of {len(bad)} row(s) in this batch); the run "
+                       "is not marked complete; check the --set values")
+
+
+def _data_identity(testset: TestSet, data_root: str | os.PathLike | None, mode: str) -> dict[str, str]:
+    """The resolved data root (for a user's `folder:`/`split:` dataset, which needs none: its own folder) and the
+    data fingerprint of the test set's image files (`extract.fingerprint`)."""
+    own = get_dataset(testset.key).ref is not None
+    root = testset.dataset_dir if own else resolve_data_root(data_root)
+    return {"data_root": str(Path(root).resolve()), "data_fingerprint": data_fingerprint(testset, mode)}
+
+
+def data_identity(dataset: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False,
+                  mode: str = "stat") -> dict[str, str]:
+    """`{"data_root": ..., "data_fingerprint": ...}` as a run of `dataset` would record them in its settings (for
+    checks outside a run, e.g. a sweep deciding whether a finished run still matches its images)."""
+    return _data_identity(load_testset(dataset, data_root, sh_filter=sh_filter), data_root, mode)
+
+
+def _cache_key(testset: TestSet, data: Mapping[str, str]) -> str:
+    """The test-set part of the feature cache key: sample list, data root and data fingerprint (16 hex)."""
+    raw = "\n".join((testset.fingerprint(), data["data_root"], data["data_fingerprint"]))
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+#: what a changed setting of a finished run means, for the refusal message
+_SETTING_HINTS = {"data_fingerprint": "the image files changed (size, modification time or content)",
+                  "data_root": "another data root", "samples": "another split or class list"}
+
+
+def _predates_data_fingerprint(old: Any, new: Mapping[str, Any]) -> bool:
+    """A finished run recorded before data fingerprints existed, with otherwise the same settings: its data cannot be
+    verified, so it is recomputed rather than served or refused."""
+    return (isinstance(old, dict) and "data_fingerprint" not in old
+            and {k: v for k, v in new.items() if k not in ("data_fingerprint", "data_root")} == old)
+
+
+def _settings_differ(sdir: Path, old: Any, new: Mapping[str, Any]) -> str:
+    """One line saying which settings of the finished run under `sdir` differ from this run's."""
+    old = old if isinstance(old, dict) else {}
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    why = ", ".join(f"{k} ({_SETTING_HINTS[k]})" if k in _SETTING_HINTS else k for k in keys)
+    return (f"a finished run under {sdir} used different settings: {why}; use --force to recompute it or write "
+            "elsewhere with --out")
+
+
+#: metadata keys that may differ between the kept parts of a resumed run and the run resuming them
+_RESTAMPED_KEYS = (b"zaec:limit",)
+
+
+def _meta_diff(old: Mapping[bytes, bytes], new: Mapping[bytes, bytes]) -> list[str]:
+    """Sorted metadata keys whose values differ, ignoring those a resumed run rewrites (`_RESTAMPED_KEYS`)."""
+    return sorted(k.decode() for k in set(old) | set(new)
+                  if k not in _RESTAMPED_KEYS and old.get(k) != new.get(k))
+
+
+def _restamp(shard: Any, meta: ShardMeta) -> Path:
+    """Rewrite a kept part with this run's metadata (its rows unchanged), so every part of a run agrees on
+    `zaec:limit` and a reader knows how many samples the run announces."""
+    return write_shard(shard.path, meta, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits,
+                       stream_pos=shard.stream_pos)
+
+
 def _existing_parts(sdir: Path) -> list[Path]:
     return sorted(sdir.glob("part-*.parquet")) if sdir.is_dir() else []
 
@@ -412,6 +549,7 @@ def run_extraction(
     cache_dir: str | os.PathLike | None = None,
     cupl_dir: str | os.PathLike | None = None,
     sh_filter: bool = False,
+    fingerprint: str = "stat",
     batch_size: int = 256,
     workers: int | None = None,
     chunk_size: int = 512,
@@ -442,6 +580,8 @@ def run_extraction(
         cache_dir: feature cache root (None: $ZAEC_CACHE_DIR, else data/cache).
         cupl_dir: CuPL prompt files (None: $ZAEC_CUPL_DIR).
         sh_filter: the TDA file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (spec §13.9), off by default.
+        fingerprint: how the image files are fingerprinted for the feature cache and the finished-run check:
+            "stat" (size and modification time of each file) or "content" (sha256 of each file).
         batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, up to 16 on CUDA).
         chunk_size: samples per cache chunk. adapt_batch: samples per `method.adapt` call.
         part_size: rows per shard (a multiple of `adapt_batch`).
@@ -457,26 +597,33 @@ def run_extraction(
     """
     if part_size % adapt_batch:
         raise RunError(f"part_size ({part_size}) must be a multiple of adapt_batch ({adapt_batch})")
+    check_run_options(batch_size=batch_size, workers=workers, out=out, cache_dir=cache_dir)
     if model is not None:
         backbone, pretrained = model.backbone, model.pretrained
     plan = plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                     anchor=anchor, limit=limit)
     dataset = plan.spec_key  # a `folder:`/`split:` reference -> the dataset's canonical name
+    check_mode(fingerprint)
     testset = load_testset(dataset, data_root, sh_filter=sh_filter)
+    data = _data_identity(testset, data_root, fingerprint)
     n_total = len(testset)
     n_run = n_total if limit is None else min(limit, n_total)
     out = Path(out)
     sdir = shard_dir(out, plan.key)
     # what a finished run must match to be reused without --force
     settings = {"method_config": _config_dict(plan.config), "pretrained": pretrained, "anchor": anchor,
-                "sh_filter": bool(sh_filter), "samples": testset.fingerprint()}
+                "sh_filter": bool(sh_filter), "samples": testset.fingerprint(), **data}
     marker = sdir / COMPLETE_MARKER
     if not force and run_is_complete(out, plan.key, limit=limit):
         info = json.loads(marker.read_text(encoding="utf-8"))
-        if info.get("settings") != settings:
-            raise RunError(f"a finished run under {sdir} used different settings ({info.get('settings')}); "
-                           "use --force to recompute it or write elsewhere with --out")
-        return [sdir / p for p in info["parts"]]
+        old = info.get("settings")
+        if old == settings:
+            return [sdir / p for p in info["parts"]]
+        if not _predates_data_fingerprint(old, settings):
+            raise RunError(_settings_differ(sdir, old, settings))
+        _warn(f"{sdir}: the finished run predates data fingerprints (it cannot be checked against the images); "
+              "recomputing it", _Progress(False), log)
+        force = True
 
     if model is None:
         model = load_model(backbone, pretrained, device)
@@ -496,7 +643,7 @@ def run_extraction(
     anchor_text = method_text if anchor_prompts is method_prompts else text_prototypes(model, anchor_prompts,
                                                                                         text_cache)
     perm = stream_permutation(dataset, seed, n_total)
-    cache = FeatureCache(cache_root, model.fingerprint, dataset, testset.fingerprint(), int(seed), n_total,
+    cache = FeatureCache(cache_root, model.fingerprint, dataset, _cache_key(testset, data), int(seed), n_total,
                          int(method_text.shape[1]), model.cache_dtype,
                          stream_fp=f"{zlib.crc32(perm.tobytes()):08x}", chunk_size=chunk_size)
 
@@ -511,7 +658,10 @@ def run_extraction(
         "zaec:logit_scale": repr(model.logit_scale),
         "zaec:stream": STREAM_RULE,
         "zaec:n_total": str(n_total),
+        "zaec:limit": "none" if limit is None else str(int(limit)),
         "zaec:layout": testset.layout,
+        "zaec:data_root": data["data_root"],
+        "zaec:data_fingerprint": data["data_fingerprint"],
     }
     if tuple(method_names) != tuple(testset.class_names):
         extra["zaec:method_class_names"] = json.dumps(list(method_names))
@@ -541,10 +691,12 @@ def run_extraction(
                 sh = read_shard(path)
             except ShardError:
                 break
+            if b"zaec:data_fingerprint" not in sh.meta.to_kv():  # written before data fingerprints: recompute
+                break
             kv = _settings_kv(sh.meta)
-            if kv != meta_kv:
-                diff = [k.decode() for k in set(meta_kv) | set(kv) if meta_kv.get(k) != kv.get(k)]
-                raise RunError(f"{path} was written by a run with different settings ({', '.join(sorted(diff))}); "
+            diff = _meta_diff(kv, meta_kv)
+            if diff:
+                raise RunError(f"{path} was written by a run with different settings ({', '.join(diff)}); "
                                f"use --force to overwrite it or write elsewhere with --out")
             lo, hi = p * part_size, min((p + 1) * part_size, n_run)
             if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
@@ -558,6 +710,9 @@ def run_extraction(
                 if not usable:
                     break
                 kept_state = state
+            if kv != meta_kv:  # a full part of a run with another --limit: same rows, new footer (own state kept)
+                own = {k: v for k, v in sh.meta.extra.items() if k.encode() in PART_STATE_KEYS}
+                _restamp(sh, dataclasses.replace(meta, extra={**meta.extra, **own}))
             kept_stats[0] += int((sh.tta_logits.argmax(1) == sh.label).sum())
             kept_stats[1] += int((sh.zs_logits.argmax(1) == sh.label).sum())
             start_part = p + 1
@@ -582,10 +737,7 @@ def run_extraction(
                     "(change any with --set key=value)")
             say(line if log is not None else escape(line))
         for w in warnings:
-            if log is None:
-                say(f"[yellow]warning:[/yellow] {escape(w)}")
-            else:
-                say(f"warning: {w}")
+            _warn(w, prog, log)
         encode_pass(model, testset, perm, cache, plan.policy, n_run, seed=seed, batch_size=batch_size,
                     workers=workers, progress=prog)
         if 0 < start_pos < n_run and not episodic:  # (all parts kept: nothing left to adapt, no replay)
@@ -607,6 +759,7 @@ def run_extraction(
                    else np.asarray(tta, np.float32))
             zs = (model.logit_scale * feats[:, 0] @ anchor_text.T).float().cpu().numpy()
             sid = perm[s:e]
+            check_finite_logits(method, tta, zs, sid, s)
             label = testset.labels[sid]
             correct[0] += int((tta.argmax(1) == label).sum())
             correct[1] += int((zs.argmax(1) == label).sum())

@@ -94,18 +94,45 @@ def _shear_y(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Ima
     return _affine(img, size, (1, 0, 0, _signed(rng, _level(rng) * 0.3 / 10), 1, 0))
 
 
+def _shift(rng: np.random.Generator, size: int) -> int:
+    return int(_signed(rng, int(_level(rng) * (size / 3) / 10)))
+
+
+# A translation by a whole number of pixels t is an affine map whose bilinear weights are all exactly 0, so PIL's
+# bilinear `transform` returns input pixel x + t, or 0 outside the image: exactly what `crop` with a box reaching past
+# the border returns, at a fraction of the cost (tests/test_extract_views.py checks every shift against `transform`).
+
 def _translate_x(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, 0, _signed(rng, int(_level(rng) * (size / 3) / 10)), 0, 1, 0))
+    t = _shift(rng, size)
+    return img.crop((t, 0, t + size, size))
 
 
 def _translate_y(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, 0, 0, 0, 1, _signed(rng, int(_level(rng) * (size / 3) / 10))))
+    t = _shift(rng, size)
+    return img.crop((0, t, size, t + size))
+
+
+def _translate_x_affine(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
+    return _affine(img, size, (1, 0, _shift(rng, size), 0, 1, 0))
+
+
+def _translate_y_affine(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
+    return _affine(img, size, (1, 0, 0, 0, 1, _shift(rng, size)))
 
 
 AUGMIX_OPS = (_autocontrast, _equalize, _posterize, _rotate, _solarize, _shear_x, _shear_y, _translate_x,
               _translate_y)
+#: the same operations as AugMix's code writes them (translations through PIL's affine transform): the reference
+_REFERENCE_OPS = AUGMIX_OPS[:-2] + (_translate_x_affine, _translate_y_affine)
 AUGMIX_CHAINS = 3
 AUGMIX_MAX_DEPTH = 3
+
+
+def _unit(img: Image.Image) -> np.ndarray:
+    """(3, S, S) float32 in [0, 1], C-contiguous: float32(level) / 255, as `to_tensor` computes it."""
+    x = np.asarray(img).transpose(2, 0, 1).astype(np.float32, order="C")
+    x /= 255.0
+    return x
 
 
 def random_resized_crop_box(rng: np.random.Generator, width: int, height: int,
@@ -156,8 +183,8 @@ class ViewGenerator:
         self.policy = policy
         self.seed = int(seed)
         self.interp = _INTERP.get(preprocess.interpolation, InterpolationMode.BICUBIC)
-        self._mean = torch.tensor(preprocess.mean, dtype=torch.float32)[:, None, None]
-        self._std = torch.tensor(preprocess.std, dtype=torch.float32)[:, None, None]
+        self._mean_np = np.asarray(preprocess.mean, dtype=np.float32)[:, None, None]  # (3, 1, 1)
+        self._std_np = np.asarray(preprocess.std, dtype=np.float32)[:, None, None]
 
     @property
     def n_views(self) -> int:
@@ -165,11 +192,6 @@ class ViewGenerator:
 
     def _to_tensor(self, img: Image.Image) -> torch.Tensor:
         return TF.normalize(TF.to_tensor(img), self.pre.mean, self.pre.std)
-
-    def _finish(self, x: np.ndarray) -> torch.Tensor:
-        """(S, S, 3) float32 in [0, 1] -> normalised (3, S, S) tensor."""
-        t = torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
-        return (t - self._mean) / self._std
 
     def original(self, img: Image.Image) -> torch.Tensor:
         """View 0: (3, S, S)."""
@@ -179,32 +201,52 @@ class ViewGenerator:
             img = TF.resize(img, self.size, interpolation=self.interp)
         return self._to_tensor(TF.center_crop(img, [self.size, self.size]))
 
-    def _augmented_one(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
+    def _crop_flip(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
         left, top, w, h = random_resized_crop_box(rng, img.width, img.height)
         # crop, then resize (torchvision's resized_crop on PIL images)
         crop = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
         if rng.uniform() < 0.5:
             crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
-        base = np.asarray(crop, dtype=np.float32) / 255.0
-        if self.policy != "augmix":
-            return self._finish(base)
-        w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
-        m = np.float32(rng.beta(1.0, 1.0))
-        mix = np.zeros_like(base)
-        for i in range(AUGMIX_CHAINS):
-            x = crop.copy()
-            for _ in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
-                op = AUGMIX_OPS[int(rng.integers(0, len(AUGMIX_OPS)))]
-                x = op(x, rng, self.size)
-            mix += w_mix[i] * (np.asarray(x, dtype=np.float32) / 255.0)
-        # the weights m + (1 - m) * sum(w) are 1, so mixing before the (affine) normalisation equals mixing
-        # normalised tensors, as the original does, up to float rounding
-        return self._finish(m * base + (1.0 - m) * mix)
+        return crop
+
+    def _augmented_into(self, img: Image.Image, rng: np.random.Generator, dst: np.ndarray) -> None:
+        """One augmented view, normalised, written into `dst` (3, S, S) float32.
+
+        Every float is the one the obvious code computes (`reference_augmented(..., mix_space="unit")`, bit for
+        bit), the same operations in the same order; what is saved is the overhead around them: each image goes
+        to float32 from its uint8 array (not through PIL's array interface with a dtype, several times slower),
+        channel-first from the start, and the arithmetic runs in place, ending in `dst` instead of a stack.
+        """
+        crop = self._crop_flip(img, rng)
+        base = _unit(crop)
+        if self.policy == "augmix":
+            w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
+            m = np.float32(rng.beta(1.0, 1.0))
+            mix = np.zeros_like(base)
+            for i in range(AUGMIX_CHAINS):
+                x = crop
+                for _ in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
+                    op = AUGMIX_OPS[int(rng.integers(0, len(AUGMIX_OPS)))]
+                    x = op(x, rng, self.size)
+                term = _unit(x)
+                term *= w_mix[i]
+                mix += term
+            # the weights m + (1 - m) * sum(w) are 1, so mixing before the (affine) normalisation equals mixing
+            # normalised tensors, as the original does, up to float rounding
+            mix *= 1.0 - m
+            base *= m
+            base += mix
+        np.subtract(base, self._mean_np, out=dst)
+        np.divide(dst, self._std_np, out=dst)
 
     def augmented(self, img: Image.Image, sample_id: int) -> torch.Tensor:
         """Views 1..63 of sample `sample_id`: (63, 3, S, S)."""
         rng = np.random.default_rng([self.seed, int(sample_id)])
-        return torch.stack([self._augmented_one(img, rng) for _ in range(N_AUG_VIEWS)])
+        out = torch.empty((N_AUG_VIEWS, 3, self.size, self.size), dtype=torch.float32)
+        dst = out.numpy()
+        for v in range(N_AUG_VIEWS):
+            self._augmented_into(img, rng, dst[v])
+        return out
 
     def __call__(self, img: Image.Image, sample_id: int) -> torch.Tensor:
         """All views of one sample: (V, 3, S, S), V = 1 or 64."""
@@ -212,3 +254,40 @@ class ViewGenerator:
         if self.policy == "single":
             return first
         return torch.cat([first, self.augmented(img, sample_id)])
+
+
+def reference_augmented(gen: ViewGenerator, img: Image.Image, sample_id: int,
+                        mix_space: Literal["unit", "normalised"] = "unit") -> torch.Tensor:
+    """The obvious implementation of `gen.augmented`: slow, kept as the reference it is tested and timed against.
+
+    PIL for every operation (translations through the affine transform, as AugMix's code does them), one float
+    conversion per image. `mix_space="unit"` mixes images in [0, 1] and normalises the mix: the same floats as
+    `gen.augmented`, bit for bit. `mix_space="normalised"` normalises each image and mixes the normalised tensors,
+    TPT's own order of operations (`augmix` in TPT's data/augmix_ops.py driver); it differs by float rounding only.
+    """
+    rng = np.random.default_rng([gen.seed, int(sample_id)])
+    mean = torch.tensor(gen.pre.mean, dtype=torch.float32)[:, None, None]
+    std = torch.tensor(gen.pre.std, dtype=torch.float32)[:, None, None]
+
+    def unit(x: Image.Image) -> torch.Tensor:  # (3, S, S) in [0, 1]
+        return torch.from_numpy(np.asarray(x, dtype=np.float32) / 255.0).permute(2, 0, 1)
+
+    views = []
+    for _ in range(N_AUG_VIEWS):
+        crop = gen._crop_flip(img, rng)
+        if gen.policy != "augmix":
+            views.append((unit(crop) - mean) / std)
+            continue
+        w = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
+        m = np.float32(rng.beta(1.0, 1.0))
+        prep = unit if mix_space == "unit" else (lambda x: (unit(x) - mean) / std)
+        base = prep(crop)
+        mix = torch.zeros_like(base)
+        for i in range(AUGMIX_CHAINS):
+            x = crop.copy()
+            for _ in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
+                x = _REFERENCE_OPS[int(rng.integers(0, len(_REFERENCE_OPS)))](x, rng, gen.size)
+            mix += float(w[i]) * prep(x)
+        mixed = float(m) * base + float(1.0 - m) * mix
+        views.append(mixed if mix_space == "normalised" else (mixed - mean) / std)
+    return torch.stack(views)

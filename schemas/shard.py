@@ -46,6 +46,17 @@ META_KEYS: dict[str, str] = {
     "zaec:method_config": "JSON object: the method's resolved configuration",
     "zaec:zs_prompts": "JSON: what produced the zero-shot logits (templates, views)",
 }
+#: optional metadata keys `zaec-extract` writes (other writers may omit them; readers cope without them)
+OPTIONAL_META_KEYS: dict[str, str] = {
+    "zaec:n_total": "number of samples in the dataset's test set (integer as a string)",
+    "zaec:limit": 'the run\'s --limit (integer as a string) or "none": the run covers the first min(limit, '
+                  "n_total) stream positions",
+    "zaec:data_root": "the resolved (absolute) data root the images were read from",
+    "zaec:data_fingerprint": '"<mode>:<hex>": fingerprint of the image files (stat: path, size, mtime; content: '
+                             "sha256)",
+}
+#: the file a writer puts next to the parts of a finished run (JSON: n_samples, n_total, limit, parts, ...)
+COMPLETE_MARKER = "_zaec_complete.json"
 REQUIRED_COLUMNS = ("sample_id", "label", "zs_logits", "tta_logits")
 OPTIONAL_COLUMNS = ("stream_pos",)
 PART_TEMPLATE = "part-{:05d}.parquet"
@@ -53,6 +64,10 @@ PART_TEMPLATE = "part-{:05d}.parquet"
 
 class ShardError(ValueError):
     """A shard violates the contract. The message names the file and, where relevant, the column."""
+
+
+class PartialRunError(ShardError):
+    """The shards of a run hold fewer samples than its writer announced (an interrupted or still running run)."""
 
 
 @dataclass(frozen=True)
@@ -456,3 +471,74 @@ def iter_run(members: Sequence[tuple[Path, ShardMeta]]) -> Iterator[Shard]:
     """Read the shards of one run one at a time (memory bounded by one shard)."""
     for p, _ in members:
         yield read_shard(p)
+
+
+@dataclass(frozen=True)
+class Completeness:
+    """How much of a run its shards hold.
+
+    Attributes:
+        key: the run.
+        n_rows: rows in the given shards (from the Parquet footers).
+        n_expected: rows the writer announced (`min(zaec:limit, zaec:n_total)`), None when the shards carry no
+            `zaec:n_total` (another writer): completeness is then unknown.
+        marker: whether the writer's completion marker lies next to the shards (None: they span several folders).
+        n_shards: number of shard files.
+    """
+
+    key: RunKey
+    n_rows: int
+    n_expected: int | None
+    marker: bool | None
+    n_shards: int
+
+    @property
+    def known(self) -> bool:
+        return self.n_expected is not None
+
+    @property
+    def partial(self) -> bool:
+        return self.n_expected is not None and self.n_rows < self.n_expected
+
+    def describe(self) -> str:
+        """E.g. `32 of 64 samples in 2 shard(s), no completion marker`."""
+        marker = {True: "", False: ", no completion marker", None: ""}[self.marker]
+        return f"{self.n_rows} of {self.n_expected} samples in {self.n_shards} shard(s){marker}"
+
+
+def expected_rows(meta: ShardMeta, path: str | os.PathLike = "<shard>") -> int | None:
+    """`min(limit, n_total)` from the optional keys `zaec:n_total` / `zaec:limit`; None without `zaec:n_total`.
+
+    Raises:
+        ShardError: a key that is present but not an integer (or "none" for the limit).
+    """
+    raw_total, raw_limit = meta.extra.get("zaec:n_total"), meta.extra.get("zaec:limit", "none")
+    if raw_total is None:
+        return None
+    try:
+        n_total = int(raw_total)
+        limit = None if raw_limit in ("none", "") else int(raw_limit)
+    except ValueError:
+        raise ShardError(f"{path}: metadata 'zaec:n_total'/'zaec:limit' must be integers (limit: or \"none\"), "
+                         f"got {raw_total!r}/{raw_limit!r}") from None
+    return n_total if limit is None else min(limit, n_total)
+
+
+def run_completeness(members: Sequence[tuple[Path, ShardMeta]]) -> Completeness:
+    """Rows present against rows announced for the shards of one run (footers only, no logit is read).
+
+    The announced count is the largest any shard states (shards of a resumed run agree; a reader given a subset of
+    the parts sees the shortfall).
+    """
+    paths = [Path(p) for p, _ in members]
+    n_rows = 0
+    for p in paths:
+        try:
+            n_rows += pq.ParquetFile(p).metadata.num_rows
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+            raise ShardError(f"{p}: not a readable Parquet file ({error_line(e)})") from None
+    expected = [expected_rows(m, p) for p, m in members]
+    known = [e for e in expected if e is not None]
+    folders = {p.parent for p in paths}
+    marker = (next(iter(folders)) / COMPLETE_MARKER).is_file() if len(folders) == 1 else None
+    return Completeness(members[0][1].key, n_rows, max(known) if known else None, marker, len(paths))

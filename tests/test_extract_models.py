@@ -19,7 +19,7 @@ from extract_fixtures import (
     tiny_model_dir,  # noqa: F401  (pytest fixture)
 )
 
-from extract.models import ModelError, load_model, resolve_device
+from extract.models import ModelError, load_model, resolve_device, skip_random_init
 
 EPS32 = torch.finfo(torch.float32).eps  # float32 tolerances below are multiples of it
 
@@ -41,6 +41,45 @@ def test_local_dir_loads_config_and_weights(tiny_model, tiny_model_dir):  # noqa
     sd = load_file(str(tiny_model_dir / "open_clip_model.safetensors"))
     for k, v in m.model.state_dict().items():
         assert torch.equal(v, sd[k]), k
+
+
+@pytest.mark.parametrize("kind", ["local-dir", "file", "jit"])
+def test_loading_without_random_init_gives_the_same_model(tmp_path, kind):
+    """load_model skips the random initialisation that the strict load overwrites: every parameter and every
+    buffer (the non-persistent attention mask too) equals that of a model built the usual way and loaded after."""
+    import open_clip
+    d = make_tiny_model_dir(tmp_path / "m")
+    if kind == "local-dir":
+        got, ref = load_model(None, f"local-dir:{d}", "cpu").model, open_clip.create_model(f"local-dir:{d}")
+    else:
+        ckpt = make_tiny_checkpoint(tmp_path / ("t.safetensors" if kind == "file" else "t.pt"),
+                                    fmt="safetensors" if kind == "file" else "jit")
+        got = load_model(TINY_ARCH, str(ckpt), "cpu").model
+        if kind == "file":
+            ref = open_clip.create_model(TINY_ARCH, pretrained=str(ckpt))
+        else:
+            from extract.models import torchscript_state_dict
+            ref = open_clip.create_model(TINY_ARCH)
+            expected = set(ref.state_dict())
+            ref.load_state_dict({k: v for k, v in torchscript_state_dict(ckpt).items() if k in expected})
+    for name, t in [*ref.named_parameters(), *ref.named_buffers()]:
+        other = dict([*got.named_parameters(), *got.named_buffers()])[name]
+        assert torch.equal(other, t), name
+    # the initialisers are back: they draw again outside the block
+    x = torch.full((64,), 7.0)
+    with skip_random_init():
+        torch.nn.init.normal_(x)
+        assert torch.equal(x, torch.full((64,), 7.0))
+    torch.nn.init.normal_(x)
+    assert not torch.equal(x, torch.full((64,), 7.0))
+
+
+def test_lazy_tokenizer_tokenises_as_open_clip(tiny_model, tiny_model_dir):  # noqa: F811
+    import open_clip
+    texts = ["a photo of a cat.", "a dog"]
+    got = tiny_model.tokenizer(texts)
+    assert got.shape == (2, 32)  # the model's own context length
+    assert torch.equal(got, open_clip.get_tokenizer(f"local-dir:{tiny_model_dir}")(texts))
 
 
 def test_local_dir_without_model_name_uses_folder_name(tmp_path):

@@ -25,6 +25,7 @@ from extract.methods.tpt import (
     OTPT,
     TPT,
     AdamWState,
+    EpisodicTuner,
     adamw_step,
     atfd,
     householder_orthogonality,
@@ -35,7 +36,8 @@ from extract.text_encoder import PromptTextEncoder, TextEncoderError
 
 NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
 K = len(NAMES)
-EPISODIC = ("tpt", "ctpt", "otpt", "tps")
+# every registered episodic tuner (TPT, C-TPT, O-TPT, A-TPT, TPS, and any added later)
+EPISODIC = tuple(k for k, cls in REGISTRY.items() if issubclass(cls, EpisodicTuner))
 # float32 tolerances: the tiny text tower reduces over width 32, so a unit-norm feature may move by ~32 eps when
 # the summation order changes (threads, AVX2 vs AVX-512 kernels, batch shapes); logits carry the logit scale.
 EPS32 = torch.finfo(torch.float32).eps
@@ -714,7 +716,7 @@ def test_default_configs_follow_the_spec():
     for ds in HPARAMS_KEYS:
         imagenet_family = ds in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
         shift = imagenet_family and ds != "imagenet"
-        tpt, ctpt, otpt, tps = (get_method(k).default_config(ds, "RN50") for k in EPISODIC)
+        tpt, ctpt, otpt, tps = (get_method(k).default_config(ds, "RN50") for k in ("tpt", "ctpt", "otpt", "tps"))
         assert (tpt.n_views, tpt.lr, tpt.selection_p, tpt.tta_steps, tpt.weight_decay) == (64, 5e-3, 0.1, 1, 0.01)
         assert tpt.augmix == (not imagenet_family) and tpt.ctx_init == "a photo of a" and tpt.prompts == "single"
         assert ctpt.augmix == otpt.augmix == (ds != "imagenet")

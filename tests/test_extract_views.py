@@ -8,7 +8,8 @@ import torch
 from PIL import Image
 
 from extract.models import Preprocess
-from extract.views import N_AUG_VIEWS, ViewGenerator, random_resized_crop_box, view_policy
+from extract.views import (AUGMIX_OPS, N_AUG_VIEWS, ViewGenerator, random_resized_crop_box, reference_augmented,
+                           view_policy)
 
 PRE = Preprocess(size=(32, 32), mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
 # the same uint8 pixels on both sides; /255, -mean, /std in float32 round values |v| <= 1/std by a few eps
@@ -114,3 +115,57 @@ def test_crop_flip_view_matches_torchvision_resized_crop():
         ref = TF.hflip(ref)
     ref = TF.normalize(TF.to_tensor(ref), PRE.mean, PRE.std)
     torch.testing.assert_close(got, ref, atol=PIXEL_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["crop_flip", "augmix"])
+@pytest.mark.parametrize("size,mode,seed", [((45, 37), "RGB", 0), ((120, 90), "RGB", 3), ((31, 64), "L", 5),
+                                            ((500, 375), "RGB", 11)])
+def test_fast_views_equal_the_obvious_implementation_bit_for_bit(policy, size, mode, seed):
+    """The fast path (in-place arithmetic, translations as crops) gives the very floats of the obvious per-view
+    code: PIL for every operation, AugMix's affine translations, images mixed in [0, 1], then normalised."""
+    img = _img(seed, size).convert(mode).convert("RGB")
+    gen = ViewGenerator(PRE, policy, seed=seed)
+    for sid in (0, 17):
+        torch.testing.assert_close(gen.augmented(img, sid), reference_augmented(gen, img, sid), atol=0, rtol=0)
+
+
+def test_augmix_equals_tpt_order_of_operations_up_to_rounding():
+    """TPT normalises each image and mixes normalised tensors; mixing in [0, 1] first is the same affine map since
+    the weights m + (1 - m) * sum(w) sum to 1. The two differ by float32 rounding only: each side rounds about eight
+    times (conversion, normalisation, three weighted terms and their sums, the final mix) at values of magnitude at
+    most B = max |(0 or 1) - mean| / std, and the float32 weights sum to 1 within a few eps."""
+    mean, std = np.array(PRE.mean), np.array(PRE.std)
+    bound = float(np.max(np.maximum(mean, 1 - mean) / std))
+    atol = 16 * np.finfo(np.float32).eps * bound
+    gen = ViewGenerator(PRE, "augmix", seed=2)
+    worst = 0.0
+    for seed in range(4):
+        img = _img(seed, (70, 52))
+        got = gen.augmented(img, seed)
+        ref = reference_augmented(gen, img, seed, mix_space="normalised")
+        torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+        worst = max(worst, float((got - ref).abs().max()))
+    assert worst > 0  # the two orders really are different computations
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_whole_pixel_translation_equals_pil_bilinear_affine(axis):
+    """Every shift AugMix can draw at severity 1 for a 224 px view (|t| <= 7), and larger ones, both signs: the crop
+    equals PIL's bilinear affine transform pixel for pixel (zeros where the shifted image leaves the frame)."""
+    op = AUGMIX_OPS[7 + axis]
+    size = 40
+    img = _img(9, (size, size))
+    for t in list(range(-12, 13)) + [-size, size + 3]:
+        coeffs = (1, 0, t, 0, 1, 0) if axis == 0 else (1, 0, 0, 0, 1, t)
+        want = np.asarray(img.transform((size, size), Image.AFFINE, coeffs, resample=Image.BILINEAR))
+
+        class _Fixed:  # an rng whose draws give shift t: level = |t| / (size / 3) * 10 + tiny, sign from uniform()
+            def __init__(self):
+                self.calls = 0
+
+            def uniform(self, lo=0.0, hi=1.0):
+                self.calls += 1
+                return (abs(t) + 0.5) / (size / 3) * 10 if self.calls == 1 else (0.9 if t < 0 else 0.1)
+
+        got = np.asarray(op(img, _Fixed(), size))
+        assert got.shape == want.shape and np.array_equal(got, want), t

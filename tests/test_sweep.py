@@ -33,7 +33,9 @@ from extract.sweep.plan import (
     SweepError,
     error_line,
     expand_grid,
+    fmt_hours,
     group_runs,
+    load_rates,
     manifest_frame,
     manifest_path,
     method_overrides,
@@ -188,6 +190,72 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert res.exit_code == 0, res.output
     assert "120 run(s) to submit in 60 group(s)" in " ".join(res.output.split()) and "GPU-hours" in res.output
     assert not out.exists()
+
+
+# rates as `python -m extract.bench_gpu --json` writes them (tests/test_bench_gpu.py checks that writer)
+RATES_DOC = {"version": 1, "device": "test", "backbones": {
+    "ViT-B-16": {"encoder_images_per_s": 6000.0, "single_view_images_per_s": 4000.0, "crop_flip_views_per_s": 5000.0,
+                 "augmix_views_per_s": 2000.0, "fixed_cost": {"process_s": 10.0},
+                 "adapt_samples_per_s": {"tpt": {"47": 40.0, "200": 10.0, "1000": 2.0}, "tps": {"47": 100.0}}}}}
+
+
+def _write_rates(path, doc=RATES_DOC):
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_measured_rates_price_the_plan(tmp_path):
+    """With --rates, a group costs overhead + images x views / measured rate + images / measured samples/s (TPT
+    linear in K between the measured class counts, C-TPT priced as TPT); what the file lacks keeps the guesses."""
+    rates = load_rates(str(_write_rates(tmp_path / "r.json")))
+    assert rates.adapt("ViT-B-16", "tpt", 47) == pytest.approx(1 / 40)
+    assert rates.adapt("ViT-B-16", "tpt", 600) == pytest.approx(0.1 + (0.5 - 0.1) * 400 / 800)
+    assert rates.adapt("ViT-B-16", "ctpt", 1000) == pytest.approx(0.5)
+    assert rates.adapt("ViT-B-16", "tpt", 10) == pytest.approx(max(0.0, 1 / 40 - (0.1 - 1 / 40) * 37 / 153))
+    assert rates.adapt("ViT-B-16", "tps", 500) == pytest.approx(0.01) and rates.adapt("RN50", "tpt", 47) is None
+    runs = expand_grid(Grid(("tpt", "ctpt", "tda", "zero-shot"), ("imagenet", "dtd"), ("ViT-B-16", "RN50")),
+                       out=tmp_path)
+    for g in group_runs(runs):
+        r0 = g.runs[0]
+        n, k = TEST_SIZES[r0.dataset], NUM_CLASSES[r0.dataset]
+        guess = {m: ADAPT_S_PER_SAMPLE[m] + ADAPT_S_PER_SAMPLE_CLASS.get(m, 0.0) * k for m in g.methods}
+        if r0.backbone == "ViT-B-16":
+            per_view = {"single": 1 / 4000, "crop_flip": 1 / 5000, "augmix": 1 / 2000}[r0.policy]
+            tpt = 1 / 40 if k == 47 else 0.5
+            adapt = sum(tpt if m in ("tpt", "ctpt") else guess[m] for m in g.methods)
+            want = 10.0 + n * (1 if r0.policy == "single" else 64) * per_view + n * adapt
+        else:
+            want = g.estimate_hours() * 3600
+        assert g.estimate_hours(rates) * 3600 == pytest.approx(want)
+    out = tmp_path / "o"
+    args = ("run", "--methods", "tpt", "--datasets", "imagenet", "--out", str(out), "--dry-run")
+    a, b = _cli(*args), _cli(*args, "--rates", str(tmp_path / "r.json"))
+    assert a.exit_code == b.exit_code == 0, a.output + b.output
+    assert "rates measured in" in " ".join(b.output.split()) and "fixed guesses" in " ".join(a.output.split())
+    want_h = (10.0 + 50000 * 64 / 5000 + 50000 * 0.5) / 3600  # TPT: crop+flip views
+    assert f"about {fmt_hours(want_h)} GPU-hours" in " ".join(b.output.split()) and not out.exists()
+    # `retry` rebuilds the options from the manifest: a rates file removed since falls back to the guesses
+    kept = sweep.ExecOptions.from_dict({"rates": str(tmp_path / "r.json")})
+    gone = sweep.ExecOptions.from_dict({"rates": str(tmp_path / "gone.json")})
+    assert kept.cost() is not None and gone.cost() is None
+
+
+@pytest.mark.parametrize("doc,message", [
+    ("not json", "cannot read a JSON file"),
+    (json.dumps({"version": 2, "backbones": {}}), "expected the JSON of `python -m extract.bench_gpu --json`"),
+    (json.dumps({"version": 1, "backbones": {"RN50": {"single_view_images_per_s": 0}}}),
+     "backbone RN50: expected a positive number at 'single_view_images_per_s', got 0"),
+    (json.dumps({"version": 1, "backbones": {"RN50": {**RATES_DOC["backbones"]["ViT-B-16"],
+                                                      "adapt_samples_per_s": {"tpt": {"many": 3.0}}}}}),
+     "class counts of 'tpt' must be integers"),
+])
+def test_a_bad_rates_file_is_one_line(doc, message, tmp_path):
+    (tmp_path / "bad.json").write_text(doc)
+    load_rates.cache_clear()
+    res = runner.invoke(sweep.app, ["run", "--methods", "tda", "--datasets", "dtd", "--out", str(tmp_path / "o"),
+                                    "--rates", str(tmp_path / "bad.json"), "--dry-run"])
+    assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output + res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_default_command_is_run(tmp_path, capsys):
@@ -484,6 +552,20 @@ def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_
     with pytest.raises(SweepError, match=r"1 finished run\(s\) used other settings .*tda.*method_config"):
         sweep.sweep_run(other, sweep.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
                         console=Console(file=io.StringIO()))
+    assert not manifest_path(tmp_path / "out").exists()
+
+    # the same grid after an image was touched: the finished runs no longer match their images (issue 14)
+    same = expand_grid(Grid(("zero-shot", "tda"), ("dtd",), (), pretrained=f"local-dir:{tiny_model_dir}"),
+                       out=tmp_path / "out", data_root=data_root)
+    img = sorted(Path(data_root).rglob("*.png"))[0]
+    st = os.stat(img)
+    os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        with pytest.raises(SweepError, match=r"2 finished run\(s\) used other settings .*\(data_fingerprint\)"):
+            sweep.sweep_run(same, sweep.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
+                            console=Console(file=io.StringIO()))
+    finally:
+        os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert not manifest_path(tmp_path / "out").exists()
 
 

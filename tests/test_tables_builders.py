@@ -395,7 +395,11 @@ def test_temperature_scaling_source_per_seed_and_fixed(tmp_path, make_meta, rng)
     assert np.all(fixed.runs[RunKey("ViT-B-16", "dtd", "tda", 1)].calibrated["temperature"].temperature == 1.5)
     none = load_summaries([tmp_path], ["none", "temperature"], ts_source="eurosat")
     assert "temperature" not in none.runs[RunKey("ViT-B-16", "dtd", "tda", 1)].calibrated
-    assert none.notes == ["temperature scaling skipped for ViT-B-16/tda: no labelled source shards of dataset "
+    # these shards carry no zaec:n_total (as another writer's): the first note says completeness was not checked
+    assert none.notes == ["completeness not checked for 4 run(s) whose shards carry no 'zaec:n_total' (written by "
+                          "another tool?): ViT-B-16/dtd/tda/seed=1, ViT-B-16/dtd/tda/seed=2, "
+                          "ViT-B-16/imagenet/tda/seed=1, ViT-B-16/imagenet/tda/seed=2",
+                          "temperature scaling skipped for ViT-B-16/tda: no labelled source shards of dataset "
                           "'eurosat' (choose one with --ts-source or fix T with --temperature)"]
 
 

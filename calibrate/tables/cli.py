@@ -3,7 +3,7 @@
     zaec-calibrate tables SHARDS... [--out results] [--bootstrap 1000] [--seed 0] [--bins 20]
                           [--ts-source imagenet] [--temperature T] [--reference-dataset imagenet_a]
                           [--fig1-methods tpt,tda] [--fig2b-methods M,...|all] [--boundary-dataset caltech101]
-                          [--boundary-method dpe] [--drop-nonfinite] [--quiet]
+                          [--boundary-method dpe] [--drop-nonfinite] [--allow-partial] [--quiet]
 
 A user error ends in one line on stderr and exit code 2, never a traceback.
 """
@@ -61,6 +61,9 @@ def tables(
     boundary_dataset: str = typer.Option(layout.BOUNDARY_DATASET, help="dataset of Figure 4 (paper: caltech101)"),
     boundary_method: str = typer.Option(layout.BOUNDARY_METHOD, help="method of Figure 4 (paper: dpe)"),
     drop_nonfinite: bool = typer.Option(False, "--drop-nonfinite", help="drop rows with NaN/inf logits (reported)"),
+    allow_partial: bool = typer.Option(False, "--allow-partial",
+                                       help="use runs whose shards hold fewer samples than their writer announced "
+                                            "(each such run is noted); default: stop naming the run"),
     quiet: bool = typer.Option(False, "--quiet", help="print only errors"),
 ) -> None:
     """Regenerate the paper's tables and figures from the shards under SHARDS into OUT."""
@@ -88,6 +91,7 @@ def tables(
         with progress:
             summaries = load_summaries(
                 shards, ALL_SPECS, ts_source=ts_source, temperature=temperature, drop_nonfinite=drop_nonfinite,
+                allow_partial=allow_partial,
                 on_run=lambda key, i, n: progress.update(task, completed=i, total=n),
             )
         t1 = time.perf_counter()

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from calibrate.calibrators import TemperatureScaling, parse_calibrator, softmax_stats
-from calibrate.run import resolve_ts_sources
+from calibrate.run import check_complete, resolve_ts_sources
 from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
 #: (zs_logits (n, K), tta_logits (n, K)) -> per-sample temperatures (n,)
@@ -241,6 +241,7 @@ def load_summaries(
     ts_source: str | None = "imagenet",
     temperature: float | None = None,
     drop_nonfinite: bool = False,
+    allow_partial: bool = False,
     on_run: Callable[[RunKey, int, int], None] | None = None,
 ) -> Summaries:
     """Find, group and stream every run under `paths` into per-sample summaries.
@@ -250,13 +251,16 @@ def load_summaries(
     else every seed pooled (`calibrate.run.resolve_ts_sources`, as `zaec-calibrate` does), streamed; or fixed to
     `temperature`; without a source it is skipped with a note.
 
+    A run whose shards hold fewer samples than announced stops the load (PartialRunError) unless `allow_partial`
+    (`calibrate.run.check_complete`; then a note names it).
+
     Raises:
-        ShardError: no shards, or a shard that violates the contract.
+        ShardError: no shards, a shard that violates the contract, or an incomplete run (PartialRunError).
         ValueError: an unknown calibrator spec.
     """
     cals = {spec: parse_calibrator(spec) for spec in specs if spec != "temperature"}
     groups = group_shards(find_shards(paths))
-    out = Summaries()
+    out = Summaries(notes=check_complete(groups, allow_partial))
     fitted: dict[RunKey, float] = {}
     if "temperature" in specs and temperature is not None:
         t = float(TemperatureScaling(T=temperature).temperature_)
@@ -280,8 +284,11 @@ def load_summaries(
                         shard = _checked(shard, drop_nonfinite, [])
                         yield shard.tta_logits, shard.label
 
-                cache[ck] = float(TemperatureScaling().fit(batches=batches).temperature_)
+                ts = TemperatureScaling().fit(batches=batches)
+                cache[ck] = float(ts.temperature_)
                 out.temperatures[desc] = cache[ck]
+                if ts.at_bound_:
+                    out.notes.append(ts.describe_fit(desc))
             fitted[key] = cache[ck]
         for backbone, method in sorted(missing):
             out.notes.append(

@@ -5,6 +5,7 @@ Adding a method is one new module plus one entry in `REGISTRY`; the tests are pa
 
 from __future__ import annotations
 
+from extract.methods.atpt import ATPT
 from extract.methods.base import (
     HPARAMS_KEYS,
     MethodConfig,
@@ -19,7 +20,7 @@ from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.zero_shot import ZeroShot
 
-REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, TPS)}
+REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS)}
 
 
 def get_method(key: str) -> type[TTAMethod]:

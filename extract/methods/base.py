@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -92,6 +93,13 @@ class MethodConfig:
             if choices is not None and value not in choices:
                 raise ValueError(f"{type(self).__qualname__}.{f.name}: expected one of "
                                  f"{', '.join(map(repr, choices))}, got {value!r}")
+            if hints[f.name] is float and not math.isfinite(value):
+                raise ValueError(f"{type(self).__qualname__}.{f.name} must be a finite number, got {value!r}")
+            if hints[f.name] is int and value < 0:
+                raise ValueError(f"{type(self).__qualname__}.{f.name} must be >= 0, got {value!r}")
+            # `*_p` fields are fractions of the views (selection_p: the confident views kept)
+            if f.name.endswith("_p") and hints[f.name] is float and not 0.0 < value <= 1.0:
+                raise ValueError(f"{type(self).__qualname__}.{f.name} is a fraction in (0, 1], got {value!r}")
         if self.n_views < 1:
             raise ValueError(f"{type(self).__qualname__}.n_views must be >= 1, got {self.n_views}")
 

@@ -34,6 +34,7 @@ from extract.sweep.plan import (
     Grid,
     Group,
     Manifest,
+    Rates,
     RunSpec,
     SweepError,
     check_data,
@@ -43,6 +44,7 @@ from extract.sweep.plan import (
     fmt_hours,
     group_runs,
     is_complete,
+    load_rates,
     locked_manifest,
     manifest_frame,
     new_token,
@@ -86,6 +88,8 @@ class ExecOptions:
         array_parallelism: at most this many array tasks at once (SLURM `--array=0-N%P`).
         slurm_setup: shell lines run before the job (e.g. `source /path/.venv/bin/activate`).
         local_jobs: processes the local executor runs side by side (1 = the groups one after the other).
+        rates: JSON of `python -m extract.bench_gpu --json`: estimates (plan, SLURM time limit, local packing) use
+            its measured rates instead of the fixed guesses of `extract.sweep.plan`.
     """
 
     executor: str = "local"
@@ -100,6 +104,7 @@ class ExecOptions:
     array_parallelism: int = 256
     slurm_setup: tuple[str, ...] = ()
     local_jobs: int = 1
+    rates: str | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -113,6 +118,11 @@ class ExecOptions:
             raise SweepError(f"--timeout-min must be >= 1, got {self.timeout_min}")
         if self.mem_gb is not None and self.mem_gb <= 0:
             raise SweepError(f"--mem-gb must be > 0, got {self.mem_gb}")
+        self.cost()  # a bad --rates file fails here, before anything is planned
+
+    def cost(self) -> Rates | None:
+        """The measured rates of `--rates`, or None (the fixed guesses)."""
+        return None if self.rates is None else load_rates(str(self.rates))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -124,6 +134,8 @@ class ExecOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["slurm_setup"] = tuple(kw.get("slurm_setup", ()))
+        if kw.get("rates") and not Path(kw["rates"]).is_file():
+            kw["rates"] = None  # the rates file of the first submission is gone: `retry` prices with the guesses
         return cls(**kw)
 
 
@@ -138,7 +150,7 @@ def slurm_parameters(opts: ExecOptions, groups: Sequence[Group]) -> dict[str, An
         "nodes": 1,
         "ntasks_per_node": 1,
         "cpus_per_task": opts.cpus_per_job,
-        "time": opts.timeout_min if opts.timeout_min is not None else default_timeout_min(groups),
+        "time": opts.timeout_min if opts.timeout_min is not None else default_timeout_min(groups, opts.cost()),
         "array_parallelism": opts.array_parallelism,
         "signal_delay_s": 120,
     }
@@ -214,7 +226,7 @@ def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: 
             ex.update_parameters(**slurm_parameters(opts, groups))
             jobs = ex.submit_array([GroupJob([g], token) for g in groups])
             return list(zip(groups, jobs))
-        packs = pack_groups(groups, opts.local_jobs)
+        packs = pack_groups(groups, opts.local_jobs, opts.cost())
         ex = submitit.LocalExecutor(folder=folder, max_num_timeout=3)
         pairs = []
         for pack, mine in zip(packs, local_gpu_assignment(len(packs), opts.gpus_per_job, _visible_gpus())):
@@ -408,8 +420,9 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
                 out: Path, console: Any) -> None:
     from rich.table import Table
 
-    df = plan_frame(groups)
-    t = Table(title="sweep plan (GPU-hours: an estimate, see extract/sweep/plan.py)")
+    df = plan_frame(groups, opts.cost())
+    priced = f"the rates measured in {opts.rates}" if opts.rates else "fixed guesses (extract/sweep/plan.py)"
+    t = Table(title=f"sweep plan (GPU-hours: an estimate from {priced})")
     for h in ("group (backbone/dataset/views/seed)", "methods", "images", "views", "est. GPU-h"):
         t.add_column(h, justify="right" if h in ("images", "views", "est. GPU-h") else "left")
     for r in df.iter_rows(named=True):
@@ -427,9 +440,9 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
         console.print(sbatch_preview(opts, groups, sweep_dir(out) / "submitit"), markup=False, highlight=False,
                       soft_wrap=True)
     else:
-        packs = pack_groups(groups, opts.local_jobs)
+        packs = pack_groups(groups, opts.local_jobs, opts.cost())
         for i, pack in enumerate(packs):
-            hours = sum(g.estimate_hours() for g in pack)
+            hours = sum(g.estimate_hours(opts.cost()) for g in pack)
             ids = [g.group_id for g in pack]
             shown = ", ".join(ids[:4]) + (f", ... ({len(ids) - 4} more)" if len(ids) > 4 else "")
             console.print(f"local job {i}: {len(pack)} group(s) one after the other, about {fmt_hours(hours)} h: "
@@ -665,6 +678,8 @@ def run(
     slurm_setup: List[str] = typer.Option([], "--slurm-setup", help="shell line run before each SLURM job, e.g. "
                                                                     "'source .venv/bin/activate' (repeatable)"),
     local_jobs: Optional[int] = typer.Option(None, help="local processes side by side [default: 1]"),
+    rates: Optional[Path] = typer.Option(None, "--rates", help="JSON of `python -m extract.bench_gpu --json` (make "
+                                                               "bench-gpu): price the plan with its measured rates"),
     wait: Optional[bool] = typer.Option(None, "--wait/--no-wait", help="wait for the jobs and show the result "
                                                                        "[default: wait with local, not with slurm]"),
     skip_data_check: bool = typer.Option(False, "--skip-data-check",
@@ -693,7 +708,7 @@ def run(
             "executor": executor, "partition": partition, "account": account, "qos": qos, "constraint": constraint,
             "gpus_per_job": gpus_per_job, "cpus_per_job": cpus_per_job, "mem_gb": mem_gb,
             "timeout_min": timeout_min, "array_parallelism": array_parallelism, "slurm_setup": slurm_setup,
-            "local_jobs": local_jobs})
+            "local_jobs": local_jobs, "rates": str(rates) if rates is not None else None})
         runs = expand_grid(grid, out=out_dir, data_root=root, cache_dir=cache, cupl_dir=cupl,
                            limit=_pick(limit, cfg, "limit"), anchor=str(_pick(anchor, cfg, "anchor", "single")),
                            device=_pick(device, cfg, "device"), workers=_pick(workers, cfg, "workers"),

@@ -72,11 +72,11 @@ ENCODE_S_PER_VIEW: dict[str, float] = {"vit": 1 / 1000, "rn": 1 / 1500}
 #: DPE and DLAE one AdamW step on the prototype residuals per sample (DLAE adds its reflection step); TPS one AdamW
 #: step on a (K, D) shift for a batch of samples at once.
 ADAPT_S_PER_SAMPLE: dict[str, float] = {"zero-shot": 0.0001, "tda": 0.003, "dpe": 0.025, "dlae": 0.03, "tps": 0.005,
-                                        "tpt": 0.005, "ctpt": 0.005, "otpt": 0.005}
+                                        "tpt": 0.005, "ctpt": 0.005, "otpt": 0.005, "atpt": 0.005}
 #: ... plus GPU-seconds per sample and class, for the methods that run the text encoder per sample: the TPT family
 #: does one forward + backward and one forward of the text transformer over the K prompts per sample (about
 #: 25 GFLOP per prompt at ~100 TFLOP/s effective fp16), so ImageNet's 1000 classes cost ~0.25 s a sample.
-ADAPT_S_PER_SAMPLE_CLASS: dict[str, float] = {"tpt": 2.5e-4, "ctpt": 2.5e-4, "otpt": 2.5e-4}
+ADAPT_S_PER_SAMPLE_CLASS: dict[str, float] = {"tpt": 2.5e-4, "ctpt": 2.5e-4, "otpt": 2.5e-4, "atpt": 2.5e-4}
 #: Adaptation cost assumed for a registered method missing from the tables above (flagged in the plan).
 DEFAULT_ADAPT_S_PER_SAMPLE = 0.03
 #: Per-job overhead: start-up, model load, text prototypes (seconds).
@@ -88,6 +88,83 @@ NUM_CLASSES: dict[str, int] = {
     "oxford_pets": 37, "stanford_cars": 196, "sun397": 397, "ucf101": 101,
 }
 DEMO_NUM_CLASSES = 10
+
+
+#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT tune the same prompts with the same
+#: text-encoder passes per sample as TPT (their extra loss terms cost little next to them).
+RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt"}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Rates measured on one device by `python -m extract.bench_gpu --json FILE`, by backbone: what `--rates FILE`
+    prices a sweep with instead of the fixed guesses above (backbones and methods it did not measure keep those).
+
+    Attributes:
+        source: the file.
+        encode_s: (backbone, view policy) -> seconds per view through loader and encoder.
+        adapt_s: (backbone, method) -> ((K, seconds per sample), ...) sorted by K.
+        overhead_s: backbone -> seconds of a process's fixed cost.
+    """
+
+    source: str
+    encode_s: Mapping[tuple[str, str], float]
+    adapt_s: Mapping[tuple[str, str], tuple[tuple[int, float], ...]]
+    overhead_s: Mapping[str, float]
+
+    def adapt(self, backbone: str, method: str, k: int) -> float | None:
+        """Seconds per sample at K classes: linear between the measured K, the end segments extended beyond them
+        (the TPT family's cost grows linearly in K), never below zero; None when not measured."""
+        pts = self.adapt_s.get((backbone, RATE_PROXY.get(method, method)))
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1]
+        (k0, s0), (k1, s1) = (pts[0], pts[1]) if k <= pts[0][0] else (pts[-2], pts[-1]) if k >= pts[-1][0] else \
+            next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= k <= b[0])
+        return max(0.0, s0 + (s1 - s0) * (k - k0) / (k1 - k0))
+
+
+def _positive(doc: Mapping[str, Any], key: str, where: str) -> float:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise SweepError(f"{where}: expected a positive number at {key!r}, got {v!r}")
+    return float(v)
+
+
+@functools.lru_cache(maxsize=8)
+def load_rates(path: str) -> Rates:
+    """Read the JSON of `python -m extract.bench_gpu --json` (format version 1). Raises SweepError naming the file
+    and the key when it is not such a file."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SweepError(f"--rates {path}: cannot read a JSON file ({e})") from None
+    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("backbones"), dict) \
+            or not doc["backbones"]:
+        raise SweepError(f"--rates {path}: expected the JSON of `python -m extract.bench_gpu --json` (version 1, "
+                         "a 'backbones' object)")
+    enc: dict[tuple[str, str], float] = {}
+    adapt: dict[tuple[str, str], tuple[tuple[int, float], ...]] = {}
+    over: dict[str, float] = {}
+    for bb, r in doc["backbones"].items():
+        where = f"--rates {path}, backbone {bb}"
+        if not isinstance(r, dict):
+            raise SweepError(f"{where}: expected an object, got {r!r}")
+        enc[(bb, "single")] = 1.0 / _positive(r, "single_view_images_per_s", where)
+        enc[(bb, "crop_flip")] = 1.0 / _positive(r, "crop_flip_views_per_s", where)
+        enc[(bb, "augmix")] = 1.0 / _positive(r, "augmix_views_per_s", where)
+        if isinstance(r.get("fixed_cost"), dict):
+            over[bb] = _positive(r["fixed_cost"], "process_s", where)
+        for method, per_k in (r.get("adapt_samples_per_s") or {}).items():
+            if not isinstance(per_k, dict) or not per_k:
+                raise SweepError(f"{where}: expected {{K: samples/s}} for {method!r}, got {per_k!r}")
+            try:
+                pts = sorted((int(k), 1.0 / _positive(per_k, k, where)) for k in per_k)
+            except ValueError:
+                raise SweepError(f"{where}: class counts of {method!r} must be integers, got {list(per_k)}") from None
+            adapt[(bb, method)] = tuple(pts)
+    return Rates(str(path), enc, adapt, over)
 
 
 def _listed_size(dataset: str) -> tuple[int, int] | None:
@@ -116,10 +193,26 @@ def _table_size(dataset: str) -> tuple[int, int] | None:
     return _listed_size(dataset)
 
 
-def adapt_seconds(method: str, dataset: str) -> float:
-    """Estimated adaptation GPU-seconds per sample of `method` on `dataset` (see the tables above)."""
+def adapt_seconds(method: str, dataset: str, backbone: str | None = None, rates: Rates | None = None) -> float:
+    """Estimated adaptation GPU-seconds per sample of `method` on `dataset`: measured (`rates`) where it holds the
+    backbone and method, else the tables above."""
     k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
+    measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
+    if measured is not None:
+        return measured
     return ADAPT_S_PER_SAMPLE.get(method, DEFAULT_ADAPT_S_PER_SAMPLE) + ADAPT_S_PER_SAMPLE_CLASS.get(method, 0.0) * k
+
+
+def encode_seconds(backbone: str, policy: str, rates: Rates | None = None) -> float:
+    """Estimated GPU-seconds per encoded view: measured (`rates`) for this backbone and policy, else the table."""
+    measured = rates.encode_s.get((backbone, policy)) if rates is not None else None
+    return measured if measured is not None else ENCODE_S_PER_VIEW[_family(backbone)]
+
+
+def overhead_seconds(backbone: str, rates: Rates | None = None) -> float:
+    """Fixed seconds of one job: measured (`rates`) for this backbone, else JOB_OVERHEAD_S."""
+    measured = rates.overhead_s.get(backbone) if rates is not None else None
+    return measured if measured is not None else JOB_OVERHEAD_S
 
 
 def n_images(dataset: str, limit: int | None = None) -> int:
@@ -227,14 +320,15 @@ class Group:
     def methods(self) -> tuple[str, ...]:
         return tuple(r.method for r in self.runs)
 
-    def estimate_hours(self) -> float:
-        """Estimated GPU-hours: one encoding pass of the group's views plus each method's adaptation."""
+    def estimate_hours(self, rates: Rates | None = None) -> float:
+        """Estimated GPU-hours: one encoding pass of the group's views plus each method's adaptation, priced with
+        the measured `rates` where they cover it, else with the fixed guesses."""
         r0 = self.runs[0]
         n = n_images(r0.dataset, r0.limit)
         views = 1 if r0.policy == "single" else 64
-        enc = n * views * ENCODE_S_PER_VIEW[_family(r0.backbone)]
-        adapt = sum(n * adapt_seconds(r.method, r.dataset) for r in self.runs)
-        return (JOB_OVERHEAD_S + enc + adapt) / 3600.0
+        enc = n * views * encode_seconds(r0.backbone, r0.policy, rates)
+        adapt = sum(n * adapt_seconds(r.method, r.dataset, r.backbone, rates) for r in self.runs)
+        return (overhead_seconds(r0.backbone, rates) + enc + adapt) / 3600.0
 
 
 def group_runs(runs: Sequence[RunSpec]) -> list[Group]:
@@ -253,7 +347,7 @@ def group_runs(runs: Sequence[RunSpec]) -> list[Group]:
     return [Group(tuple(v)) for v in groups.values()]
 
 
-def pack_groups(groups: Sequence[Group], n_jobs: int) -> list[list[Group]]:
+def pack_groups(groups: Sequence[Group], n_jobs: int, rates: Rates | None = None) -> list[list[Group]]:
     """Split groups over at most `n_jobs` jobs, longest estimate first onto the least loaded job (LPT).
 
     Used by the local executor, where jobs share one machine; SLURM gets one array task per group.
@@ -262,10 +356,10 @@ def pack_groups(groups: Sequence[Group], n_jobs: int) -> list[list[Group]]:
         raise SweepError(f"--local-jobs must be >= 1, got {n_jobs}")
     packs: list[list[Group]] = [[] for _ in range(min(n_jobs, len(groups)))]
     loads = [0.0] * len(packs)
-    for g in sorted(groups, key=lambda g: -g.estimate_hours()):  # stable: equal estimates keep their order
+    for g in sorted(groups, key=lambda g: -g.estimate_hours(rates)):  # stable: equal estimates keep their order
         i = loads.index(min(loads))
         packs[i].append(g)
-        loads[i] += g.estimate_hours()
+        loads[i] += g.estimate_hours(rates)
     return packs
 
 
@@ -480,26 +574,34 @@ def is_complete(run: RunSpec) -> bool:
     return run_is_complete(run.out, run.key, limit=run.limit)
 
 
-def settings_mismatch(run: RunSpec) -> str | None:
-    """For a complete run: the recorded settings (method config, anchor) that differ from this sweep's, else None.
+def settings_mismatch(run: RunSpec, data_cache: dict[tuple[str, str | None], dict[str, str]] | None = None
+                      ) -> str | None:
+    """For a complete run: the recorded settings (method config, anchor, data root and data fingerprint) that
+    differ from this sweep's, else None.
 
     The extractor refuses to reuse such a run without `--force`; the sweep reports it before submitting anything.
+    The data fingerprint (one `os.stat` per image) is computed once per (dataset, data root) in `data_cache`.
     """
-    from extract.runner import COMPLETE_MARKER, plan_run
+    from extract.runner import COMPLETE_MARKER, data_identity, plan_run
 
     info = read_json(run.shard_dir / COMPLETE_MARKER) or {}
     recorded = info.get("settings") or {}
     plan = plan_run(run.method, run.dataset, backbone=run.backbone_arg, pretrained=run.pretrained, seed=run.seed,
                     overrides=dict(run.overrides) or None, anchor=run.anchor, limit=run.limit)
+    data_cache = {} if data_cache is None else data_cache
+    if (run.dataset, run.data_root) not in data_cache:
+        run.register_dataset()
+        data_cache[(run.dataset, run.data_root)] = data_identity(run.dataset, run.data_root)
     wanted = {"method_config": json.loads(json.dumps(dataclasses.asdict(plan.config), default=str)),
-              "anchor": run.anchor}
+              "anchor": run.anchor, **data_cache[(run.dataset, run.data_root)]}
     diff = [k for k, v in wanted.items() if k in recorded and recorded[k] != v]
     return ", ".join(diff) or None
 
 
 def check_finished_settings(runs: Sequence[RunSpec]) -> None:
     """Raise SweepError when complete runs were made with other settings than the sweep asks for."""
-    bad = [(r, d) for r in runs if (d := settings_mismatch(r))]
+    data_cache: dict[tuple[str, str | None], dict[str, str]] = {}
+    bad = [(r, d) for r in runs if (d := settings_mismatch(r, data_cache))]
     if bad:
         r, d = bad[0]
         raise SweepError(f"{len(bad)} finished run(s) used other settings than this sweep, e.g. {r.run_id} "
@@ -638,7 +740,7 @@ def new_token() -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # tables (polars DataFrames; the CLI renders them)
 
-def plan_frame(groups: Sequence[Group]) -> "Any":
+def plan_frame(groups: Sequence[Group], rates: Rates | None = None) -> "Any":
     """One row per group: group, backbone, dataset, policy, seed, methods, runs, images, views, est. GPU-hours."""
     import polars as pl
 
@@ -648,7 +750,7 @@ def plan_frame(groups: Sequence[Group]) -> "Any":
         n = n_images(r0.dataset, r0.limit)
         rows.append({"group": g.group_id, "backbone": r0.backbone, "dataset": r0.dataset, "policy": r0.policy,
                      "seed": r0.seed, "methods": ",".join(g.methods), "runs": len(g.runs), "images": n,
-                     "views": n * (1 if r0.policy == "single" else 64), "gpu_hours": g.estimate_hours()})
+                     "views": n * (1 if r0.policy == "single" else 64), "gpu_hours": g.estimate_hours(rates)})
     schema = {"group": pl.Utf8, "backbone": pl.Utf8, "dataset": pl.Utf8, "policy": pl.Utf8, "seed": pl.Int64,
               "methods": pl.Utf8, "runs": pl.Int64, "images": pl.Int64, "views": pl.Int64, "gpu_hours": pl.Float64}
     return pl.DataFrame(rows, schema=schema)
@@ -670,8 +772,8 @@ def fmt_hours(h: float) -> str:
     return f"{h:.2f}" if h < 10 else f"{h:.0f}"
 
 
-def default_timeout_min(groups: Sequence[Group]) -> int:
+def default_timeout_min(groups: Sequence[Group], rates: Rates | None = None) -> int:
     """SLURM time limit when `--timeout-min` is not given: twice the longest group's estimate, at least an hour,
     rounded up to 30 minutes (a run that still times out resumes from its shards on `retry` or requeue)."""
-    longest = max((g.estimate_hours() for g in groups), default=0.0)
+    longest = max((g.estimate_hours(rates) for g in groups), default=0.0)
     return max(60, int(math.ceil(2 * longest * 60 / 30.0)) * 30)

@@ -1,0 +1,395 @@
+"""`make bench-gpu`: how close extraction runs to the image encoder's limit, measured in one run on one device.
+
+For each backbone (a random ViT-B-16 and RN50 written as safetensors, loaded through `local-dir:` like real
+weights) on synthetic JPEGs of about 500x375 px, it measures, in this order:
+
+    ceiling      the image encoder alone on preprocessed tensors already on the device (images/s, batch 256)
+    single       one view per image from JPEG through the loader and the encoder (`encode_pass`, images/s)
+    crop_flip    64 views per image (views/s), and augmix the same with AugMix views
+    fixed cost   wall seconds of a `zaec-extract` process that finds every feature in its cache (imports, weights,
+                 text prototypes, loader start: what a process pays before its first new image), and its phases
+    tpt, tps     samples/s of the adaptation alone from cached 64-view features, at K = 47, 200 and 1000 classes;
+                 TPT at K = 1000 also with larger `pass_budget`s (samples tuned per pass) and their peak memory
+    per core     views/s of one thread generating views (no GPU), and the loader's efficiency: the 64-view rates
+                 over `--workers` times that (1.0 = the loader processes scale perfectly)
+
+and prints each as a ratio to the ceiling measured in the same run: images/s or views/s over the ceiling (1.0 = the
+encoder's pace), the fixed cost as the images the encoder could have encoded meanwhile, a TPT sample as the
+encoder's time for its 64 views over the adaptation's time (above 1: adapting is faster than encoding). `--json`
+writes every figure; `zaec-sweep --dry-run --rates FILE` prices a sweep with them (docs/sweep.md).
+
+    python -m extract.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
+    python -m extract.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
+
+Without CUDA (and without `--device cpu`) it stops with one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import typer
+
+from extract.bench import view_rate, write_image_set
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+#: format of the `--json` file (read by `zaec-sweep --rates`)
+RATES_VERSION = 1
+#: the class counts of the TPT/TPS measurement: DTD, ImageNet-A/-R, ImageNet
+DEFAULT_KS = (47, 200, 1000)
+#: a small CLIP for `--tiny` (the CPU smoke run): 64 px input, 2 layers
+TINY_CFG = {"embed_dim": 64, "quick_gelu": True,
+            "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "head_width": 32, "patch_size": 16},
+            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2}}
+
+
+def _fail(msg: str) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs built on the spot: weights and JPEGs
+
+def write_model_dir(path: Path, backbone: str, tiny: bool) -> Path:
+    """A random open_clip model (the named architecture, or TINY_CFG) as `local-dir:` files; fixed seed."""
+    import open_clip
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = TINY_CFG if tiny else open_clip.get_model_config(backbone)
+    if cfg is None:
+        raise ValueError(f"unknown open_clip architecture {backbone!r}")
+    torch.manual_seed(0)
+    model = open_clip.CLIP(**cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    name = f"bench-tiny-{backbone}" if tiny else backbone
+    (path / "open_clip_config.json").write_text(json.dumps({"model_name": name, "model_cfg": cfg}))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "open_clip_model.safetensors"))
+    return path
+
+
+def write_jpeg_set(root: Path, n: int, seed: int = 0) -> Path:
+    """`n` photograph-like 500x375 JPEGs of 47 classes in the dtd layout; returns the data root."""
+    return write_image_set(root, n, n_classes=47, size=(500, 375), ext="jpg", seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measurements
+
+def _sync(device: Any) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def encoder_ceiling(model: Any, batch_size: int, min_seconds: float) -> float:
+    """Images/s of `model.encode_images` on a random preprocessed batch already on the device."""
+    import torch
+
+    s = model.preprocess.size
+    x = torch.randn(batch_size, 3, s[0], s[1], generator=torch.Generator().manual_seed(0)).to(model.device)
+    model.encode_images(x)  # warm-up (cuDNN autotuning, allocator)
+    _sync(model.device)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        model.encode_images(x)
+        n += batch_size
+        _sync(model.device)
+        if time.perf_counter() - t0 >= min_seconds and n >= 2 * batch_size:
+            return n / (time.perf_counter() - t0)
+
+
+def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *, batch_size: int,
+                workers: int) -> float:
+    """Views/s of `encode_pass` (loader processes, view generation, encoder) over the first `n` images of the set
+    into an empty feature cache. Each view counts; a single-view pass counts images."""
+    from extract.cache import FeatureCache
+    from extract.datasets import load_testset
+    from extract.runner import encode_pass, stream_permutation
+
+    ts = load_testset("dtd", root)
+    perm = stream_permutation("dtd", 1, len(ts))
+    dim = int(model.model.text_projection.shape[1])
+    cache = FeatureCache(cache_dir, model.fingerprint, "dtd", ts.fingerprint(), 1, len(ts), dim, model.cache_dtype,
+                         stream_fp=f"bench-{policy}")
+    _sync(model.device)
+    t0 = time.perf_counter()
+    done = encode_pass(model, ts, perm, cache, policy, n, seed=1, batch_size=batch_size,  # type: ignore[arg-type]
+                       workers=workers)
+    _sync(model.device)
+    views = 1 if policy == "single" else 64
+    return done * views / (time.perf_counter() - t0)
+
+
+def adapt_rate(model: Any, method: str, k: int, min_seconds: float, pass_budget: int | None = None) -> float:
+    """Samples/s of `method.adapt` on random 64-view features of K classes (the adaptation alone, as the runner
+    feeds it from the feature cache). Calls of up to 64 samples (the runner's `adapt_batch`), sized from a timed
+    2-sample warm-up so that K = 1000 stays within the time budget."""
+    import torch
+    import torch.nn.functional as F
+
+    from extract.methods import get_method
+    from extract.runner import build_method
+
+    names = [f"class {c}" for c in range(k)]
+    text = model.text_prototypes([[f"a photo of a {n}."] for n in names])
+    cls = get_method(method)
+    config = cls.default_config("dtd", model.backbone)
+    if pass_budget is not None:
+        config = dataclasses.replace(config, pass_budget=pass_budget)
+    obj = build_method(cls, config, text, model, backbone=model.backbone, dataset="dtd", class_names=names)
+    gen = torch.Generator().manual_seed(0)
+
+    def feats(b: int) -> torch.Tensor:
+        return F.normalize(torch.randn(b, 64, text.shape[1], generator=gen), dim=-1).to(model.device)
+
+    t0 = time.perf_counter()
+    obj.adapt(feats(2))  # warm-up, also sizes the timed calls
+    _sync(model.device)
+    per_sample = (time.perf_counter() - t0) / 2
+    b = int(min(64, max(2, min_seconds / 3 / max(per_sample, 1e-9))))
+    n, t0 = 0, time.perf_counter()
+    while n == 0 or time.perf_counter() - t0 < min_seconds:
+        obj.adapt(feats(b))
+        _sync(model.device)
+        n += b
+    return n / (time.perf_counter() - t0)
+
+
+def pass_budget_rate(model: Any, k: int, pass_budget: int, min_seconds: float) -> dict[str, Any]:
+    """TPT samples/s at K classes with `pass_budget` (sample x class rows per tuning pass), and the peak device
+    memory of the measurement: what sizing the passes from free memory (issue 13, item 3) would gain."""
+    import torch
+
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(model.device)
+    try:
+        rate = adapt_rate(model, "tpt", k, min_seconds, pass_budget=pass_budget)
+    except torch.cuda.OutOfMemoryError:
+        return {"samples_per_s": None, "error": "out of memory"}
+    peak = torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else None
+    return {"samples_per_s": rate, "samples_per_pass": max(1, pass_budget // k), "peak_gib": peak}
+
+
+def fixed_cost(model_dir: Path, root: Path, work: Path, device: str, workers: int) -> dict[str, float]:
+    """Wall seconds of a `zaec-extract` process (zero-shot) whose features are all cached: started, timed from
+    outside, after a first process filled the cache; plus the phases of a probe process (`_probe`)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "extract.cli", "--method", "zero-shot", "--dataset", "dtd",
+           "--pretrained", f"local-dir:{model_dir}", "--data-root", str(root), "--cache-dir", str(work / "cache"),
+           "--device", device, "--workers", str(workers), "--quiet"]
+    for i in range(2):
+        t0 = time.perf_counter()
+        subprocess.run(cmd + ["--out", str(work / f"out{i}")], check=True, env=env, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+    probe = subprocess.run([sys.executable, "-m", "extract.bench_gpu", "probe", str(model_dir), str(root),
+                            "--device", device, "--workers", str(workers)],
+                           check=True, env=env, capture_output=True, text=True)
+    return {"process_s": wall, **json.loads(probe.stdout.strip().splitlines()[-1])}
+
+
+@app.command("probe", hidden=True)
+def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), workers: int = typer.Option(0)) -> None:
+    """Phases of a process's fixed cost, each timed in this fresh process; prints one JSON line."""
+    t0 = time.perf_counter()
+    import torch  # noqa: F401
+
+    from extract import runner
+    t_import = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model = runner.load_model(None, f"local-dir:{model_dir}", device)
+    t_weights = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ts = runner.load_testset("dtd", root)
+    prompts = runner.build_prompt_set("dtd", ts.class_names, policy="single")
+    model.text_prototypes(prompts.per_class)
+    _sync(model.device)
+    t_protos = time.perf_counter() - t0
+    from extract.views import ViewGenerator
+    t0 = time.perf_counter()
+    gen = ViewGenerator(model.preprocess, "single", seed=1)
+    data = runner._ViewData(ts, runner.stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
+    next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
+    t_loader = time.perf_counter() - t0
+    print(json.dumps({"import_s": t_import, "weights_s": t_weights, "prototypes_s": t_protos,
+                      "loader_start_s": t_loader}))
+
+
+def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_single: Path, root_multi: Path,
+                   n_single: int, n_multi: int, batch_size: int, workers: int, ks: Sequence[int],
+                   methods: Sequence[str], min_seconds: float, with_fixed_cost: bool,
+                   say: Any, pass_budgets: Sequence[int] = ()) -> dict[str, Any]:
+    from extract.models import load_model
+
+    model_dir = write_model_dir(work / f"model-{backbone}", backbone, tiny)
+    model = load_model(None, f"local-dir:{model_dir}", device)
+    r: dict[str, Any] = {"image_size": int(model.preprocess.size[0])}
+    r["encoder_images_per_s"] = encoder_ceiling(model, batch_size, min_seconds)
+    say(f"{backbone}: encoder ceiling {r['encoder_images_per_s']:,.0f} images/s")
+    r["single_view_images_per_s"] = encode_rate(model, root_single, "single", n_single, work / f"c-{backbone}-1",
+                                                batch_size=batch_size, workers=workers)
+    for policy in ("crop_flip", "augmix"):
+        r[f"{policy}_views_per_s"] = encode_rate(model, root_multi, policy, n_multi, work / f"c-{backbone}-{policy}",
+                                                 batch_size=batch_size, workers=workers)
+    say(f"{backbone}: single {r['single_view_images_per_s']:,.0f} images/s, crop+flip "
+        f"{r['crop_flip_views_per_s']:,.0f} views/s, AugMix {r['augmix_views_per_s']:,.0f} views/s")
+    r["adapt_samples_per_s"] = {m: {str(k): adapt_rate(model, m, k, min_seconds) for k in ks} for m in methods}
+    say(f"{backbone}: adaptation samples/s {r['adapt_samples_per_s']}")
+    if pass_budgets and ks:
+        r["tpt_by_pass_budget"] = {"k": max(ks), **{str(b): pass_budget_rate(model, max(ks), b, min_seconds)
+                                                     for b in pass_budgets}}
+        say(f"{backbone}: TPT at K = {max(ks)} by pass_budget {r['tpt_by_pass_budget']}")
+    del model
+    if with_fixed_cost:
+        r["fixed_cost"] = fixed_cost(model_dir, root_single, work / f"fc-{backbone}", device, workers)
+        say(f"{backbone}: fixed cost {r['fixed_cost']['process_s']:.1f} s")
+    return r
+
+
+def ratios(r: dict[str, Any]) -> dict[str, Any]:
+    """Every figure of one backbone relative to its encoder ceiling (see the module docstring)."""
+    c = r["encoder_images_per_s"]
+    out: dict[str, Any] = {"single_view": r["single_view_images_per_s"] / c,
+                           "crop_flip": r["crop_flip_views_per_s"] / c, "augmix": r["augmix_views_per_s"] / c}
+    if "fixed_cost" in r:
+        out["fixed_cost_images"] = r["fixed_cost"]["process_s"] * c
+    out["adapt"] = {m: {k: v / (c / 64) for k, v in per_k.items()} for m, per_k in r["adapt_samples_per_s"].items()}
+    return out
+
+
+def _table(results: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"extraction vs the image encoder's ceiling ({results['device']}; one run)")
+    for col in ("backbone", "measurement", "rate", "ratio to ceiling"):
+        t.add_column(col, justify="right" if col != "measurement" else "left")
+    for bb, r in results["backbones"].items():
+        q = r["ratios"]
+        t.add_row(bb, "encoder alone (ceiling)", f"{r['encoder_images_per_s']:,.0f} img/s", "1.00")
+        t.add_row("", "single view from JPEG", f"{r['single_view_images_per_s']:,.0f} img/s", f"{q['single_view']:.2f}")
+        t.add_row("", "64 views crop+flip", f"{r['crop_flip_views_per_s']:,.0f} views/s", f"{q['crop_flip']:.2f}")
+        t.add_row("", "64 views AugMix", f"{r['augmix_views_per_s']:,.0f} views/s", f"{q['augmix']:.2f}")
+        if "fixed_cost" in r:
+            fc = r["fixed_cost"]
+            t.add_row("", "fixed cost of a process", f"{fc['process_s']:.1f} s",
+                      f"{q['fixed_cost_images']:,.0f} images")
+            t.add_row("", "  import / weights / prototypes / loader",
+                      f"{fc['import_s']:.1f} / {fc['weights_s']:.1f} / {fc['prototypes_s']:.1f} / "
+                      f"{fc['loader_start_s']:.1f} s", "")
+        for m, per_k in r["adapt_samples_per_s"].items():
+            for k, v in per_k.items():
+                t.add_row("", f"{m.upper()} K = {k}", f"{v:,.2f} samples/s", f"{q['adapt'][m][k]:.3f}")
+        for b, v in r.get("tpt_by_pass_budget", {}).items():
+            if b != "k":
+                rate = "out of memory" if v["samples_per_s"] is None else f"{v['samples_per_s']:,.2f} samples/s"
+                mem = "" if v.get("peak_gib") is None else f"peak {v['peak_gib']:.1f} GiB"
+                t.add_row("", f"  TPT K = {r['tpt_by_pass_budget']['k']}, pass_budget {b}", rate, mem)
+    console.print(t)
+    console.print("ratio: rate / ceiling; fixed cost: images the encoder encodes in that time; TPT/TPS: the "
+                  "encoder's time for a sample's 64 views / the adaptation's time per sample.")
+
+
+@app.command("run")
+def run(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write every figure to this JSON file"),
+    backbones: str = typer.Option("ViT-B-16,RN50", help="comma-separated open_clip architectures (random weights)"),
+    device: str = typer.Option("cuda", help="torch device; cpu only for a smoke run (with --tiny)"),
+    tiny: bool = typer.Option(False, "--tiny", help="a small model and few images instead (a smoke run)"),
+    images: Optional[int] = typer.Option(None, help="JPEGs of the single-view pass (default 4096; tiny 8)"),
+    multi_view_images: Optional[int] = typer.Option(None, help="JPEGs of each 64-view pass (default 96; tiny 2)"),
+    batch_size: Optional[int] = typer.Option(None, help="images per encoder call (default 256; tiny 64)"),
+    workers: Optional[int] = typer.Option(None, help="loader processes (default min(16, CPUs); tiny 0)"),
+    ks: str = typer.Option(",".join(map(str, DEFAULT_KS)), help="class counts of the TPT/TPS measurement"),
+    methods: str = typer.Option("tpt,tps", help="adaptation methods to time"),
+    seconds: Optional[float] = typer.Option(None, help="least seconds per timed rate (default 3; tiny 0.2)"),
+    fixed_cost_: bool = typer.Option(True, "--fixed-cost/--no-fixed-cost", help="time a fresh process"),
+    pass_budgets: str = typer.Option("2048,8192", help="TPT pass_budget values timed at the largest K (empty: "
+                                                       "none)"),
+) -> None:
+    """Measure and print the rates and their ratios to the encoder ceiling."""
+    import torch
+    from rich.console import Console
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise _fail("bench-gpu needs a CUDA device and torch.cuda.is_available() is False here; "
+                    "for a smoke run on the CPU use --device cpu --tiny")
+    if not device.startswith("cuda") and not tiny:
+        raise _fail(f"--device {device} runs the full-size models on the CPU for hours; add --tiny for a smoke run")
+    try:
+        k_list = [int(k) for k in ks.split(",") if k.strip()]
+        budgets = [int(b) for b in pass_budgets.split(",") if b.strip()]
+    except ValueError:
+        raise _fail(f"--ks and --pass-budgets expect comma-separated integers, got {ks!r} and {pass_budgets!r}") \
+            from None
+    bbs = [b.strip() for b in backbones.split(",") if b.strip()]
+    n_single = images if images is not None else (8 if tiny else 4096)
+    n_multi = multi_view_images if multi_view_images is not None else (2 if tiny else 96)
+    bs = batch_size if batch_size is not None else (64 if tiny else 256)
+    nw = workers if workers is not None else (0 if tiny else min(16, os.cpu_count() or 1))
+    secs = seconds if seconds is not None else (0.2 if tiny else 3.0)
+    console = Console()
+    say = (lambda msg: console.print(msg, highlight=False))
+    t_all = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="zaec-bench-gpu-"))
+    try:
+        root_single = write_jpeg_set(work / "data-single", max(n_single, 1))
+        root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 1), seed=1)
+        dev = torch.device(device)
+        results: dict[str, Any] = {
+            "version": RATES_VERSION, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "tiny": tiny, "workers": nw, "cpus": os.cpu_count(), "batch_size": bs, "backbones": {}}
+        for bb in bbs:
+            r = bench_backbone(bb, tiny=tiny, device=device, work=work, root_single=root_single,
+                               root_multi=root_multi, n_single=n_single, n_multi=n_multi, batch_size=bs, workers=nw,
+                               ks=k_list, methods=[m.strip() for m in methods.split(",") if m.strip()],
+                               min_seconds=secs, with_fixed_cost=fixed_cost_, say=say, pass_budgets=budgets)
+            r["ratios"] = ratios(r)
+            results["backbones"][bb] = r
+        # the CPU side alone: views/s of one thread, to read the loader's efficiency against
+        per_core = {p: view_rate(p, seconds=min(secs, 1.0)) for p in ("crop_flip", "augmix")}
+        results["views_per_core"] = per_core
+        if nw:  # how much of `workers` times one thread's rate the pass delivered (1.0: perfect scaling)
+            for r in results["backbones"].values():
+                r["ratios"]["loader_efficiency"] = {p: r[f"{p}_views_per_s"] / (nw * per_core[p]) for p in per_core}
+        results["seconds"] = time.perf_counter() - t_all
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _table(results, console)
+    console.print(f"one thread: {results['views_per_core']['crop_flip']:,.0f} crop+flip views/s, "
+                  f"{results['views_per_core']['augmix']:,.0f} AugMix views/s; {nw} loader processes; "
+                  f"whole run {results['seconds']:.0f} s")
+    for bb, r in results["backbones"].items():
+        if "loader_efficiency" in r["ratios"]:
+            eff = r["ratios"]["loader_efficiency"]
+            console.print(f"{bb}: 64-view rate / ({nw} x one thread): crop+flip {eff['crop_flip']:.2f}, AugMix "
+                          f"{eff['augmix']:.2f} (1.0 = the processes scale perfectly; below it, the GPU or the "
+                          "transfer sets the pace)")
+    if json_out is not None:
+        from schemas.atomic import atomic_path
+        with atomic_path(json_out) as tmp:
+            Path(tmp).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        console.print(f"wrote {json_out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("run", "probe", "--help"):
+        args = ["run"] + args  # `python -m extract.bench_gpu [options]` runs the benchmark
+    app(args=args, prog_name="python -m extract.bench_gpu")
+
+
+if __name__ == "__main__":
+    main()

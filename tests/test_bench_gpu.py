@@ -1,0 +1,73 @@
+"""`make bench-gpu` (extract.bench_gpu): the CPU smoke run with a small model exercises every measurement, writes
+a JSON that `zaec-sweep --rates` reads, and the ratios are the rates over the ceiling of the same run; without
+CUDA the GPU run stops with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from extract import bench_gpu
+from extract.sweep.plan import load_rates
+
+runner = CliRunner()
+
+
+def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
+    out = tmp_path / "rates.json"
+    res = runner.invoke(bench_gpu.app, ["run", "--device", "cpu", "--tiny", "--backbones", "ViT-B-16", "--ks", "5,12",
+                                        "--methods", "tps", "--images", "3", "--multi-view-images", "1",
+                                        "--no-fixed-cost", "--seconds", "0.05", "--pass-budgets", "12,24",
+                                        "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    r = doc["backbones"]["ViT-B-16"]
+    for key in ("encoder_images_per_s", "single_view_images_per_s", "crop_flip_views_per_s", "augmix_views_per_s"):
+        assert r[key] > 0, key
+    assert set(r["adapt_samples_per_s"]["tps"]) == {"5", "12"}
+    q = r["ratios"]
+    assert q["augmix"] == pytest.approx(r["augmix_views_per_s"] / r["encoder_images_per_s"])
+    assert q["adapt"]["tps"]["5"] == pytest.approx(r["adapt_samples_per_s"]["tps"]["5"] * 64
+                                                   / r["encoder_images_per_s"])
+    assert doc["views_per_core"]["augmix"] > 0 and doc["tiny"] is True
+    by_budget = r["tpt_by_pass_budget"]
+    assert by_budget["k"] == 12 and by_budget["24"]["samples_per_pass"] == 2 and by_budget["12"]["samples_per_s"] > 0
+    rates = load_rates(str(out))
+    assert rates.encode_s[("ViT-B-16", "augmix")] == pytest.approx(1 / r["augmix_views_per_s"])
+    assert "encoder alone" in res.output
+
+
+def test_probe_times_the_phases_of_a_process(tmp_path):
+    from extract.bench import write_image_set
+    model_dir = bench_gpu.write_model_dir(tmp_path / "m", "ViT-B-16", tiny=True)
+    root = write_image_set(tmp_path / "d", 2, size=(50, 40), ext="jpg")
+    res = runner.invoke(bench_gpu.app, ["probe", str(model_dir), str(root), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    phases = json.loads(res.output.strip().splitlines()[-1])
+    assert set(phases) == {"import_s", "weights_s", "prototypes_s", "loader_start_s"}
+    assert all(v >= 0 for v in phases.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_one_line_and_exit_2():
+    res = runner.invoke(bench_gpu.app, ["run"])
+    assert res.exit_code == 2
+    assert "needs a CUDA device" in res.stderr and "--device cpu --tiny" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.output + res.stderr
+
+
+def test_bad_class_counts_are_one_line():
+    res = runner.invoke(bench_gpu.app, ["run", "--device", "cpu", "--tiny", "--ks", "a,b"])
+    assert res.exit_code == 2 and "--ks and --pass-budgets expect comma-separated integers" in res.stderr
+
+
+def test_loader_rates_of_make_bench_extract():
+    """The loader line of `make bench-extract`: the runner's loader with worker processes and one thread doing the
+    same items both deliver views (the values depend on the machine; only that they are measured is checked)."""
+    from extract.bench import loader_rates, view_rate
+    many, one = loader_rates("crop_flip", 1, 3, size=32)
+    assert many > 0 and one > 0
+    assert view_rate("crop_flip", seconds=0.01, reference=True) > 0

@@ -1,0 +1,99 @@
+"""Partial runs: `zaec-calibrate` and `zaec-calibrate tables` stop on a run whose shards hold fewer samples than
+their writer announced (one line naming the run and the counts, exit 2), unless --allow-partial (then noted)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from calibrate.cli import main
+from calibrate.run import calibrate_paths, check_complete
+from calibrate.synthetic import synthetic_logits
+from schemas import COMPLETE_MARKER, PartialRunError, find_shards, group_shards, run_completeness, shard_path, \
+    write_shard
+
+
+def _write_run(root, make_meta, rng, *, n=64, parts=4, dataset="imagenet", limit=None, announce=True,
+               keep=None, marker=True):
+    """A run of `n` samples in `parts` parts, announcing n_total = n (and `limit`); only parts `keep` are kept."""
+    extra = {"zaec:n_total": str(n), "zaec:limit": "none" if limit is None else str(limit)} if announce else {}
+    meta = make_meta(dataset=dataset, k=4, extra=extra)
+    n_run = n if limit is None else min(limit, n)
+    y, zs, tta = synthetic_logits(n_run, 4, rng)
+    written = []
+    for i, idx in enumerate(np.array_split(np.arange(n_run), parts)):
+        if keep is None or i in keep:
+            written.append(write_shard(shard_path(root, meta.key, i), meta, idx, y[idx], zs[idx], tta[idx],
+                                       stream_pos=idx))
+    if marker:
+        (written[0].parent / COMPLETE_MARKER).write_text(json.dumps({"n_samples": n_run, "n_total": n}))
+    return meta.key
+
+
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_completeness_counts(tmp_path, make_meta, rng):
+    _write_run(tmp_path / "a", make_meta, rng, keep={0, 1}, marker=False)
+    (key, members), = group_shards(find_shards([tmp_path / "a"])).items()
+    c = run_completeness(members)
+    assert (c.n_rows, c.n_expected, c.marker, c.n_shards, c.partial) == (32, 64, False, 2, True)
+    assert c.describe() == "32 of 64 samples in 2 shard(s), no completion marker"
+    # a limited run announces min(limit, n_total) and is complete with that many rows
+    _write_run(tmp_path / "b", make_meta, rng, limit=20, parts=2)
+    (_, members), = group_shards(find_shards([tmp_path / "b"])).items()
+    c = run_completeness(members)
+    assert (c.n_rows, c.n_expected, c.marker, c.partial) == (20, 20, True, False)
+
+
+@pytest.mark.parametrize("tables", [False, True], ids=["calibrate", "tables"])
+def test_partial_run_stops_unless_allowed(tmp_path, make_meta, rng, capsys, tables):
+    _write_run(tmp_path / "s", make_meta, rng, dataset="imagenet")  # complete
+    key = _write_run(tmp_path / "s", make_meta, rng, dataset="dtd", keep={0, 1}, marker=False)  # 2 of 4 parts
+    pre = ["tables"] if tables else []
+    post = ["--bootstrap", "0"] if tables else []
+    code, out, err = _cli([*pre, tmp_path / "s", "--out", tmp_path / "o", "--quiet", *post], capsys)
+    assert code == 2
+    line, = err.strip().splitlines()
+    assert f"run {key} is incomplete: 32 of 64 samples in 2 shard(s), no completion marker" in line
+    assert "--allow-partial" in line and "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # nothing written
+    code, out, err = _cli([*pre, tmp_path / "s", "--out", tmp_path / "o", *post, "--allow-partial"], capsys)
+    assert code in (0, None), err
+    notes = out + err
+    if not tables:
+        notes += json.dumps(json.loads((tmp_path / "o" / "notes.json").read_text())["notes"])
+    else:
+        notes += (tmp_path / "o" / "README.md").read_text()
+    assert f"{key}: PARTIAL run, 32 of 64 samples" in notes
+    assert "imagenet/tda/seed=1: PARTIAL" not in notes
+
+
+def test_one_part_given_alone_is_partial(tmp_path, make_meta, rng):
+    _write_run(tmp_path, make_meta, rng)
+    one = sorted(tmp_path.rglob("part-00001.parquet"))
+    with pytest.raises(PartialRunError, match="16 of 64 samples in 1 shard"):
+        calibrate_paths(one, calibrators="none")
+
+
+def test_other_writers_without_counts_keep_working(tmp_path, make_meta, rng):
+    _write_run(tmp_path, make_meta, rng, announce=False, keep={0}, marker=False)
+    report = calibrate_paths([tmp_path], calibrators="none")
+    assert int(report.metrics["n"][0]) == 16
+    assert any("completeness not checked for 1 run(s)" in n for n in report.notes)
+
+
+def test_check_complete_notes_only_partial_runs(tmp_path, make_meta, rng):
+    _write_run(tmp_path, make_meta, rng, dataset="dtd", limit=30, keep={0}, parts=2)  # marker, rows missing
+    _write_run(tmp_path, make_meta, rng, dataset="imagenet")
+    groups = group_shards(find_shards([tmp_path]))
+    with pytest.raises(PartialRunError, match=r"15 of 30 samples in 1 shard\(s\)"):
+        check_complete(groups)
+    notes = check_complete(groups, allow_partial=True)
+    assert len(notes) == 1 and "dtd" in notes[0] and "PARTIAL" in notes[0]
