@@ -546,6 +546,7 @@ def run_extraction(
     anchor: Anchor = "single",
     resume: bool = True,
     force: bool = False,
+    on_changed: Literal["refuse", "recompute"] = "refuse",
     cache_dir: str | os.PathLike | None = None,
     cupl_dir: str | os.PathLike | None = None,
     sh_filter: bool = False,
@@ -577,6 +578,9 @@ def run_extraction(
         anchor: "single" = zero-shot logits from "a photo of a {}." on view 0; "method" = the method's own prompts.
         resume: keep valid parts of an interrupted run (default); False recomputes every part.
         force: recompute even a finished run.
+        on_changed: what to do with a finished run whose settings differ from this run's (another method config,
+            data root, image files, ...): "refuse" (RunError naming what changed; the command line's behaviour) or
+            "recompute" it with a note (for a caller that owns its output folder, such as the demo).
         cache_dir: feature cache root (None: $ZAEC_CACHE_DIR, else data/cache).
         cupl_dir: CuPL prompt files (None: $ZAEC_CUPL_DIR).
         sh_filter: the TDA file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (spec §13.9), off by default.
@@ -598,6 +602,8 @@ def run_extraction(
     if part_size % adapt_batch:
         raise RunError(f"part_size ({part_size}) must be a multiple of adapt_batch ({adapt_batch})")
     check_run_options(batch_size=batch_size, workers=workers, out=out, cache_dir=cache_dir)
+    if on_changed not in ("refuse", "recompute"):
+        raise RunError(f"on_changed must be 'refuse' or 'recompute', got {on_changed!r}")
     if model is not None:
         backbone, pretrained = model.backbone, model.pretrained
     plan = plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
@@ -619,10 +625,14 @@ def run_extraction(
         old = info.get("settings")
         if old == settings:
             return [sdir / p for p in info["parts"]]
-        if not _predates_data_fingerprint(old, settings):
+        if _predates_data_fingerprint(old, settings):
+            _warn(f"{sdir}: the finished run predates data fingerprints (it cannot be checked against the images); "
+                  "recomputing it", _Progress(False), log)
+        elif on_changed == "recompute":
+            _warn(_settings_differ(sdir, old, settings).split("; use --force")[0] + "; recomputing it",
+                  _Progress(False), log)
+        else:
             raise RunError(_settings_differ(sdir, old, settings))
-        _warn(f"{sdir}: the finished run predates data fingerprints (it cannot be checked against the images); "
-              "recomputing it", _Progress(False), log)
         force = True
 
     if model is None:
@@ -695,6 +705,8 @@ def run_extraction(
                 break
             kv = _settings_kv(sh.meta)
             diff = _meta_diff(kv, meta_kv)
+            if diff and on_changed == "recompute":
+                break
             if diff:
                 raise RunError(f"{path} was written by a run with different settings ({', '.join(diff)}); "
                                f"use --force to overwrite it or write elsewhere with --out")

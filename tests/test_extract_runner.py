@@ -372,3 +372,22 @@ def test_all_parts_present_but_no_marker(tmp_path, tiny_model, data_root, runnin
     mtimes = {p: p.stat().st_mtime_ns for p in paths}
     assert _run(running_mean, tmp_path, tiny_model, data_root) == paths
     assert {p: p.stat().st_mtime_ns for p in paths} == mtimes and run_is_complete(tmp_path / "out", key)
+
+
+def test_changed_settings_recomputed_when_the_caller_owns_the_output(tmp_path, tiny_model, data_root,  # noqa: F811
+                                                                    running_mean):
+    """on_changed="recompute" (the demo's choice) recomputes a finished or partial run whose settings changed,
+    with a note, instead of refusing; the default still refuses (test above)."""
+    _run(running_mean, tmp_path, tiny_model, data_root)
+    notes: list[str] = []
+    paths = _run(running_mean, tmp_path, tiny_model, data_root, overrides={"weight": "1.5"},
+                 on_changed="recompute", log=notes.append)
+    assert read_shard(paths[0]).meta.method_config["weight"] == 1.5
+    assert any("different settings: method_config" in n and "recomputing" in n for n in notes)
+    marker = paths[0].parent / "_zaec_complete.json"
+    marker.unlink()  # a partial run with other settings: recomputed from its first part
+    paths = _run(running_mean, tmp_path, tiny_model, data_root, overrides={"weight": "2.5"},
+                 on_changed="recompute")
+    assert all(read_shard(p).meta.method_config["weight"] == 2.5 for p in paths)
+    with pytest.raises(RunError, match="on_changed must be"):
+        _run(running_mean, tmp_path, tiny_model, data_root, on_changed="ask")

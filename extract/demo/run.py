@@ -488,7 +488,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
                     paths = run_extraction(
                         method, key, backbone=None, pretrained=pretrained, data_root=cfg.data_root, out=cfg.shards,
                         seed=cfg.seed, device=cfg.device, cache_dir=cfg.cache, workers=cfg.workers, model=model,
-                        progress=False, log=log)
+                        progress=False, log=log, on_changed="recompute")  # the demo owns its shards
                     method_seconds[method] += time.perf_counter() - t_run
                     acc, zs_acc = _accuracy(paths)
                     if method == ZERO_SHOT_METHOD:
