@@ -449,3 +449,10 @@ def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_di
     (path,) = find_shards([out])
     meta = read_shard(path).meta
     assert meta.dataset == "derm" and meta.class_names == ("benign lesion", "malignant lesion")
+
+    # the finished run is reused with the same names, and refused (not silently kept) with other names
+    same = cli.invoke(sweep_cli.app, args + ["--dry-run"])
+    assert same.exit_code == 0 and "1 complete (skipped)" in " ".join(same.output.split()), same.output
+    names.write_text("harmless\nharmful\n")
+    changed = cli.invoke(sweep_cli.app, args + ["--dry-run"])
+    assert changed.exit_code == 2 and "(samples)" in changed.output, changed.output

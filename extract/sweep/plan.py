@@ -615,8 +615,8 @@ def is_complete(run: RunSpec) -> bool:
 
 def settings_mismatch(run: RunSpec, data_cache: dict[tuple[str, str | None], dict[str, str]] | None = None
                       ) -> str | None:
-    """For a complete run: the recorded settings (method config, anchor, data root and data fingerprint) that
-    differ from this sweep's, else None.
+    """For a complete run: the recorded settings (method config, anchor, sample list and class names, data root and
+    data fingerprint) that differ from this sweep's, else None.
 
     The extractor refuses to reuse such a run without `--force`; the sweep reports it before submitting anything.
     The data fingerprint (one `os.stat` per image) is computed once per (dataset, data root) in `data_cache`.
