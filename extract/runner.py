@@ -478,9 +478,11 @@ def _data_identity(testset: TestSet, data_root: str | os.PathLike | None, mode: 
 
 def data_identity(dataset: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False,
                   mode: str = "stat") -> dict[str, str]:
-    """`{"data_root": ..., "data_fingerprint": ...}` as a run of `dataset` would record them in its settings (for
-    checks outside a run, e.g. a sweep deciding whether a finished run still matches its images)."""
-    return _data_identity(load_testset(dataset, data_root, sh_filter=sh_filter), data_root, mode)
+    """`{"samples": ..., "data_root": ..., "data_fingerprint": ...}` as a run of `dataset` would record them in its
+    settings (for checks outside a run, e.g. a sweep deciding whether a finished run still matches its sample list,
+    class names and images)."""
+    testset = load_testset(dataset, data_root, sh_filter=sh_filter)
+    return {"samples": testset.fingerprint(), **_data_identity(testset, data_root, mode)}
 
 
 def _cache_key(testset: TestSet, data: Mapping[str, str]) -> str:

@@ -363,3 +363,96 @@ def test_sweep_cli_dry_run_with_imagenet_c_and_a_folder(tmp_path):
     res = cli.invoke(sweep_cli.app, ["run", "--methods", "tda", "--datasets", f"folder:{tmp_path / 'nope'}",
                                      "--out", str(out), "--dry-run"])
     assert res.exit_code == 2 and "is not a folder" in res.output and "Traceback" not in res.output
+
+
+def _sweep_folder_with_names(tmp_path: Path) -> tuple[Path, Path]:
+    root = make_folder(tmp_path / "scans", {"benign": ["a.png", "b.png"], "malignant": ["c.png"]})
+    names = tmp_path / "names.txt"
+    names.write_text("benign lesion\nmalignant lesion\n")
+    return root, names
+
+
+def test_sweep_class_names_per_dataset(tmp_path):
+    from extract.sweep import cli as sweep_cli
+    from extract.sweep.plan import Grid, expand_grid
+
+    root, names = _sweep_folder_with_names(tmp_path)
+    other = make_folder(tmp_path / "sat", {"x": ["1.png"], "y": ["2.png"]})
+    runs = expand_grid(Grid(("zero-shot", "tda"), (f"derm=folder:{root}", f"folder:{other}"),
+                            class_names=(("derm", str(names)),)), out=tmp_path / "out")
+    assert {(r.dataset, r.class_names_file) for r in runs} == {("derm", str(names.resolve())), ("sat", None)}
+    assert load_testset("derm").class_names == ("benign lesion", "malignant lesion")
+    assert load_testset("sat").class_names == ("x", "y")
+
+    # the option and the config file's table give the same plan
+    out = tmp_path / "out"
+    base = ["run", "--methods", "zero-shot", "--datasets", f"derm=folder:{root}", "--out", str(out), "--dry-run"]
+    by_option = cli.invoke(sweep_cli.app, base + ["--class-names", f"derm={names}"])
+    toml = tmp_path / "grid.toml"
+    toml.write_text(f'methods = "zero-shot"\ndatasets = ["derm=folder:{root}"]\nout = "{out}"\n'
+                    f'[class_names]\nderm = "{names}"\n')
+    ds._USER_SPECS.clear()
+    by_config = cli.invoke(sweep_cli.app, ["run", "--config", str(toml), "--dry-run"])
+    assert by_option.exit_code == 0 and by_config.exit_code == 0, by_option.output + by_config.output
+    assert "derm" in by_option.output and by_option.output == by_config.output
+    assert ds.dataset_source("derm") == (f"folder:{root.resolve()}", str(names.resolve()))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ("other={names}", "no folder:PATH or split:FILE.json dataset of --datasets is named 'other'; the sweep's own "
+                      "datasets: derm"),
+    ("dtd={names}", "no folder:PATH or split:FILE.json dataset of --datasets is named 'dtd'"),
+    ("{names}", "--class-names expects NAME=FILE"),
+    ("derm={missing}", "not a readable text file"),
+    ("derm={three}", "3 class name(s) for 2 class folder(s)"),
+])
+def test_sweep_class_names_errors(tmp_path, entry, needle):
+    from extract.sweep import cli as sweep_cli
+
+    root, names = _sweep_folder_with_names(tmp_path)
+    three = tmp_path / "three.json"
+    three.write_text('["a", "b", "c"]')
+    entry = entry.format(names=names, missing=tmp_path / "nope.txt", three=three)
+    out = tmp_path / "out"
+    res = cli.invoke(sweep_cli.app, ["run", "--methods", "tda", "--datasets", f"dtd,derm=folder:{root}",
+                                     "--class-names", entry, "--out", str(out), "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert needle in " ".join(res.output.split()) and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) <= 3  # one message (rich may wrap long paths)
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_dir):  # noqa: F811
+    from extract.sweep import cli as sweep_cli
+    from extract.sweep.plan import Manifest
+
+    root, names = _sweep_folder_with_names(tmp_path)
+    bad = root / "malignant" / "c.png"
+    good = bad.read_bytes()
+    bad.write_bytes(b"not an image")  # the first job fails on it; `retry` runs again after the fix
+    out = tmp_path / "out"
+    args = ["run", "--methods", "zero-shot", "--datasets", f"derm=folder:{root}", "--class-names", f"derm={names}",
+            "--pretrained", f"local-dir:{tiny_model_dir}", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
+            "--device", "cpu"]
+    res = cli.invoke(sweep_cli.app, args)
+    assert res.exit_code == 1, res.output
+    (row,) = Manifest.load(out).rows.values()
+    assert row["state"] == "failed" and "c.png" in row["error"]
+    assert row["spec"]["class_names_file"] == str(names.resolve())
+
+    bad.write_bytes(good)
+    ds._USER_SPECS.clear()  # `retry` finds the dataset and its class names in the manifest alone
+    res = cli.invoke(sweep_cli.app, ["retry", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    (path,) = find_shards([out])
+    meta = read_shard(path).meta
+    assert meta.dataset == "derm" and meta.class_names == ("benign lesion", "malignant lesion")
+
+    # the finished run is reused with the same names, and refused (not silently kept) with other names
+    same = cli.invoke(sweep_cli.app, args + ["--dry-run"])
+    assert same.exit_code == 0 and "1 complete (skipped)" in " ".join(same.output.split()), same.output
+    names.write_text("harmless\nharmful\n")
+    changed = cli.invoke(sweep_cli.app, args + ["--dry-run"])
+    assert changed.exit_code == 2 and "(samples)" in changed.output, changed.output

@@ -39,6 +39,7 @@ from extract.sweep.plan import (
     SweepError,
     check_data,
     check_finished_settings,
+    class_names_files,
     default_timeout_min,
     expand_grid,
     fmt_hours,
@@ -558,7 +559,7 @@ def sweep_retry(out: Path, overrides: Mapping[str, Any], *, dry_run: bool, wait:
 # ---------------------------------------------------------------------------------------------------------------
 # configuration file
 
-GRID_KEYS = ("methods", "datasets", "backbones", "seeds", "pretrained", "set")
+GRID_KEYS = ("methods", "datasets", "backbones", "seeds", "pretrained", "set", "class_names")
 RUN_KEYS = ("out", "data_root", "cache_dir", "cupl_dir", "limit", "anchor", "device", "workers", "batch_size",
             "skip_data_check", "wait")
 EXEC_KEYS = tuple(f.name for f in dataclasses.fields(ExecOptions))
@@ -643,6 +644,9 @@ def run(
     datasets: Optional[str] = typer.Option(None, help="comma-separated dataset keys, 'all' (the 15 of the paper), "
                                                       "'imagenet_c' (its 75 keys), folder:PATH, split:FILE.json, "
                                                       "NAME=folder:PATH"),
+    class_names: List[str] = typer.Option([], "--class-names", help="NAME=FILE: class names of the folder:/split: "
+                                                                    "dataset NAME, one per line or a JSON list, in "
+                                                                    "label order (repeatable)"),
     backbones: Optional[str] = typer.Option(
         None, help="comma-separated open_clip names (ViT-B-16,RN50), each optionally NAME=PRETRAINED; may be "
                    "omitted with --pretrained local-dir:DIR [default: ViT-B-16]"),
@@ -697,6 +701,7 @@ def run(
             seeds=parse_seeds(_pick(seeds, cfg, "seeds", "1")),
             pretrained=str(_pick(pretrained, cfg, "pretrained", "openai")),
             overrides=_as_tuple(_pick(set_, cfg, "set", ())),
+            class_names=tuple(class_names_files(_pick(class_names, cfg, "class_names")).items()),
         )
         if not grid.backbones and not grid.pretrained.startswith("local-dir:"):
             grid = dataclasses.replace(grid, backbones=("ViT-B-16",))

@@ -378,6 +378,8 @@ class Grid:
         seeds: stream/view seeds.
         pretrained: weights for every backbone without its own (`openai`, a file, `local-dir:DIR`).
         overrides: `--set` items: `key=value` for every method, or `method.key=value` for one method.
+        class_names: (dataset name, class-names file) pairs for a user's `folder:`/`split:` datasets (see
+            `class_names_files`).
     """
 
     methods: tuple[str, ...]
@@ -386,6 +388,7 @@ class Grid:
     seeds: tuple[int, ...] = (1,)
     pretrained: str = "openai"
     overrides: tuple[str, ...] = ()
+    class_names: tuple[tuple[str, str], ...] = ()
 
 
 def split_list(raw: str | Sequence[Any] | None, what: str) -> tuple[str, ...]:
@@ -451,18 +454,48 @@ def _split_backbone(entry: str, pretrained: str) -> tuple[str | None, str]:
     return (name or None), (weights if sep else pretrained)
 
 
-def expand_datasets(entries: Sequence[str]) -> tuple[str, ...]:
+def class_names_files(raw: Mapping[str, Any] | str | Sequence[Any] | None) -> dict[str, str]:
+    """`--class-names NAME=FILE` items (or the config's `class_names` table {NAME: FILE}) -> {NAME: FILE}.
+
+    Raises:
+        SweepError: an item that is not NAME=FILE, or one NAME given two files.
+
+    Example:
+        >>> class_names_files(["derm=names.txt"]) == class_names_files({"derm": "names.txt"}) == {"derm": "names.txt"}
+        True
+    """
+    if isinstance(raw, Mapping):
+        items = [(str(k).strip(), str(v).strip()) for k, v in raw.items()]
+    else:
+        items = []
+        for item in split_list(raw, "--class-names") if raw else ():
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise SweepError(f"--class-names expects NAME=FILE (NAME: a folder:/split: dataset of --datasets), "
+                                 f"got {item!r}")
+            items.append((name.strip(), path.strip()))
+    out: dict[str, str] = {}
+    for name, path in items:
+        if out.setdefault(name, path) != path:
+            raise SweepError(f"--class-names: dataset {name!r} is given two files ({out[name]} and {path})")
+    return out
+
+
+def expand_datasets(entries: Sequence[str], class_names: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """`--datasets` entries -> canonical dataset keys, in order, duplicates removed.
 
     `all` = the 15 of the paper; `imagenet_c` = its 75 keys, `imagenet_c:<corruption>` its 5 severities;
     `folder:PATH` / `split:FILE.json` a user's dataset named after its folder, `NAME=folder:PATH` named NAME
-    (registered in this process, see `extract.datasets.resolve_dataset`).
+    (registered in this process, see `extract.datasets.resolve_dataset`). `class_names` maps such a dataset's
+    canonical name to its class-names file.
 
     Raises:
-        SweepError: two different user datasets with one name. DatasetError: a bad reference or name.
+        SweepError: two different user datasets with one name, a `class_names` name that is no user dataset of
+            the entries. DatasetError: a bad reference, name or class-names file.
     """
     from extract.datasets import PAPER_DATASETS, dataset_source, expand_dataset_keys, resolve_dataset
 
+    class_names = class_names or {}
     out: list[str] = []
     refs: dict[str, str] = {}
     for d in entries:
@@ -471,6 +504,8 @@ def expand_datasets(entries: Sequence[str]) -> tuple[str, ...]:
             name, ref = "", d
         if ref.startswith(("folder:", "split:")):
             key = resolve_dataset(ref, name=name or None)
+            if key in class_names:
+                key = resolve_dataset(ref, name=key, class_names=class_names[key])
             source = dataset_source(key)
             if refs.setdefault(key, str(source)) != str(source):
                 raise SweepError(f"--datasets: two datasets are named {key!r}; name one with NAME=folder:PATH")
@@ -479,6 +514,10 @@ def expand_datasets(entries: Sequence[str]) -> tuple[str, ...]:
             raise SweepError(f"--datasets entry {d!r}: NAME=... names folder:PATH or split:FILE.json datasets only")
         else:
             out += PAPER_DATASETS if d == "all" else expand_dataset_keys(d)
+    unknown = [n for n in class_names if n not in refs]
+    if unknown:
+        raise SweepError(f"--class-names {unknown[0]}=...: no folder:PATH or split:FILE.json dataset of --datasets "
+                         f"is named {unknown[0]!r}; the sweep's own datasets: {', '.join(refs) or 'none'}")
     return tuple(dict.fromkeys(out))
 
 
@@ -503,7 +542,7 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike, data_root: str | os.PathL
 
     if not grid.methods:
         raise SweepError("no methods given (--methods tda,dpe,...)")
-    datasets = expand_datasets(grid.datasets or ())
+    datasets = expand_datasets(grid.datasets or (), dict(grid.class_names))
     if not datasets:
         raise SweepError("no datasets given (--datasets all, or a list: dtd,eurosat,...)")
     if not grid.seeds:
@@ -576,8 +615,8 @@ def is_complete(run: RunSpec) -> bool:
 
 def settings_mismatch(run: RunSpec, data_cache: dict[tuple[str, str | None], dict[str, str]] | None = None
                       ) -> str | None:
-    """For a complete run: the recorded settings (method config, anchor, data root and data fingerprint) that
-    differ from this sweep's, else None.
+    """For a complete run: the recorded settings (method config, anchor, sample list and class names, data root and
+    data fingerprint) that differ from this sweep's, else None.
 
     The extractor refuses to reuse such a run without `--force`; the sweep reports it before submitting anything.
     The data fingerprint (one `os.stat` per image) is computed once per (dataset, data root) in `data_cache`.
