@@ -68,7 +68,7 @@ def run(
     zaec:subset=all. The paper's tables and figures: zaec-calibrate tables SHARDS --out DIR (see
     zaec-calibrate tables --help).
     """
-    err = Console(stderr=True)
+    err = Console(stderr=True, emoji=False)
     progress = Progress(
         TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"), TimeRemainingColumn(),
         console=err, transient=True, disable=quiet or not err.is_terminal,
@@ -93,7 +93,7 @@ def run(
     except USER_ERRORS as e:
         fail("zaec-calibrate", e, err)
     if not quiet:
-        console = Console(width=None if Console().is_terminal else 160)
+        console = Console(emoji=False, width=None if Console(emoji=False).is_terminal else 160)
         render(report, console)
         console.print(f"wrote {pq_path} and {csv_path}", markup=False, highlight=False)
 

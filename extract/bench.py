@@ -229,7 +229,7 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
     from extract.runner import encode_pass, run_extraction, stream_permutation
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    console = Console()
+    console = Console(emoji=False)
     views_table(console, loader_workers, loader_images)
     if only_views:
         return

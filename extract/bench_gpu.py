@@ -340,7 +340,7 @@ def run(
     bs = batch_size if batch_size is not None else (64 if tiny else 256)
     nw = workers if workers is not None else (0 if tiny else min(16, os.cpu_count() or 1))
     secs = seconds if seconds is not None else (0.2 if tiny else 3.0)
-    console = Console()
+    console = Console(emoji=False)
     say = (lambda msg: console.print(msg, highlight=False))
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="zaec-bench-gpu-"))

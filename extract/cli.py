@@ -33,7 +33,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 @app.command()
 def extract(
     method: str = typer.Option(..., "--method", "-m", help="TTA method: zero-shot, tda, dpe, dlae, ..."),
-    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key (imagenet, dtd, imagenet_c:fog:3, ...), "
+    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key (imagenet, dtd, imagenet_c:CORRUPTION:SEVERITY, ...), "
                                                             "folder:PATH (one sub-folder per class) or "
                                                             "split:FILE.json (a CoOp split)"),
     dataset_name: Optional[str] = typer.Option(None, help="name of a folder:/split: dataset in the shards "
@@ -69,7 +69,7 @@ def extract(
     """Run METHOD over DATASET and write shards under OUT."""
     from rich.console import Console
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, emoji=False)
     try:
         from extract.datasets import resolve_dataset
         from extract.runner import parse_overrides, plan_run, run_extraction

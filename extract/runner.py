@@ -157,10 +157,14 @@ class _Progress:
 
     def __enter__(self) -> "_Progress":
         if self.enabled:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[info]}"),
-                               TimeRemainingColumn())
+
+            # emoji off: dataset keys such as imagenet_c:fog:3 hold rich emoji codes (":fog:")
+            self._p = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("{task.fields[rate]}", markup=False),
+                               TextColumn("{task.fields[info]}", markup=False), TimeRemainingColumn(),
+                               console=Console(emoji=False))
             self._p.__enter__()
         return self
 

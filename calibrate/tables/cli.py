@@ -67,7 +67,7 @@ def tables(
     quiet: bool = typer.Option(False, "--quiet", help="print only errors"),
 ) -> None:
     """Regenerate the paper's tables and figures from the shards under SHARDS into OUT."""
-    err = Console(stderr=True)
+    err = Console(stderr=True, emoji=False)
     say = (lambda s: None) if quiet else (lambda s: err.print(s, markup=False, highlight=False))
     try:
         if bootstrap < 0:
@@ -107,7 +107,7 @@ def tables(
     except USER_ERRORS as e:
         fail("zaec-calibrate tables", e, err)
     if not quiet:
-        console = Console(width=None if Console().is_terminal else 200)
+        console = Console(emoji=False, width=None if Console(emoji=False).is_terminal else 200)
         for bb in summaries.backbones():
             main = pl.read_csv(out / f"main_{slug(bb)}.csv") if (out / f"main_{slug(bb)}.csv").exists() else None
             if main is not None:

@@ -46,7 +46,7 @@ def demo(
     from extract.demo.fmnist import FashionMNISTError
     from extract.demo.run import DemoError, run_demo
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, emoji=False)
     cfg = DemoConfig(
         fmnist_dir=fmnist_dir, data_root=data_root, models_dir=models_dir, work_dir=work_dir, results=results,
         n_images=n_images or None, sets=_split(sets) or (), methods=_split(methods), seed=seed,
@@ -60,9 +60,9 @@ def demo(
         user_errors = user_errors + _user_errors()
     except ImportError:
         pass
-    out = Console()
+    out = Console(emoji=False)
     if not out.is_terminal:  # piped or logged: wide enough for the tables, fixed so logs look alike
-        out = Console(width=110)
+        out = Console(emoji=False, width=110)
     try:
         run_demo(cfg, console=out)
     except user_errors as e:

@@ -401,7 +401,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     from extract.runner import run_extraction
     from schemas import find_shards
 
-    console = console or Console()
+    console = console or Console(emoji=False)
     say = console.print
     started = time.perf_counter()
     timings: dict[str, float] = {}

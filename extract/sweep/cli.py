@@ -623,7 +623,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _fail(msg: str) -> typer.Exit:
     from rich.console import Console
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, emoji=False)
     err.print("[bold red]error:[/bold red]", end=" ")
     err.print(msg, markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(2)
@@ -632,7 +632,7 @@ def _fail(msg: str) -> typer.Exit:
 def _console() -> Any:
     from rich.console import Console
 
-    return Console()
+    return Console(emoji=False)
 
 
 _EXEC_HELP = "executor setting (see `zaec-sweep run --help`)"
