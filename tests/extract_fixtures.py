@@ -202,3 +202,33 @@ def tiny_model(tiny_model_dir):
     from extract.models import load_model
 
     return load_model(None, f"local-dir:{tiny_model_dir}", "cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module: its tensors are tiny, and thread hand-offs cost more than the work on a
+    shared 2-core machine. Import it under an autouse name: `from extract_fixtures import one_thread` plus
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def interrupt_nth_write(monkeypatch, n: int):
+    """Make the runner's n-th shard write raise KeyboardInterrupt (an interrupted run); returns the real writer,
+    which `monkeypatch.setattr(runner, "write_shard", real)` puts back."""
+    from extract import runner
+
+    real_write, count = runner.write_shard, {"n": 0}
+
+    def failing(*a, **k):
+        count["n"] += 1
+        if count["n"] == n:
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(runner, "write_shard", failing)
+    return real_write

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import make_json_dataset, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from extract_fixtures import one_thread, make_json_dataset, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
 from test_extract_tpt import FEAT_TOL, NAMES, make, ref_encode, ref_episodic, stream, tuned_tol
 
 from extract.methods import REGISTRY, apply_overrides
@@ -23,12 +23,7 @@ TAU = 0.99999
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (extract_fixtures)
 
 
 def ref_ad(t: torch.Tensor, tau: float = TAU) -> torch.Tensor:

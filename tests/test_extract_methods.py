@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract_fixtures import tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures, for prompt-tuning methods)
+from extract_fixtures import one_thread, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 from extract.methods import HPARAMS_KEYS, REGISTRY, apply_overrides, get_method
 from extract.methods.common import ClassCache, adamw_first_step, info_nce, marginal_entropy, torch_adamw_step
@@ -26,13 +26,7 @@ NAMES = ("cat", "dog", "sea_lion", "car", "tree")
 LOGIT_TOL32 = 2 * D * torch.finfo(torch.float32).eps * 100.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: thread hand-offs cost more than the work on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (extract_fixtures)
 
 
 def make_text(seed: int = 0, dtype=torch.float64) -> torch.Tensor:

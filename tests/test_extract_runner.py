@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from extract_fixtures import (
+    interrupt_nth_write,
     make_imagenet_folders,
     make_json_dataset,
     tiny_model,  # noqa: F401  (pytest fixture)
@@ -177,16 +178,7 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_model, da
     full_paths = _run(running_mean, tmp_path / "full", tiny_model, data_root)
     full = _table(full_paths)
     # interrupt: the third shard write fails
-    real_write = runner.write_shard
-    count = {"n": 0}
-
-    def failing(*a, **k):
-        count["n"] += 1
-        if count["n"] == 3:
-            raise KeyboardInterrupt
-        return real_write(*a, **k)
-
-    monkeypatch.setattr(runner, "write_shard", failing)
+    real_write = interrupt_nth_write(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         _run(running_mean, tmp_path / "r", tiny_model, data_root)
     monkeypatch.setattr(runner, "write_shard", real_write)

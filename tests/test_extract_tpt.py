@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from extract_fixtures import (  # noqa: F401  (pytest fixtures)
+    interrupt_nth_write,
     make_imagenet_folders,
     make_json_dataset,
+    one_thread,
     tiny_model,
     tiny_model_dir,
 )
@@ -59,12 +61,7 @@ def tuned_tol(scale, steps: int) -> float:
     return (2 + 2 * steps) * FEAT_TOL * float(scale)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (extract_fixtures)
 
 
 def zs_text(model) -> torch.Tensor:
@@ -936,15 +933,7 @@ def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):  # n
     assert states[1]["loss_scale"] != {"scale": 1000.0, "growth_tracker": 0}
     assert len({json.dumps(st["loss_scale"]) for st in states}) > 2
 
-    real_write, count = runner.write_shard, {"n": 0}
-
-    def failing(*a, **k):
-        count["n"] += 1
-        if count["n"] == 3:
-            raise KeyboardInterrupt
-        return real_write(*a, **k)
-
-    monkeypatch.setattr(runner, "write_shard", failing)
+    real_write = interrupt_nth_write(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         run_extraction("tps", "dtd", out=tmp_path / "r", **kw)
     monkeypatch.setattr(runner, "write_shard", real_write)
