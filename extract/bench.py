@@ -96,9 +96,11 @@ def _clip_preprocess(size: int) -> Any:
     return Preprocess((size, size), tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD))
 
 
-def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False) -> float:
-    """Views/s per core: `ViewGenerator.augmented` (or `reference_augmented`) on one 500x375 image to 63 views of
-    224 px, over the CPU time of this one thread (so other load on the machine changes it little)."""
+def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False, part: str = "all") -> float:
+    """Views/s per core on one 500x375 image to 63 views of 224 px, over the CPU time of this one thread (so other
+    load on the machine changes it little): `reference_augmented` (`reference=True`), or `ViewGenerator.augmented`
+    with `part="all"` (PIL work and float work: a CPU run), or `part="raw"` (`augmented_raw`, the PIL work alone:
+    what a loader process does, the float work then running on the model's device)."""
     import io
 
     from PIL import Image
@@ -109,7 +111,10 @@ def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False) -> 
     photo(np.random.default_rng(0), VIEW_IMAGE).save(buf, format="JPEG", quality=90)
     img = Image.open(buf).convert("RGB")  # decoded from a JPEG, as the loader sees it
     gen = ViewGenerator(_clip_preprocess(VIEW_SIZE), policy, seed=0)  # type: ignore[arg-type]
-    fn = (lambda s: reference_augmented(gen, img, s)) if reference else (lambda s: gen.augmented(img, s))
+    if part not in ("all", "raw"):
+        raise ValueError(f"part must be 'all' or 'raw', got {part!r}")
+    fn = ((lambda s: reference_augmented(gen, img, s)) if reference else
+          (lambda s: gen.augmented(img, s)) if part == "all" else (lambda s: gen.augmented_raw(img, s)))
     with _one_thread():
         fn(0)
         n, t0 = 0, time.thread_time()
@@ -194,18 +199,21 @@ def views_table(console: Any, workers: int, n_images: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"views of a {VIEW_IMAGE[0]}x{VIEW_IMAGE[1]} image, {VIEW_SIZE} px (one thread, CPU time)")
-    for col in ("policy", "obvious code", "fast path", "speed-up",
+    for col in ("policy", "obvious code", "fast path", "speed-up", "loader process", "speed-up",
                 f"loader, {workers} proc.", f"{workers} x one thread", "efficiency"):
         table.add_column(col, justify="right")
     for policy in ("crop_flip", "augmix"):
         ref, fast = view_rate(policy, reference=True), view_rate(policy)
+        raw = view_rate(policy, part="raw")
         many, one = loader_rates(policy, workers, n_images)
-        table.add_row(policy, f"{ref:,.0f}", f"{fast:,.0f}", f"{fast / ref:.2f}x", f"{many:,.0f}",
-                      f"{workers * one:,.0f}", f"{many / (workers * one):.2f}")
+        table.add_row(policy, f"{ref:,.0f}", f"{fast:,.0f}", f"{fast / ref:.2f}x", f"{raw:,.0f}",
+                      f"{raw / ref:.2f}x", f"{many:,.0f}", f"{workers * one:,.0f}", f"{many / (workers * one):.2f}")
     console.print(table)
-    console.print("views/s; the loader columns count view 0 too and include JPEG decoding; efficiency = loader / "
-                  f"({workers} x one thread): 1.0 when the processes scale perfectly (wall time, so a loaded machine "
-                  "lowers it).")
+    console.print("views/s; fast path: PIL and float work in one thread (a CPU run); loader process: the PIL work "
+                  "alone, what a loader process does (the float work runs in the main process, on the GPU when "
+                  "there is one); speed-ups over the obvious code. The loader columns count view 0 too and include "
+                  f"JPEG decoding; efficiency = loader / ({workers} x one thread): 1.0 when the processes scale "
+                  "perfectly (wall time, so a loaded machine lowers it).")
 
 
 @app.command()

@@ -128,11 +128,54 @@ AUGMIX_CHAINS = 3
 AUGMIX_MAX_DEPTH = 3
 
 
-def _unit(img: Image.Image) -> np.ndarray:
-    """(3, S, S) float32 in [0, 1], C-contiguous: float32(level) / 255, as `to_tensor` computes it."""
-    x = np.asarray(img).transpose(2, 0, 1).astype(np.float32, order="C")
-    x /= 255.0
-    return x
+#: images (a view holds J) finished per step on the CPU (`finish_views`), so that the temporaries fit in cache
+_CPU_FINISH_IMAGES = 8
+#: columns of an AugMix view's coefficient row (`ViewGenerator.augmented_raw`): m, 1 - m (float32), w_0, w_1, w_2
+N_COEF = 2 + AUGMIX_CHAINS
+
+
+def finish_views(raw: torch.Tensor, coef: torch.Tensor | None, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Raw views -> (N, 3, S, S) float32 normalised views, computed on `raw`'s device.
+
+    Args:
+        raw: (N, J, S, S, 3) uint8 images as PIL returns them: J = 1 (the view itself), or J = 4 for AugMix (the
+            crop, then its three chains).
+        coef: None for J = 1; for J = 4, (N, 5) float32 rows [m, 1 - m, w_0, w_1, w_2] on the same device.
+        mean, std: (3, 1, 1) float32 on the same device.
+
+    Every float is the one `to_tensor` + `normalize` (and, for AugMix, the obvious mixing code,
+    `reference_augmented(..., mix_space="unit")`) computes: x = float32(level) / 255, then for AugMix
+    m * x_0 + (1 - m) * ((x_1 * w_0 + x_2 * w_1) + x_3 * w_2), then (x - mean) / std, one IEEE float32 operation
+    at a time in that order. Divisions are by tensors on the device, never by a host scalar (CUDA turns a division
+    by a host scalar into a multiplication by its reciprocal, which can differ in the last bit), so the CPU and a
+    GPU give the same bits, and the loader sends uint8 (a quarter of float32's bytes) with the float work done on
+    the GPU.
+    """
+    n, j = raw.shape[:2]
+    if j != 1 and (coef is None or coef.shape != (n, N_COEF)):
+        raise ValueError(f"AugMix views need (N, {N_COEF}) coefficients, got "
+                         f"{None if coef is None else tuple(coef.shape)}")
+    # on the CPU a few views at a time, so that the temporaries stay in cache (one pass over a whole sample is
+    # several times slower there); on a GPU the whole sample at once
+    size = tuple(raw.shape[2:4])
+    out = torch.empty((n, 3, *size), dtype=torch.float32, device=raw.device)
+    step = n if raw.device.type == "cuda" else max(1, _CPU_FINISH_IMAGES // j)
+    c255 = torch.full((), 255.0, dtype=torch.float32, device=raw.device)
+    buf = torch.empty((min(step, n), j, 3, *size), dtype=torch.float32, device=raw.device)  # reused: no page faults
+    for a in range(0, n, step):
+        r = raw[a:a + step]
+        x = buf[:r.shape[0]]
+        x.copy_(r.permute(0, 1, 4, 2, 3)).div_(c255)  # (n, J, 3, S, S) in [0, 1]
+        if j == 1:
+            y = x[:, 0]
+        else:
+            c = coef[a:a + step].to(torch.float32)[:, :, None, None, None]  # type: ignore[index]  (n, 5, 1, 1, 1)
+            mix = x[:, 1].mul_(c[:, 2])
+            for i in range(1, AUGMIX_CHAINS):
+                mix.add_(x[:, 1 + i].mul_(c[:, 2 + i]))
+            y = x[:, 0].mul_(c[:, 0]).add_(mix.mul_(c[:, 1]))
+        torch.div(y.sub_(mean), std, out=out[a:a + step])
+    return out
 
 
 def random_resized_crop_box(rng: np.random.Generator, width: int, height: int,
@@ -183,23 +226,32 @@ class ViewGenerator:
         self.policy = policy
         self.seed = int(seed)
         self.interp = _INTERP.get(preprocess.interpolation, InterpolationMode.BICUBIC)
-        self._mean_np = np.asarray(preprocess.mean, dtype=np.float32)[:, None, None]  # (3, 1, 1)
-        self._std_np = np.asarray(preprocess.std, dtype=np.float32)[:, None, None]
+        self._mean = torch.tensor(preprocess.mean, dtype=torch.float32)[:, None, None]  # (3, 1, 1)
+        self._std = torch.tensor(preprocess.std, dtype=torch.float32)[:, None, None]
+        self._norm: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def n_views(self) -> int:
         return 1 if self.policy == "single" else 1 + N_AUG_VIEWS
 
-    def _to_tensor(self, img: Image.Image) -> torch.Tensor:
-        return TF.normalize(TF.to_tensor(img), self.pre.mean, self.pre.std)
+    def finish(self, raw: torch.Tensor, coef: torch.Tensor | None = None) -> torch.Tensor:
+        """`finish_views` with this model's mean and std, on `raw`'s device."""
+        dev = raw.device
+        if dev not in self._norm:
+            self._norm[dev] = (self._mean.to(dev), self._std.to(dev))
+        return finish_views(raw, coef, *self._norm[dev])
 
-    def original(self, img: Image.Image) -> torch.Tensor:
-        """View 0: (3, S, S)."""
+    def original_raw(self, img: Image.Image) -> np.ndarray:
+        """View 0 before the float work: (S, S, 3) uint8, resized (the model's interpolation) and centre-cropped."""
         if self.pre.resize_mode == "squash":
             img = TF.resize(img, [self.size, self.size], interpolation=self.interp)
         else:
             img = TF.resize(img, self.size, interpolation=self.interp)
-        return self._to_tensor(TF.center_crop(img, [self.size, self.size]))
+        return np.asarray(TF.center_crop(img, [self.size, self.size]))
+
+    def original(self, img: Image.Image) -> torch.Tensor:
+        """View 0: (3, S, S)."""
+        return self.finish(torch.from_numpy(self.original_raw(img).copy())[None, None])[0]
 
     def _crop_flip(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
         left, top, w, h = random_resized_crop_box(rng, img.width, img.height)
@@ -209,44 +261,33 @@ class ViewGenerator:
             crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
         return crop
 
-    def _augmented_into(self, img: Image.Image, rng: np.random.Generator, dst: np.ndarray) -> None:
-        """One augmented view, normalised, written into `dst` (3, S, S) float32.
-
-        Every float is the one the obvious code computes (`reference_augmented(..., mix_space="unit")`, bit for
-        bit), the same operations in the same order; what is saved is the overhead around them: each image goes
-        to float32 from its uint8 array (not through PIL's array interface with a dtype, several times slower),
-        channel-first from the start, and the arithmetic runs in place, ending in `dst` instead of a stack.
-        """
-        crop = self._crop_flip(img, rng)
-        base = _unit(crop)
-        if self.policy == "augmix":
+    def augmented_raw(self, img: Image.Image, sample_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views 1..63 of sample `sample_id` before the float work (what a loader process computes):
+        (63, J, S, S, 3) uint8 and, for AugMix, (63, 5) float32 coefficients (`finish_views`); J = 4 for AugMix
+        (the crop and its three chains), else 1 and no coefficients. The random draws are AugMix's, in its order."""
+        rng = np.random.default_rng([self.seed, int(sample_id)])
+        augmix = self.policy == "augmix"
+        j = 1 + AUGMIX_CHAINS if augmix else 1
+        raw = np.empty((N_AUG_VIEWS, j, self.size, self.size, 3), dtype=np.uint8)
+        coef = np.empty((N_AUG_VIEWS, N_COEF), dtype=np.float32) if augmix else None
+        for v in range(N_AUG_VIEWS):
+            crop = self._crop_flip(img, rng)
+            raw[v, 0] = np.asarray(crop)
+            if not augmix:
+                continue
             w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
             m = np.float32(rng.beta(1.0, 1.0))
-            mix = np.zeros_like(base)
+            coef[v] = (m, np.float32(1.0) - m, *w_mix)  # type: ignore[index]
             for i in range(AUGMIX_CHAINS):
                 x = crop
                 for _ in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
-                    op = AUGMIX_OPS[int(rng.integers(0, len(AUGMIX_OPS)))]
-                    x = op(x, rng, self.size)
-                term = _unit(x)
-                term *= w_mix[i]
-                mix += term
-            # the weights m + (1 - m) * sum(w) are 1, so mixing before the (affine) normalisation equals mixing
-            # normalised tensors, as the original does, up to float rounding
-            mix *= 1.0 - m
-            base *= m
-            base += mix
-        np.subtract(base, self._mean_np, out=dst)
-        np.divide(dst, self._std_np, out=dst)
+                    x = AUGMIX_OPS[int(rng.integers(0, len(AUGMIX_OPS)))](x, rng, self.size)
+                raw[v, 1 + i] = np.asarray(x)
+        return torch.from_numpy(raw), None if coef is None else torch.from_numpy(coef)
 
     def augmented(self, img: Image.Image, sample_id: int) -> torch.Tensor:
         """Views 1..63 of sample `sample_id`: (63, 3, S, S)."""
-        rng = np.random.default_rng([self.seed, int(sample_id)])
-        out = torch.empty((N_AUG_VIEWS, 3, self.size, self.size), dtype=torch.float32)
-        dst = out.numpy()
-        for v in range(N_AUG_VIEWS):
-            self._augmented_into(img, rng, dst[v])
-        return out
+        return self.finish(*self.augmented_raw(img, sample_id))
 
     def __call__(self, img: Image.Image, sample_id: int) -> torch.Tensor:
         """All views of one sample: (V, 3, S, S), V = 1 or 64."""

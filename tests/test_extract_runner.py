@@ -383,3 +383,57 @@ def test_changed_settings_recomputed_when_the_caller_owns_the_output(tmp_path, t
     assert all(read_shard(p).meta.method_config["weight"] == 2.5 for p in paths)
     with pytest.raises(RunError, match="on_changed must be"):
         _run(running_mean, tmp_path, tiny_model, data_root, on_changed="ask")
+
+
+@pytest.mark.parametrize("policy,batch_size", [("single", 4), ("crop_flip", 40), ("augmix", 64)])
+def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model, data_root, policy,  # noqa: F811
+                                                            batch_size):
+    """The device-side micro-batches (`_Batcher`) encode exactly what the obvious code encodes: per chunk, every
+    view of its samples in stream order, concatenated on the host, cut into `batch_size` pieces (63 views per sample
+    do not divide 40 or 64, so micro-batches straddle samples), each piece encoded. Bit for bit: same batches."""
+    from extract.cache import FeatureCache
+    from extract.views import ViewGenerator
+
+    ts = load_testset("dtd", data_root)
+    perm = stream_permutation("dtd", 1, len(ts))
+    n_pos, chunk = 7, 3  # chunks [0,3) [3,6) [6,7)
+    dim = tiny_model.encode_images(torch.zeros(1, 3, *tiny_model.preprocess.size)).shape[1]
+    cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), dim, np.dtype(np.float32), "s",
+                         chunk_size=chunk)
+    encoded = runner.encode_pass(tiny_model, ts, perm, cache, policy, n_pos, seed=1, batch_size=batch_size)
+    assert encoded == n_pos
+    gen = ViewGenerator(tiny_model.preprocess, policy, seed=1)
+    for c in range(3):
+        lo, hi = c * chunk, min((c + 1) * chunk, n_pos)
+        imgs = [runner.open_image(ts.paths[int(perm[p])]) for p in range(lo, hi)]
+        parts = {"view0": torch.stack([gen.original(im) for im in imgs])}
+        if policy != "single":
+            parts[policy] = torch.cat([gen.augmented(im, int(perm[p])) for im, p in zip(imgs, range(lo, hi))])
+        for part, views in parts.items():
+            want = torch.cat([tiny_model.encode_images(views[i:i + batch_size])
+                              for i in range(0, len(views), batch_size)]).numpy()
+            got = np.asarray(cache.load(part, c)).reshape(-1, want.shape[1])
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-side micro-batches run on CUDA here")
+def test_cuda_encode_pass_equals_host_micro_batches(tmp_path, tiny_model_dir, data_root):  # noqa: F811
+    """On CUDA (pinned uint8 from loader processes, finished on the GPU, asynchronous copies into the batch buffer)
+    the cache holds the features of the same micro-batches built on the host and encoded one by one."""
+    from extract.cache import FeatureCache
+    from extract.models import load_model
+    from extract.views import ViewGenerator
+
+    gpu = load_model(None, f"local-dir:{tiny_model_dir}", "cuda")
+    ts = load_testset("dtd", data_root)
+    perm = stream_permutation("dtd", 1, len(ts))
+    gen = ViewGenerator(gpu.preprocess, "augmix", seed=1)
+    dim = gpu.encode_images(torch.zeros(1, 3, *gpu.preprocess.size)).shape[1]
+    cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), dim, gpu.cache_dtype, "s", chunk_size=4)
+    runner.encode_pass(gpu, ts, perm, cache, "augmix", 4, seed=1, batch_size=64, workers=2)
+    imgs = [runner.open_image(ts.paths[int(perm[p])]) for p in range(4)]
+    for part, views in (("view0", torch.stack([gen.original(im) for im in imgs])),
+                        ("augmix", torch.cat([gen.augmented(im, int(perm[p])) for p, im in enumerate(imgs)]))):
+        want = torch.cat([gpu.encode_images(views[i:i + 64]) for i in range(0, len(views), 64)]).cpu().numpy()
+        got = np.asarray(cache.load(part, 0), np.float32).reshape(-1, dim)
+        np.testing.assert_array_equal(got, want.astype(gpu.cache_dtype).astype(np.float32))

@@ -169,3 +169,35 @@ def test_whole_pixel_translation_equals_pil_bilinear_affine(axis):
 
         got = np.asarray(op(img, _Fixed(), size))
         assert got.shape == want.shape and np.array_equal(got, want), t
+
+
+def test_raw_views_are_uint8_and_coefficients_checked():
+    """What a loader process sends: uint8 images (J = 4 per AugMix view: the crop and its three chains) and the
+    float32 mixing coefficients [m, 1 - m, w_0, w_1, w_2] with m in [0, 1] and the w summing to 1."""
+    img = _img(6, size=(70, 50))
+    raw, coef = ViewGenerator(PRE, "augmix", seed=3).augmented_raw(img, 4)
+    assert raw.dtype == torch.uint8 and raw.shape == (N_AUG_VIEWS, 4, 32, 32, 3)
+    assert coef.dtype == torch.float32 and coef.shape == (N_AUG_VIEWS, 5)
+    assert torch.all((coef[:, 0] >= 0) & (coef[:, 0] <= 1)) and torch.equal(coef[:, 1], 1 - coef[:, 0])
+    torch.testing.assert_close(coef[:, 2:].sum(1), torch.ones(N_AUG_VIEWS), atol=4 * torch.finfo().eps, rtol=0)
+    raw_cf, none = ViewGenerator(PRE, "crop_flip", seed=3).augmented_raw(img, 4)
+    assert raw_cf.shape == (N_AUG_VIEWS, 1, 32, 32, 3) and none is None
+    # the first crop is drawn first under both policies (AugMix's further draws then shift the stream)
+    assert torch.equal(raw_cf[0, 0], raw[0, 0]) and not torch.equal(raw_cf[1, 0], raw[1, 0])
+    gen = ViewGenerator(PRE, "augmix", seed=3)
+    with pytest.raises(ValueError, match="coefficients"):
+        gen.finish(raw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU side of the loader runs only on CUDA")
+@pytest.mark.parametrize("policy", ["crop_flip", "augmix"])
+def test_cuda_finish_equals_cpu_bit_for_bit(policy):
+    """The float work done on the GPU (what the runner does with the loader's uint8) gives the CPU's very floats."""
+    img = _img(7, size=(120, 90))
+    gen = ViewGenerator(PRE, policy, seed=5)
+    raw, coef = gen.augmented_raw(img, 2)
+    cpu = gen.finish(raw, coef)
+    gpu = gen.finish(raw.cuda(), None if coef is None else coef.cuda()).cpu()
+    torch.testing.assert_close(gpu, cpu, atol=0, rtol=0)
+    v0 = torch.from_numpy(gen.original_raw(img).copy())[None, None]
+    torch.testing.assert_close(gen.finish(v0.cuda()).cpu(), gen.finish(v0), atol=0, rtol=0)
