@@ -18,7 +18,7 @@ RESULTS ?= results
 TS_SOURCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist,imagenet)
 REFERENCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist_blur,imagenet_a)
 
-.PHONY: help venv test demo bench bench-extract bench-gpu tables fmnist clean
+.PHONY: help venv test demo bench bench-extract bench-gpu gpu-wheels gpu-check tables fmnist clean
 
 help:
 	@echo "make demo           run the whole pipeline on the embedded default (small CLIP trained on Fashion-MNIST)"
@@ -27,6 +27,8 @@ help:
 	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
 	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (and view generation per core)"
 	@echo "make bench-gpu      extraction vs the image encoder's ceiling on a CUDA GPU (random ViT-B-16, RN50); JSON=FILE"
+	@echo "make gpu-wheels     save the wheels a bare CUDA machine lacks in .whl/ (needs the package index)"
+	@echo "make gpu-check      on a CUDA machine without network: install .whl/, run the CUDA tests and bench-gpu"
 
 # torch is pinned first: on these machines torch==2.14.1/torchvision==0.29.1 install from local disk;
 # any other resolution downloads several GB or breaks torchvision's import.
@@ -61,6 +63,29 @@ bench-extract: $(STAMP)
 JSON ?= bench-gpu.json
 bench-gpu: $(STAMP)
 	$(PY) -m extract.bench_gpu --json $(JSON)
+
+# A GPU check in one command on a CUDA machine that cannot reach the package index and has its own Python with
+# torch, torchvision, pyarrow, typer, rich, timm, safetensors and pytest but not this project's other packages (the
+# `device` machines here: Python 3.12). Here: `make gpu-wheels` saves the missing ones, at this venv's versions, in
+# .whl/ (git-ignored). There, with .whl carried: `make gpu-check JSON=...` installs them into $(GPU_SITE) and
+# runs every CUDA test, then bench-gpu. docs/benchmarks.md says what to look at.
+GPU_PYTHON ?= python3
+GPU_PY_VERSION ?= 3.12
+GPU_SITE ?= /tmp/zaec-site
+GPU_WHEELS := open_clip_torch ftfy wcwidth polars polars-runtime-32
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  $$($(PY) -c "import importlib.metadata as m; print(' '.join(n + '==' + m.version(n) for n in '$(GPU_WHEELS)'.split()))")
+	@ls .whl
+
+gpu-check:
+	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "error: no wheels in .whl/: run 'make gpu-wheels' where the package index is reachable, and carry .whl" >&2; exit 2; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider -k cuda \
+	  tests/test_extract_tpt.py tests/test_extract_views.py tests/test_extract_runner.py tests/test_extract_models.py
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m extract.bench_gpu --json $(JSON)
 
 clean:
 	rm -rf $(RESULTS) bench-out .pytest_cache
