@@ -19,7 +19,7 @@ def _write(root, backbone, dataset, method, n, k, seed=1, parts=2):
     labels = rng.integers(0, k, n)
     zs = rng.normal(0, 1.0, (n, k))
     zs[np.arange(n), labels] += rng.uniform(0, 2.5, n)
-    noise = np.random.default_rng([seed, sum(map(ord, method))]).normal(0, 0.5, (n, k))
+    noise = np.random.default_rng([seed, *method.encode()]).normal(0, 0.5, (n, k))  # its own noise per method
     tta = zs if method == "zero-shot" else 2.5 * zs + noise
     meta = ShardMeta(backbone, "openai", dataset, method, seed, tuple(f"c{i}" for i in range(k)))
     for part, sl in enumerate(np.array_split(np.arange(n), parts)):

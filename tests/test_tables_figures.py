@@ -221,3 +221,31 @@ def test_atpt_shards_simply_appear_in_figure_2a(tmp_path, capsys):
     assert (out / "fig4_boundary_eurosat_ViT-B-16.png").stat().st_size > 1000
     # a fixed temperature: nothing fitted, so nothing in-sample
     assert not pl.read_csv(out / "main_ViT-B-16.csv")["in_sample"].any()
+
+
+def test_figure_5_columns_are_the_papers_methods_unless_chosen(tmp_path, capsys):
+    """Figure 5 shows TPT, TDA and DPE (the paper's columns) of the reference dataset; an absent one is noted;
+    `--fig5-methods` chooses others, `all` every TTA method; none present: skipped with the reason."""
+    root = tmp_path / "shards"
+    for method in ("tpt", "tda", "otpt", "tps"):
+        _write(root, "ViT-B-16", "imagenet_a", method, 60, 5, parts=1)
+    base = ["--bootstrap", "0", "--temperature", "1.5", "--quiet"]
+
+    def fig5(*extra):
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        code, err = _run([root, "--out", out, *base, *extra], capsys)
+        assert code == 0, err
+        readme = (out / "README.md").read_text()
+        item = _items(readme)["Figure 5"] + "".join(  # the item's line and its notes
+            line for line in readme.split("- **Figure 5**", 1)[1].split("\n- **", 1)[0].splitlines()[1:])
+        csv = out / "fig5_reliability.csv"
+        return (pl.read_csv(csv)["method"].unique(maintain_order=True).to_list() if csv.exists() else None), item
+
+    methods, item = fig5()
+    assert methods == ["tpt", "tda"] and "no runs of DPE (dpe) on imagenet_a" in item
+    methods, _ = fig5("--fig5-methods", "tps,otpt")
+    assert methods == ["tps", "otpt"]
+    methods, _ = fig5("--fig5-methods", "all")
+    assert methods == ["tpt", "tps", "tda", "otpt"]  # the paper's method order
+    methods, item = fig5("--fig5-methods", "dlae")
+    assert methods is None and "--fig5-methods" in item

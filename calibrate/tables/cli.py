@@ -58,6 +58,9 @@ def tables(
     fig2b_methods: Optional[str] = typer.Option(
         None, help="comma-separated methods pooled in Figure 2b, or 'all' (default: every TTA method but the "
                    "prompt-coupled calibration methods ctpt, otpt, atpt)"),
+    fig5_methods: str = typer.Option(",".join(layout.FIG5_METHODS),
+                                     help="comma-separated methods of Figure 5, one column each (paper: tpt,tda,dpe), "
+                                          "or 'all'"),
     boundary_dataset: str = typer.Option(layout.BOUNDARY_DATASET, help="dataset of Figure 4 (paper: caltech101)"),
     boundary_method: str = typer.Option(layout.BOUNDARY_METHOD, help="method of Figure 4 (paper: dpe)"),
     drop_nonfinite: bool = typer.Option(False, "--drop-nonfinite", help="drop rows with NaN/inf logits (reported)"),
@@ -83,6 +86,7 @@ def tables(
                              fig1_methods=method_list(fig1_methods, "--fig1-methods"),
                              fig2b_methods=None if fig2b_methods is None else method_list(fig2b_methods,
                                                                                           "--fig2b-methods"),
+                             fig5_methods=method_list(fig5_methods, "--fig5-methods"),
                              boundary_dataset=boundary_dataset, boundary_method=boundary_method)
         t0 = time.perf_counter()
         progress = Progress(TextColumn("reading runs"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

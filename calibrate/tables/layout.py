@@ -60,6 +60,8 @@ STRENGTH_DATASETS: tuple[str, ...] = ("dtd", "imagenet_v2")
 #: Figure 1 (intro): one panel per method, grouped bars of raw / SaLS / ZAEC ECE over the fine-grained group
 FIG1_METHODS: tuple[str, ...] = ("tpt", "tda")
 FIG1_CALIBRATORS: tuple[str, ...] = ("none", "sals", "zaec")
+#: Figure 5 (reliability diagrams on the reference dataset): one column per method, the paper's TPT, TDA and DPE
+FIG5_METHODS: tuple[str, ...] = ("tpt", "tda", "dpe")
 #: Figure 4, the boundary case: zero-shot CLIP is underconfident on Caltech101 and DPE's sharpening helps
 BOUNDARY_DATASET = "caltech101"
 BOUNDARY_METHOD = "dpe"

@@ -49,6 +49,8 @@ class ReportOptions:
     fig1_methods: tuple[str, ...] = layout.FIG1_METHODS
     #: Figure 2b's pooled methods; None: every TTA method but the prompt-coupled calibration methods; ("all",): all
     fig2b_methods: tuple[str, ...] | None = None
+    #: Figure 5's columns (paper: TPT, TDA and DPE); ("all",): every TTA method of the reference dataset
+    fig5_methods: tuple[str, ...] = layout.FIG5_METHODS
     #: Figure 4's dataset and method (paper: Caltech101 and DPE), independent of `reference_dataset`
     boundary_dataset: str = layout.BOUNDARY_DATASET
     boundary_method: str = layout.BOUNDARY_METHOD
@@ -84,7 +86,7 @@ CAPTIONS: dict[str, str] = {
                 "dataset (paper: DPE on Caltech101, where zero-shot CLIP is underconfident; "
                 "`--boundary-dataset`, `--boundary-method`). ",
     "Figure 5": "Reliability diagrams on the reference dataset: rows raw TTA, TTA + SaLS, TTA + ZAEC; columns "
-                "methods, one run each (its seed in the column title). ",
+                "methods (paper: TPT, TDA, DPE; `--fig5-methods`), one run each (its seed in the column title). ",
     "Figure 6": "ECE (%) vs restoration strength λ ∈ {0, 0.25, 0.5, 0.75, 1} (λ = 0 is raw TTA, 1 is ZAEC), one "
                 "panel per dataset (paper: DTD and ImageNet-V2), one line per method.",
 }
@@ -335,7 +337,7 @@ def write_report(
         rep.skip("Figure 2b", what, "no runs of the pooled methods with zero-shot pairs" if tta_methods else no_tta)
 
     # ---- Figures 2c/2d and 5 (reference dataset) ---------------------------------------------------------------
-    gap_frames, rel_frames, paths2c, paths5, notes = [], [], [], [], []
+    gap_frames, rel_frames, paths2c, paths5, notes, notes5 = [], [], [], [], [], []
     for bb in backbones:
         present = sorted({k.dataset for k in summaries.runs if k.backbone == bb and k.method != layout.ZERO_SHOT})
         ref = _reference(present, opts)
@@ -351,20 +353,33 @@ def write_report(
         paths2c.append(figures.plot_entropy_gap(
             g, out / f"fig2cd_entropy_gap_{slug(bb)}.png",
             f"{bb} on {ref}: confidence-accuracy gap per entropy bin (one run per method)"))
-        cals = [c for c in ("none", "sals", "zaec") if all(c in ref_runs[m].calibrated for m in methods)]
+        if opts.fig5_methods == ("all",):
+            methods5 = methods
+        else:
+            methods5 = [m for m in opts.fig5_methods if m in ref_runs]
+            absent = [m for m in opts.fig5_methods if m not in ref_runs]
+            if absent:
+                notes5.append(f"{bb}: Figure 5 has no runs of {_methods_text(absent)} on {ref}")
+        if not methods5:
+            continue
+        cals = [c for c in ("none", "sals", "zaec") if all(c in ref_runs[m].calibrated for m in methods5)]
         rel = pl.concat([builders.reliability_table(ref_runs[m], cals, opts.reliability_bins, opts.n_bins)
-                         for m in methods])
+                         for m in methods5])
         rel_frames.append(rel)
         paths5.append(figures.plot_reliability_grid(
-            rel, methods, cals, out / f"fig5_reliability_{slug(bb)}.png",
+            rel, methods5, cals, out / f"fig5_reliability_{slug(bb)}.png",
             f"{bb} on {ref}: reliability ({opts.reliability_bins} bins; ECE of each panel, {opts.n_bins} bins)"))
     what2c, what5 = ("confidence-accuracy gap by entropy-change bin",
                      "reliability diagrams, rows raw / SaLS / ZAEC, columns methods")
     if gap_frames:
         rep.add("Figures 2c/2d", what2c,
                 [render.write_csv(pl.concat(gap_frames), out / "fig2cd_entropy_gap.csv"), *paths2c], notes)
-        rep.add("Figure 5", what5, [render.write_csv(pl.concat(rel_frames), out / "fig5_reliability.csv"), *paths5],
-                notes)
+        if rel_frames:
+            rep.add("Figure 5", what5, [render.write_csv(pl.concat(rel_frames), out / "fig5_reliability.csv"),
+                                        *paths5], notes + notes5)
+        else:
+            rep.skip("Figure 5", what5, f"no runs of {_methods_text(opts.fig5_methods)} on the reference dataset "
+                     "(choose with --fig5-methods, or 'all')")
     else:
         rep.skip("Figures 2c/2d", what2c, no_tta)
         rep.skip("Figure 5", what5, no_tta)
