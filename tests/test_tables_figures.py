@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from matplotlib.figure import Figure
 
-from calibrate.tables import builders, figures, layout, render
+from calibrate.tables import builders, figures, render
 from calibrate.tables.data import summarise_arrays
 from schemas import RunKey
 from test_tables_builders import _cells, slow_ece

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import polars as pl
 
@@ -165,7 +165,6 @@ def write_report(
     out: Path,
     boot: BootstrapResult | None = None,
     opts: ReportOptions = ReportOptions(),
-    log: Callable[[str], None] = lambda s: None,
 ) -> Report:
     """Build and write every item; items without inputs are skipped with a one-line reason in the index."""
     out = Path(out)
