@@ -20,6 +20,12 @@ EPS64 = np.finfo(np.float64).eps
 MEAN_TOL = 4 * 3 * EPS64 * 100
 
 
+def _item_block(readme: str, name: str) -> str:
+    """An item of the results index with its note lines."""
+    return _items(readme)[name] + "".join(
+        line for line in readme.split(f"- **{name}**", 1)[1].split("\n- **", 1)[0].splitlines()[1:])
+
+
 def _with(cells: pl.DataFrame, **cols) -> pl.DataFrame:
     return cells.with_columns(**{k: pl.Series(v) for k, v in cols.items()})
 
@@ -210,7 +216,8 @@ def test_atpt_shards_simply_appear_in_figure_2a(tmp_path, capsys):
     allpts = pl.read_csv(out / "fig2a_all_points.csv")
     assert {"tda", "atpt"} <= set(allpts["method"])  # the other methods' points stay available
     readme = (out / "README.md").read_text()
-    assert "Files: [fig2a_range_vs_ece.csv]" in _items(readme)["Figure 2a"] and "no runs of" not in readme
+    assert "Files: [fig2a_range_vs_ece.csv]" in _items(readme)["Figure 2a"]
+    assert "no runs of" not in _item_block(readme, "Figure 2a")
     assert (out / "fig2a_range_vs_ece_ViT-B-16.png").stat().st_size > 1000
     # --fig2b-methods all: the prompt-coupled methods pooled too
     corr = pl.read_csv(out / "fig2b_correlation.csv").row(0, named=True)
@@ -235,9 +242,7 @@ def test_figure_5_columns_are_the_papers_methods_unless_chosen(tmp_path, capsys)
         out = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
         code, err = _run([root, "--out", out, *base, *extra], capsys)
         assert code == 0, err
-        readme = (out / "README.md").read_text()
-        item = _items(readme)["Figure 5"] + "".join(  # the item's line and its notes
-            line for line in readme.split("- **Figure 5**", 1)[1].split("\n- **", 1)[0].splitlines()[1:])
+        item = _item_block((out / "README.md").read_text(), "Figure 5")
         csv = out / "fig5_reliability.csv"
         return (pl.read_csv(csv)["method"].unique(maintain_order=True).to_list() if csv.exists() else None), item
 
