@@ -65,14 +65,18 @@ bench-gpu: $(STAMP)
 	$(PY) -m extract.bench_gpu --json $(JSON)
 
 # A GPU check in one command on a CUDA machine that cannot reach the package index and has its own Python with
-# torch, torchvision, pyarrow, typer, rich, timm, safetensors and pytest but not this project's other packages (the
-# `device` machines here: Python 3.12). Here: `make gpu-wheels` saves the missing ones, at this venv's versions, in
-# .whl/ (git-ignored). There, with .whl carried: `make gpu-check JSON=...` installs them into $(GPU_SITE) and
-# runs every CUDA test, then bench-gpu. docs/benchmarks.md says what to look at.
+# torch, torchvision, pyarrow, typer, rich, timm, safetensors and pytest but not open_clip (the `device` machines
+# here: Python 3.12). Here: `make gpu-wheels` saves the missing wheels, at this venv's versions, in .whl/
+# (git-ignored, 3 MB). There, with .whl carried (and data/models/fmnist-ViT plus data/datasets/fashion-mnist/blur
+# from `make demo`, for the shortcut check on a trained model): `make gpu-check JSON=...` installs the wheels into
+# $(GPU_SITE), runs the extraction tests (the CUDA ones included), the shortcut check and bench-gpu, and exits
+# non-zero if a step failed. docs/benchmarks.md says what to look at.
 GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
 GPU_SITE ?= /tmp/zaec-site
-GPU_WHEELS := open_clip_torch ftfy wcwidth polars polars-runtime-32
+GPU_WHEELS := open_clip_torch ftfy wcwidth
+GPU_TESTS := tests/test_extract_tpt.py tests/test_extract_views.py tests/test_extract_runner.py \
+             tests/test_extract_models.py tests/test_check_shortcuts.py tests/test_bench_gpu.py
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
@@ -83,9 +87,15 @@ gpu-wheels: $(STAMP)
 gpu-check:
 	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "error: no wheels in .whl/: run 'make gpu-wheels' where the package index is reachable, and carry .whl" >&2; exit 2; }
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider -k cuda \
-	  tests/test_extract_tpt.py tests/test_extract_views.py tests/test_extract_runner.py tests/test_extract_models.py
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m extract.bench_gpu --json $(JSON)
+	@export PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1; status=0; \
+	$(GPU_PYTHON) -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; \
+	$(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider $(GPU_TESTS) || status=1; \
+	if [ -d data/models/fmnist-ViT ] && [ -d data/datasets/fashion-mnist/blur ]; then \
+	  $(GPU_PYTHON) -m extract.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
+	    --data-root data/datasets --methods tpt,atpt --limit 1000 --json $(dir $(JSON))shortcuts.json || status=1; \
+	else echo "shortcut check skipped: data/models/fmnist-ViT or data/datasets/fashion-mnist/blur not here"; fi; \
+	$(GPU_PYTHON) -m extract.bench_gpu --json $(JSON) || status=1; \
+	exit $$status
 
 clean:
 	rm -rf $(RESULTS) bench-out .pytest_cache
