@@ -243,8 +243,8 @@ class _Batcher:
 
     The micro-batch is assembled on the model's device: each sample's raw uint8 views are sent there
     (asynchronously on CUDA, from the loader's pinned memory), finished there (`ViewGenerator.finish`) and copied
-    into a preallocated device buffer, the encoder runs on that buffer, and the
-    features stay on the device until the chunk is finished (`finish`, one copy back). On CUDA the host therefore
+    into a preallocated device buffer; the encoder runs on that buffer, and the features stay on the device until
+    the chunk is finished (`finish`, one copy back). On CUDA the host therefore
     never waits for the encoder inside a chunk: it goes on receiving and copying the next samples while the GPU
     encodes (the copies into the buffer are queued on the same stream after the encoder's kernels, so a batch is
     never overwritten while it is read). Before, every micro-batch was concatenated on the host (a 154 MB copy at

@@ -14,6 +14,10 @@ brightness and sharpness operations).
 Seeding: all randomness of a sample comes from one numpy Generator seeded with (seed, sample_id), so every method,
 every batch size and every stream order sees exactly the same views of a sample.
 
+Two halves: the PIL work (`original_raw`, `augmented_raw`: uint8 images and the AugMix weights), done by the loader
+processes, and the float work (`finish_views`: to [0, 1], the AugMix mix, the normalisation), done on the model's
+device; `original` and `augmented` chain both. The split changes no float (see `finish_views`).
+
 Example:
     >>> gen = ViewGenerator(Preprocess((32, 32), (0.5,) * 3, (0.5,) * 3), policy="augmix", seed=1)  # doctest: +SKIP
     >>> gen(img, sample_id=7).shape  # doctest: +SKIP
