@@ -75,7 +75,7 @@ GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
 GPU_SITE ?= /tmp/zaec-site
 GPU_WHEELS := open_clip_torch ftfy wcwidth
-GPU_TESTS := tests/test_extract_tpt.py tests/test_extract_views.py tests/test_extract_runner.py \
+GPU_TESTS := tests/test_extract_tpt.py tests/test_extract_views.py tests/test_extract_runner.py tests/test_augmix_device.py \
              tests/test_extract_models.py tests/test_check_shortcuts.py tests/test_bench_gpu.py
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl

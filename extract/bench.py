@@ -99,8 +99,9 @@ def _clip_preprocess(size: int) -> Any:
 def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False, part: str = "all") -> float:
     """Views/s per core on one 500x375 image to 63 views of 224 px, over the CPU time of this one thread (so other
     load on the machine changes it little): `reference_augmented` (`reference=True`), or `ViewGenerator.augmented`
-    with `part="all"` (PIL work and float work: a CPU run), or `part="raw"` (`augmented_raw`, the PIL work alone:
-    what a loader process does, the float work then running on the model's device)."""
+    with `part="all"` (PIL work and float work: a CPU run), `part="raw"` (`augmented_raw`, the PIL work alone: what
+    a loader process does in a CPU run), or `part="gpu"`: what a loader process does in a CUDA run (`augmented_raw`
+    for crop+flip; for AugMix `augmix_program`, the crops and draws, the chains then running on the GPU)."""
     import io
 
     from PIL import Image
@@ -111,10 +112,13 @@ def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False, par
     photo(np.random.default_rng(0), VIEW_IMAGE).save(buf, format="JPEG", quality=90)
     img = Image.open(buf).convert("RGB")  # decoded from a JPEG, as the loader sees it
     gen = ViewGenerator(_clip_preprocess(VIEW_SIZE), policy, seed=0)  # type: ignore[arg-type]
-    if part not in ("all", "raw"):
-        raise ValueError(f"part must be 'all' or 'raw', got {part!r}")
+    if part not in ("all", "raw", "gpu"):
+        raise ValueError(f"part must be 'all', 'raw' or 'gpu', got {part!r}")
+    if part == "gpu":
+        part = "program" if policy == "augmix" else "raw"
     fn = ((lambda s: reference_augmented(gen, img, s)) if reference else
-          (lambda s: gen.augmented(img, s)) if part == "all" else (lambda s: gen.augmented_raw(img, s)))
+          (lambda s: gen.augmented(img, s)) if part == "all" else
+          (lambda s: gen.augmented_raw(img, s)) if part == "raw" else (lambda s: gen.augmix_program(img, s)))
     with _one_thread():
         fn(0)
         n, t0 = 0, time.thread_time()
@@ -124,9 +128,11 @@ def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False, par
         return n * N_AUG_VIEWS / (time.thread_time() - t0)
 
 
-def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE) -> tuple[float, float]:
+def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE,
+                 device_chains: bool = True) -> tuple[float, float]:
     """(views/s of the runner's loader with `workers` processes (wall time, after its first item), views/s of one
-    thread doing the same items (`_ViewData`: JPEG decode, view 0, views 1..63; CPU time)) on 500x375 JPEGs."""
+    thread doing the same items (`_ViewData`: JPEG decode, view 0, views 1..63; CPU time)) on 500x375 JPEGs.
+    `device_chains`: the loader of a CUDA run (AugMix's chains left to the device), else a CPU run's."""
     import torch
 
     from extract.datasets import load_testset
@@ -137,7 +143,8 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
     try:
         ts = load_testset("dtd", write_image_set(tmp, n_images, size=VIEW_IMAGE, ext="jpg"))
         gen = ViewGenerator(_clip_preprocess(size), policy, seed=0)  # type: ignore[arg-type]
-        data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(i, True, True) for i in range(len(ts))], gen)
+        data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(i, True, True) for i in range(len(ts))], gen,
+                         device_chains=device_chains)
         views = gen.n_views
         with _one_thread():
             data[0]
@@ -199,21 +206,23 @@ def views_table(console: Any, workers: int, n_images: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"views of a {VIEW_IMAGE[0]}x{VIEW_IMAGE[1]} image, {VIEW_SIZE} px (one thread, CPU time)")
-    for col in ("policy", "obvious code", "fast path", "speed-up", "loader process", "speed-up",
+    for col in ("policy", "obvious code", "CPU run", "loader proc. (CPU run)", "loader proc. (GPU run)",
                 f"loader, {workers} proc.", f"{workers} x one thread", "efficiency"):
         table.add_column(col, justify="right")
     for policy in ("crop_flip", "augmix"):
         ref, fast = view_rate(policy, reference=True), view_rate(policy)
-        raw = view_rate(policy, part="raw")
+        raw, gpu = view_rate(policy, part="raw"), view_rate(policy, part="gpu")
         many, one = loader_rates(policy, workers, n_images)
-        table.add_row(policy, f"{ref:,.0f}", f"{fast:,.0f}", f"{fast / ref:.2f}x", f"{raw:,.0f}",
-                      f"{raw / ref:.2f}x", f"{many:,.0f}", f"{workers * one:,.0f}", f"{many / (workers * one):.2f}")
+        table.add_row(policy, f"{ref:,.0f}", f"{fast:,.0f} ({fast / ref:.2f}x)", f"{raw:,.0f} ({raw / ref:.2f}x)",
+                      f"{gpu:,.0f} ({gpu / ref:.2f}x)", f"{many:,.0f}", f"{workers * one:,.0f}",
+                      f"{many / (workers * one):.2f}")
     console.print(table)
-    console.print("views/s; fast path: PIL and float work in one thread (a CPU run); loader process: the PIL work "
-                  "alone, what a loader process does (the float work runs in the main process, on the GPU when "
-                  "there is one); speed-ups over the obvious code. The loader columns count view 0 too and include "
-                  f"JPEG decoding; efficiency = loader / ({workers} x one thread): 1.0 when the processes scale "
-                  "perfectly (wall time, so a loaded machine lowers it).")
+    console.print("views/s (speed-up over the obvious code). CPU run: PIL and float work in one thread. Loader "
+                  "process: its share when the float work runs in the main process (CPU run), and when the model "
+                  "is on a GPU, where AugMix's chains run too (`extract.augmix_device`: the loader only crops and "
+                  "draws). The loader columns (a GPU run's loader) count view 0 too and include JPEG decoding; "
+                  f"efficiency = loader / ({workers} x one thread): 1.0 when the processes scale perfectly (wall "
+                  "time, so a loaded machine lowers it).")
 
 
 @app.command()

@@ -359,7 +359,8 @@ def run(
             r["ratios"] = ratios(r)
             results["backbones"][bb] = r
         # the CPU side alone: views/s of one thread, to read the loader's efficiency against
-        per_core = {p: view_rate(p, seconds=min(secs, 1.0), part="raw") for p in ("crop_flip", "augmix")}
+        per_core = {p: view_rate(p, seconds=min(secs, 1.0), part="gpu" if device != "cpu" else "raw")
+                    for p in ("crop_flip", "augmix")}
         results["views_per_core"] = per_core
         if nw:  # how much of `workers` times one thread's rate the pass delivered (1.0: perfect scaling)
             for r in results["backbones"].values():
@@ -368,7 +369,7 @@ def run(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _table(results, console)
-    console.print(f"one loader thread (PIL work): {results['views_per_core']['crop_flip']:,.0f} crop+flip views/s, "
+    console.print(f"one loader thread (its share of the views): {results['views_per_core']['crop_flip']:,.0f} crop+flip views/s, "
                   f"{results['views_per_core']['augmix']:,.0f} AugMix views/s; {nw} loader processes; "
                   f"whole run {results['seconds']:.0f} s")
     for bb, r in results["backbones"].items():

@@ -39,6 +39,7 @@ from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, o
 from extract.fingerprint import check_mode, fingerprint as data_fingerprint
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
+from extract.augmix_device import run_chains
 from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
 from schemas import COMPLETE_MARKER, RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
 
@@ -218,23 +219,28 @@ class _ViewData(torch.utils.data.Dataset):
     memory); the float work (`ViewGenerator.finish`) runs in the main process on the model's device, the same
     operations giving the same bits there."""
 
-    def __init__(self, testset: TestSet, perm: np.ndarray, jobs: list[tuple[int, bool, bool]], gen: ViewGenerator):
+    def __init__(self, testset: TestSet, perm: np.ndarray, jobs: list[tuple[int, bool, bool]], gen: ViewGenerator,
+                 device_chains: bool = False):
         self.testset, self.perm, self.jobs, self.gen = testset, perm, jobs, gen
+        self.device_chains = device_chains and gen.policy == "augmix"
 
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict | None]:
         pos, need0, need_aug = self.jobs[i]
         sid = int(self.perm[pos])
         empty = torch.empty(0)
         try:
             img = open_image(self.testset.paths[sid])
         except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
-            return pos, str(e), empty, empty  # type: ignore[return-value]
+            return pos, str(e), empty, empty, None  # type: ignore[return-value]
         v0 = torch.from_numpy(self.gen.original_raw(img).copy())[None, None] if need0 else empty
+        if need_aug and self.device_chains:  # crops and random draws only: the chains run on the device
+            prog = self.gen.augmix_program(img, sid)
+            return pos, v0, prog.pop("crops"), prog.pop("coef"), prog
         aug, coef = self.gen.augmented_raw(img, sid) if need_aug else (empty, None)
-        return pos, v0, aug, empty if coef is None else coef
+        return pos, v0, aug, empty if coef is None else coef, None
 
 
 class _Batcher:
@@ -259,12 +265,17 @@ class _Batcher:
         self.n_buf = 0
         self.written = 0
 
-    def add(self, raw: torch.Tensor, coef: torch.Tensor | None, gen: ViewGenerator) -> None:
+    def add(self, raw: torch.Tensor, coef: torch.Tensor | None, gen: ViewGenerator,
+            chains: dict[str, torch.Tensor] | None = None) -> None:
         """Append V views to the stream of this part, given raw (V, J, S, S, 3) uint8 and their coefficients
-        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`): sent to the device and finished there."""
+        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), or the crops (V, 1, S, S, 3) and the AugMix program
+        `chains` (`ViewGenerator.augmix_program`): sent to the device, the chains run and the views finished there."""
         dev = self.model.device
-        images = gen.finish(raw.to(dev, non_blocking=True),
-                            None if coef is None else coef.to(dev, non_blocking=True))
+        raw = raw.to(dev, non_blocking=True)
+        if chains is not None:
+            raw = run_chains(raw[:, 0], *(chains[k].to(dev, non_blocking=True) for k in ("ops", "lut_params",
+                                                                                          "affine")))
+        images = gen.finish(raw, None if coef is None else coef.to(dev, non_blocking=True))
         if self.buf is None:
             self.buf = torch.empty((self.bs, *images.shape[1:]), dtype=images.dtype, device=self.model.device)
         i, v = 0, images.shape[0]
@@ -300,10 +311,12 @@ class _Batcher:
 
 def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: FeatureCache, policy: ViewPolicy,
                 n_positions: int, *, seed: int, batch_size: int = 256, workers: int = 0,
-                progress: _Progress | None = None) -> int:
+                progress: _Progress | None = None, device_chains: bool | None = None) -> int:
     """Fill the missing feature-cache chunks covering stream positions [0, n_positions). Returns samples encoded.
 
-    View 0 is always stored; views 1..63 only for the multi-view policies.
+    View 0 is always stored; views 1..63 only for the multi-view policies. `device_chains` (default: on CUDA) runs
+    AugMix's operation chains on the model's device (`extract.augmix_device`, the same pixels) instead of in the
+    loader processes, which then only crop and draw.
     """
     parts: tuple[str, ...] = ("view0",) if policy == "single" else ("view0", policy)
     missing = cache.missing(parts, n_positions)
@@ -316,21 +329,23 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     for c, start, need, keep in plans:
         lo = min(keep.values())
         jobs += [(start + i, i >= keep.get("view0", need), i >= keep.get(policy, need)) for i in range(lo, need)]
-    loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen), batch_size=None, shuffle=False,
-                                         num_workers=workers, pin_memory=model.device.type == "cuda")
+    if device_chains is None:
+        device_chains = model.device.type == "cuda"
+    loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen, device_chains), batch_size=None,
+                                         shuffle=False, num_workers=workers, pin_memory=model.device.type == "cuda")
     task = (progress or _Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))
     it = iter(loader)
     for c, start, need, keep in plans:
         shapes = {part: cache.expected_shape(part, c, need - k) for part, k in keep.items()}  # type: ignore[arg-type]
         batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size) for part, shape in shapes.items()}
         for _ in range(need - min(keep.values())):
-            pos, x0, xa, coef = next(it)
+            pos, x0, xa, coef, chains = next(it)
             if isinstance(x0, str):  # an image the loader cannot read (named in the message)
                 raise DatasetError(x0)
             if x0.numel():
                 batchers["view0"].add(x0, None, gen)
             if xa.numel():
-                batchers[policy].add(xa, coef if coef.numel() else None, gen)
+                batchers[policy].add(xa, coef if coef.numel() else None, gen, chains)
             task.advance(1)
         for part, b in batchers.items():
             feats = b.finish().reshape(shapes[part])

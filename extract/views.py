@@ -65,6 +65,38 @@ def _signed(rng: np.random.Generator, value: float) -> float:
     return -value if rng.uniform() > 0.5 else value
 
 
+# Each operation draws its parameter from the sample's Generator (`_DRAWS`, AugMix's draws in AugMix's order), then
+# applies it; the device half of the loader (`extract.augmix_device`) receives the same parameters, drawn by the same
+# functions, and applies them to the same pixels with the same arithmetic.
+
+def _no_draw(rng: np.random.Generator, size: int) -> float:
+    return 0.0
+
+
+def _draw_posterize(rng: np.random.Generator, size: int) -> int:
+    return 4 - int(_level(rng) * 4 / 10)  # bits
+
+
+def _draw_rotate(rng: np.random.Generator, size: int) -> int:
+    return _signed(rng, int(_level(rng) * 30 / 10))  # whole degrees  # type: ignore[return-value]
+
+
+def _draw_solarize(rng: np.random.Generator, size: int) -> int:
+    return 256 - int(_level(rng) * 256 / 10)  # threshold
+
+
+def _draw_shear(rng: np.random.Generator, size: int) -> float:
+    return _signed(rng, _level(rng) * 0.3 / 10)
+
+
+def _shift(rng: np.random.Generator, size: int) -> int:
+    return int(_signed(rng, int(_level(rng) * (size / 3) / 10)))
+
+
+#: the parameter draw of each operation, in `AUGMIX_OPS` order
+_DRAWS = (_no_draw, _no_draw, _draw_posterize, _draw_rotate, _draw_solarize, _draw_shear, _draw_shear, _shift, _shift)
+
+
 def _autocontrast(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
     return ImageOps.autocontrast(img)
 
@@ -74,16 +106,15 @@ def _equalize(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Im
 
 
 def _posterize(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return ImageOps.posterize(img, 4 - int(_level(rng) * 4 / 10))
+    return ImageOps.posterize(img, _draw_posterize(rng, size))
 
 
 def _rotate(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    degrees = _signed(rng, int(_level(rng) * 30 / 10))
-    return img.rotate(degrees, resample=Image.BILINEAR)
+    return img.rotate(_draw_rotate(rng, size), resample=Image.BILINEAR)
 
 
 def _solarize(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return ImageOps.solarize(img, 256 - int(_level(rng) * 256 / 10))
+    return ImageOps.solarize(img, _draw_solarize(rng, size))
 
 
 def _affine(img: Image.Image, size: int, coeffs: tuple[float, ...]) -> Image.Image:
@@ -91,15 +122,11 @@ def _affine(img: Image.Image, size: int, coeffs: tuple[float, ...]) -> Image.Ima
 
 
 def _shear_x(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, _signed(rng, _level(rng) * 0.3 / 10), 0, 0, 1, 0))
+    return _affine(img, size, (1, _draw_shear(rng, size), 0, 0, 1, 0))
 
 
 def _shear_y(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, 0, 0, _signed(rng, _level(rng) * 0.3 / 10), 1, 0))
-
-
-def _shift(rng: np.random.Generator, size: int) -> int:
-    return int(_signed(rng, int(_level(rng) * (size / 3) / 10)))
+    return _affine(img, size, (1, 0, 0, _draw_shear(rng, size), 1, 0))
 
 
 # A translation by a whole number of pixels t is an affine map whose bilinear weights are all exactly 0, so PIL's
@@ -288,6 +315,39 @@ class ViewGenerator:
                     x = AUGMIX_OPS[int(rng.integers(0, len(AUGMIX_OPS)))](x, rng, self.size)
                 raw[v, 1 + i] = np.asarray(x)
         return torch.from_numpy(raw), None if coef is None else torch.from_numpy(coef)
+
+    def augmix_program(self, img: Image.Image, sample_id: int) -> dict[str, torch.Tensor]:
+        """The AugMix views of sample `sample_id` as a loader process prepares them for `extract.augmix_device`:
+        the crops (63, 1, S, S, 3) uint8, the mixing coefficients (63, 5) float32, and per view, chain and depth the
+        operation (`ops` (63, 3, 3) int8, -1 past the chain's depth), its point-operation parameter (`lut_params`,
+        int16) and its affine matrix (`affine` (63, 3, 3, 6) float64). The random draws are `augmented_raw`'s, in
+        its order; `run_chains` then gives `augmented_raw`'s images bit for bit."""
+        from extract.augmix_device import IDENTITY, LUT_OPS, affine_coeffs
+
+        if self.policy != "augmix":
+            raise ValueError(f"an AugMix program needs the augmix policy, not {self.policy!r}")
+        rng = np.random.default_rng([self.seed, int(sample_id)])
+        crops = np.empty((N_AUG_VIEWS, 1, self.size, self.size, 3), dtype=np.uint8)
+        coef = np.empty((N_AUG_VIEWS, N_COEF), dtype=np.float32)
+        ops = np.full((N_AUG_VIEWS, AUGMIX_CHAINS, AUGMIX_MAX_DEPTH), -1, dtype=np.int8)
+        lut_params = np.zeros(ops.shape, dtype=np.int16)
+        affine = np.tile(np.asarray(IDENTITY, dtype=np.float64), ops.shape + (1,))
+        for v in range(N_AUG_VIEWS):
+            crops[v, 0] = np.asarray(self._crop_flip(img, rng))
+            w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
+            m = np.float32(rng.beta(1.0, 1.0))
+            coef[v] = (m, np.float32(1.0) - m, *w_mix)
+            for i in range(AUGMIX_CHAINS):
+                for d in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
+                    op = int(rng.integers(0, len(AUGMIX_OPS)))
+                    param = _DRAWS[op](rng, self.size)
+                    ops[v, i, d] = op
+                    if op in LUT_OPS:
+                        lut_params[v, i, d] = int(param)
+                    else:
+                        affine[v, i, d] = affine_coeffs(op, param, self.size)
+        return {"crops": torch.from_numpy(crops), "coef": torch.from_numpy(coef), "ops": torch.from_numpy(ops),
+                "lut_params": torch.from_numpy(lut_params), "affine": torch.from_numpy(affine)}
 
     def augmented(self, img: Image.Image, sample_id: int) -> torch.Tensor:
         """Views 1..63 of sample `sample_id`: (63, 3, S, S)."""

@@ -385,12 +385,15 @@ def test_changed_settings_recomputed_when_the_caller_owns_the_output(tmp_path, t
         _run(running_mean, tmp_path, tiny_model, data_root, on_changed="ask")
 
 
-@pytest.mark.parametrize("policy,batch_size", [("single", 4), ("crop_flip", 40), ("augmix", 64)])
+@pytest.mark.parametrize("policy,batch_size,device_chains", [("single", 4, False), ("crop_flip", 40, False),
+                                                              ("augmix", 64, False), ("augmix", 40, True)])
 def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model, data_root, policy,  # noqa: F811
-                                                            batch_size):
+                                                            batch_size, device_chains):
     """The device-side micro-batches (`_Batcher`) encode exactly what the obvious code encodes: per chunk, every
     view of its samples in stream order, concatenated on the host, cut into `batch_size` pieces (63 views per sample
-    do not divide 40 or 64, so micro-batches straddle samples), each piece encoded. Bit for bit: same batches."""
+    do not divide 40 or 64, so micro-batches straddle samples), each piece encoded. Bit for bit: same batches. With
+    `device_chains` the AugMix chains run in the main process (`extract.augmix_device`, what CUDA runs do) from the
+    loader's crops and draws: the reference is still Pillow's views."""
     from extract.cache import FeatureCache
     from extract.views import ViewGenerator
 
@@ -400,7 +403,8 @@ def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model
     dim = tiny_model.encode_images(torch.zeros(1, 3, *tiny_model.preprocess.size)).shape[1]
     cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), dim, np.dtype(np.float32), "s",
                          chunk_size=chunk)
-    encoded = runner.encode_pass(tiny_model, ts, perm, cache, policy, n_pos, seed=1, batch_size=batch_size)
+    encoded = runner.encode_pass(tiny_model, ts, perm, cache, policy, n_pos, seed=1, batch_size=batch_size,
+                                 device_chains=device_chains)
     assert encoded == n_pos
     gen = ViewGenerator(tiny_model.preprocess, policy, seed=1)
     for c in range(3):

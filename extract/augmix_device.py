@@ -1,0 +1,163 @@
+"""AugMix's operation chains on a torch device, giving Pillow's pixels bit for bit (the GPU half of AugMix views).
+
+On a GPU machine the loader processes are the bottleneck of the AugMix policy: Pillow's bilinear affine transform
+(rotate, the shears) and point operations are most of an AugMix view's CPU time. With `device_chains`, a loader
+process only crops, flips and draws the random numbers (`ViewGenerator.augmix_program`, the same draws in the same
+order as the Pillow path), and the chains run here, on the model's device, batched over every chain of a sample:
+
+* point operations as per-image, per-channel lookup tables, computed as Pillow's ImageOps computes them:
+  autocontrast (cutoff 0: lowest and highest occupied level, lut = int(i * 255/(hi - lo) - lo * 255/(hi - lo))
+  clipped, float64 as Python's floats; identity if hi <= lo), equalize (integer arithmetic on the histogram:
+  step = (P - count of the last occupied level) // 255, lut[i] = (step // 2 + pixels below i) // step; identity when
+  one level or step 0; clipped to 255 as Pillow's C point clips), posterize (i & mask), solarize (i < t ? i : 255 - i);
+* rotations, shears and translations through Pillow's generic bilinear affine transform, written out in float64 in
+  its C order: source coordinates a0 (x + 0.5) + a1 (y + 0.5) + a2 (and the same for y), zero outside
+  [0, size), then x = floor(xin - 0.5), dx = xin - 0.5 - x, neighbours clamped to the image, two horizontal lerps
+  v = a + (b - a) dx, one vertical lerp, and truncation to uint8 (`bilinear_filter32RGB`); the rotation matrix as
+  `Image.rotate` builds it (`rotate_coeffs`).
+
+IEEE float64 additions, multiplications and divisions round the same on the CPU and on a GPU and torch runs each as
+its own kernel (nothing is fused), so the device gives the floats Pillow's C code gives. tests/test_augmix_device.py
+checks every operation against Pillow over their parameter ranges and random, flat and few-level images, and whole
+chains through the runner; a CUDA twin checks the GPU against the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+(OP_AUTOCONTRAST, OP_EQUALIZE, OP_POSTERIZE, OP_ROTATE, OP_SOLARIZE, OP_SHEAR_X, OP_SHEAR_Y, OP_TRANSLATE_X,
+ OP_TRANSLATE_Y) = range(9)
+#: operations done with a lookup table (the others are affine maps)
+LUT_OPS = (OP_AUTOCONTRAST, OP_EQUALIZE, OP_POSTERIZE, OP_SOLARIZE)
+IDENTITY = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+
+
+def rotate_coeffs(degrees: float, width: int, height: int) -> tuple[float, ...]:
+    """The inverse affine matrix `Image.rotate(degrees)` hands to `transform` (no centre, translation or expand);
+    the identity for a multiple of 360, where Pillow copies the image."""
+    angle = degrees % 360.0
+    if angle == 0:
+        return IDENTITY
+    if angle in (90.0, 180.0, 270.0):
+        raise ValueError(f"rotation by {degrees} degrees takes Pillow's transpose path, not modelled here")
+    cx, cy = width / 2, height / 2
+    rad = -math.radians(angle)
+    a, b, d, e = (round(math.cos(rad), 15), round(math.sin(rad), 15), round(-math.sin(rad), 15),
+                  round(math.cos(rad), 15))
+    x, y = -cx - 0, -cy - 0
+    c, f = a * x + b * y + 0.0, d * x + e * y + 0.0
+    return (a, b, c + cx, d, e, f + cy)
+
+
+def affine_coeffs(op: int, param: float, size: int) -> tuple[float, ...]:
+    """The affine matrix of an AugMix affine operation with its drawn parameter (`extract.views._DRAWS`)."""
+    if op == OP_ROTATE:
+        return rotate_coeffs(param, size, size)
+    if op == OP_SHEAR_X:
+        return (1.0, float(param), 0.0, 0.0, 1.0, 0.0)
+    if op == OP_SHEAR_Y:
+        return (1.0, 0.0, 0.0, float(param), 1.0, 0.0)
+    if op == OP_TRANSLATE_X:
+        return (1.0, 0.0, float(param), 0.0, 1.0, 0.0)
+    if op == OP_TRANSLATE_Y:
+        return (1.0, 0.0, 0.0, 0.0, 1.0, float(param))
+    raise ValueError(f"operation {op} is not an affine map")
+
+
+def bilinear_affine(x: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+    """Pillow's `transform(size, AFFINE, coeffs, BILINEAR)` of each image: x (M, H, W, 3) uint8, coeffs (M, 6)
+    float64 on x's device -> (M, H, W, 3) uint8."""
+    m, h, w, ch = x.shape
+    dev, f64 = x.device, torch.float64
+    a = coeffs.to(dev, f64)[:, :, None, None]  # (M, 6, 1, 1)
+    xc = torch.arange(w, dtype=f64, device=dev) + 0.5  # x + 0.5, exact
+    yc = (torch.arange(h, dtype=f64, device=dev) + 0.5)[:, None]
+    xin = (a[:, 0] * xc + a[:, 1] * yc) + a[:, 2]  # (M, H, W): C's a0 * xin + a1 * yin + a2
+    yin = (a[:, 3] * xc + a[:, 4] * yc) + a[:, 5]
+    inside = (xin >= 0.0) & (xin < w) & (yin >= 0.0) & (yin < h)
+    xs, ys = xin - 0.5, yin - 0.5
+    xf, yf = torch.floor(xs), torch.floor(ys)
+    dx, dy = (xs - xf).view(m, -1, 1), (ys - yf).view(m, -1, 1)
+    # indices of the clamped neighbours (XCLIP / YCLIP); outside pixels are zeroed below, so any index will do
+    xi = xf.clamp(-1.0, float(w)).long()
+    yi = yf.clamp(-1.0, float(h)).long()
+    x0, x1 = xi.clamp(0, w - 1), (xi + 1).clamp(0, w - 1)
+    y0, y1 = yi.clamp(0, h - 1), (yi + 1).clamp(0, h - 1)  # row y + 1 past the edge: the same row, so v2 = v1
+    flat = x.reshape(m, h * w, ch)
+
+    def at(yy: torch.Tensor, xx: torch.Tensor) -> torch.Tensor:
+        idx = (yy * w + xx).view(m, -1, 1).expand(-1, -1, ch)
+        return torch.gather(flat, 1, idx).to(f64)
+
+    p00, p01, p10, p11 = at(y0, x0), at(y0, x1), at(y1, x0), at(y1, x1)
+    v1 = p00 + (p01 - p00) * dx
+    v2 = p10 + (p11 - p10) * dx
+    v = v1 + (v2 - v1) * dy
+    out = v.trunc().clamp_(0.0, 255.0).to(torch.uint8)  # (UINT8) v: truncation
+    out.mul_(inside.view(m, -1, 1).to(torch.uint8))
+    return out.view(m, h, w, ch)
+
+
+def lut_ops(x: torch.Tensor, ops: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Point operations, one per image: x (M, H, W, 3) uint8, ops (M,) in `LUT_OPS`, params (M,) (posterize: bits,
+    solarize: threshold; ignored otherwise) -> (M, H, W, 3) uint8."""
+    m, h, w, ch = x.shape
+    dev = x.device
+    xl = x.reshape(m, h * w, ch).long()
+    n_pix = h * w
+    levels = torch.arange(256, device=dev)
+    lut = levels.expand(m, ch, 256).clone()  # identity, int64
+    ops, params = ops.to(dev).long(), params.to(dev)
+    offs = ((torch.arange(m, device=dev) * ch)[:, None, None] + torch.arange(ch, device=dev)) * 256  # (M, 1, 3)
+    # every row gets a histogram: a branch on the rows that need one would synchronise a GPU stream
+    hist = torch.bincount((xl + offs).view(-1), minlength=m * ch * 256).view(m, ch, 256)
+    occupied = hist > 0
+    lo = occupied.to(torch.uint8).argmax(-1)  # first occupied level (argmax returns the first maximum)
+    hi = 255 - occupied.flip(-1).to(torch.uint8).argmax(-1)  # last occupied level
+    # autocontrast, as ImageOps.autocontrast with cutoff 0 computes it in Python floats
+    span = (hi - lo).to(torch.float64)
+    # a true division: `255.0 / tensor` would be computed as 255 * (1 / tensor), another rounding
+    scale = torch.div(torch.full_like(span, 255.0), torch.where(span > 0, span, torch.ones_like(span)))
+    offset = (-lo).to(torch.float64) * scale
+    ac = (levels.to(torch.float64) * scale[..., None] + offset[..., None]).trunc().clamp_(0, 255).long()
+    ac = torch.where((hi > lo)[..., None], ac, lut)
+    # equalize, integer arithmetic as ImageOps.equalize
+    last = hist.gather(-1, hi[..., None].long())[..., 0]
+    step = (n_pix - last) // 255
+    below = torch.cumsum(hist, -1) - hist
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    eq = ((safe // 2)[..., None] + below).div(safe[..., None], rounding_mode="floor").clamp_(max=255)
+    eq = torch.where(((occupied.sum(-1) > 1) & (step > 0))[..., None], eq, lut)
+    lut = torch.where((ops == OP_AUTOCONTRAST)[:, None, None], ac, lut)
+    lut = torch.where((ops == OP_EQUALIZE)[:, None, None], eq, lut)
+    bits = params.long().clamp(1, 8)
+    mask = ~(2 ** (8 - bits) - 1)  # ImageOps.posterize
+    lut = torch.where((ops == OP_POSTERIZE)[:, None, None], levels & mask[:, None, None], lut)
+    thr = params.long()[:, None, None]
+    lut = torch.where((ops == OP_SOLARIZE)[:, None, None], torch.where(levels < thr, levels, 255 - levels), lut)
+    return lut.reshape(-1)[(xl + offs).view(-1)].to(torch.uint8).view(m, h, w, ch)
+
+
+def run_chains(crops: torch.Tensor, ops: torch.Tensor, lut_params: torch.Tensor,
+               affine: torch.Tensor) -> torch.Tensor:
+    """Every AugMix chain of a sample: crops (N, S, S, 3) uint8, and per view, chain and depth the operation
+    (`ops` (N, C, D) int, -1 past the chain's depth), its point-operation parameter (`lut_params` (N, C, D)) and its
+    affine matrix (`affine` (N, C, D, 6) float64, the identity for a point operation or none) -> (N, 1 + C, S, S, 3)
+    uint8: the crop, then each chain's image.
+
+    At each depth every chain goes through a lookup table and an affine map, the identity table or the identity
+    matrix where its operation is of the other kind (or none): both are exact copies (the identity map has all
+    bilinear weights 0), so each chain gets exactly its own operation, and the device never waits for the host to
+    learn which chains need what (no `nonzero`, no data-dependent branch: nothing synchronises the stream)."""
+    n, c, depth = ops.shape
+    s = crops.shape[1:]
+    dev = crops.device
+    ops, lut_params, affine = ops.to(dev).long(), lut_params.to(dev), affine.to(dev, torch.float64)
+    state = crops[:, None].expand(n, c, *s).reshape(n * c, *s)
+    ops_f, lp_f, af_f = ops.reshape(n * c, depth), lut_params.reshape(n * c, depth), affine.reshape(n * c, depth, 6)
+    for d in range(depth):
+        state = bilinear_affine(lut_ops(state, ops_f[:, d], lp_f[:, d]), af_f[:, d])
+    return torch.cat([crops[:, None], state.view(n, c, *s)], 1)

@@ -1,0 +1,106 @@
+"""AugMix's chains on a torch device (`extract.augmix_device`) against Pillow, pixel for pixel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from extract.augmix_device import (OP_AUTOCONTRAST, OP_EQUALIZE,
+                                   OP_POSTERIZE, OP_ROTATE, OP_SHEAR_X, OP_SHEAR_Y, OP_SOLARIZE, OP_TRANSLATE_X,
+                                   OP_TRANSLATE_Y, affine_coeffs, bilinear_affine, lut_ops, run_chains)
+from extract.models import Preprocess
+from extract.views import ViewGenerator
+
+S = 32
+
+
+def _images(seed: int = 0) -> list[np.ndarray]:
+    """Random, two-level flat, few-level, single-level and ramp images (the LUT edge cases: one occupied level,
+    equalize's step 0, autocontrast's hi == lo)."""
+    rng = np.random.default_rng(seed)
+    out = [rng.integers(0, 256, (S, S, 3), dtype=np.uint8) for _ in range(3)]
+    flat = np.full((S, S, 3), 37, np.uint8)
+    flat[3:9, 5:20] = 200
+    out += [flat, (out[0] // 80 * 80).astype(np.uint8), np.full((S, S, 3), 9, np.uint8)]
+    one_off = np.full((S, S, 3), 100, np.uint8)
+    one_off[0, 0] = 101  # equalize: step = (S*S - 1) // 255 = 4 > 0 but one pixel apart
+    ramp = np.broadcast_to(np.arange(S, dtype=np.uint8)[None, :, None] * 8, (S, S, 3)).copy()
+    return out + [one_off, ramp]
+
+
+def _lut(op: int, param: int, img: np.ndarray) -> np.ndarray:
+    x = torch.from_numpy(img)[None]
+    return lut_ops(x, torch.tensor([op]), torch.tensor([param]))[0].numpy()
+
+
+def _affine(op: int, param: float, img: np.ndarray) -> np.ndarray:
+    coeffs = torch.tensor([affine_coeffs(op, param, S)], dtype=torch.float64)
+    return bilinear_affine(torch.from_numpy(img)[None], coeffs)[0].numpy()
+
+
+@pytest.mark.parametrize("img", _images(), ids=lambda _: "")
+def test_point_operations_equal_pillow(img):
+    pil = Image.fromarray(img)
+    np.testing.assert_array_equal(_lut(OP_AUTOCONTRAST, 0, img), np.asarray(ImageOps.autocontrast(pil)))
+    np.testing.assert_array_equal(_lut(OP_EQUALIZE, 0, img), np.asarray(ImageOps.equalize(pil)))
+    for bits in range(1, 9):
+        np.testing.assert_array_equal(_lut(OP_POSTERIZE, bits, img), np.asarray(ImageOps.posterize(pil, bits)))
+    for t in (0, 1, 100, 128, 230, 255, 256):
+        np.testing.assert_array_equal(_lut(OP_SOLARIZE, t, img), np.asarray(ImageOps.solarize(pil, t)))
+
+
+@pytest.mark.parametrize("img", _images(1)[:5], ids=lambda _: "")
+def test_affine_operations_equal_pillow(img):
+    pil = Image.fromarray(img)
+    for deg in (-2, -1, 0, 1, 2, 7, -33):  # AugMix draws whole degrees in [-2, 2]; others exercise the matrix
+        np.testing.assert_array_equal(_affine(OP_ROTATE, deg, img),
+                                      np.asarray(pil.rotate(deg, resample=Image.BILINEAR)), err_msg=f"{deg}")
+    for s in np.linspace(-0.03, 0.03, 13):
+        for op, coeffs in ((OP_SHEAR_X, (1, s, 0, 0, 1, 0)), (OP_SHEAR_Y, (1, 0, 0, s, 1, 0))):
+            want = pil.transform((S, S), Image.AFFINE, coeffs, resample=Image.BILINEAR)
+            np.testing.assert_array_equal(_affine(op, float(s), img), np.asarray(want), err_msg=f"{op} {s}")
+    for t in range(-S - 1, S + 2, 5):
+        np.testing.assert_array_equal(_affine(OP_TRANSLATE_X, t, img), np.asarray(pil.crop((t, 0, t + S, S))))
+        np.testing.assert_array_equal(_affine(OP_TRANSLATE_Y, t, img), np.asarray(pil.crop((0, t, S, t + S))))
+
+
+def test_general_affine_maps_equal_pillow():
+    """Pillow's generic bilinear engine for arbitrary matrices (scales, offsets reaching past the border)."""
+    rng = np.random.default_rng(3)
+    img = _images(3)[0]
+    for _ in range(40):
+        c = tuple(float(v) for v in rng.uniform(-1, 1, 6) * [1.5, 0.5, 20, 0.5, 1.5, 20] + [0.5, 0, 0, 0, 0.5, 0])
+        got = bilinear_affine(torch.from_numpy(img)[None], torch.tensor([c], dtype=torch.float64))[0].numpy()
+        want = np.asarray(Image.fromarray(img).transform((S, S), Image.AFFINE, c, resample=Image.BILINEAR))
+        np.testing.assert_array_equal(got, want, err_msg=str(c))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_programs_give_pillows_views(seed):
+    """A loader's program (crops and draws) run on the device = the Pillow path's images and coefficients."""
+    pre = Preprocess((S, S), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+    for img in _images(seed)[:2] + [np.random.default_rng(seed).integers(0, 256, (70, 90, 3), dtype=np.uint8)]:
+        pil = Image.fromarray(img)
+        gen = ViewGenerator(pre, "augmix", seed=seed)
+        raw, coef = gen.augmented_raw(pil, 5 + seed)
+        prog = gen.augmix_program(pil, 5 + seed)
+        assert torch.equal(prog["coef"], coef)
+        out = run_chains(prog["crops"][:, 0], prog["ops"], prog["lut_params"], prog["affine"])
+        assert torch.equal(out, raw)
+        assert torch.equal(gen.finish(out, prog["coef"]), gen.augmented(pil, 5 + seed))
+    with pytest.raises(ValueError, match="augmix policy"):
+        ViewGenerator(pre, "crop_flip").augmix_program(pil, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device chains run on CUDA here")
+def test_cuda_chains_equal_cpu():
+    pre = Preprocess((64, 64), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+    gen = ViewGenerator(pre, "augmix", seed=4)
+    pil = Image.fromarray(np.random.default_rng(4).integers(0, 256, (90, 120, 3), dtype=np.uint8))
+    prog = gen.augmix_program(pil, 3)
+    args = (prog["crops"][:, 0], prog["ops"], prog["lut_params"], prog["affine"])
+    cpu = run_chains(*args)
+    gpu = run_chains(*(a.cuda() for a in args)).cpu()
+    assert torch.equal(gpu, cpu)
