@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 (OP_AUTOCONTRAST, OP_EQUALIZE, OP_POSTERIZE, OP_ROTATE, OP_SOLARIZE, OP_SHEAR_X, OP_SHEAR_Y, OP_TRANSLATE_X,
@@ -141,23 +142,39 @@ def lut_ops(x: torch.Tensor, ops: torch.Tensor, params: torch.Tensor) -> torch.T
     return lut.reshape(-1)[(xl + offs).view(-1)].to(torch.uint8).view(m, h, w, ch)
 
 
-def run_chains(crops: torch.Tensor, ops: torch.Tensor, lut_params: torch.Tensor,
-               affine: torch.Tensor) -> torch.Tensor:
+def chain_rows(ops: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Which chains take a point operation and which an affine map at each depth, from `ops` (N, C, D) on the
+    host: {"lut_rows_d", "aff_rows_d"} int64 indices into the N * C chains. A loader process computes them with the
+    program, so the device never waits for the host to find out (`nonzero` on the device would synchronise)."""
+    flat = ops.reshape(-1, ops.shape[-1]).numpy()
+    is_lut = np.isin(flat, LUT_OPS)
+    out = {}
+    for d in range(flat.shape[1]):
+        out[f"lut_rows_{d}"] = torch.from_numpy(np.flatnonzero(is_lut[:, d]))
+        out[f"aff_rows_{d}"] = torch.from_numpy(np.flatnonzero((flat[:, d] >= 0) & ~is_lut[:, d]))
+    return out
+
+
+def run_chains(crops: torch.Tensor, ops: torch.Tensor, lut_params: torch.Tensor, affine: torch.Tensor,
+               rows: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Every AugMix chain of a sample: crops (N, S, S, 3) uint8, and per view, chain and depth the operation
     (`ops` (N, C, D) int, -1 past the chain's depth), its point-operation parameter (`lut_params` (N, C, D)) and its
-    affine matrix (`affine` (N, C, D, 6) float64, the identity for a point operation or none) -> (N, 1 + C, S, S, 3)
-    uint8: the crop, then each chain's image.
+    affine matrix (`affine` (N, C, D, 6) float64) -> (N, 1 + C, S, S, 3) uint8: the crop, then each chain's image.
 
-    At each depth every chain goes through a lookup table and an affine map, the identity table or the identity
-    matrix where its operation is of the other kind (or none): both are exact copies (the identity map has all
-    bilinear weights 0), so each chain gets exactly its own operation, and the device never waits for the host to
-    learn which chains need what (no `nonzero`, no data-dependent branch: nothing synchronises the stream)."""
+    `rows` (`chain_rows`, computed from `ops` on the host when not given) says which chains take which kind of
+    operation at each depth; each kind runs batched over its chains."""
     n, c, depth = ops.shape
     s = crops.shape[1:]
     dev = crops.device
+    if rows is None:
+        rows = chain_rows(ops.cpu())
     ops, lut_params, affine = ops.to(dev).long(), lut_params.to(dev), affine.to(dev, torch.float64)
-    state = crops[:, None].expand(n, c, *s).reshape(n * c, *s)
+    state = crops[:, None].expand(n, c, *s).reshape(n * c, *s).clone()
     ops_f, lp_f, af_f = ops.reshape(n * c, depth), lut_params.reshape(n * c, depth), affine.reshape(n * c, depth, 6)
     for d in range(depth):
-        state = bilinear_affine(lut_ops(state, ops_f[:, d], lp_f[:, d]), af_f[:, d])
+        lut_rows, aff_rows = rows[f"lut_rows_{d}"].to(dev), rows[f"aff_rows_{d}"].to(dev)
+        if lut_rows.numel():  # sizes are known on the host: no synchronisation
+            state[lut_rows] = lut_ops(state[lut_rows], ops_f[lut_rows, d], lp_f[lut_rows, d])
+        if aff_rows.numel():
+            state[aff_rows] = bilinear_affine(state[aff_rows], af_f[aff_rows, d])
     return torch.cat([crops[:, None], state.view(n, c, *s)], 1)

@@ -273,8 +273,8 @@ class _Batcher:
         dev = self.model.device
         raw = raw.to(dev, non_blocking=True)
         if chains is not None:
-            raw = run_chains(raw[:, 0], *(chains[k].to(dev, non_blocking=True) for k in ("ops", "lut_params",
-                                                                                          "affine")))
+            on_dev = {k: v.to(dev, non_blocking=True) for k, v in chains.items()}
+            raw = run_chains(raw[:, 0], on_dev.pop("ops"), on_dev.pop("lut_params"), on_dev.pop("affine"), on_dev)
         images = gen.finish(raw, None if coef is None else coef.to(dev, non_blocking=True))
         if self.buf is None:
             self.buf = torch.empty((self.bs, *images.shape[1:]), dtype=images.dtype, device=self.model.device)

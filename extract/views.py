@@ -322,7 +322,7 @@ class ViewGenerator:
         operation (`ops` (63, 3, 3) int8, -1 past the chain's depth), its point-operation parameter (`lut_params`,
         int16) and its affine matrix (`affine` (63, 3, 3, 6) float64). The random draws are `augmented_raw`'s, in
         its order; `run_chains` then gives `augmented_raw`'s images bit for bit."""
-        from extract.augmix_device import IDENTITY, LUT_OPS, affine_coeffs
+        from extract.augmix_device import IDENTITY, LUT_OPS, affine_coeffs, chain_rows
 
         if self.policy != "augmix":
             raise ValueError(f"an AugMix program needs the augmix policy, not {self.policy!r}")
@@ -346,8 +346,10 @@ class ViewGenerator:
                         lut_params[v, i, d] = int(param)
                     else:
                         affine[v, i, d] = affine_coeffs(op, param, self.size)
-        return {"crops": torch.from_numpy(crops), "coef": torch.from_numpy(coef), "ops": torch.from_numpy(ops),
-                "lut_params": torch.from_numpy(lut_params), "affine": torch.from_numpy(affine)}
+        ops_t = torch.from_numpy(ops)
+        return {"crops": torch.from_numpy(crops), "coef": torch.from_numpy(coef), "ops": ops_t,
+                "lut_params": torch.from_numpy(lut_params), "affine": torch.from_numpy(affine),
+                **chain_rows(ops_t)}
 
     def augmented(self, img: Image.Image, sample_id: int) -> torch.Tensor:
         """Views 1..63 of sample `sample_id`: (63, 3, S, S)."""
