@@ -104,3 +104,49 @@ def test_cuda_chains_equal_cpu():
     cpu = run_chains(*args)
     gpu = run_chains(*(a.cuda() for a in args)).cpu()
     assert torch.equal(gpu, cpu)
+
+
+def test_program_draws_are_augmixs_in_augmixs_order():
+    """The parameters of a program, re-drawn by an independent transcription of AugMix's draws (TPT's
+    augmix_ops.py at severity 1: level = U(0.1, 1), int_parameter(level, m) = int(level * m / 10),
+    float_parameter(level, m) = level * m / 10, then a sign from U(0, 1) > 0.5) from a fresh Generator."""
+    from extract.views import random_resized_crop_box
+
+    pre = Preprocess((S, S), (0.5,) * 3, (0.5,) * 3)
+    img = Image.fromarray(np.random.default_rng(9).integers(0, 256, (50, 70, 3), dtype=np.uint8))
+    prog = ViewGenerator(pre, "augmix", seed=3).augmix_program(img, 11)
+    rng = np.random.default_rng([3, 11])
+
+    def level() -> float:
+        return rng.uniform(0.1, 1.0)
+
+    def signed(v):
+        return -v if rng.uniform() > 0.5 else v
+
+    for v in range(63):
+        random_resized_crop_box(rng, 70, 50)
+        rng.uniform()  # the flip
+        w = rng.dirichlet([1.0, 1.0, 1.0]).astype(np.float32)
+        m = np.float32(rng.beta(1.0, 1.0))
+        assert prog["coef"][v].tolist() == [m, np.float32(1) - m, *w]
+        for i in range(3):
+            depth = int(rng.integers(1, 4))
+            for d in range(3):
+                op = int(prog["ops"][v, i, d])
+                if d >= depth:
+                    assert op == -1
+                    continue
+                assert op == int(rng.integers(0, 9))
+                lut, aff = int(prog["lut_params"][v, i, d]), prog["affine"][v, i, d].tolist()
+                if op == OP_POSTERIZE:
+                    assert lut == 4 - int(level() * 4 / 10)
+                elif op == OP_SOLARIZE:
+                    assert lut == 256 - int(level() * 256 / 10)
+                elif op == OP_ROTATE:
+                    assert aff == list(affine_coeffs(OP_ROTATE, signed(int(level() * 30 / 10)), S))
+                elif op in (OP_SHEAR_X, OP_SHEAR_Y):
+                    s = signed(level() * 0.3 / 10)
+                    assert aff == ([1, s, 0, 0, 1, 0] if op == OP_SHEAR_X else [1, 0, 0, s, 1, 0])
+                elif op in (OP_TRANSLATE_X, OP_TRANSLATE_Y):
+                    t = float(int(signed(int(level() * (S / 3) / 10))))
+                    assert aff == ([1, 0, t, 0, 1, 0] if op == OP_TRANSLATE_X else [1, 0, 0, 0, 1, t])
