@@ -309,14 +309,18 @@ class _Batcher:
         return self.feats.cpu().numpy()
 
 
+#: set to 0 to run AugMix's chains with Pillow in the loader processes on CUDA too (the views are the same)
+DEVICE_CHAINS_ENV = "ZAEC_DEVICE_CHAINS"
+
+
 def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: FeatureCache, policy: ViewPolicy,
                 n_positions: int, *, seed: int, batch_size: int = 256, workers: int = 0,
                 progress: _Progress | None = None, device_chains: bool | None = None) -> int:
     """Fill the missing feature-cache chunks covering stream positions [0, n_positions). Returns samples encoded.
 
-    View 0 is always stored; views 1..63 only for the multi-view policies. `device_chains` (default: on CUDA) runs
-    AugMix's operation chains on the model's device (`extract.augmix_device`, the same pixels) instead of in the
-    loader processes, which then only crop and draw.
+    View 0 is always stored; views 1..63 only for the multi-view policies. `device_chains` (default: on CUDA, unless
+    $ZAEC_DEVICE_CHAINS is 0) runs AugMix's operation chains on the model's device (`extract.augmix_device`, the
+    same pixels) instead of in the loader processes, which then only crop and draw.
     """
     parts: tuple[str, ...] = ("view0",) if policy == "single" else ("view0", policy)
     missing = cache.missing(parts, n_positions)
@@ -329,8 +333,8 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     for c, start, need, keep in plans:
         lo = min(keep.values())
         jobs += [(start + i, i >= keep.get("view0", need), i >= keep.get(policy, need)) for i in range(lo, need)]
-    if device_chains is None:
-        device_chains = model.device.type == "cuda"
+    if device_chains is None:  # ZAEC_DEVICE_CHAINS=0 keeps the chains in the loader processes (same views)
+        device_chains = model.device.type == "cuda" and os.environ.get(DEVICE_CHAINS_ENV, "1") != "0"
     loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen, device_chains), batch_size=None,
                                          shuffle=False, num_workers=workers, pin_memory=model.device.type == "cuda")
     task = (progress or _Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))

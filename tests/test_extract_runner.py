@@ -441,3 +441,33 @@ def test_cuda_encode_pass_equals_host_micro_batches(tmp_path, tiny_model_dir, da
         want = torch.cat([gpu.encode_images(views[i:i + 64]) for i in range(0, len(views), 64)]).cpu().numpy()
         got = np.asarray(cache.load(part, 0), np.float32).reshape(-1, dim)
         np.testing.assert_array_equal(got, want.astype(gpu.cache_dtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("env,expected", [(None, True), ("1", True), ("0", False)])
+def test_device_chains_default_on_cuda_unless_disabled(tmp_path, tiny_model, data_root, monkeypatch,  # noqa: F811
+                                                       env, expected):
+    """A CUDA model runs AugMix's chains on the device unless ZAEC_DEVICE_CHAINS=0; a CPU model never does."""
+    from extract.cache import FeatureCache
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args, **kw):
+        seen.append(args[-1] if len(args) > 4 else kw.get("device_chains"))
+        raise Stop
+
+    monkeypatch.setattr(runner, "_ViewData", spy)
+    if env is None:
+        monkeypatch.delenv(runner.DEVICE_CHAINS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(runner.DEVICE_CHAINS_ENV, env)
+    ts = load_testset("dtd", data_root)
+    perm = stream_permutation("dtd", 1, len(ts))
+    cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), 16, np.dtype(np.float32), "s", chunk_size=4)
+    for device, want in (("cuda", expected), ("cpu", False)):
+        model = dataclasses.replace(tiny_model, device=torch.device(device))
+        with pytest.raises(Stop):
+            runner.encode_pass(model, ts, perm, cache, "augmix", 2, seed=1)
+        assert seen.pop() is want
