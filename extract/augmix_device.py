@@ -14,7 +14,8 @@ order as the Pillow path), and the chains run here, on the model's device, batch
   its C order: source coordinates a0 (x + 0.5) + a1 (y + 0.5) + a2 (and the same for y), zero outside
   [0, size), then x = floor(xin - 0.5), dx = xin - 0.5 - x, neighbours clamped to the image, two horizontal lerps
   v = a + (b - a) dx, one vertical lerp, and truncation to uint8 (`bilinear_filter32RGB`); the rotation matrix as
-  `Image.rotate` builds it (`rotate_coeffs`).
+  `Image.rotate` builds it (`rotate_coeffs`). Shears and translations leave out the lerps their matrices make exact
+  (`AFFINE_KIND`).
 
 IEEE float64 additions, multiplications and divisions round the same on the CPU and on a GPU and torch runs each as
 its own kernel (nothing is fused), so the device gives the floats Pillow's C code gives. tests/test_augmix_device.py
@@ -68,9 +69,23 @@ def affine_coeffs(op: int, param: float, size: int) -> tuple[float, ...]:
     raise ValueError(f"operation {op} is not an affine map")
 
 
-def bilinear_affine(x: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+#: what an affine operation's matrix makes exact, whatever its parameter: a shear along x keeps every source row
+#: at y + 0.5 (dy = 0, so the vertical lerp returns its first term), a shear along y every source column (dx = 0),
+#: a whole-pixel translation both (the pixel itself); a rotation needs the full bilinear sum
+AFFINE_KIND = {OP_ROTATE: "full", OP_SHEAR_X: "dy0", OP_SHEAR_Y: "dx0", OP_TRANSLATE_X: "shift",
+               OP_TRANSLATE_Y: "shift"}
+
+
+_KINDS = ("full", "dy0", "dx0", "shift")
+
+
+def bilinear_affine(x: torch.Tensor, coeffs: torch.Tensor, kind: str = "full") -> torch.Tensor:
     """Pillow's `transform(size, AFFINE, coeffs, BILINEAR)` of each image: x (M, H, W, 3) uint8, coeffs (M, 6)
-    float64 on x's device -> (M, H, W, 3) uint8."""
+    float64 on x's device -> (M, H, W, 3) uint8.
+
+    `kind` (`AFFINE_KIND`) leaves out the terms the matrices make exact: "dy0" when every dy is 0 (the result is
+    the first horizontal lerp, exactly: v1 + (v2 - v1) * 0 = v1), "dx0" when every dx is 0 (the lerps' first terms
+    are the pixels), "shift" when both are (the source pixel); the caller vouches for the matrices."""
     m, h, w, ch = x.shape
     dev, f64 = x.device, torch.float64
     a = coeffs.to(dev, f64)[:, :, None, None]  # (M, 6, 1, 1)
@@ -91,13 +106,25 @@ def bilinear_affine(x: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
 
     def at(yy: torch.Tensor, xx: torch.Tensor) -> torch.Tensor:
         idx = (yy * w + xx).view(m, -1, 1).expand(-1, -1, ch)
-        return torch.gather(flat, 1, idx).to(f64)
+        return torch.gather(flat, 1, idx)
 
-    p00, p01, p10, p11 = at(y0, x0), at(y0, x1), at(y1, x0), at(y1, x1)
-    v1 = p00 + (p01 - p00) * dx
-    v2 = p10 + (p11 - p10) * dx
-    v = v1 + (v2 - v1) * dy
-    out = v.trunc().clamp_(0.0, 255.0).to(torch.uint8)  # (UINT8) v: truncation
+    p00 = at(y0, x0)
+    if kind == "shift":
+        out = p00.clone()
+    else:
+        p00 = p00.to(f64)
+        if kind == "dy0":
+            v = p00 + (at(y0, x1).to(f64) - p00) * dx
+        elif kind == "dx0":
+            v = p00 + (at(y1, x0).to(f64) - p00) * dy
+        elif kind == "full":
+            v1 = p00 + (at(y0, x1).to(f64) - p00) * dx
+            p10 = at(y1, x0).to(f64)
+            v2 = p10 + (at(y1, x1).to(f64) - p10) * dx
+            v = v1 + (v2 - v1) * dy
+        else:
+            raise ValueError(f"unknown affine kind {kind!r}")
+        out = v.trunc().clamp_(0.0, 255.0).to(torch.uint8)  # (UINT8) v: truncation
     out.mul_(inside.view(m, -1, 1).to(torch.uint8))
     return out.view(m, h, w, ch)
 
@@ -143,15 +170,17 @@ def lut_ops(x: torch.Tensor, ops: torch.Tensor, params: torch.Tensor) -> torch.T
 
 
 def chain_rows(ops: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Which chains take a point operation and which an affine map at each depth, from `ops` (N, C, D) on the
-    host: {"lut_rows_d", "aff_rows_d"} int64 indices into the N * C chains. A loader process computes them with the
-    program, so the device never waits for the host to find out (`nonzero` on the device would synchronise)."""
+    """Which chains take which kind of operation at each depth, from `ops` (N, C, D) on the host: int64 indices
+    into the N * C chains under "lut_rows_d" (point operations) and "<kind>_rows_d" for each `AFFINE_KIND`. A
+    loader process computes them with the program, so the device never waits for the host to find out (`nonzero`
+    on the device would synchronise)."""
     flat = ops.reshape(-1, ops.shape[-1]).numpy()
-    is_lut = np.isin(flat, LUT_OPS)
     out = {}
     for d in range(flat.shape[1]):
-        out[f"lut_rows_{d}"] = torch.from_numpy(np.flatnonzero(is_lut[:, d]))
-        out[f"aff_rows_{d}"] = torch.from_numpy(np.flatnonzero((flat[:, d] >= 0) & ~is_lut[:, d]))
+        out[f"lut_rows_{d}"] = torch.from_numpy(np.flatnonzero(np.isin(flat[:, d], LUT_OPS)))
+        for kind in _KINDS:
+            codes = [op for op, k in AFFINE_KIND.items() if k == kind]
+            out[f"{kind}_rows_{d}"] = torch.from_numpy(np.flatnonzero(np.isin(flat[:, d], codes)))
     return out
 
 
@@ -172,9 +201,11 @@ def run_chains(crops: torch.Tensor, ops: torch.Tensor, lut_params: torch.Tensor,
     state = crops[:, None].expand(n, c, *s).reshape(n * c, *s).clone()
     ops_f, lp_f, af_f = ops.reshape(n * c, depth), lut_params.reshape(n * c, depth), affine.reshape(n * c, depth, 6)
     for d in range(depth):
-        lut_rows, aff_rows = rows[f"lut_rows_{d}"].to(dev), rows[f"aff_rows_{d}"].to(dev)
-        if lut_rows.numel():  # sizes are known on the host: no synchronisation
-            state[lut_rows] = lut_ops(state[lut_rows], ops_f[lut_rows, d], lp_f[lut_rows, d])
-        if aff_rows.numel():
-            state[aff_rows] = bilinear_affine(state[aff_rows], af_f[aff_rows, d])
+        r = rows[f"lut_rows_{d}"].to(dev)
+        if r.numel():  # sizes are known on the host: no synchronisation
+            state[r] = lut_ops(state[r], ops_f[r, d], lp_f[r, d])
+        for kind in _KINDS:
+            r = rows[f"{kind}_rows_{d}"].to(dev)
+            if r.numel():
+                state[r] = bilinear_affine(state[r], af_f[r, d], kind)
     return torch.cat([crops[:, None], state.view(n, c, *s)], 1)

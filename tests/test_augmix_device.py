@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from extract.augmix_device import (OP_AUTOCONTRAST, OP_EQUALIZE,
+from extract.augmix_device import (AFFINE_KIND, OP_AUTOCONTRAST, OP_EQUALIZE,
                                    OP_POSTERIZE, OP_ROTATE, OP_SHEAR_X, OP_SHEAR_Y, OP_SOLARIZE, OP_TRANSLATE_X,
                                    OP_TRANSLATE_Y, affine_coeffs, bilinear_affine, lut_ops, run_chains)
 from extract.models import Preprocess
@@ -36,8 +36,12 @@ def _lut(op: int, param: int, img: np.ndarray) -> np.ndarray:
 
 
 def _affine(op: int, param: float, img: np.ndarray) -> np.ndarray:
+    """The operation through its own kind of path (AFFINE_KIND), checked equal to the full bilinear sum too."""
     coeffs = torch.tensor([affine_coeffs(op, param, S)], dtype=torch.float64)
-    return bilinear_affine(torch.from_numpy(img)[None], coeffs)[0].numpy()
+    x = torch.from_numpy(img)[None]
+    out = bilinear_affine(x, coeffs, AFFINE_KIND[op])[0].numpy()
+    np.testing.assert_array_equal(out, bilinear_affine(x, coeffs, "full")[0].numpy())
+    return out
 
 
 @pytest.mark.parametrize("img", _images(), ids=lambda _: "")
