@@ -17,7 +17,6 @@ The demo's trained models and sets (`make demo`) are small real models with real
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
