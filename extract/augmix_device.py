@@ -26,6 +26,7 @@ chains through the runner; a CUDA twin checks the GPU against the CPU.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -209,3 +210,33 @@ def run_chains(crops: torch.Tensor, ops: torch.Tensor, lut_params: torch.Tensor,
             if r.numel():
                 state[r] = bilinear_affine(state[r], af_f[r, d], kind)
     return torch.cat([crops[:, None], state.view(n, c, *s)], 1)
+
+
+def pack_program(prog: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """A program (`ViewGenerator.augmix_program`) as few tensors as possible, for the trip from a loader process
+    (each tensor passed between processes costs the receiver about 0.3 ms): (crops, one float64 tensor (N, 77)
+    holding the coefficients, operations, point parameters and matrices, exactly, the row lists concatenated into
+    one int64 tensor, and their lengths)."""
+    n = prog["ops"].shape[0]
+    packed = torch.cat([prog["coef"].to(torch.float64), prog["ops"].reshape(n, -1).to(torch.float64),
+                        prog["lut_params"].reshape(n, -1).to(torch.float64), prog["affine"].reshape(n, -1)], 1)
+    keys = _row_keys(prog["ops"].shape[-1])
+    return prog["crops"], packed, torch.cat([prog[k] for k in keys]), [int(prog[k].numel()) for k in keys]
+
+
+def unpack_program(packed: torch.Tensor, rows: torch.Tensor, lengths: Sequence[int], chains: int, depth: int
+                   ) -> dict[str, torch.Tensor]:
+    """`pack_program`'s tensors (on any device) back to coef, ops, lut_params, affine and the row lists; the
+    lengths are host integers, so splitting a device tensor waits for nothing."""
+    n, k = packed.shape[0], chains * depth
+    n_coef = packed.shape[1] - 8 * k
+    out = {"coef": packed[:, :n_coef].to(torch.float32),
+           "ops": packed[:, n_coef:n_coef + k].reshape(n, chains, depth).to(torch.int64),
+           "lut_params": packed[:, n_coef + k:n_coef + 2 * k].reshape(n, chains, depth).to(torch.int64),
+           "affine": packed[:, n_coef + 2 * k:].reshape(n, chains, depth, 6)}
+    out.update(zip(_row_keys(depth), torch.split(rows, list(lengths))))
+    return out
+
+
+def _row_keys(depth: int) -> list[str]:
+    return [f"{kind}_rows_{d}" for d in range(depth) for kind in ("lut", *_KINDS)]

@@ -39,8 +39,8 @@ from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, o
 from extract.fingerprint import check_mode, fingerprint as data_fingerprint
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
-from extract.augmix_device import run_chains
-from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
+from extract.augmix_device import pack_program, run_chains, unpack_program
+from extract.views import AUGMIX_CHAINS, AUGMIX_MAX_DEPTH, N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
 from schemas import COMPLETE_MARKER, RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
 
 Anchor = Literal["single", "method"]
@@ -213,7 +213,9 @@ class _Task:
 
 class _ViewData(torch.utils.data.Dataset):
     """Item i -> (stream position, view 0 raw (1, 1, S, S, 3) uint8, views 1..63 raw (63, J, S, S, 3) uint8,
-    their AugMix coefficients (63, 5) float32); an empty tensor for a part not needed.
+    their AugMix coefficients (63, 5) float32, None); None for a part not needed. With `device_chains` (AugMix
+    on a GPU) views 1..63 are the crops (63, 1, S, S, 3), followed by the packed program and its row lists
+    (`augmix_device.pack_program`).
 
     Loader processes do the PIL work only and send uint8 (a quarter of float32's bytes through shared and pinned
     memory); the float work (`ViewGenerator.finish`) runs in the main process on the model's device, the same
@@ -227,20 +229,20 @@ class _ViewData(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict | None]:
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
         pos, need0, need_aug = self.jobs[i]
         sid = int(self.perm[pos])
-        empty = torch.empty(0)
         try:
             img = open_image(self.testset.paths[sid])
         except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
-            return pos, str(e), empty, empty, None  # type: ignore[return-value]
-        v0 = torch.from_numpy(self.gen.original_raw(img).copy())[None, None] if need0 else empty
+            return pos, str(e), None, None, None
+        # None, not empty tensors, for what is not needed: each tensor between processes costs the receiver time
+        v0 = torch.from_numpy(self.gen.original_raw(img).copy())[None, None] if need0 else None
         if need_aug and self.device_chains:  # crops and random draws only: the chains run on the device
-            prog = self.gen.augmix_program(img, sid)
-            return pos, v0, prog.pop("crops"), prog.pop("coef"), prog
-        aug, coef = self.gen.augmented_raw(img, sid) if need_aug else (empty, None)
-        return pos, v0, aug, empty if coef is None else coef, None
+            crops, packed, rows, lengths = pack_program(self.gen.augmix_program(img, sid))
+            return pos, v0, crops, packed, (rows, lengths)
+        aug, coef = self.gen.augmented_raw(img, sid) if need_aug else (None, None)
+        return pos, v0, aug, coef, None
 
 
 class _Batcher:
@@ -266,16 +268,20 @@ class _Batcher:
         self.written = 0
 
     def add(self, raw: torch.Tensor, coef: torch.Tensor | None, gen: ViewGenerator,
-            chains: dict[str, torch.Tensor] | None = None) -> None:
+            chains: tuple[torch.Tensor, list[int]] | None = None) -> None:
         """Append V views to the stream of this part, given raw (V, J, S, S, 3) uint8 and their coefficients
-        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), or the crops (V, 1, S, S, 3) and the AugMix program
-        `chains` (`ViewGenerator.augmix_program`): sent to the device, the chains run and the views finished there."""
+        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), or the crops (V, 1, S, S, 3), the packed AugMix
+        program as `coef` and its row lists as `chains` (`augmix_device.pack_program`): sent to the device, the
+        chains run and the views finished there."""
         dev = self.model.device
         raw = raw.to(dev, non_blocking=True)
+        coef = None if coef is None else coef.to(dev, non_blocking=True)
         if chains is not None:
-            on_dev = {k: v.to(dev, non_blocking=True) for k, v in chains.items()}
-            raw = run_chains(raw[:, 0], on_dev.pop("ops"), on_dev.pop("lut_params"), on_dev.pop("affine"), on_dev)
-        images = gen.finish(raw, None if coef is None else coef.to(dev, non_blocking=True))
+            rows, lengths = chains
+            prog = unpack_program(coef, rows.to(dev, non_blocking=True), lengths, AUGMIX_CHAINS, AUGMIX_MAX_DEPTH)
+            coef = prog.pop("coef")
+            raw = run_chains(raw[:, 0], prog.pop("ops"), prog.pop("lut_params"), prog.pop("affine"), prog)
+        images = gen.finish(raw, coef)
         if self.buf is None:
             self.buf = torch.empty((self.bs, *images.shape[1:]), dtype=images.dtype, device=self.model.device)
         i, v = 0, images.shape[0]
@@ -346,10 +352,10 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
             pos, x0, xa, coef, chains = next(it)
             if isinstance(x0, str):  # an image the loader cannot read (named in the message)
                 raise DatasetError(x0)
-            if x0.numel():
+            if x0 is not None:
                 batchers["view0"].add(x0, None, gen)
-            if xa.numel():
-                batchers[policy].add(xa, coef if coef.numel() else None, gen, chains)
+            if xa is not None:
+                batchers[policy].add(xa, coef, gen, chains)
             task.advance(1)
         for part, b in batchers.items():
             feats = b.finish().reshape(shapes[part])

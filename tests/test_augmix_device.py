@@ -154,3 +154,19 @@ def test_program_draws_are_augmixs_in_augmixs_order():
                 elif op in (OP_TRANSLATE_X, OP_TRANSLATE_Y):
                     t = float(int(signed(int(level() * (S / 3) / 10))))
                     assert aff == ([1, 0, t, 0, 1, 0] if op == OP_TRANSLATE_X else [1, 0, 0, 0, 1, t])
+
+
+def test_packed_program_round_trip_is_exact():
+    """What travels from a loader process (`pack_program`: crops, one float64 tensor, one row tensor and lengths)
+    unpacks to the very program."""
+    from extract.augmix_device import pack_program, unpack_program
+
+    pre = Preprocess((S, S), (0.5,) * 3, (0.5,) * 3)
+    img = Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    prog = ViewGenerator(pre, "augmix", seed=1).augmix_program(img, 4)
+    crops, packed, rows, lengths = pack_program(prog)
+    assert crops is prog["crops"] and packed.dtype == torch.float64 and rows.dtype == torch.int64
+    back = unpack_program(packed, rows, lengths, 3, 3)
+    assert set(back) == set(prog) - {"crops"}
+    for k, v in back.items():
+        assert torch.equal(v, prog[k].to(v.dtype)) and (v.dtype == prog[k].dtype or k in ("ops", "lut_params")), k
