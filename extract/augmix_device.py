@@ -141,8 +141,11 @@ def lut_ops(x: torch.Tensor, ops: torch.Tensor, params: torch.Tensor) -> torch.T
     lut = levels.expand(m, ch, 256).clone()  # identity, int64
     ops, params = ops.to(dev).long(), params.to(dev)
     offs = ((torch.arange(m, device=dev) * ch)[:, None, None] + torch.arange(ch, device=dev)) * 256  # (M, 1, 3)
-    # every row gets a histogram: a branch on the rows that need one would synchronise a GPU stream
-    hist = torch.bincount((xl + offs).view(-1), minlength=m * ch * 256).view(m, ch, 256)
+    # every row gets a histogram (a branch on the rows that need one would synchronise a GPU stream), counted with
+    # scatter_add into a fixed size: CUDA's bincount reads the input's maximum back to size its output, a sync
+    flat_idx = (xl + offs).view(-1)
+    hist = torch.zeros(m * ch * 256, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat_idx, torch.ones_like(flat_idx)).view(m, ch, 256)
     occupied = hist > 0
     lo = occupied.to(torch.uint8).argmax(-1)  # first occupied level (argmax returns the first maximum)
     hi = 255 - occupied.flip(-1).to(torch.uint8).argmax(-1)  # last occupied level
@@ -167,7 +170,7 @@ def lut_ops(x: torch.Tensor, ops: torch.Tensor, params: torch.Tensor) -> torch.T
     lut = torch.where((ops == OP_POSTERIZE)[:, None, None], levels & mask[:, None, None], lut)
     thr = params.long()[:, None, None]
     lut = torch.where((ops == OP_SOLARIZE)[:, None, None], torch.where(levels < thr, levels, 255 - levels), lut)
-    return lut.reshape(-1)[(xl + offs).view(-1)].to(torch.uint8).view(m, h, w, ch)
+    return lut.reshape(-1)[flat_idx].to(torch.uint8).view(m, h, w, ch)
 
 
 def chain_rows(ops: torch.Tensor) -> dict[str, torch.Tensor]:

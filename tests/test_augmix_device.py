@@ -106,8 +106,19 @@ def test_cuda_chains_equal_cpu():
     prog = gen.augmix_program(pil, 3)
     args = (prog["crops"][:, 0], prog["ops"], prog["lut_params"], prog["affine"])
     cpu = run_chains(*args)
-    gpu = run_chains(*(a.cuda() for a in args)).cpu()
-    assert torch.equal(gpu, cpu)
+    on_gpu = [a.cuda() for a in args]
+    rows = {k: v.cuda() for k, v in prog.items() if k.endswith(tuple(f"_rows_{d}" for d in range(3)))}
+    coef = prog["coef"].cuda()
+    gen.finish(on_gpu[0][:1, None], None)  # mean and std moved to the device once, outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the device path must never make the host wait
+    try:
+        gpu = run_chains(*on_gpu, rows)
+        views = gen.finish(gpu, coef)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(views.cpu(), gen.finish(cpu, prog["coef"]))
 
 
 def test_program_draws_are_augmixs_in_augmixs_order():
