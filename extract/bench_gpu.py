@@ -6,6 +6,8 @@ weights) on synthetic JPEGs of about 500x375 px, it measures, in this order:
     ceiling      the image encoder alone on preprocessed tensors already on the device (images/s, batch 256)
     single       one view per image from JPEG through the loader and the encoder (`encode_pass`, images/s)
     crop_flip    64 views per image (views/s), and augmix the same with AugMix views
+    chains       the device half of AugMix views alone (their chains and float work on the GPU, views/s): what
+                 they take from the encoder's time
     fixed cost   wall seconds of a `zaec-extract` process that finds every feature in its cache (imports, weights,
                  text prototypes, loader start: what a process pays before its first new image), and its phases
     tpt, tps     samples/s of the adaptation alone from cached 64-view features, at K = 47, 200 and 1000 classes;
@@ -132,6 +134,39 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     return done * views / (time.perf_counter() - t0)
 
 
+def chains_rate(model: Any, min_seconds: float) -> float:
+    """Views/s of the device half of AugMix views alone (`augmix_device.run_chains` + `finish_views`) for one 64-view
+    sample of a 500x375 photo at the model's input size, programs prepared beforehand: what AugMix views cost the
+    GPU besides the encoder (above the ceiling, they leave it most of its time)."""
+    import numpy as np
+    import torch
+
+    from extract.augmix_device import run_chains
+    from extract.bench import VIEW_IMAGE, photo
+    from extract.views import N_AUG_VIEWS, ViewGenerator
+
+    gen = ViewGenerator(model.preprocess, "augmix", seed=0)
+    img = photo(np.random.default_rng(0), VIEW_IMAGE)
+    progs = []
+    for sid in range(3):
+        p = {k: v.to(model.device) for k, v in gen.augmix_program(img, sid).items()}
+        progs.append(p)
+
+    def one(p: dict) -> torch.Tensor:
+        rows = {k: v for k, v in p.items() if "_rows_" in k}
+        return gen.finish(run_chains(p["crops"][:, 0], p["ops"], p["lut_params"], p["affine"], rows), p["coef"])
+
+    one(progs[0])  # warm-up
+    _sync(model.device)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        one(progs[n % len(progs)])
+        n += 1
+        _sync(model.device)
+        if time.perf_counter() - t0 >= min_seconds and n >= 3:
+            return n * N_AUG_VIEWS / (time.perf_counter() - t0)
+
+
 def adapt_rate(model: Any, method: str, k: int, min_seconds: float, pass_budget: int | None = None) -> float:
     """Samples/s of `method.adapt` on random 64-view features of K classes (the adaptation alone, as the runner
     feeds it from the feature cache). Calls of up to 64 samples (the runner's `adapt_batch`), sized from a timed
@@ -244,6 +279,7 @@ def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_s
     for policy in ("crop_flip", "augmix"):
         r[f"{policy}_views_per_s"] = encode_rate(model, root_multi, policy, n_multi, work / f"c-{backbone}-{policy}",
                                                  batch_size=batch_size, workers=workers)
+    r["augmix_chains_views_per_s"] = chains_rate(model, min_seconds)
     say(f"{backbone}: single {r['single_view_images_per_s']:,.0f} images/s, crop+flip "
         f"{r['crop_flip_views_per_s']:,.0f} views/s, AugMix {r['augmix_views_per_s']:,.0f} views/s")
     r["adapt_samples_per_s"] = {m: {str(k): adapt_rate(model, m, k, min_seconds) for k in ks} for m in methods}
@@ -264,6 +300,8 @@ def ratios(r: dict[str, Any]) -> dict[str, Any]:
     c = r["encoder_images_per_s"]
     out: dict[str, Any] = {"single_view": r["single_view_images_per_s"] / c,
                            "crop_flip": r["crop_flip_views_per_s"] / c, "augmix": r["augmix_views_per_s"] / c}
+    if "augmix_chains_views_per_s" in r:
+        out["augmix_chains"] = r["augmix_chains_views_per_s"] / c
     if "fixed_cost" in r:
         out["fixed_cost_images"] = r["fixed_cost"]["process_s"] * c
     out["adapt"] = {m: {k: v / (c / 64) for k, v in per_k.items()} for m, per_k in r["adapt_samples_per_s"].items()}
@@ -282,6 +320,9 @@ def _table(results: dict[str, Any], console: Any) -> None:
         t.add_row("", "single view from JPEG", f"{r['single_view_images_per_s']:,.0f} img/s", f"{q['single_view']:.2f}")
         t.add_row("", "64 views crop+flip", f"{r['crop_flip_views_per_s']:,.0f} views/s", f"{q['crop_flip']:.2f}")
         t.add_row("", "64 views AugMix", f"{r['augmix_views_per_s']:,.0f} views/s", f"{q['augmix']:.2f}")
+        if "augmix_chains" in q:
+            t.add_row("", "  AugMix chains + float work on the device alone",
+                      f"{r['augmix_chains_views_per_s']:,.0f} views/s", f"{q['augmix_chains']:.2f}")
         if "fixed_cost" in r:
             fc = r["fixed_cost"]
             t.add_row("", "fixed cost of a process", f"{fc['process_s']:.1f} s",

@@ -27,8 +27,11 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     r = doc["backbones"]["ViT-B-16"]
-    for key in ("encoder_images_per_s", "single_view_images_per_s", "crop_flip_views_per_s", "augmix_views_per_s"):
+    for key in ("encoder_images_per_s", "single_view_images_per_s", "crop_flip_views_per_s", "augmix_views_per_s",
+                "augmix_chains_views_per_s"):
         assert r[key] > 0, key
+    assert r["ratios"]["augmix_chains"] == r["augmix_chains_views_per_s"] / r["encoder_images_per_s"]
+    assert "AugMix chains" in res.output
     assert set(r["adapt_samples_per_s"]["tps"]) == {"5", "12"}
     q = r["ratios"]
     # JSON round-trips floats exactly: the same float64 division is bit for bit the same; v·64/c against the
