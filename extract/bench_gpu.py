@@ -7,7 +7,8 @@ weights) on synthetic JPEGs of about 500x375 px, it measures, in this order:
     single       one view per image from JPEG through the loader and the encoder (`encode_pass`, images/s)
     crop_flip    64 views per image (views/s), and augmix the same with AugMix views
     chains       the device half of AugMix views alone (their chains and float work on the GPU, views/s): what
-                 they take from the encoder's time
+                 they take from the encoder's time; and on CUDA the AugMix pass again with the chains in the loader
+                 processes (`ZAEC_DEVICE_CHAINS=0`, how AugMix views were made before): before and after in one run
     fixed cost   wall seconds of a `zaec-extract` process that finds every feature in its cache (imports, weights,
                  text prototypes, loader start: what a process pays before its first new image), and its phases
     tpt, tps     samples/s of the adaptation alone from cached 64-view features, at K = 47, 200 and 1000 classes;
@@ -113,9 +114,10 @@ def encoder_ceiling(model: Any, batch_size: int, min_seconds: float) -> float:
 
 
 def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *, batch_size: int,
-                workers: int) -> float:
+                workers: int, device_chains: bool | None = None) -> float:
     """Views/s of `encode_pass` (loader processes, view generation, encoder) over the first `n` images of the set
-    into an empty feature cache. Each view counts; a single-view pass counts images."""
+    into an empty feature cache. Each view counts; a single-view pass counts images. `device_chains=False`: AugMix's
+    chains in the loader processes, as before they ran on the device."""
     from extract.cache import FeatureCache
     from extract.datasets import load_testset
     from extract.runner import encode_pass, stream_permutation
@@ -128,7 +130,7 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     _sync(model.device)
     t0 = time.perf_counter()
     done = encode_pass(model, ts, perm, cache, policy, n, seed=1, batch_size=batch_size,  # type: ignore[arg-type]
-                       workers=workers)
+                       workers=workers, device_chains=device_chains)
     _sync(model.device)
     views = 1 if policy == "single" else 64
     return done * views / (time.perf_counter() - t0)
@@ -279,6 +281,10 @@ def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_s
     for policy in ("crop_flip", "augmix"):
         r[f"{policy}_views_per_s"] = encode_rate(model, root_multi, policy, n_multi, work / f"c-{backbone}-{policy}",
                                                  batch_size=batch_size, workers=workers)
+    if model.device.type == "cuda":  # the same pass with the chains in the loader processes: before and after
+        r["augmix_loader_chains_views_per_s"] = encode_rate(
+            model, root_multi, "augmix", n_multi, work / f"c-{backbone}-augmix-loader", batch_size=batch_size,
+            workers=workers, device_chains=False)
     r["augmix_chains_views_per_s"] = chains_rate(model, min_seconds)
     say(f"{backbone}: single {r['single_view_images_per_s']:,.0f} images/s, crop+flip "
         f"{r['crop_flip_views_per_s']:,.0f} views/s, AugMix {r['augmix_views_per_s']:,.0f} views/s")
@@ -300,8 +306,9 @@ def ratios(r: dict[str, Any]) -> dict[str, Any]:
     c = r["encoder_images_per_s"]
     out: dict[str, Any] = {"single_view": r["single_view_images_per_s"] / c,
                            "crop_flip": r["crop_flip_views_per_s"] / c, "augmix": r["augmix_views_per_s"] / c}
-    if "augmix_chains_views_per_s" in r:
-        out["augmix_chains"] = r["augmix_chains_views_per_s"] / c
+    for key in ("augmix_chains", "augmix_loader_chains"):
+        if f"{key}_views_per_s" in r:
+            out[key] = r[f"{key}_views_per_s"] / c
     if "fixed_cost" in r:
         out["fixed_cost_images"] = r["fixed_cost"]["process_s"] * c
     out["adapt"] = {m: {k: v / (c / 64) for k, v in per_k.items()} for m, per_k in r["adapt_samples_per_s"].items()}
@@ -320,6 +327,9 @@ def _table(results: dict[str, Any], console: Any) -> None:
         t.add_row("", "single view from JPEG", f"{r['single_view_images_per_s']:,.0f} img/s", f"{q['single_view']:.2f}")
         t.add_row("", "64 views crop+flip", f"{r['crop_flip_views_per_s']:,.0f} views/s", f"{q['crop_flip']:.2f}")
         t.add_row("", "64 views AugMix", f"{r['augmix_views_per_s']:,.0f} views/s", f"{q['augmix']:.2f}")
+        if "augmix_loader_chains" in q:
+            t.add_row("", "  the same, chains in the loaders (before)",
+                      f"{r['augmix_loader_chains_views_per_s']:,.0f} views/s", f"{q['augmix_loader_chains']:.2f}")
         if "augmix_chains" in q:
             t.add_row("", "  AugMix chains + float work on the device alone",
                       f"{r['augmix_chains_views_per_s']:,.0f} views/s", f"{q['augmix_chains']:.2f}")
