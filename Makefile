@@ -28,7 +28,7 @@ help:
 	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (and view generation per core)"
 	@echo "make bench-gpu      extraction vs the image encoder's ceiling on a CUDA GPU (random ViT-B-16, RN50); JSON=FILE"
 	@echo "make gpu-wheels     save the wheels a bare CUDA machine lacks in .whl/ (needs the package index)"
-	@echo "make gpu-check      on a CUDA machine without network: install .whl/, run the CUDA tests and bench-gpu"
+	@echo "make gpu-check      on a CUDA machine without network: install .whl/, run the extraction tests (CUDA ones too), the shortcut check and bench-gpu"
 
 # torch is pinned first: on these machines torch==2.14.1/torchvision==0.29.1 install from local disk;
 # any other resolution downloads several GB or breaks torchvision's import.
