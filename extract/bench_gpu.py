@@ -136,10 +136,12 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     return done * views / (time.perf_counter() - t0)
 
 
-def chains_rate(model: Any, min_seconds: float) -> float:
-    """Views/s of the device half of AugMix views alone (`augmix_device.run_chains` + `finish_views`) for one 64-view
-    sample of a 500x375 photo at the model's input size, programs prepared beforehand: what AugMix views cost the
-    GPU besides the encoder (above the ceiling, they leave it most of its time)."""
+def chains_rate(model: Any, min_seconds: float) -> tuple[float, float]:
+    """(views/s, host ms per sample) of the device half of AugMix views alone (`augmix_device.run_chains` +
+    `finish_views`) for one 64-view sample of a 500x375 photo at the model's input size, programs prepared
+    beforehand: what AugMix views cost the GPU besides the encoder (above the ceiling, they leave it most of its
+    time), and the main thread's CPU time to launch that work (the host's share, to set against its other work per
+    sample)."""
     import numpy as np
     import torch
 
@@ -160,13 +162,15 @@ def chains_rate(model: Any, min_seconds: float) -> float:
 
     one(progs[0])  # warm-up
     _sync(model.device)
-    n, t0 = 0, time.perf_counter()
+    n, host, t0 = 0, 0.0, time.perf_counter()
     while True:
+        h0 = time.thread_time()
         one(progs[n % len(progs)])
+        host += time.thread_time() - h0  # launching (on a GPU the work itself runs on)
         n += 1
         _sync(model.device)
         if time.perf_counter() - t0 >= min_seconds and n >= 3:
-            return n * N_AUG_VIEWS / (time.perf_counter() - t0)
+            return n * N_AUG_VIEWS / (time.perf_counter() - t0), 1e3 * host / n
 
 
 def adapt_rate(model: Any, method: str, k: int, min_seconds: float, pass_budget: int | None = None) -> float:
@@ -285,7 +289,7 @@ def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_s
         r["augmix_loader_chains_views_per_s"] = encode_rate(
             model, root_multi, "augmix", n_multi, work / f"c-{backbone}-augmix-loader", batch_size=batch_size,
             workers=workers, device_chains=False)
-    r["augmix_chains_views_per_s"] = chains_rate(model, min_seconds)
+    r["augmix_chains_views_per_s"], r["augmix_chains_host_ms_per_sample"] = chains_rate(model, min_seconds)
     say(f"{backbone}: single {r['single_view_images_per_s']:,.0f} images/s, crop+flip "
         f"{r['crop_flip_views_per_s']:,.0f} views/s, AugMix {r['augmix_views_per_s']:,.0f} views/s")
     r["adapt_samples_per_s"] = {m: {str(k): adapt_rate(model, m, k, min_seconds) for k in ks} for m in methods}
@@ -333,6 +337,8 @@ def _table(results: dict[str, Any], console: Any) -> None:
         if "augmix_chains" in q:
             t.add_row("", "  AugMix chains + float work on the device alone",
                       f"{r['augmix_chains_views_per_s']:,.0f} views/s", f"{q['augmix_chains']:.2f}")
+            t.add_row("", "  their launch, main thread's CPU time",
+                      f"{r['augmix_chains_host_ms_per_sample']:.1f} ms/sample", "")
         if "fixed_cost" in r:
             fc = r["fixed_cost"]
             t.add_row("", "fixed cost of a process", f"{fc['process_s']:.1f} s",

@@ -31,6 +31,7 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
                 "augmix_chains_views_per_s"):
         assert r[key] > 0, key
     assert r["ratios"]["augmix_chains"] == r["augmix_chains_views_per_s"] / r["encoder_images_per_s"]
+    assert r["augmix_chains_host_ms_per_sample"] > 0
     assert "AugMix chains" in res.output
     assert set(r["adapt_samples_per_s"]["tps"]) == {"5", "12"}
     q = r["ratios"]
