@@ -75,9 +75,7 @@ def affine_coeffs(op: int, param: float, size: int) -> tuple[float, ...]:
 #: a whole-pixel translation both (the pixel itself); a rotation needs the full bilinear sum
 AFFINE_KIND = {OP_ROTATE: "full", OP_SHEAR_X: "dy0", OP_SHEAR_Y: "dx0", OP_TRANSLATE_X: "shift",
                OP_TRANSLATE_Y: "shift"}
-
-
-_KINDS = ("full", "dy0", "dx0", "shift")
+_KINDS = tuple(dict.fromkeys(AFFINE_KIND.values()))  # ("full", "dy0", "dx0", "shift")
 
 
 def bilinear_affine(x: torch.Tensor, coeffs: torch.Tensor, kind: str = "full") -> torch.Tensor:
@@ -227,18 +225,30 @@ def pack_program(prog: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return prog["crops"], packed, torch.cat([prog[k] for k in keys]), [int(prog[k].numel()) for k in keys]
 
 
-def unpack_program(packed: torch.Tensor, rows: torch.Tensor, lengths: Sequence[int], chains: int, depth: int
-                   ) -> dict[str, torch.Tensor]:
-    """`pack_program`'s tensors (on any device) back to coef, ops, lut_params, affine and the row lists; the
+def unpack_program(packed: torch.Tensor, rows: torch.Tensor, lengths: Sequence[int]) -> dict[str, torch.Tensor]:
+    """`pack_program`'s tensors (on any device) back to coef, ops, lut_params, affine and the row lists; the shape
+    follows from the lengths (five row lists per depth) and the packed width (2 + C + 8 C D columns), and the
     lengths are host integers, so splitting a device tensor waits for nothing."""
-    n, k = packed.shape[0], chains * depth
-    n_coef = packed.shape[1] - 8 * k
+    depth = len(lengths) // (1 + len(_KINDS))
+    chains, rest = divmod(packed.shape[1] - 2, 1 + 8 * depth)
+    if rest or depth * (1 + len(_KINDS)) != len(lengths):
+        raise ValueError(f"not a packed program: {packed.shape[1]} columns, {len(lengths)} row lists")
+    n, k, n_coef = packed.shape[0], chains * depth, 2 + chains
     out = {"coef": packed[:, :n_coef].to(torch.float32),
            "ops": packed[:, n_coef:n_coef + k].reshape(n, chains, depth).to(torch.int64),
            "lut_params": packed[:, n_coef + k:n_coef + 2 * k].reshape(n, chains, depth).to(torch.int64),
            "affine": packed[:, n_coef + 2 * k:].reshape(n, chains, depth, 6)}
     out.update(zip(_row_keys(depth), torch.split(rows, list(lengths))))
     return out
+
+
+def run_packed(crops: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor, lengths: Sequence[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loader's packed program (`pack_program`) run on the crops' device: ((N, 1 + C, S, S, 3) uint8 images, the
+    crop and each chain's, and the (N, 5) float32 mixing coefficients), as `finish_views` takes them."""
+    prog = unpack_program(packed, rows, lengths)
+    return run_chains(crops[:, 0], prog.pop("ops"), prog.pop("lut_params"), prog.pop("affine"), prog), \
+        prog.pop("coef")
 
 
 def _row_keys(depth: int) -> list[str]:

@@ -19,6 +19,7 @@ import json
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -112,13 +113,11 @@ def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False, par
     photo(np.random.default_rng(0), VIEW_IMAGE).save(buf, format="JPEG", quality=90)
     img = Image.open(buf).convert("RGB")  # decoded from a JPEG, as the loader sees it
     gen = ViewGenerator(_clip_preprocess(VIEW_SIZE), policy, seed=0)  # type: ignore[arg-type]
-    if part not in ("all", "raw", "gpu"):
-        raise ValueError(f"part must be 'all', 'raw' or 'gpu', got {part!r}")
-    if part == "gpu":
-        part = "program" if policy == "augmix" else "raw"
-    fn = ((lambda s: reference_augmented(gen, img, s)) if reference else
-          (lambda s: gen.augmented(img, s)) if part == "all" else
-          (lambda s: gen.augmented_raw(img, s)) if part == "raw" else (lambda s: gen.augmix_program(img, s)))
+    parts = {"all": gen.augmented, "raw": gen.augmented_raw,
+             "gpu": gen.augmix_program if policy == "augmix" else gen.augmented_raw}
+    if part not in parts:
+        raise ValueError(f"part must be one of {', '.join(parts)}, got {part!r}")
+    fn = partial(reference_augmented, gen, img) if reference else partial(parts[part], img)
     with _one_thread():
         fn(0)
         n, t0 = 0, time.thread_time()

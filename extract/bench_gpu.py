@@ -145,20 +145,19 @@ def chains_rate(model: Any, min_seconds: float) -> tuple[float, float]:
     import numpy as np
     import torch
 
-    from extract.augmix_device import run_chains
+    from extract.augmix_device import pack_program, run_packed
     from extract.bench import VIEW_IMAGE, photo
     from extract.views import N_AUG_VIEWS, ViewGenerator
 
     gen = ViewGenerator(model.preprocess, "augmix", seed=0)
     img = photo(np.random.default_rng(0), VIEW_IMAGE)
-    progs = []
+    progs = []  # as the runner receives them from a loader process, already on the device
     for sid in range(3):
-        p = {k: v.to(model.device) for k, v in gen.augmix_program(img, sid).items()}
-        progs.append(p)
+        crops, packed, rows, lengths = pack_program(gen.augmix_program(img, sid))
+        progs.append((crops.to(model.device), packed.to(model.device), rows.to(model.device), lengths))
 
-    def one(p: dict) -> torch.Tensor:
-        rows = {k: v for k, v in p.items() if "_rows_" in k}
-        return gen.finish(run_chains(p["crops"][:, 0], p["ops"], p["lut_params"], p["affine"], rows), p["coef"])
+    def one(p: tuple) -> torch.Tensor:
+        return gen.finish(*run_packed(*p))
 
     one(progs[0])  # warm-up
     _sync(model.device)
@@ -426,8 +425,9 @@ def run(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _table(results, console)
-    console.print(f"one loader thread (its share of the views): {results['views_per_core']['crop_flip']:,.0f} crop+flip views/s, "
-                  f"{results['views_per_core']['augmix']:,.0f} AugMix views/s; {nw} loader processes; "
+    per_core = results["views_per_core"]
+    console.print(f"one loader thread (its share of the views): {per_core['crop_flip']:,.0f} crop+flip views/s, "
+                  f"{per_core['augmix']:,.0f} AugMix views/s; {nw} loader processes; "
                   f"whole run {results['seconds']:.0f} s")
     for bb, r in results["backbones"].items():
         if "loader_efficiency" in r["ratios"]:

@@ -33,9 +33,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 @app.command()
 def extract(
     method: str = typer.Option(..., "--method", "-m", help="TTA method: zero-shot, tda, dpe, dlae, ..."),
-    dataset: str = typer.Option(..., "--dataset", "-d", help="dataset key (imagenet, dtd, imagenet_c:CORRUPTION:SEVERITY, ...), "
-                                                            "folder:PATH (one sub-folder per class) or "
-                                                            "split:FILE.json (a CoOp split)"),
+    dataset: str = typer.Option(..., "--dataset", "-d",
+                                help="dataset key (imagenet, dtd, imagenet_c:CORRUPTION:SEVERITY, ...), "
+                                     "folder:PATH (one sub-folder per class) or split:FILE.json (a CoOp split)"),
     dataset_name: Optional[str] = typer.Option(None, help="name of a folder:/split: dataset in the shards "
                                                           "(default: the folder's name)"),
     class_names: Optional[Path] = typer.Option(None, help="class names of a folder:/split: dataset, label order: "

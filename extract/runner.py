@@ -34,13 +34,13 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
+from extract.augmix_device import pack_program, run_packed
 from extract.cache import FeatureCache, TextCache, resolve_cache_dir, write_json_atomic
 from extract.datasets import DatasetError, TestSet, get_dataset, load_testset, open_image, resolve_data_root
 from extract.fingerprint import check_mode, fingerprint as data_fingerprint
 from extract.models import DEFAULT_BACKBONE, LOCAL_DIR, LoadedModel, _local_dir_config, load_model
 from extract.prompts import PromptSet, build_prompt_set
-from extract.augmix_device import pack_program, run_chains, unpack_program
-from extract.views import AUGMIX_CHAINS, AUGMIX_MAX_DEPTH, N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
+from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy, view_policy
 from schemas import COMPLETE_MARKER, RunKey, ShardError, ShardMeta, read_shard, shard_dir, shard_path, write_shard
 
 Anchor = Literal["single", "method"]
@@ -237,7 +237,7 @@ class _ViewData(torch.utils.data.Dataset):
         except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
             return pos, str(e), None, None, None
         # None, not empty tensors, for what is not needed: each tensor between processes costs the receiver time
-        v0 = torch.from_numpy(self.gen.original_raw(img).copy())[None, None] if need0 else None
+        v0 = torch.from_numpy(self.gen.original_raw(img))[None, None] if need0 else None
         if need_aug and self.device_chains:  # crops and random draws only: the chains run on the device
             crops, packed, rows, lengths = pack_program(self.gen.augmix_program(img, sid))
             return pos, v0, crops, packed, (rows, lengths)
@@ -252,12 +252,12 @@ class _Batcher:
     The micro-batch is assembled on the model's device: each sample's raw uint8 views are sent there
     (asynchronously on CUDA, from the loader's pinned memory), finished there (`ViewGenerator.finish`) and copied
     into a preallocated device buffer; the encoder runs on that buffer, and the features stay on the device until
-    the chunk is finished (`finish`, one copy back). On CUDA the host therefore
-    never waits for the encoder inside a chunk: it goes on receiving and copying the next samples while the GPU
-    encodes (the copies into the buffer are queued on the same stream after the encoder's kernels, so a batch is
-    never overwritten while it is read). Before, every micro-batch was concatenated on the host (a 154 MB copy at
-    256 views of 224 px), sent from pageable memory, and its features brought back at once, which serialised the
-    host and the GPU. The encoder sees the same batches, values and shapes as before: features are unchanged.
+    the chunk is finished (`finish`, one copy back). On CUDA the host therefore never waits for the encoder inside
+    a chunk: it goes on receiving and copying the next samples while the GPU encodes (the copies into the buffer
+    are queued on the same stream after the encoder's kernels, so a batch is never overwritten while it is read).
+    Before, every micro-batch was concatenated on the host (a 154 MB copy at 256 views of 224 px), sent from
+    pageable memory, and its features brought back at once, which serialised the host and the GPU. The encoder sees
+    the same batches, values and shapes as before: features are unchanged.
     """
 
     def __init__(self, model: LoadedModel, n_images: int, batch_size: int):
@@ -268,19 +268,16 @@ class _Batcher:
         self.written = 0
 
     def add(self, raw: torch.Tensor, coef: torch.Tensor | None, gen: ViewGenerator,
-            chains: tuple[torch.Tensor, list[int]] | None = None) -> None:
+            rows: tuple[torch.Tensor, list[int]] | None = None) -> None:
         """Append V views to the stream of this part, given raw (V, J, S, S, 3) uint8 and their coefficients
-        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), or the crops (V, 1, S, S, 3), the packed AugMix
-        program as `coef` and its row lists as `chains` (`augmix_device.pack_program`): sent to the device, the
-        chains run and the views finished there."""
+        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), sent to the device and finished there. With `rows`
+        (a packed AugMix program's row lists and lengths), `raw` holds the crops (V, 1, S, S, 3) and `coef` the
+        packed program (`augmix_device.pack_program`), whose chains run on the device first."""
         dev = self.model.device
         raw = raw.to(dev, non_blocking=True)
         coef = None if coef is None else coef.to(dev, non_blocking=True)
-        if chains is not None:
-            rows, lengths = chains
-            prog = unpack_program(coef, rows.to(dev, non_blocking=True), lengths, AUGMIX_CHAINS, AUGMIX_MAX_DEPTH)
-            coef = prog.pop("coef")
-            raw = run_chains(raw[:, 0], prog.pop("ops"), prog.pop("lut_params"), prog.pop("affine"), prog)
+        if rows is not None:
+            raw, coef = run_packed(raw, coef, rows[0].to(dev, non_blocking=True), rows[1])  # type: ignore[arg-type]
         images = gen.finish(raw, coef)
         if self.buf is None:
             self.buf = torch.empty((self.bs, *images.shape[1:]), dtype=images.dtype, device=self.model.device)
@@ -349,13 +346,13 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
         shapes = {part: cache.expected_shape(part, c, need - k) for part, k in keep.items()}  # type: ignore[arg-type]
         batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size) for part, shape in shapes.items()}
         for _ in range(need - min(keep.values())):
-            pos, x0, xa, coef, chains = next(it)
+            pos, x0, xa, coef, rows = next(it)
             if isinstance(x0, str):  # an image the loader cannot read (named in the message)
                 raise DatasetError(x0)
             if x0 is not None:
                 batchers["view0"].add(x0, None, gen)
             if xa is not None:
-                batchers[policy].add(xa, coef, gen, chains)
+                batchers[policy].add(xa, coef, gen, rows)
             task.advance(1)
         for part, b in batchers.items():
             feats = b.finish().reshape(shapes[part])

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -93,68 +93,80 @@ def _shift(rng: np.random.Generator, size: int) -> int:
     return int(_signed(rng, int(_level(rng) * (size / 3) / 10)))
 
 
-#: the parameter draw of each operation, in `AUGMIX_OPS` order
+#: the parameter draw of each operation, in AugMix's order (`_APPLY`, `AUGMIX_OPS`)
 _DRAWS = (_no_draw, _no_draw, _draw_posterize, _draw_rotate, _draw_solarize, _draw_shear, _draw_shear, _shift, _shift)
 
 
-def _autocontrast(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
+# Pillow's application of each operation with its drawn parameter (posterize: bits, rotate: degrees, solarize:
+# threshold, shears: the shear, translations: the shift in pixels)
+
+def _autocontrast(img: Image.Image, param: float, size: int) -> Image.Image:
     return ImageOps.autocontrast(img)
 
 
-def _equalize(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
+def _equalize(img: Image.Image, param: float, size: int) -> Image.Image:
     return ImageOps.equalize(img)
 
 
-def _posterize(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return ImageOps.posterize(img, _draw_posterize(rng, size))
+def _posterize(img: Image.Image, bits: int, size: int) -> Image.Image:
+    return ImageOps.posterize(img, bits)
 
 
-def _rotate(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return img.rotate(_draw_rotate(rng, size), resample=Image.BILINEAR)
+def _rotate(img: Image.Image, degrees: int, size: int) -> Image.Image:
+    return img.rotate(degrees, resample=Image.BILINEAR)
 
 
-def _solarize(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return ImageOps.solarize(img, _draw_solarize(rng, size))
+def _solarize(img: Image.Image, threshold: int, size: int) -> Image.Image:
+    return ImageOps.solarize(img, threshold)
 
 
 def _affine(img: Image.Image, size: int, coeffs: tuple[float, ...]) -> Image.Image:
     return img.transform((size, size), Image.AFFINE, coeffs, resample=Image.BILINEAR)
 
 
-def _shear_x(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, _draw_shear(rng, size), 0, 0, 1, 0))
+def _shear_x(img: Image.Image, shear: float, size: int) -> Image.Image:
+    return _affine(img, size, (1, shear, 0, 0, 1, 0))
 
 
-def _shear_y(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, 0, 0, _draw_shear(rng, size), 1, 0))
+def _shear_y(img: Image.Image, shear: float, size: int) -> Image.Image:
+    return _affine(img, size, (1, 0, 0, shear, 1, 0))
 
 
 # A translation by a whole number of pixels t is an affine map whose bilinear weights are all exactly 0, so PIL's
 # bilinear `transform` returns input pixel x + t, or 0 outside the image: exactly what `crop` with a box reaching past
 # the border returns, at a fraction of the cost (tests/test_extract_views.py checks every shift against `transform`).
 
-def _translate_x(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    t = _shift(rng, size)
+def _translate_x(img: Image.Image, t: int, size: int) -> Image.Image:
     return img.crop((t, 0, t + size, size))
 
 
-def _translate_y(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    t = _shift(rng, size)
+def _translate_y(img: Image.Image, t: int, size: int) -> Image.Image:
     return img.crop((0, t, size, t + size))
 
 
-def _translate_x_affine(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, 0, _shift(rng, size), 0, 1, 0))
+def _translate_x_affine(img: Image.Image, t: int, size: int) -> Image.Image:
+    return _affine(img, size, (1, 0, t, 0, 1, 0))
 
 
-def _translate_y_affine(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
-    return _affine(img, size, (1, 0, 0, 0, 1, _shift(rng, size)))
+def _translate_y_affine(img: Image.Image, t: int, size: int) -> Image.Image:
+    return _affine(img, size, (1, 0, 0, 0, 1, t))
 
 
-AUGMIX_OPS = (_autocontrast, _equalize, _posterize, _rotate, _solarize, _shear_x, _shear_y, _translate_x,
-              _translate_y)
+#: the operations in AugMix's order, applied with a drawn parameter (the views' path)
+_APPLY = (_autocontrast, _equalize, _posterize, _rotate, _solarize, _shear_x, _shear_y, _translate_x, _translate_y)
+
+
+def _drawing(k: int, apply: Any) -> Any:
+    """Operation k as AugMix's code writes it, (img, rng, size) -> img: draw its parameter, then apply it."""
+    def op(img: Image.Image, rng: np.random.Generator, size: int) -> Image.Image:
+        return apply(img, _DRAWS[k](rng, size), size)
+    op.__name__ = apply.__name__
+    return op
+
+
+AUGMIX_OPS = tuple(_drawing(k, f) for k, f in enumerate(_APPLY))
 #: the same operations as AugMix's code writes them (translations through PIL's affine transform): the reference
-_REFERENCE_OPS = AUGMIX_OPS[:-2] + (_translate_x_affine, _translate_y_affine)
+_REFERENCE_OPS = tuple(_drawing(k, f) for k, f in enumerate(_APPLY[:-2] + (_translate_x_affine, _translate_y_affine)))
 AUGMIX_CHAINS = 3
 AUGMIX_MAX_DEPTH = 3
 
@@ -278,11 +290,11 @@ class ViewGenerator:
             img = TF.resize(img, [self.size, self.size], interpolation=self.interp)
         else:
             img = TF.resize(img, self.size, interpolation=self.interp)
-        return np.asarray(TF.center_crop(img, [self.size, self.size]))
+        return np.array(TF.center_crop(img, [self.size, self.size]))  # a writable copy, for torch.from_numpy
 
     def original(self, img: Image.Image) -> torch.Tensor:
         """View 0: (3, S, S)."""
-        return self.finish(torch.from_numpy(self.original_raw(img).copy())[None, None])[0]
+        return self.finish(torch.from_numpy(self.original_raw(img))[None, None])[0]
 
     def _crop_flip(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
         left, top, w, h = random_resized_crop_box(rng, img.width, img.height)
@@ -292,27 +304,44 @@ class ViewGenerator:
             crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
         return crop
 
+    def _draw_view(self, img: Image.Image, rng: np.random.Generator
+                   ) -> tuple[Image.Image, np.ndarray | None, list[list[tuple[int, float]]]]:
+        """One augmented view's random draws, in AugMix's order, and its crop: (crop, the mixing coefficients
+        [m, 1 - m, w_0, w_1, w_2] float32 or None, per chain its (operation index, parameter) list; no chains
+        unless AugMix). No operation is applied (none draws anything), so the Pillow path (`augmented_raw`) and
+        the device path (`augmix_program`) share this one sequence of draws."""
+        crop = self._crop_flip(img, rng)
+        if self.policy != "augmix":
+            return crop, None, []
+        w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
+        m = np.float32(rng.beta(1.0, 1.0))
+        coef = np.asarray((m, np.float32(1.0) - m, *w_mix), dtype=np.float32)
+        chains = []
+        for _ in range(AUGMIX_CHAINS):
+            chain = []
+            for _ in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
+                op = int(rng.integers(0, len(AUGMIX_OPS)))
+                chain.append((op, _DRAWS[op](rng, self.size)))
+            chains.append(chain)
+        return crop, coef, chains
+
     def augmented_raw(self, img: Image.Image, sample_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Views 1..63 of sample `sample_id` before the float work (what a loader process computes):
         (63, J, S, S, 3) uint8 and, for AugMix, (63, 5) float32 coefficients (`finish_views`); J = 4 for AugMix
         (the crop and its three chains), else 1 and no coefficients. The random draws are AugMix's, in its order."""
         rng = np.random.default_rng([self.seed, int(sample_id)])
         augmix = self.policy == "augmix"
-        j = 1 + AUGMIX_CHAINS if augmix else 1
-        raw = np.empty((N_AUG_VIEWS, j, self.size, self.size, 3), dtype=np.uint8)
+        raw = np.empty((N_AUG_VIEWS, 1 + AUGMIX_CHAINS if augmix else 1, self.size, self.size, 3), dtype=np.uint8)
         coef = np.empty((N_AUG_VIEWS, N_COEF), dtype=np.float32) if augmix else None
         for v in range(N_AUG_VIEWS):
-            crop = self._crop_flip(img, rng)
+            crop, coef_v, chains = self._draw_view(img, rng)
             raw[v, 0] = np.asarray(crop)
-            if not augmix:
-                continue
-            w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
-            m = np.float32(rng.beta(1.0, 1.0))
-            coef[v] = (m, np.float32(1.0) - m, *w_mix)  # type: ignore[index]
-            for i in range(AUGMIX_CHAINS):
+            if coef is not None:
+                coef[v] = coef_v
+            for i, chain in enumerate(chains):
                 x = crop
-                for _ in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
-                    x = AUGMIX_OPS[int(rng.integers(0, len(AUGMIX_OPS)))](x, rng, self.size)
+                for op, param in chain:
+                    x = _APPLY[op](x, param, self.size)
                 raw[v, 1 + i] = np.asarray(x)
         return torch.from_numpy(raw), None if coef is None else torch.from_numpy(coef)
 
@@ -320,8 +349,8 @@ class ViewGenerator:
         """The AugMix views of sample `sample_id` as a loader process prepares them for `extract.augmix_device`:
         the crops (63, 1, S, S, 3) uint8, the mixing coefficients (63, 5) float32, and per view, chain and depth the
         operation (`ops` (63, 3, 3) int8, -1 past the chain's depth), its point-operation parameter (`lut_params`,
-        int16) and its affine matrix (`affine` (63, 3, 3, 6) float64). The random draws are `augmented_raw`'s, in
-        its order; `run_chains` then gives `augmented_raw`'s images bit for bit."""
+        int16) and its affine matrix (`affine` (63, 3, 3, 6) float64), with the row lists of `chain_rows`. The
+        random draws are `augmented_raw`'s (`_draw_view`); `run_chains` then gives its images bit for bit."""
         from extract.augmix_device import IDENTITY, LUT_OPS, affine_coeffs, chain_rows
 
         if self.policy != "augmix":
@@ -333,14 +362,10 @@ class ViewGenerator:
         lut_params = np.zeros(ops.shape, dtype=np.int16)
         affine = np.tile(np.asarray(IDENTITY, dtype=np.float64), ops.shape + (1,))
         for v in range(N_AUG_VIEWS):
-            crops[v, 0] = np.asarray(self._crop_flip(img, rng))
-            w_mix = rng.dirichlet([1.0] * AUGMIX_CHAINS).astype(np.float32)
-            m = np.float32(rng.beta(1.0, 1.0))
-            coef[v] = (m, np.float32(1.0) - m, *w_mix)
-            for i in range(AUGMIX_CHAINS):
-                for d in range(int(rng.integers(1, AUGMIX_MAX_DEPTH + 1))):
-                    op = int(rng.integers(0, len(AUGMIX_OPS)))
-                    param = _DRAWS[op](rng, self.size)
+            crop, coef[v], chains = self._draw_view(img, rng)
+            crops[v, 0] = np.asarray(crop)
+            for i, chain in enumerate(chains):
+                for d, (op, param) in enumerate(chain):
                     ops[v, i, d] = op
                     if op in LUT_OPS:
                         lut_params[v, i, d] = int(param)

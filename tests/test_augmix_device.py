@@ -9,7 +9,8 @@ from PIL import Image, ImageOps
 
 from extract.augmix_device import (AFFINE_KIND, OP_AUTOCONTRAST, OP_EQUALIZE,
                                    OP_POSTERIZE, OP_ROTATE, OP_SHEAR_X, OP_SHEAR_Y, OP_SOLARIZE, OP_TRANSLATE_X,
-                                   OP_TRANSLATE_Y, affine_coeffs, bilinear_affine, lut_ops, run_chains)
+                                   OP_TRANSLATE_Y, affine_coeffs, bilinear_affine, lut_ops, pack_program,
+                                   run_chains, run_packed)
 from extract.models import Preprocess
 from extract.views import ViewGenerator
 
@@ -104,16 +105,14 @@ def test_cuda_chains_equal_cpu():
     gen = ViewGenerator(pre, "augmix", seed=4)
     pil = Image.fromarray(np.random.default_rng(4).integers(0, 256, (90, 120, 3), dtype=np.uint8))
     prog = gen.augmix_program(pil, 3)
-    args = (prog["crops"][:, 0], prog["ops"], prog["lut_params"], prog["affine"])
-    cpu = run_chains(*args)
-    on_gpu = [a.cuda() for a in args]
-    rows = {k: v.cuda() for k, v in prog.items() if k.endswith(tuple(f"_rows_{d}" for d in range(3)))}
-    coef = prog["coef"].cuda()
-    gen.finish(on_gpu[0][:1, None], None)  # mean and std moved to the device once, outside the checked region
+    cpu = run_chains(prog["crops"][:, 0], prog["ops"], prog["lut_params"], prog["affine"])
+    crops, packed, rows, lengths = pack_program(prog)  # as the runner receives it from a loader process
+    crops, packed, rows = crops.cuda(), packed.cuda(), rows.cuda()
+    gen.finish(crops[:1], None)  # mean and std moved to the device once, outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # the device path must never make the host wait
     try:
-        gpu = run_chains(*on_gpu, rows)
+        gpu, coef = run_packed(crops, packed, rows, lengths)
         views = gen.finish(gpu, coef)
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -177,7 +176,7 @@ def test_packed_program_round_trip_is_exact():
     prog = ViewGenerator(pre, "augmix", seed=1).augmix_program(img, 4)
     crops, packed, rows, lengths = pack_program(prog)
     assert crops is prog["crops"] and packed.dtype == torch.float64 and rows.dtype == torch.int64
-    back = unpack_program(packed, rows, lengths, 3, 3)
+    back = unpack_program(packed, rows, lengths)
     assert set(back) == set(prog) - {"crops"}
     for k, v in back.items():
         assert torch.equal(v, prog[k].to(v.dtype)) and (v.dtype == prog[k].dtype or k in ("ops", "lut_params")), k

@@ -2,7 +2,8 @@
 
 Every dataset key present in the shards gets a place: the paper's two groups first (natural shift: Table 2;
 ImageNet and the fine-grained sets: Table 3), then ImageNet-C's 75 corruption/severity sets, then any other dataset
-(the demo's `fmnist*` sets, a user's own data) in a group named `other`. Labels fall back to the key itself, so unknown keys never break a table.
+(the demo's `fmnist*` sets, a user's own data) in a group named `other`. Labels fall back to the key itself, so
+unknown keys never break a table.
 """
 
 from __future__ import annotations

@@ -565,8 +565,8 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     render_summary(summary, console, n_images=cfg.n_images)
     say("")
     say("Steps: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), highlight=False)
-    say(f"Run the same pipeline on real CLIP weights and the paper's datasets: see the README "
-        f"(zaec-extract --pretrained openai --backbone ViT-B-16 ...).", highlight=False)
+    say("Run the same pipeline on real CLIP weights and the paper's datasets: see the README "
+        "(zaec-extract --pretrained openai --backbone ViT-B-16 ...).", highlight=False)
     return DemoResult(metrics=metrics, summary=summary, outputs=outputs, timings=timings, notes=notes)
 
 
