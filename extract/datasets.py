@@ -93,7 +93,8 @@ class DatasetSpec:
     class_names: tuple[str, ...] | None = None
     #: the canonical key whose TDA per-dataset templates the "dataset" prompt policy uses; None = `hparams_from`
     templates_from: str | None = None
-    #: TDA/DPE/DLAE list these folders with a helper that also drops names containing "sh" (spec §13.9)
+    #: TDA/DPE/DLAE list these folders with a helper that also drops names containing "sh"
+    #: (docs/methods.md, "TDA's file-listing quirk (sh_filter)")
     sh_quirk_applies: bool = False
     description: str = ""
     #: user datasets: the reference as given, made absolute (`folder:/abs/path`, `split:/abs/file.json`)
@@ -579,7 +580,7 @@ def _load_aircraft(spec: DatasetSpec, root: Path, lay: Layout) -> tuple[list[Pat
 
 def _listdir(path: Path, *, sh_filter: bool) -> list[str]:
     # hidden files never count; the optional quirk reproduces TDA/DPE/DLAE's helper, which also drops any name
-    # containing "sh" (spec §13.9)
+    # containing "sh" (docs/methods.md, "TDA's file-listing quirk (sh_filter)")
     return sorted(n for n in os.listdir(path) if not n.startswith(".") and not (sh_filter and "sh" in n))
 
 
@@ -721,7 +722,8 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
             `split:` reference.
         data_root: folder holding the datasets; None = $ZAEC_DATA_ROOT, else ./data. Not used by user datasets.
         sh_filter: reproduce the TDA/DPE/DLAE listing quirk (drop files/folders whose name contains "sh") on the
-            ImageNet-A/-R/-Sketch/-V2 folders (spec §13.9). Off by default; ignored for the other sets.
+            ImageNet-A/-R/-Sketch/-V2 folders (docs/methods.md, "TDA's file-listing quirk (sh_filter)"). Off by
+            default; ignored for the other sets.
 
     Returns:
         TestSet with paths in the canonical order.

@@ -9,10 +9,11 @@
     * `local-dir:DIR` holding `open_clip_config.json` and `open_clip_model.safetensors` (or another checkpoint name
       open_clip looks for): the architecture comes from the directory.
 
-QuickGELU (spec §1.1): OpenAI's CLIP uses QuickGELU; open_clip's plain `ViT-B-16`/`RN50` configs use GELU and only
-warn on a mismatch. For tags the tag's own `quick_gelu` flag is applied; for a checkpoint file with one of the OpenAI
-architectures (`OPENAI_ARCHS`) QuickGELU is forced too, since such a file almost always holds OpenAI weights (pass
-`quick_gelu=False` or another open_clip model name otherwise). `local-dir:` follows its config.
+QuickGELU (docs/methods.md, "CLIP as the official code loads it"): OpenAI's CLIP uses QuickGELU; open_clip's
+plain `ViT-B-16`/`RN50` configs use GELU and only warn on a mismatch. For tags the tag's own `quick_gelu` flag is
+applied; for a checkpoint file with one of the OpenAI architectures (`OPENAI_ARCHS`) QuickGELU is forced too, since
+such a file almost always holds OpenAI weights (pass `quick_gelu=False` or another open_clip model name
+otherwise). `local-dir:` follows its config.
 """
 
 from __future__ import annotations

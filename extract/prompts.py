@@ -1,4 +1,4 @@
-"""Prompt tables and prompt sets (spec §2.3). Pure Python: no torch here.
+"""Prompt tables and prompt sets (docs/methods.md, "Class prototypes: prompts per method"). Pure Python: no torch here.
 
 Policies (a method's `Config.prompts`):
     * "single": "a photo of a {}." (zero-shot anchor, TPT family, TTA-VLM benchmark).
@@ -36,7 +36,7 @@ CUPL_ENV = "ZAEC_CUPL_DIR"
 SINGLE_TEMPLATE = "a photo of a {}."
 
 # Tip-Adapter's seven ImageNet templates, used by TDA for ImageNet, -A, -V2, Caltech101, StanfordCars, SUN397
-# (TDA datasets/imagenet.py, caltech101.py, ...; spec §2.3).
+# (TDA datasets/imagenet.py, caltech101.py, ...).
 TIP_TEMPLATES: tuple[str, ...] = (
     "itap of a {}.",
     "a bad photo of the {}.",
@@ -46,7 +46,7 @@ TIP_TEMPLATES: tuple[str, ...] = (
     "art of the {}.",
     "a photo of the small {}.",
 )
-# DPE datasets/stanford_cars.py (spec §2.3), used together with CuPL.
+# DPE datasets/stanford_cars.py, used together with CuPL.
 DPE_STANFORD_CARS: tuple[str, ...] = (
     "a photo of a {}.",
     "A {} featuring a wide range of color options for easy selection.",
@@ -65,7 +65,7 @@ def imagenet80_templates() -> tuple[str, ...]:
 
 
 def _dataset_templates() -> dict[str, tuple[str, ...]]:
-    # TDA datasets/*.py (spec §2.3); ImageNet-R and -Sketch use the 80 CLIP templates
+    # TDA datasets/*.py; ImageNet-R and -Sketch use the 80 CLIP templates
     return {
         "imagenet": TIP_TEMPLATES,
         "imagenet_a": TIP_TEMPLATES,

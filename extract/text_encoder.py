@@ -1,4 +1,5 @@
-"""A prompt-learnable view of an open_clip text tower (TPT's `PromptLearner` + `TextEncoder`, spec §3).
+"""A prompt-learnable view of an open_clip text tower (TPT's `PromptLearner` + `TextEncoder`,
+TPT `clip/custom_clip.py`; docs/methods.md, "TPT: episodic prompt tuning").
 
 The prompt of class c is `"{ctx_init} {name}."` (TPT `clip/custom_clip.py`: `prompt_prefix + " " + name + "."`, with
 `_` replaced by a space). Its token embeddings are split into the start token, the `n_ctx` context tokens (4 for

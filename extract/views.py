@@ -1,4 +1,5 @@
-"""Test-time views: the original view plus the TPT-style augmented views (spec §1.2), reimplemented.
+"""Test-time views: the original view plus the TPT-style augmented views, reimplemented
+(docs/methods.md, "Test-time views").
 
 View 0 ("original"): resize the short side to the model's size (its interpolation, bicubic for CLIP), centre crop,
 to tensor, normalise with the model's mean/std.

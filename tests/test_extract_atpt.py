@@ -1,7 +1,7 @@
-"""A-TPT (extract/methods/atpt.py): the angular-diversity term against a slow reference and the spec's vectors
-(atpt_soc.md §1.3), its sign options, per-sample batching, fp32 under autocast, and the method end to end on the
-tiny open_clip model (the TPT-family properties shared with TPT are in test_extract_tpt.py, parametrised over the
-registry)."""
+"""A-TPT (extract/methods/atpt.py): the angular-diversity term against a slow reference and the worked examples
+of docs/methods.md, "A-TPT: angular diversity and its two signs", its sign options, per-sample batching, fp32 under
+autocast, and the method end to end on the tiny open_clip model (the TPT-family properties shared with TPT are in
+test_extract_tpt.py, parametrised over the registry)."""
 
 from __future__ import annotations
 
@@ -58,16 +58,17 @@ def unit2d(*angles: float, dtype=torch.float32) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ the term itself
 
 def test_spec_vectors():
-    # unit vectors at 0, 0.3, 1.0 rad: nearest-neighbour angles (0.3, 0.3, 0.7), AD = 0.433333 (spec §1.3)
+    # unit vectors at 0, 0.3, 1.0 rad: nearest-neighbour angles (0.3, 0.3, 0.7), AD = 0.433333
+    # (docs/methods.md, "A-TPT: angular diversity and its two signs")
     t = unit2d(0.0, 0.3, 1.0)
-    # fp32: the spec prints 6 decimals (±5e-7); arccos amplifies a cosine's rounding (a few eps) by 1/sin θ <= 3.4
+    # fp32: the example prints 6 decimals (±5e-7); arccos amplifies a cosine's rounding (a few eps) by 1/sin θ <= 3.4
     assert float(angular_diversity(t)) == pytest.approx(0.433333, abs=5e-7 + 16 * EPS32)
     t64 = unit2d(0.0, 0.3, 1.0, dtype=torch.float64)
     assert float(angular_diversity(t64)) == pytest.approx(1.3 / 3, abs=ad_tol(t64))
     # a duplicate of the first vector: its pair sits at the clamp, arccos(0.99999) = 0.004472 each, AD = 0.252237
     floor = math.acos(TAU)
-    exact = (2 * floor + 0.3 + 0.7) / 4  # 0.2522361: the spec's own sum of its rounded terms is 0.252236
-    assert exact == pytest.approx(0.252237, abs=1e-6)  # the spec's figure, to one unit of its last printed digit
+    exact = (2 * floor + 0.3 + 0.7) / 4  # 0.2522361: the sum of the rounded terms is 0.252236
+    assert exact == pytest.approx(0.252237, abs=1e-6)  # a first reading's rounding: one unit of its last digit
     dup = torch.cat([t, t[:1]])
     # fp32: τ rounds to fp32 by <= eps/4 (spacing eps/2 below 1) and arccos' slope there is 1/sin(0.0045) = 224, for
     # 2 of the 4 angles; the other two as above

@@ -1,5 +1,7 @@
 """TTA methods (extract.methods): every registered method on small hand-made feature streams, and each method's
-defining behaviour against a slow, obvious reference written here from the spec (tta_methods.md §6-§8, §13)."""
+defining behaviour against a slow, obvious reference written here from
+docs/methods.md, "TDA: caches and the negative cache band", "DPE: dual prototypes, one step per sample",
+"DLAE: logit adjustment, reflection and doubt", "DPE/DLAE numerics"."""
 
 from __future__ import annotations
 
@@ -255,7 +257,8 @@ def ref_info_nce(q, k, tau):
 
 
 def ref_dual(x_stream, text, scale, cfg, dlae: bool):
-    """DPE (spec §7) / DLAE (spec §8, §13.4-5) sample by sample, with a real fresh torch AdamW per sample on
+    """DPE / DLAE (docs/methods.md, "DPE: dual prototypes, one step per sample",
+    "DLAE: logit adjustment, reflection and doubt") sample by sample, with a real fresh torch AdamW per sample on
     residual parameters created as fp16 (the official `TextResidue`/`PositiveCacheResidue`) or, for
     `residual_step="exact"`, in the stream's dtype."""
     rdt = torch.float16 if cfg.residual_step == "official_fp16" else text.dtype
@@ -568,7 +571,8 @@ def test_dpe_matches_reference(v, dataset, residual_step):
     torch.testing.assert_close(got, want.float(), rtol=torch.finfo(torch.float32).eps, atol=1e-12)
     assert m.n_global_updates == stats["global"]
     torch.testing.assert_close(m.w_global, state["w_g"], rtol=1e-9, atol=1e-12)
-    # Evolved prototypes are a cumulative average of unit vectors, never re-normalised (spec §7 step 7).
+    # Evolved prototypes are a cumulative average of unit vectors, never re-normalised
+    # (docs/methods.md, "DPE: dual prototypes, one step per sample", step 6).
     assert (m.w_global.norm(dim=-1) < 1 - 1e-6).any()
 
 

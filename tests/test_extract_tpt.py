@@ -1,5 +1,6 @@
 """TPT, C-TPT, O-TPT and TPS (extract/methods/tpt.py, tps.py, extract/text_encoder.py) on the tiny open_clip model,
-against slow references written here from the spec (tta_methods.md §1.3, §3, §4, §5, §13)."""
+against slow references written here from docs/methods.md, "Confident-view selection and marginal entropy",
+"TPT: episodic prompt tuning", "C-TPT and O-TPT", "TPS: prototype shifting", "Precision in the official code"."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A-TPT: TPT with an angular-diversity term on the class text features (`MB-Shihab-Aaqil-Ahamed/A-TPT @d76ecf6`,
-spec `atpt_soc.md` §1).
+"""A-TPT: TPT with an angular-diversity term on the class text features (`MB-Shihab-Aaqil-Ahamed/A-TPT @d76ecf6`;
+docs/methods.md, "A-TPT: angular diversity and its two signs").
 
 The official repository is a fork of C-TPT: same views, prompt learner, optimiser, loss scale and prediction; only
 the regulariser differs. With T̂ the (K, D) L2-normalised text features of the current context, each class's
@@ -53,7 +53,8 @@ ATPTDirection = Literal["expand", "contract"]
 
 
 def angular_diversity(text: torch.Tensor, tau: float = 0.99999) -> torch.Tensor:
-    """A-TPT's angular diversity: the mean over classes of the angle to the nearest other class (spec §1.3).
+    """A-TPT's angular diversity: the mean over classes of the angle to the nearest other class (A-TPT
+    `clip/custom_clip.py`).
 
     S = T̂T̂ᵀ with T̂ the rows of `text` L2-normalised; the diagonal is taken out as in the official code (S − 2·diag(S),
     so a unit vector's self-cosine reads −1 and is never a row maximum); c_i = max_j S_ij (ties: torch's `max`);
@@ -84,8 +85,9 @@ def angular_diversity(text: torch.Tensor, tau: float = 0.99999) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ATPTConfig(TPTConfig):
-    """A-TPT (`MB-Shihab-Aaqil-Ahamed/A-TPT @d76ecf6`, spec `atpt_soc.md` §1.7). Everything else is TPT's (C-TPT's
-    harness: lr 5e-3, AdamW weight decay 0.01, 64 views, p 0.1, one step, ctx "a photo of a", GradScaler(1000))."""
+    """A-TPT (`MB-Shihab-Aaqil-Ahamed/A-TPT @d76ecf6`; λ per dataset: docs/methods.md, "Per-dataset settings").
+    Everything else is TPT's (C-TPT's harness: lr 5e-3, AdamW weight decay 0.01, 64 views, p 0.1, one step, ctx
+    "a photo of a", GradScaler(1000))."""
 
     # λ = 80: ImageNet + fine-grained (scripts/test_tpt_atpt_fg.sh `--lambda_term 80`); 10: A/V2/R/Sketch
     # (scripts/test_tpt_atpt_ds.sh `--lambda_term 10`). The same for RN50 and ViT-B/16 (one value per script).

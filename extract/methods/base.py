@@ -1,9 +1,9 @@
 """The contract every TTA method implements, its configuration base class, and `--set` overrides.
 
 A method is a class with a `key`, a frozen `Config` dataclass next to it (the paper's defaults, each with its
-source) and `default_config(hparams_key, backbone)` applying the per-dataset tables of the spec. The runner builds
-the method once per run with the text prototypes and the model's logit scale, then feeds it the view features of
-consecutive samples in stream order:
+source) and `default_config(hparams_key, backbone)` applying the per-dataset tables of the official configs. The
+runner builds the method once per run with the text prototypes and the model's logit scale, then feeds it the view
+features of consecutive samples in stream order:
 
     >>> cfg = method_cls.default_config("dtd", "ViT-B-16")          # doctest: +SKIP
     >>> m = method_cls(cfg, text_features, logit_scale, backbone="ViT-B-16", dataset="dtd")  # doctest: +SKIP
@@ -27,14 +27,15 @@ from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import torch
 
-# The canonical dataset keys for which the spec has hyper-parameter tables (the columns of §6-§8).
+# The canonical dataset keys for which the official configs have per-dataset tables
+# (docs/methods.md, "Per-dataset settings").
 HPARAMS_KEYS: tuple[str, ...] = (
     "imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch", "caltech101", "dtd", "eurosat",
     "fgvc_aircraft", "food101", "flowers102", "oxford_pets", "stanford_cars", "sun397", "ucf101",
 )
 IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"})
 
-# How the runner builds the class prototypes (spec §2.3):
+# How the runner builds the class prototypes (docs/methods.md, "Class prototypes: prompts per method"):
 #   single      "a photo of a {}."
 #   dataset     TDA's per-dataset templates (the 7 Tip-Adapter templates for ImageNet/A/V2/Caltech/Cars/SUN, one
 #               custom template for the others, the 80 CLIP templates for R/Sketch)
@@ -72,7 +73,8 @@ class MethodConfig:
     """Fields the runner reads; every method's `Config` extends this.
 
     Attributes:
-        n_views: views per sample: 1 (the original) or 1 + 63 augmented (spec §1.2).
+        n_views: views per sample: 1 (the original) or 1 + 63 augmented
+            (docs/methods.md, "Test-time views").
         augmix: views 1.. use AugMix (True) or only RandomResizedCrop + flip (False).
         prompts: prompt set for the class prototypes (see `PromptSet`).
         cupl: add the CuPL GPT-3 sentences to the prototypes (DPE/DLAE).

@@ -1,8 +1,11 @@
 """Building blocks shared by the online TTA methods (TDA, DPE, DLAE) and, later, the episodic TPT family.
 
 Everything here is a pure tensor function or a small state container; nothing reads a global setting. The
-formulas follow the spec (`tta_methods.md`): §1.3 for the confident-view selection and the marginal entropy, §6
-for the per-class cache, §7 for the DPE step (InfoNCE, first AdamW step).
+formulas follow the official code as docs/methods.md records it:
+    * the confident-view selection and the marginal entropy:
+      docs/methods.md, "Confident-view selection and marginal entropy";
+    * the per-class cache: docs/methods.md, "TDA: caches and the negative cache band";
+    * the DPE step (InfoNCE, first AdamW step): docs/methods.md, "DPE: dual prototypes, one step per sample".
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the average softmax over views, computed in log space (TPT's `avg_entropy`, spec §1.3).
+    """Entropy of the average softmax over views, computed in log space (TPT's `avg_entropy`).
+
+    The definition: docs/methods.md, "Confident-view selection and marginal entropy".
 
     log p̄_c = logsumexp_v log softmax(z_v)_c - log n, clamped at the dtype's most negative finite value, and
     H = -sum_c p̄_c log p̄_c. With a single view it equals `softmax_entropy`.
@@ -51,7 +56,8 @@ def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def n_confident(n_views: int, selection_p: float) -> int:
-    """Number of views kept by the confidence selection: `int(n_views * p)` (6 of 64 at p = 0.1, spec §1.3).
+    """Number of views kept by the confidence selection: `int(n_views * p)` (6 of 64 at p = 0.1; TPT
+    `tpt_classification.py:select_confident_samples`).
 
     Deviation, only for fewer than 1/p views (never with the official 64): at least one view is kept, where the
     official `int(N * p)` would keep none and crash.
@@ -82,7 +88,8 @@ class ViewSummary:
 
 
 def summarise_views(feats: torch.Tensor, logits: torch.Tensor, selection_p: float) -> ViewSummary:
-    """Confident-view selection and summary for a batch (spec §1.3, TDA/DPE/DLAE `get_clip_logits`).
+    """Confident-view selection and summary for a batch (TDA/DPE/DLAE `utils.py:get_clip_logits`;
+    docs/methods.md, "Confident-view selection and marginal entropy").
 
     With V = 1 the single view is used as it is (softmax entropy, softmax probabilities). With V > 1 the
     `n_confident(V, p)` views of lowest softmax entropy are kept (stable order on ties); the summary is the mean
@@ -121,7 +128,7 @@ def summarise_views(feats: torch.Tensor, logits: torch.Tensor, selection_p: floa
 
 
 class ClassCache:
-    """Per-class cache of at most `capacity` items kept in ascending order of score (TDA `update_cache`, §6).
+    """Per-class cache of at most `capacity` items kept in ascending order of score (TDA `tda_runner.py:update_cache`).
 
     Storage is dense: keys (K, capacity, D), scores (K, capacity) with +inf in empty slots, and optional extra
     per-item tensors. The official rule "append if the class has fewer than `capacity` items, otherwise replace
@@ -235,7 +242,8 @@ class ClassCache:
 
 
 def info_nce(query: torch.Tensor, keys: torch.Tensor, temperature: float) -> torch.Tensor:
-    """One-directional InfoNCE with in-batch negatives (the `info-nce-pytorch` default DPE uses, spec §7, §13.11).
+    """One-directional InfoNCE with in-batch negatives (the `info-nce-pytorch` default DPE uses;
+    docs/methods.md, "DPE: dual prototypes, one step per sample").
 
     Row i of `query` is paired with row i of `keys`; every other row of `keys` is a negative. Both sides are
     L2-normalised first. loss = mean_i CE(softmax_j(q̂_i . k̂_j / temperature), i).
@@ -262,8 +270,8 @@ def adamw_first_step(
 
     Decoupled decay, then Adam with bias-corrected moments m̂ = g and v̂ = g²:
     p ← p (1 - lr·wd) - lr · g / (|g| + eps). DPE/DLAE build a new optimiser for every sample and take one step
-    from zero residuals (spec §7 step 5, §13.10), so this is the whole optimisation; the decay term is zero there
-    and eps (1e-3) sets the step size of small gradients. This is the step in exact arithmetic (DPE/DLAE
+    from zero residuals (docs/methods.md, "DPE/DLAE numerics"), so this is the whole optimisation; the decay term
+    is zero there and eps (1e-3) sets the step size of small gradients. This is the step in exact arithmetic (DPE/DLAE
     `residual_step="exact"`); the official code's fp16 residuals step differently (`torch_adamw_step`).
 
     Args:

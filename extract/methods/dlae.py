@@ -1,6 +1,7 @@
 """DLAE — Dynamic Logits Adjustment and Exploration (Wu et al., CVPR'26; official code `whynotcooper/dlae @253163b`).
 
-Spec §8 with corrections §13.4-§13.5. Built on DPE (`dpe.py`): everything there applies, with these changes.
+The official algorithm: docs/methods.md, "DLAE: logit adjustment, reflection and doubt". Built on DPE (`dpe.py`):
+everything there applies, with these changes.
 
 Extra online state: counter (K,) initialised to 1 and count = K (pseudo-label frequencies π = counter/count);
 conf_mean (K,) running mean confidence per pseudo-class (init 0) with its counts; W₀ the initial prototypes.
@@ -13,13 +14,13 @@ Per sample (views x, stream position t):
 4. Reflection: H₁ = H if ŷ = ŷ₂, else H·exp(-α₁ cos(W'_ŷ, W'_ŷ₂)).
 5. counter[ŷ] += 1, count += 1, conf_mean[ŷ] ← running mean including p̄[ŷ].
 6. Cache update with (f_x, H₁ in nats, t): when the class is full, first the "doubt" rule — every cached item j
-   with f_j·W'_ŷ < f_j·W₀_ŷ (W' before this sample's step, §13.5) gets H_j ← H_j·exp((t - t_j) ε), t_j ← t —
+   with f_j·W'_ŷ < f_j·W₀_ŷ (W' before this sample's step) gets H_j ← H_j·exp((t - t_j) ε), t_j ← t —
    then sort, replace the worst if H₁ is lower, sort.
 7. DPE's residual step, with the cache residual's lr = lr_text (the official code never reads the image lr).
    (The official image prototype sums the first 3 items and divides by the item count, i.e. the mean at the
    capacity 3 used everywhere; we take the mean for any `shot_capacity`.)
-8. Inference: steps 1-3 again with the stepped W' and the already-updated counters (§13.4), on view 0 — all views
-   for ImageNet-A — plus the cache logits; then DPE's global text evolution.
+8. Inference: steps 1-3 again with the stepped W' and the already-updated counters (`run_test_dlae`), on view 0 —
+   all views for ImageNet-A — plus the cache logits; then DPE's global text evolution.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class DLAEConfig(DualPrototypeConfig):
 
 
 # dataset: (alpha, beta, lr_text, align, adjust_alpha RN/ViT, reflection_alpha RN/ViT, doubt_rate RN/ViT)
-# (DLAE `configs/*.yaml` @253163b, spec §8; RN50 reads alpha[0]/alpha1[0]/epoch[0], ViT belta[0]/alpha1[1]/epoch[1]).
+# (DLAE `configs/*.yaml` @253163b; RN50 reads alpha[0]/alpha1[0]/epoch[0], ViT belta[0]/alpha1[1]/epoch[1]).
 _Pair = tuple[float, float]
 DLAE_TABLE: dict[str, tuple[float, float, float, float, _Pair, _Pair, _Pair]] = {
     "imagenet": (6.0, 5.0, 6e-4, 0.5, (0.8, 0.8), (0.001, 0.001), (0.0, 0.0)),
@@ -71,7 +72,7 @@ DLAE_TABLE: dict[str, tuple[float, float, float, float, _Pair, _Pair, _Pair]] = 
     "sun397": (3.0, 7.0, 1e-4, 1.5, (3.3, 3.2), (0.5, 0.5), (5e-3, 1e-2)),
     "ucf101": (9.0, 8.0, 4e-4, 0.2, (2.7, 3.0), (0.5, 0.5), (1e-5, 1e-5)),
 }
-# Views (DLAE `utils.py:build_test_data_loader`, spec §8): 64 crop+flip, 64 AugMix, or the CLIP preprocess.
+# Views (DLAE `utils.py:build_test_data_loader`): 64 crop+flip, 64 AugMix, or the CLIP preprocess.
 DLAE_CROP_FLIP: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet_v2", "imagenet_sketch", "ucf101"})
 DLAE_AUGMIX: frozenset[str] = frozenset({"imagenet_r", "dtd", "fgvc_aircraft", "stanford_cars", "sun397", "food101"})
 
@@ -154,7 +155,7 @@ class DLAE(DPE):
         if y != y2:  # reflection: soften the entropy of a prediction the adjustment changed
             wd = w.detach()
             h = h * torch.exp(-c.reflection_alpha * F.cosine_similarity(wd[y], wd[y2], dim=0))
-        # Counters see this sample before the cache update and before inference (`run_test_dlae`, §13.4).
+        # Counters see this sample before the cache update and before inference (`main_dlae.py:run_test_dlae`).
         self.counter[y] += 1
         self.count += 1
         conf = s.prob[0, y].to(self.conf_mean.dtype)
@@ -168,7 +169,7 @@ class DLAE(DPE):
         cache, c = self.cache, self.config
         if cache.counts[y] == cache.capacity:
             keys = cache.keys[y]  # (cap, D)
-            doubt = keys @ w[y] < keys @ self.w0[y]  # W' = normalize(W_g), zero residual (spec §13.5)
+            doubt = keys @ w[y] < keys @ self.w0[y]  # W' = normalize(W_g), zero residual (`main_dlae.py`)
             times = cache.extras["time"][y]
             wide = torch.promote_types(cache.scores.dtype, torch.float32)  # t - t_j overflows fp16 past 65504
             decay = torch.exp((t - times).to(wide) * c.doubt_rate)  # `exp_loss`

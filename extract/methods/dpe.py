@@ -1,10 +1,11 @@
 """DPE — Dual Prototype Evolving (Zhang et al., NeurIPS'24; official code `zhangce01/DPE-CLIP @fecae5a`).
 
-Spec §7 with corrections §13.10 (numerics) and §13.11 (one-directional InfoNCE). Online state: the global text
-prototypes W_g (K, D), a positive cache (3 per class) and the number n of global updates. Per sample x:
+The official algorithm: docs/methods.md, "DPE: dual prototypes, one step per sample"; its numerics:
+docs/methods.md, "DPE/DLAE numerics". Online state: the global text prototypes W_g (K, D), a positive cache (3 per
+class) and the number n of global updates. Per sample x:
 
 1. W' = normalize(W_g + R_t) with a zero text residual R_t; per-view logits s·x·W'ᵀ; confident-view summary
-   (§1.3): f_x, z₀, H, ŷ.
+   (docs/methods.md, "Confident-view selection and marginal entropy"): f_x, z₀, H, ŷ.
 2. Cache update with (f_x, H / log₂K) (TDA's rule). Image prototypes K_c = mean cached feature of class c, for
    the classes present; K' = normalize(K + R_i) with a zero cache residual R_i.
 3. One AdamW step (fresh optimiser, lr per group, eps 1e-3, weight decay 0.1; fp16 residuals by default, see
@@ -54,7 +55,7 @@ class DualPrototypeConfig(MethodConfig):
     """Knobs shared by DPE and DLAE (DLAE is built on DPE's code); defaults are DPE's ImageNet config."""
 
     n_views: int = 64  # ImageNet family: 63 AugMix views + original (DPE `utils.py:get_preprocess`)
-    augmix: bool = True  # AugMix on even for ImageNet (DPE `utils.py:get_preprocess`, spec §7 step 2)
+    augmix: bool = True  # AugMix on even for ImageNet (DPE `utils.py:get_preprocess`)
     prompts: PromptSet = "dataset"  # TDA's templates (DPE `datasets/*.py`)
     cupl: bool = True  # plus the CuPL GPT-3 sentences (DPE `utils.py:clip_classifier`)
     selection_p: float = 0.1  # top 10% lowest-entropy views (DPE `utils.py:get_clip_logits`)
@@ -64,8 +65,8 @@ class DualPrototypeConfig(MethodConfig):
     lr_text: float = 6e-4  # learning_rate.text, ImageNet (DPE `configs/imagenet.yaml`)
     align: float = 0.5  # learning_rate.align (λ of the InfoNCE term), ImageNet (DPE `configs/imagenet.yaml`)
     temperature: float = 0.01  # InfoNCE temperature (DPE `main_dpe.py:InfoNCELoss`)
-    adamw_eps: float = 1e-3  # AdamW eps (DPE `main_dpe.py`); sets the step of small gradients (spec §13.10)
-    weight_decay: float = 0.1  # AdamW weight_decay (DPE `main_dpe.py`); no effect on zero residuals (§13.10)
+    adamw_eps: float = 1e-3  # (DPE `main_dpe.py`); the step of small gradients (docs/methods.md, "DPE/DLAE numerics")
+    weight_decay: float = 0.1  # (DPE `main_dpe.py`); no effect on zero residuals (docs/methods.md, "DPE/DLAE numerics")
     global_threshold: float = 0.1  # evolve W_g when H/log2(K) is below this (DPE `main_dpe.py`)
     all_view_inference: bool = False  # ImageNet-A only: predict from all views (DPE `main_dpe.py`, dataset 'A')
     # How the residuals take their AdamW step. "official_fp16" (default, the numerics of the paper's numbers): the
@@ -75,7 +76,8 @@ class DualPrototypeConfig(MethodConfig):
     # deviation: what the official step would be without fp16 rounding).
     residual_step: ResidualStep = "official_fp16"
     # The rest of the official numerics: fp16 weights and features under CUDA autocast, without a gradient scaler
-    # (spec §13.10); the global prototypes become fp32 after their first update there, as in the official code.
+    # (docs/methods.md, "DPE/DLAE numerics"); the global prototypes become fp32 after their first update there,
+    # as in the official code.
     # Off by default (fp32 features and prototypes, and the only option on the CPU).
     amp_fp16: bool = False
 
@@ -85,7 +87,8 @@ class DPEConfig(DualPrototypeConfig):
     lr_image: float = 6e-4  # learning_rate.image, ImageNet (DPE `configs/imagenet.yaml`; equal to text everywhere)
 
 
-# (alpha, beta, lr_text = lr_image, align) per dataset (DPE `configs/*.yaml`, spec §7; same for both backbones).
+# (alpha, beta, lr_text = lr_image, align) per dataset (DPE `configs/*.yaml`, same for both backbones;
+# docs/methods.md, "Per-dataset settings").
 DPE_TABLE: dict[str, tuple[float, float, float, float]] = {
     "imagenet": (6.0, 5.0, 6e-4, 0.5), "imagenet_a": (6.0, 5.0, 3e-4, 2.5), "imagenet_v2": (3.0, 8.0, 5e-4, 0.5),
     "imagenet_r": (3.0, 8.0, 6e-4, 0.0), "imagenet_sketch": (7.0, 7.45, 6e-4, 0.2),
@@ -94,7 +97,7 @@ DPE_TABLE: dict[str, tuple[float, float, float, float]] = {
     "oxford_pets": (4.0, 7.0, 5e-5, 0.2), "stanford_cars": (3.0, 7.0, 1e-4, 1.5), "sun397": (6.0, 3.0, 2e-4, 0.2),
     "ucf101": (9.0, 8.0, 4e-4, 0.2),
 }
-# ImageNet-R/-Sketch use the 80 CLIP templates, Stanford Cars its own pair (DPE `datasets/*.py`, spec §2.3).
+# ImageNet-R/-Sketch use the 80 CLIP templates, Stanford Cars its own pair (DPE `datasets/*.py`).
 DUAL_PROTOTYPE_PROMPTS: dict[str, PromptSet] = {
     "imagenet_r": "imagenet80", "imagenet_sketch": "imagenet80", "stanford_cars": "dpe_cars",
 }
@@ -151,7 +154,8 @@ class DPE(TTAMethod):
         self.cache = ClassCache(self.n_classes, self.config.shot_capacity, self.dim, device=device, dtype=dtype)
 
     def _train_summary(self, x: torch.Tensor, w: torch.Tensor, t: int) -> ViewSummary:
-        """Views -> summary under W' (with gradient); updates the cache. DPE §7 steps 1-3."""
+        """Views -> summary under W' (with gradient); updates the cache. Steps 1-2 of
+        docs/methods.md, "DPE: dual prototypes, one step per sample"."""
         logits = self.logit_scale * x @ w.T  # (V, K); official: 100. * image_features @ clip_weights
         s = summarise_views(x[None], logits[None], self.config.selection_p)
         # Cache score: entropy / log2(K) (DPE `get_entropy`; same order as raw nats).
@@ -159,7 +163,8 @@ class DPE(TTAMethod):
         return s
 
     def _inference(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits (K,), query feature (D,)) under the stepped W'. DPE §7 step 6."""
+        """(logits (K,), query feature (D,)) under the stepped W'. Step 5 of
+        docs/methods.md, "DPE: dual prototypes, one step per sample"."""
         if self.config.all_view_inference:
             s = summarise_views(x[None], (self.logit_scale * x @ w.T)[None], self.config.selection_p)
             return s.logits[0], s.feats[0]
@@ -218,10 +223,10 @@ class DPE(TTAMethod):
             z = self._cache_logits(s.logits[0], s.feats[0], keys, classes)
             loss = marginal_entropy(z[None])  # official avg_entropy of one row = H(softmax z)
             if c.align != 0.0:
-                # One-directional: image prototypes are the queries, text prototypes the keys (spec §13.11).
+                # One-directional: image prototypes are the queries, text prototypes the keys (DPE `main_dpe.py`).
                 loss = loss + c.align * info_nce(keys, w[classes], c.temperature)
             g_text, g_cache = torch.autograd.grad(loss, [r_text, r_cache])
-        # A fresh AdamW per sample, one step from zero (spec §7 step 5, §13.10).
+        # A fresh AdamW per sample, one step from zero (docs/methods.md, "DPE/DLAE numerics").
         with torch.no_grad(), self._autocast():
             if c.residual_step == "official_fp16":
                 r_text, r_cache = torch_adamw_step([r_text, r_cache], [g_text, g_cache], [c.lr_text, self.lr_image],
@@ -232,7 +237,7 @@ class DPE(TTAMethod):
             w_new = F.normalize(w_loc + r_text, dim=-1)
             z, f = self._inference(x, w_new)
             final = self._cache_logits(z, f, F.normalize(protos.detach() + r_cache, dim=-1), classes)
-            # Global text evolution (spec §7 step 7): a cumulative average, W_g deliberately not re-normalised. Its
+            # Global text evolution (DPE `main_dpe.py`): a cumulative average, W_g deliberately not re-normalised. Its
             # dtype is the promoted one, as in the official code: under autocast W' comes out of F.normalize in
             # fp32, so fp16 prototypes become fp32 at their first update.
             if float(marginal_entropy(final[None].float())) / math.log2(self.n_classes) < c.global_threshold:

@@ -1,13 +1,14 @@
 """TDA — Training-free Dynamic Adapter (Karmanov et al., CVPR'24; official code `kdiAAA/TDA @e697fb0`).
 
-Spec §6 with correction §13.2. Online and training-free: a positive and a negative per-class feature cache persist
-along the stream; nothing is optimised. Per sample:
+The official algorithm: docs/methods.md, "TDA: caches and the negative cache band". Online and training-free: a
+positive and a negative per-class feature cache persist along the stream; nothing is optimised. Per sample:
 
-1. z₀, f, H, p̄, ŷ from the views (§1.3): one view -> its logits, feature, softmax entropy; 64 views -> the 6
-   lowest-entropy views' mean logits, mean feature (not re-normalised), marginal entropy, mean softmax.
+1. z₀, f, H, p̄, ŷ from the views (TDA `utils.py:get_clip_logits`): one view -> its logits, feature, softmax
+   entropy; 64 views -> the 6 lowest-entropy views' mean logits, mean feature (not re-normalised), marginal
+   entropy, mean softmax.
 2. ĥ = H / log₂(K) — a quirk of the official code (H is in nats), kept.
 3. Positive cache (capacity 3 per class, keyed by ŷ) gets (f, H) always; negative cache (capacity 2 per class,
-   §13.2) gets (f, H, 1[0.03 < p̄ < 1]) when 0.2 < ĥ < 0.5.
+   TDA `tda_runner.py:update_cache`) gets (f, H, 1[0.03 < p̄ < 1]) when 0.2 < ĥ < 0.5.
 4. Cache logits after the update: z = z₀ + α⁺ Σ exp(-β⁺(1 - f·k)) onehot(c) - α⁻ Σ exp(-β⁻(1 - f·k)) mask.
 
 Everything the caches do not influence (per-view logits, selection, entropies, gating) is computed for the whole
@@ -33,13 +34,13 @@ class TDAConfig(MethodConfig):
 
     n_views: int = 1  # ImageNet: plain CLIP preprocess (TDA `utils.py:build_test_data_loader`)
     augmix: bool = False
-    prompts: PromptSet = "dataset"  # TDA per-dataset templates (TDA `datasets/*.py`, spec §2.3)
+    prompts: PromptSet = "dataset"  # TDA per-dataset templates (TDA `datasets/*.py`)
     cupl: bool = False
     selection_p: float = 0.1  # top 10% lowest-entropy views (TDA `utils.py:get_clip_logits`)
     pos_capacity: int = 3  # positive.shot_capacity (TDA `configs/*.yaml`)
     alpha: float = 2.0  # positive.alpha, ImageNet (TDA `configs/imagenet.yaml`)
     beta: float = 5.0  # positive.beta, ImageNet (TDA `configs/imagenet.yaml`)
-    neg_capacity: int = 2  # negative.shot_capacity, per pseudo-class (TDA `configs/*.yaml`, spec §13.2)
+    neg_capacity: int = 2  # negative.shot_capacity, per pseudo-class (TDA `configs/*.yaml`, `update_cache`)
     neg_alpha: float = 0.117  # negative.alpha (TDA `configs/*.yaml`)
     neg_beta: float = 1.0  # negative.beta (TDA `configs/*.yaml`)
     neg_entropy_lower: float = 0.2  # negative.entropy_threshold.lower, on H/log2(K) (TDA `configs/*.yaml`)
@@ -48,14 +49,16 @@ class TDAConfig(MethodConfig):
     neg_mask_upper: float = 1.0  # negative.mask_threshold.upper (TDA `configs/*.yaml`)
 
 
-# Positive-cache (alpha, beta) per dataset (TDA `configs/*.yaml`, spec §6; same for both backbones).
+# Positive-cache (alpha, beta) per dataset (TDA `configs/*.yaml`, same for both backbones;
+# docs/methods.md, "Per-dataset settings").
 TDA_ALPHA_BETA: dict[str, tuple[float, float]] = {
     "imagenet": (2.0, 5.0), "imagenet_a": (2.0, 5.0), "imagenet_v2": (1.0, 8.0), "imagenet_r": (1.0, 8.0),
     "imagenet_sketch": (2.363, 7.45), "caltech101": (5.0, 5.0), "dtd": (2.0, 3.0), "eurosat": (4.0, 8.0),
     "fgvc_aircraft": (2.0, 2.0), "food101": (1.0, 1.0), "flowers102": (1.0, 5.0), "oxford_pets": (2.0, 7.0),
     "stanford_cars": (1.0, 7.0), "sun397": (2.0, 3.0), "ucf101": (3.0, 8.0),
 }
-# 64 AugMix views for the natural-shift sets; ImageNet and the 10 cross-domain sets use one view (spec §6 step 1).
+# 64 AugMix views for the natural-shift sets; ImageNet and the 10 cross-domain sets use one view (TDA
+# `utils.py:build_test_data_loader`).
 TDA_MULTI_VIEW: frozenset[str] = frozenset({"imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"})
 # ImageNet-R and -Sketch use the 80 CLIP templates (TDA `datasets/imagenet_r.py`, `imagenet_sketch.py`).
 TDA_IMAGENET80: frozenset[str] = frozenset({"imagenet_r", "imagenet_sketch"})
@@ -103,7 +106,7 @@ class TDA(TTAMethod):
         w = self.text_features.to(dt)  # (K, D)
         # The official code multiplies by a hard-coded 100. (= exp(logit_scale) of OpenAI CLIP); we use the model's.
         s = summarise_views(feats, self.logit_scale * feats @ w.T, c.selection_p)  # batched over the chunk
-        h_norm = s.entropy / math.log2(self.n_classes)  # quirk kept: nats / log2(K) (spec §6 step 2)
+        h_norm = s.entropy / math.log2(self.n_classes)  # quirk kept: nats / log2(K) (TDA `utils.py:get_entropy`)
         neg_gate = ((h_norm > c.neg_entropy_lower) & (h_norm < c.neg_entropy_upper)).tolist()
         neg_mask = ((s.prob > c.neg_mask_lower) & (s.prob < c.neg_mask_upper)).to(dt)  # (B, K)
         preds = s.pred.tolist()

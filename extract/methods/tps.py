@@ -1,4 +1,4 @@
-"""TPS: Test-time Prototype Shifting (`elaine-sui/TPS @556db0f`, spec §5).
+"""TPS: Test-time Prototype Shifting (`elaine-sui/TPS @556db0f`; docs/methods.md, "TPS: prototype shifting").
 
 Per test sample (episodic): a per-class shift S (K×D) starts at zero; the shifted prototypes are
 t̃_c = normalize(normalize(P_c) + S_c); the 64 views' logits s·f̂_v t̃ᵀ select the 6 lowest-entropy views; one AdamW
@@ -97,10 +97,11 @@ TPS_IMAGENET_RENAMES: dict[int, tuple[str, str]] = {744: ("missile", "projectile
 
 @dataclass(frozen=True)
 class TPSConfig(EpisodicConfig):
-    """TPS defaults: TPT's view selection and one AdamW step (wd 0.01 has no effect on a zero shift, §13.10)."""
+    """TPS defaults: TPT's view selection and one AdamW step (wd 0.01 has no effect on a zero shift:
+    docs/methods.md, "Precision in the official code")."""
 
     augmix: bool = True  # TPS --img_aug with `augmix = len(set_id) > 1`: fine-grained sets only
-    prompts: PromptSet = "imagenet80"  # the 80 CLIP templates for every dataset (spec §2.3)
+    prompts: PromptSet = "imagenet80"  # the 80 CLIP templates for every dataset (TPS `data/imagenet_prompts_clean.py`)
     lr: float = 1e-3  # per dataset: 5e-3 ImageNet family, 1e-3 fine-grained (TTA-VLM `instance_method/tps.py`)
     # A GPT-4 descriptor file (class -> descriptors, TPS `gpt4_descriptors/<dataset>.json`); "" = templates only.
     descriptors: str = ""

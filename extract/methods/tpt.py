@@ -1,4 +1,7 @@
-"""TPT and its calibration variants C-TPT and O-TPT: episodic test-time prompt tuning (spec §3, §4, §13.1).
+"""TPT and its calibration variants C-TPT and O-TPT: episodic test-time prompt tuning.
+
+The official algorithms: docs/methods.md, "TPT: episodic prompt tuning" and "C-TPT and O-TPT"; their precision:
+docs/methods.md, "Precision in the official code".
 
 Per test sample (reset before every sample): a learnable 4-token context initialised from "a photo of a" and shared
 by all classes gives text features t̂(ctx); the 64 views' logits z_v = s·f̂_v t̂ᵀ select the int(64·0.1) = 6 views
@@ -57,7 +60,8 @@ NATURAL_SHIFT: frozenset[str] = IMAGENET_FAMILY - {"imagenet"}
 # pure pieces (tested against slow references)
 
 def select_confident(logits: torch.Tensor, selection_p: float) -> torch.Tensor:
-    """Indices of the `int(V·p)` views of lowest softmax entropy (TPT `select_confident_samples`, spec §1.3).
+    """Indices of the `int(V·p)` views of lowest softmax entropy (TPT
+    `tpt_classification.py:select_confident_samples`).
 
     Args:
         logits: (..., V, K) per-view logits.
@@ -75,7 +79,8 @@ def select_confident(logits: torch.Tensor, selection_p: float) -> torch.Tensor:
 
 
 def atfd(text: torch.Tensor) -> torch.Tensor:
-    """C-TPT's Average Text Feature Dispersion: (1/K) Σ_c ‖t̂_c − t̄‖₂, t̄ = (1/K) Σ_c t̂_c (spec §4).
+    """C-TPT's Average Text Feature Dispersion: (1/K) Σ_c ‖t̂_c − t̄‖₂, t̄ = (1/K) Σ_c t̂_c (C-TPT
+    `clip/custom_clip.py:inference`).
 
     Args:
         text: (..., K, D) L2-normalised text features.
@@ -87,7 +92,7 @@ def atfd(text: torch.Tensor) -> torch.Tensor:
 
 
 def householder_orthogonality(text: torch.Tensor) -> torch.Tensor:
-    """O-TPT's orthogonality penalty as its code computes it (spec §4).
+    """O-TPT's orthogonality penalty as its code computes it (`otpt_classification.py:test_time_tuning`).
 
     M = T̂T̂ᵀ (K×K); n_i = ‖M_{:,i}‖ (column norm); u_i = M_{i,:} − n_i e_i; v_i = u_i/‖u_i‖; the Householder
     reflector H_i = I − 2 v_i v_iᵀ is applied to M_{i,:}ᵀ and the penalty is (1/K) Σ_i ‖H_i M_{i,:}ᵀ − e_i‖₂.
@@ -164,9 +169,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr
 @dataclass(frozen=True)
 class EpisodicConfig(MethodConfig):
     """Settings shared by the episodic tuners (TPT family, TPS); defaults from TPT `tpt_classification.py` and
-    `scripts/test_tpt.sh` (spec §3)."""
+    `scripts/test_tpt.sh` (docs/methods.md, "TPT: episodic prompt tuning")."""
 
-    n_views: int = 64  # -b 64: the original + 63 augmented views (spec §1.2)
+    n_views: int = 64  # -b 64: the original + 63 augmented views (TPT `data/datautils.py`)
     augmix: bool = True  # per dataset in `default_config`
     prompts: PromptSet = "single"
     cupl: bool = False
@@ -486,7 +491,7 @@ class EpisodicTuner(TTAMethod):
 
 @dataclass(frozen=True)
 class TPTConfig(EpisodicConfig):
-    """TPT (`azshue/TPT @63ecbac`, spec §3). AugMix on the fine-grained sets only (`augmix = len(set_id) > 1`)."""
+    """TPT (`azshue/TPT @63ecbac`). AugMix on the fine-grained sets only (`augmix = len(set_id) > 1`)."""
 
     # the prompts are the learnable "{ctx_init} {class}." themselves: no prototype set to choose
     prompts: PromptSet = field(default="single", metadata={"fixed": True})
@@ -532,7 +537,8 @@ class TPT(EpisodicTuner):
         return TPTConfig(augmix=hparams_key not in IMAGENET_FAMILY)
 
     def _init_param(self, n: int, device: torch.device) -> torch.Tensor:
-        # the context restarts from "a photo of a" for every sample (`model.reset()`), in fp32 (spec §13.1)
+        # the context restarts from "a photo of a" for every sample (`model.reset()`), in fp32
+        # (docs/methods.md, "Precision in the official code")
         return self.prompts.ctx_init.to(device).expand(n, -1, -1).clone()
 
     def _class_features(self, param: torch.Tensor) -> torch.Tensor:
@@ -544,7 +550,7 @@ class TPT(EpisodicTuner):
 
 @dataclass(frozen=True)
 class CTPTConfig(TPTConfig):
-    """C-TPT (`hee-suk-yoon/C-TPT @085e6c2`, spec §4): TPT − λ·ATFD."""
+    """C-TPT (`hee-suk-yoon/C-TPT @085e6c2`): TPT − λ·ATFD."""
 
     # λ = 50: fine-grained sets and ImageNet (scripts/test_tpt_ctpt_fg.sh); 20: A/V2/R/Sketch (test_tpt_ctpt_ds.sh)
     lambda_term: float = 50.0
@@ -569,7 +575,7 @@ class CTPT(TPT):
 
 @dataclass(frozen=True)
 class OTPTConfig(TPTConfig):
-    """O-TPT (`ashshaksharifdeen/O-TPT @a09933f`, spec §4): TPT + λ·Householder orthogonality penalty."""
+    """O-TPT (`ashshaksharifdeen/O-TPT @a09933f`): TPT + λ·Householder orthogonality penalty."""
 
     # λ = 18 fine-grained (scripts/test_tpt_otpt_fg.sh), 2 for A/V2/R/Sketch (test_tpt_otpt_ds.sh). ImageNet goes
     # with the fine-grained script as in C-TPT [ASSUMPTION: the O-TPT snapshot has no ImageNet script].

@@ -12,9 +12,9 @@ from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hpara
 
 @dataclass(frozen=True)
 class ZeroShotConfig(MethodConfig):
-    n_views: int = 1  # the original view only (spec §3: the zero-shot baseline evaluates view 0)
+    n_views: int = 1  # the original view only (docs/methods.md, "The zero-shot baseline")
     augmix: bool = False
-    prompts: PromptSet = "single"  # "a photo of a {}." (spec §3, C-TPT `--run_type baseline`)
+    prompts: PromptSet = "single"  # "a photo of a {}." (C-TPT `--run_type baseline`)
     cupl: bool = False
 
 
