@@ -299,7 +299,7 @@ def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
     """
     path = Path(path).expanduser()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"--class-names {path}: not a readable text file ({e})") from None
     if text.lstrip().startswith("["):
@@ -455,7 +455,7 @@ def expected_layout(spec: DatasetSpec, root: Path) -> str:
 
 def _first_test_path(split_path: Path) -> str | None:
     try:
-        test = json.loads(split_path.read_text(encoding="utf-8")).get("test") or []
+        test = json.loads(split_path.read_text(encoding="utf-8-sig")).get("test") or []
         return str(test[0][0])
     except (OSError, ValueError, AttributeError, IndexError, KeyError, TypeError):
         return None
@@ -508,7 +508,7 @@ def _load_json_split(spec: DatasetSpec, root: Path, lay: Layout) -> tuple[list[P
     img_root = ddir / lay.image_dir if lay.image_dir else ddir
     split_path = ddir / lay.split_file
     try:
-        data = json.loads(split_path.read_text(encoding="utf-8"))
+        data = json.loads(split_path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatasetError(f"{split_path}: not a readable JSON split file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("test"), list):
@@ -559,11 +559,11 @@ def _load_aircraft(spec: DatasetSpec, root: Path, lay: Layout) -> tuple[list[Pat
     if not variants_path.is_file():
         raise DatasetError(f"FGVC-Aircraft: {variants_path} is missing (the class list, one variant per line); "
                            + expected_layout(spec, root))
-    variants = [v.strip() for v in variants_path.read_text(encoding="utf-8").splitlines() if v.strip()]
+    variants = [v.strip() for v in variants_path.read_text(encoding="utf-8-sig").splitlines() if v.strip()]
     index = {v: i for i, v in enumerate(variants)}
     paths: list[Path] = []
     labels: list[int] = []
-    for n, line in enumerate(list_path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(list_path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         img_id, _, variant = line.strip().partition(" ")

@@ -85,12 +85,15 @@ def test_folder_order_labels_and_names(tmp_path):
     assert type(ts) is type(load_testset(key)) and all(p.is_absolute() and p.is_file() for p in ts.paths)
 
 
+@pytest.mark.parametrize("bom", [False, True], ids=["plain", "bom"])
 @pytest.mark.parametrize("fmt", ["lines", "json"])
-def test_class_names_file(tmp_path, fmt):
+def test_class_names_file(tmp_path, fmt, bom):
     root = make_folder(tmp_path / "pets", PETS)
     names = ["a cat", "a dog", "a dog, dashed", "a zebra"]  # label order = sorted folders: Zebra, dog, dog-x, ...
     f = tmp_path / "names.txt"
-    f.write_text(json.dumps(names) if fmt == "json" else "\n".join(names) + "\n\n")
+    # a UTF-8 byte-order mark (Windows editors write one) is not part of the first name
+    f.write_text(("\ufeff" if bom else "") + (json.dumps(names) if fmt == "json" else "\n".join(names) + "\n\n"),
+                 encoding="utf-8")
     key = resolve_dataset(f"folder:{root}", name="pets2", class_names=f)
     ts = load_testset(key)
     assert key == "pets2" and ts.class_names == tuple(names)
