@@ -729,11 +729,12 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
     Raises:
         DatasetError: unknown key, missing folder (the message shows the expected layout), a bad split file, or a
             split entry that escapes the dataset folder; for user data also an empty folder, a class folder
-            without images, a class-names count that differs from the classes, duplicate class names.
+            without images, a class-names count that differs from the classes, duplicate class names; a set of
+            fewer than two classes.
     """
     spec = get_dataset(key)
     if spec.ref is not None:  # a user's folder or split file: its own path, no data root
-        return _load_user(spec)
+        return _at_least_two_classes(_load_user(spec))
     root = resolve_data_root(data_root)
     lay = _find_layout(spec, root)
     ddir = root / lay.dataset_dir
@@ -746,9 +747,17 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
     else:
         paths, labels, names, inet, notes = _load_folders(spec, root, lay,
                                                           sh_filter=sh_filter and spec.sh_quirk_applies)
-    return TestSet(key=key, dataset_dir=ddir, layout=lay.name, paths=tuple(paths),
-                   labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names),
-                   imagenet_indices=inet, notes=notes)
+    return _at_least_two_classes(TestSet(key=key, dataset_dir=ddir, layout=lay.name, paths=tuple(paths),
+                                         labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names),
+                                         imagenet_indices=inet, notes=notes))
+
+
+def _at_least_two_classes(ts: TestSet) -> TestSet:
+    """Refuse a test set of one class: every method would report 100% accuracy (and DPE/DLAE divide by K - 1)."""
+    if len(ts.class_names) < 2:
+        raise DatasetError(f"dataset {ts.key!r} has {len(ts.class_names)} class ({', '.join(ts.class_names)}) in "
+                           f"{ts.dataset_dir}; a test set needs at least two classes")
+    return ts
 
 
 #: PIL modes of 16-bit grey images: their 0..65535 range is mapped onto 0..255 (PIL's own convert clips at 255,

@@ -459,3 +459,16 @@ def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_di
     names.write_text("harmless\nharmful\n")
     changed = cli.invoke(sweep_cli.app, args + ["--dry-run"])
     assert changed.exit_code == 2 and "(samples)" in changed.output, changed.output
+
+
+@pytest.mark.parametrize("method", ["dpe", "dlae", "tda", "tpt"])
+def test_one_class_dataset_is_one_line(tmp_path, tiny_model_dir, method):  # noqa: F811
+    # DPE/DLAE divided by K - 1 (a 43-line traceback) and the others reported 100% accuracy
+    root = make_folder(tmp_path / "solo", {"only": ["a.png", "b.png"]})
+    with pytest.raises(DatasetError, match="needs at least two classes"):
+        load_testset(resolve_dataset(f"folder:{root}", name=f"solo_{method}"))
+    r = cli.invoke(app, ["--method", method, "--dataset", f"folder:{root}", "--out", str(tmp_path / "out"),
+                         "--pretrained", f"local-dir:{tiny_model_dir}", "--device", "cpu", "--quiet"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "needs at least two classes" in lines[0], r.output
