@@ -21,6 +21,7 @@ from rich.table import Table
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
 from calibrate.run import DEFAULT_CALIBRATORS, DEFAULT_TS_SOURCE, RunReport, calibrate_paths, write_metrics
+from schemas.atomic import check_output_dir
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -75,6 +76,7 @@ def run(
     )
     task = progress.add_task("rows", total=None)
     try:
+        check_output_dir(out, "--out")  # before any shard is read
         with progress:
             report = calibrate_paths(
                 paths,

@@ -92,12 +92,17 @@ def check_complete(groups: dict[RunKey, Members], allow_partial: bool = False) -
     A run with fewer rows than its shards' `zaec:n_total` / `zaec:limit` announce (an interrupted extraction, one
     still running, or only some of its parts given) raises PartialRunError naming the run and the counts, unless
     `allow_partial`, in which case a note says the run is partial. Runs whose shards carry no `zaec:n_total`
-    (other writers) get a note that their completeness is unknown. Reads only the Parquet footers.
+    (other writers) get a note that their completeness is unknown. A run with no rows at all raises ShardError.
+    Reads only the Parquet footers.
     """
     notes: list[str] = []
     unknown: list[str] = []
     for key in sorted(groups, key=lambda k: (k.backbone, k.dataset, k.method, k.seed)):
         c = run_completeness(groups[key])
+        if c.n_rows == 0:
+            # metrics of no sample are NaN, not a result: stop here, before any logit is read
+            raise ShardError(f"run {key} holds no samples: {c.n_shards} shard(s) with 0 rows "
+                             f"({groups[key][0][0]}); nothing to calibrate")
         if not c.known:
             unknown.append(str(key))
         elif c.partial:

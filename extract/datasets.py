@@ -300,7 +300,7 @@ def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
     """
     path = Path(path).expanduser()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"--class-names {path}: not a readable text file ({e})") from None
     if text.lstrip().startswith("["):
@@ -456,7 +456,7 @@ def expected_layout(spec: DatasetSpec, root: Path) -> str:
 
 def _first_test_path(split_path: Path) -> str | None:
     try:
-        test = json.loads(split_path.read_text(encoding="utf-8")).get("test") or []
+        test = json.loads(split_path.read_text(encoding="utf-8-sig")).get("test") or []
         return str(test[0][0])
     except (OSError, ValueError, AttributeError, IndexError, KeyError, TypeError):
         return None
@@ -509,7 +509,7 @@ def _load_json_split(spec: DatasetSpec, root: Path, lay: Layout) -> tuple[list[P
     img_root = ddir / lay.image_dir if lay.image_dir else ddir
     split_path = ddir / lay.split_file
     try:
-        data = json.loads(split_path.read_text(encoding="utf-8"))
+        data = json.loads(split_path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatasetError(f"{split_path}: not a readable JSON split file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("test"), list):
@@ -560,11 +560,11 @@ def _load_aircraft(spec: DatasetSpec, root: Path, lay: Layout) -> tuple[list[Pat
     if not variants_path.is_file():
         raise DatasetError(f"FGVC-Aircraft: {variants_path} is missing (the class list, one variant per line); "
                            + expected_layout(spec, root))
-    variants = [v.strip() for v in variants_path.read_text(encoding="utf-8").splitlines() if v.strip()]
+    variants = [v.strip() for v in variants_path.read_text(encoding="utf-8-sig").splitlines() if v.strip()]
     index = {v: i for i, v in enumerate(variants)}
     paths: list[Path] = []
     labels: list[int] = []
-    for n, line in enumerate(list_path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(list_path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         img_id, _, variant = line.strip().partition(" ")
@@ -731,11 +731,12 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
     Raises:
         DatasetError: unknown key, missing folder (the message shows the expected layout), a bad split file, or a
             split entry that escapes the dataset folder; for user data also an empty folder, a class folder
-            without images, a class-names count that differs from the classes, duplicate class names.
+            without images, a class-names count that differs from the classes, duplicate class names; a set of
+            fewer than two classes.
     """
     spec = get_dataset(key)
     if spec.ref is not None:  # a user's folder or split file: its own path, no data root
-        return _load_user(spec)
+        return _at_least_two_classes(_load_user(spec))
     root = resolve_data_root(data_root)
     lay = _find_layout(spec, root)
     ddir = root / lay.dataset_dir
@@ -748,9 +749,17 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
     else:
         paths, labels, names, inet, notes = _load_folders(spec, root, lay,
                                                           sh_filter=sh_filter and spec.sh_quirk_applies)
-    return TestSet(key=key, dataset_dir=ddir, layout=lay.name, paths=tuple(paths),
-                   labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names),
-                   imagenet_indices=inet, notes=notes)
+    return _at_least_two_classes(TestSet(key=key, dataset_dir=ddir, layout=lay.name, paths=tuple(paths),
+                                         labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names),
+                                         imagenet_indices=inet, notes=notes))
+
+
+def _at_least_two_classes(ts: TestSet) -> TestSet:
+    """Refuse a test set of one class: every method would report 100% accuracy (and DPE/DLAE divide by K - 1)."""
+    if len(ts.class_names) < 2:
+        raise DatasetError(f"dataset {ts.key!r} has {len(ts.class_names)} class ({', '.join(ts.class_names)}) in "
+                           f"{ts.dataset_dir}; a test set needs at least two classes")
+    return ts
 
 
 #: PIL modes of 16-bit grey images: their 0..65535 range is mapped onto 0..255 (PIL's own convert clips at 255,

@@ -166,7 +166,7 @@ def read_class_table(path: str | os.PathLike) -> dict[str, list[str]]:
     """
     path = Path(path).expanduser()
     try:
-        table = json.loads(path.read_text(encoding="utf-8"))
+        table = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PromptError(f"{path}: not a readable JSON file ({e})") from None
     if not isinstance(table, dict) or not all(

@@ -78,3 +78,25 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, obj: Any, *, indent: int = 1) -> Path:
     """Write JSON atomically (keys sorted); returns the final path."""
     return write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=True))
+
+
+def check_output_dir(path: str | os.PathLike, option: str) -> Path:
+    """Fail fast on an output folder that cannot be written, before any input is read.
+
+    `path` (or the folder it would be created in) must not be a file, and its nearest existing folder must be
+    writable. Every command checks its output folder with this one function.
+
+    Raises:
+        ValueError: one line naming the option, the path and what is wrong, e.g.
+            `--out results/m.csv: results/m.csv is a file, expected a folder`.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    where = f"{option} {path}" + ("" if probe == path else f" (to be created in {probe})")
+    if probe.exists() and not probe.is_dir():
+        raise ValueError(f"{where}: {probe} is a file, expected a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{where}: folder {probe} is not writable; choose another with {option}")
+    return path

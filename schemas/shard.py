@@ -324,12 +324,35 @@ def read_meta(path: str | os.PathLike) -> ShardMeta:
     """Read and validate only the file metadata of a shard (cheap: the footer)."""
     path = Path(path)
     try:
-        schema = pq.read_schema(path)
+        footer = pq.ParquetFile(path).metadata
     except FileNotFoundError:
         raise ShardError(f"{path}: no such file") from None
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: not a readable Parquet file ({error_line(e)})") from None
-    return ShardMeta.from_kv(schema.metadata, path)
+    try:
+        schema_kv = footer.schema.to_arrow_schema().metadata
+    except (pa.ArrowInvalid, pa.ArrowException) as e:
+        raise ShardError(f"{path}: its Arrow schema cannot be read ({error_line(e)})") from None
+    return ShardMeta.from_kv(merged_metadata(footer.metadata, schema_kv, path), path)
+
+
+def merged_metadata(file_kv: Mapping[bytes, bytes] | None, schema_kv: Mapping[bytes, bytes] | None,
+                    path: str | os.PathLike = "<shard>") -> dict[bytes, bytes]:
+    """The `zaec:` keys wherever a writer put them: the Parquet file's key-value metadata or the Arrow schema's.
+
+    pyarrow writes a table's schema metadata into both places; polars' `write_parquet(..., metadata=...)` writes
+    only the file's key-value metadata (docs/contract.md names that place). A key present in both must agree.
+
+    Raises:
+        ShardError: a key whose two values differ, naming the file and the key.
+    """
+    out = {k: v for k, v in (file_kv or {}).items() if k != b"ARROW:schema"}
+    for key, value in (schema_kv or {}).items():
+        if key in out and out[key] != value:
+            raise ShardError(f"{path}: metadata {key.decode(errors='replace')!r} differs between the Parquet "
+                             "key-value metadata and the Arrow schema")
+        out[key] = value
+    return out
 
 
 def error_line(e: BaseException) -> str:

@@ -199,12 +199,15 @@ def bad_case(name, tmp_path, make_meta):
         _, t2 = good_table(make_meta, method_config={"alpha": 2})
         write_table(root / "part-00001.parquet", t2)
         return root, "metadata 'method_config' disagrees"
+    if name == "zero_rows":
+        write_table(f, table.slice(0, 0))  # a valid shard with no row: NaN metrics if it were let through
+        return root, "holds no samples"
     raise AssertionError(name)
 
 
 BAD = ["empty_dir", "missing_path", "not_parquet", "truncated", "schema_version", "missing_column",
        "k_mismatch_zs_tta", "k_vs_num_classes", "label_range", "nonfinite", "duplicate_across_shards",
-       "duplicate_within_shard", "metadata_disagreement"]
+       "duplicate_within_shard", "metadata_disagreement", "zero_rows"]
 
 
 @pytest.mark.parametrize("name", BAD)

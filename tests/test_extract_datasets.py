@@ -175,8 +175,8 @@ def test_sh_filter_quirk_off_by_default(tmp_path):
     assert [p.name for p in ts.paths] == ["a.JPEG", "b.JPEG"]
     assert "1 image file(s) dropped" in ts.notes["tda_sh_filter"]
     # not applied to JSON-split sets, as in the official code
-    make_json_dataset(tmp_path, "dtd", class_names=["fish"], per_class=2)
-    assert len(load_testset("dtd", tmp_path, sh_filter=True)) == 2
+    make_json_dataset(tmp_path, "dtd", class_names=["fish", "cat"], per_class=2)
+    assert len(load_testset("dtd", tmp_path, sh_filter=True)) == 4
 
 
 def test_fingerprint_tracks_sample_list(tmp_path):

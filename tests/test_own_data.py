@@ -85,12 +85,15 @@ def test_folder_order_labels_and_names(tmp_path):
     assert type(ts) is type(load_testset(key)) and all(p.is_absolute() and p.is_file() for p in ts.paths)
 
 
+@pytest.mark.parametrize("bom", [False, True], ids=["plain", "bom"])
 @pytest.mark.parametrize("fmt", ["lines", "json"])
-def test_class_names_file(tmp_path, fmt):
+def test_class_names_file(tmp_path, fmt, bom):
     root = make_folder(tmp_path / "pets", PETS)
     names = ["a cat", "a dog", "a dog, dashed", "a zebra"]  # label order = sorted folders: Zebra, dog, dog-x, ...
     f = tmp_path / "names.txt"
-    f.write_text(json.dumps(names) if fmt == "json" else "\n".join(names) + "\n\n")
+    # a UTF-8 byte-order mark (Windows editors write one) is not part of the first name
+    f.write_text(("\ufeff" if bom else "") + (json.dumps(names) if fmt == "json" else "\n".join(names) + "\n\n"),
+                 encoding="utf-8")
     key = resolve_dataset(f"folder:{root}", name="pets2", class_names=f)
     ts = load_testset(key)
     assert key == "pets2" and ts.class_names == tuple(names)
@@ -456,3 +459,16 @@ def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_di
     names.write_text("harmless\nharmful\n")
     changed = cli.invoke(sweep_cli.app, args + ["--dry-run"])
     assert changed.exit_code == 2 and "(samples)" in changed.output, changed.output
+
+
+@pytest.mark.parametrize("method", ["dpe", "dlae", "tda", "tpt"])
+def test_one_class_dataset_is_one_line(tmp_path, tiny_model_dir, method):  # noqa: F811
+    # DPE/DLAE divided by K - 1 (a 43-line traceback) and the others reported 100% accuracy
+    root = make_folder(tmp_path / "solo", {"only": ["a.png", "b.png"]})
+    with pytest.raises(DatasetError, match="needs at least two classes"):
+        load_testset(resolve_dataset(f"folder:{root}", name=f"solo_{method}"))
+    r = cli.invoke(app, ["--method", method, "--dataset", f"folder:{root}", "--out", str(tmp_path / "out"),
+                         "--pretrained", f"local-dir:{tiny_model_dir}", "--device", "cpu", "--quiet"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "needs at least two classes" in lines[0], r.output

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
 from calibrate.tables import layout
+from schemas.atomic import check_output_dir
 from calibrate.tables.bootstrap import bootstrap_runs
 from calibrate.tables.data import load_summaries
 import polars as pl
@@ -88,6 +89,7 @@ def tables(
                                                                                           "--fig2b-methods"),
                              fig5_methods=method_list(fig5_methods, "--fig5-methods"),
                              boundary_dataset=boundary_dataset, boundary_method=boundary_method)
+        check_output_dir(out, "--out")  # before the runs are read and the bootstrap runs
         t0 = time.perf_counter()
         progress = Progress(TextColumn("reading runs"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                             console=err, transient=True, disable=quiet or not err.is_terminal)
