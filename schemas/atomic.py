@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,28 @@ def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+class DiskFullError(OSError):
+    """A write that ran out of space (or quota): the message names the file, its folder and the free space."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def _is_disk_full(e: OSError) -> bool:
+    # numpy's np.save/tofile reports a short write as "8192 requested and 5088 written", without an errno
+    short_write = "requested and" in str(e) and "written" in str(e)
+    return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)) or short_write
+
+
+def _disk_full_message(path: Path, e: OSError) -> str:
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"{path}: cannot be written, the disk holding {path.parent} is full or over quota ({free}; "
+            f"the system said: {str(e).strip() or type(e).__name__}); free space or write elsewhere")
 
 
 @contextmanager
@@ -40,8 +63,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, DiskFullError) and _is_disk_full(e):
+            raise DiskFullError(errno.ENOSPC, _disk_full_message(path, e)) from None
         raise
 
 

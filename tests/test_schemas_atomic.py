@@ -45,3 +45,37 @@ def test_out_on_a_file_is_one_line_before_reading(main, prog, tmp_path, capsys):
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"{prog}: error: --out {target}") and "is a file, expected a folder" in lines[0]
     assert target.read_text() == "not a folder"
+
+
+def test_full_disk_names_the_file(tmp_path, monkeypatch):
+    # issue 21 item 10: the feature cache's np.save on a full disk said only "8192 requested and 5088 written"
+    import numpy as np
+
+    from extract.cache import save_npy_atomic
+    from schemas.atomic import DiskFullError
+
+    def short_write(fh, arr, allow_pickle=False):
+        fh.write(b"\x93NUMPY")
+        raise OSError("8192 requested and 5088 written")
+
+    monkeypatch.setattr(np, "save", short_write)
+    target = tmp_path / "cache" / "chunk-00000.npy"
+    with pytest.raises(DiskFullError) as e:
+        save_npy_atomic(target, np.zeros(4))
+    msg = str(e.value)
+    assert str(target) in msg and "is full or over quota" in msg and "MiB free" in msg and "requested" in msg
+    assert "\n" not in msg
+    assert not target.exists() and list(target.parent.iterdir()) == []  # the temporary file is gone too
+
+
+def test_enospc_from_any_write_is_named(tmp_path):
+    import errno
+
+    from schemas.atomic import DiskFullError, atomic_path
+
+    with pytest.raises(DiskFullError, match=r"t\.csv: cannot be written, the disk holding"):
+        with atomic_path(tmp_path / "t.csv"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(PermissionError):  # other errors pass through unchanged
+        with atomic_path(tmp_path / "u.csv"):
+            raise PermissionError(errno.EACCES, "denied")
