@@ -53,9 +53,9 @@ def _check_score(score: str) -> str:
 
 
 def confidence_score(score: Score, confidence: Any, entropy: Any) -> np.ndarray:
-    """The selection score of each sample: `msp` -> confidence, `negent` -> -entropy; (N,) float64."""
+    """The selection score of each sample: `msp` -> confidence, `negent` -> -entropy; float64, input's shape."""
     src = confidence if _check_score(score) == "msp" else entropy
-    s = np.asarray(src, dtype=np.float64).reshape(-1)
+    s = np.asarray(src, dtype=np.float64)
     return s if score == "msp" else -s
 
 
