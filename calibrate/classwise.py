@@ -98,13 +98,22 @@ class ClasswiseStats:
         self._init(k)
         m, size = self.n_bins, k * self.n_bins
         rows = np.arange(n)
+        first_edge = np.linspace(0.0, 1.0, m + 1)[1]
         for sl in _row_chunks(n, k):
             pc = p[sl]
-            # flat index k * M + bin of every probability of the chunk
-            idx = (np.arange(k) * m)[None, :] + bin_index(pc, m)
-            self.cw_count += np.bincount(idx.ravel(), minlength=size).reshape(k, m)
-            self.cw_prob += np.bincount(idx.ravel(), weights=pc.ravel(), minlength=size).reshape(k, m)
-            hit = idx[rows[: pc.shape[0]], y[sl]]
+            # bin 0 (p <= 1/M) holds almost every probability when K is large: bin only the others (at most M - 1
+            # per row) and give bin 0 the rest of each class's count and probability sum
+            r, cls = np.nonzero(pc > first_edge)
+            vals = pc[r, cls]
+            idx = cls * m + bin_index(vals, m)
+            count = np.bincount(idx, minlength=size).reshape(k, m)
+            prob = np.bincount(idx, weights=vals, minlength=size).reshape(k, m)
+            count[:, 0] = pc.shape[0] - count[:, 1:].sum(axis=1)
+            prob[:, 0] = pc.sum(axis=0) - prob[:, 1:].sum(axis=1)
+            self.cw_count += count
+            self.cw_prob += prob
+            yl = y[sl]
+            hit = yl * m + bin_index(pc[rows[: pc.shape[0]], yl], m)
             self.cw_label += np.bincount(hit, minlength=size).reshape(k, m)
         conf = p[rows, pred]
         self._update_top_label(pred, conf, pred == y)
