@@ -7,7 +7,8 @@ bin b holds b/15 < p <= (b+1)/15, p = 0 in bin 0, p = 1 in the last bin.
 Classwise ECE (Kull et al.'s classwise-ECE; equal to Nixon et al.'s static calibration error, SCE): every class k is
 a binary problem, probability p_ik against 1[y_i = k], binned on p_ik:
 
-    cw_ece = (1/K) sum_k sum_b (n_kb / N) |freq_kb - conf_kb| = (1/(K N)) sum_{k,b} |sum_{i: p_ik in b} (1[y_i=k] - p_ik)|
+    cw_ece = (1/K) sum_k sum_b (n_kb / N) |freq_kb - conf_kb|
+           = (1/(K N)) sum_{k,b} |sum_{i: p_ik in b} (1[y_i = k] - p_ik)|
 
 Top-label ECE (Gupta & Ramdas 2021): the top-label confidence binned separately within each predicted class,
 

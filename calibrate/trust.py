@@ -20,6 +20,7 @@ from calibrate.classwise import (
     ClasswiseStats,
     classwise_residuals,
     ece_replicates,
+    top_label_ece,
     top_label_residuals,
 )
 from calibrate.selective import SCORES, SELECTIVE_NAMES, SelectiveStats, confidence_score, selective_replicates
@@ -56,6 +57,30 @@ class TrustStats:
     def reasons(self) -> dict[str, str]:
         """{column: reason} for every undefined column."""
         return {**self.selective.reasons(), **self.classwise.reasons()}
+
+
+def point_metrics(
+    prediction: Any, confidence: Any, entropy: Any, labels: Any, num_classes: int, probs: Any = None
+) -> dict[str, float]:
+    """`TRUST_NAMES` of one prediction from per-sample arrays (what the tables hold), equal to `TrustStats`.
+
+    Args:
+        prediction, confidence, entropy, labels: (N,) arrays of one run and calibrator.
+        num_classes: K.
+        probs: optional (N, K) probabilities; without them `cw_ece_15w` is NaN (it needs every class's
+            probability: fold `ClasswiseStats.update_logits` over the shards instead).
+    """
+    pred = np.asarray(prediction, dtype=np.int64).reshape(-1)
+    y = np.asarray(labels, dtype=np.int64).reshape(-1)
+    sel = SelectiveStats().update(confidence, entropy, pred == y).compute()
+    cw = ClasswiseStats()
+    if probs is not None:
+        cw.update_probs(probs, y, pred)
+        out = cw.compute()
+    else:
+        out = {CLASSWISE_NAMES[0]: float("nan"),
+               CLASSWISE_NAMES[1]: top_label_ece(pred, confidence, pred == y, num_classes) if y.size else float("nan")}
+    return {**sel, **out}
 
 
 def describe_missing(reasons: dict[str, str]) -> str:

@@ -24,7 +24,7 @@ from calibrate.run import calibrate_paths
 from calibrate.selective import selective_replicates
 from calibrate.synthetic import synthetic_logits
 from calibrate.tables.bootstrap import resample_counts
-from calibrate.trust import TRUST_NAMES, paired_replicates
+from calibrate.trust import TRUST_NAMES, TrustStats, paired_replicates, point_metrics
 from schemas import shard_path, write_shard
 
 EPS = np.finfo(np.float64).eps
@@ -180,3 +180,20 @@ def test_calibrate_columns_match_one_shot(tmp_path, make_meta, rng):
         assert row["cw_ece_15w"] == pytest.approx(slow_classwise(p, y), abs=tol(200 * 6))
         pred = logits.argmax(1)
         assert row["tl_ece_15w"] == pytest.approx(slow_top_label(pred, p.max(1), pred == y), abs=tol(200))
+
+
+def test_point_metrics_equal_streamed_stats(rng):
+    n, k = 200, 6
+    logits, p, y = random_probs(rng, n, k, scale=5.0)
+    t = rng.uniform(0.5, 2.0, n)
+    q = softmax(logits / t[:, None], axis=1)
+    pred, conf = logits.argmax(1), q[np.arange(n), logits.argmax(1)]
+    ent = -(q * np.log(q)).sum(1)
+    streamed = TrustStats().update(logits, t, y, pred, conf, ent).compute()
+    full = point_metrics(pred, conf, ent, y, k, probs=q)
+    no_probs = point_metrics(pred, conf, ent, y, k)
+    for name in TRUST_NAMES:
+        assert full[name] == pytest.approx(streamed[name], abs=tol(n * k)), name
+        if name != "cw_ece_15w":
+            assert no_probs[name] == pytest.approx(streamed[name], abs=tol(n * k)), name
+    assert math.isnan(no_probs["cw_ece_15w"])

@@ -225,7 +225,8 @@ def test_calibrate_writes_columns_matching_samples_and_notes_missing(tmp_path, m
     perfect = make_meta(dataset="eurosat", k=7)
     yp = np.arange(40) % 7
     tta_p = np.eye(7)[yp] * 5.0 + rng.normal(0, 0.1, (40, 7))
-    write_shard(shard_path(tmp_path / "s", perfect.key, 0), perfect, np.arange(40), yp, rng.normal(0, 1, (40, 7)), tta_p)
+    zs_p = rng.normal(0, 1, (40, 7))
+    write_shard(shard_path(tmp_path / "s", perfect.key, 0), perfect, np.arange(40), yp, zs_p, tta_p)
     rep = calibrate_paths([tmp_path / "s"], calibrators="none,sals,zaec", samples_dir=tmp_path / "samples")
     write_metrics(rep, tmp_path / "out")
     samples = pl.read_parquet(tmp_path / "samples" / "**" / "*.parquet")
