@@ -250,3 +250,18 @@ def test_calibrate_writes_columns_matching_samples_and_notes_missing(tmp_path, m
         (pl.col("dataset") == "eurosat") & (pl.col("calibrator") == "none"))
     assert csv["auroc_msp"].is_nan().all() and csv["fpr95_negent"].is_nan().all()
     assert csv["aurc_msp"].to_list() == [0.0]
+
+
+def test_paired_difference_of_rank_preserving_scores_is_zero(rng):
+    # a monotone transform keeps the ranking and the ties: paired replicates agree resample by resample
+    n = 200
+    conf, correct = tied_case(rng, n, 15)
+    reps = selective_replicates(np.stack([conf, conf**3]), correct, resample_counts(n, 50, seed=2))
+    est = selective_metrics(conf, correct)
+    for m in ("aurc", "auroc", "fpr95"):
+        d = reps[m][0] - reps[m][1]
+        assert np.all((d == 0) | np.isnan(d)), m
+        lo, hi, _ = interval(0.0, d)
+        assert lo == 0 and hi == 0
+        lo, hi, _ = interval(est[m], reps[m][0])
+        assert lo <= hi
