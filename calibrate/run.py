@@ -2,7 +2,8 @@
 
 Every name (calibrator specs, binning, paths, shard metadata, temperature-scaling sources) is resolved before the
 first logit is read. Each run (backbone, dataset, method, seed) is then streamed shard by shard: memory is bounded
-by one shard plus the (N,) per-sample confidence/correctness arrays that equal-mass ECE needs.
+by one shard plus the (N,) per-sample confidence/correctness arrays that equal-mass ECE needs and the per-distinct-
+score counts (at most N) that the tie-exact selective metrics need (`calibrate.trust`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 
 from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
+from calibrate.trust import TRUST_NAMES, TrustStats, describe_missing
 from schemas.atomic import atomic_path, write_json_atomic
 from schemas import (
     PartialRunError,
@@ -33,7 +35,7 @@ from schemas import (
 
 ZERO_SHOT = "zero-shot"
 KEY_COLUMNS = ("backbone", "dataset", "method", "seed")
-METRIC_COLUMNS = (*KEY_COLUMNS, "calibrator", *METRIC_NAMES)
+METRIC_COLUMNS = (*KEY_COLUMNS, "calibrator", *METRIC_NAMES, *TRUST_NAMES)
 SAMPLE_COLUMNS = (
     *KEY_COLUMNS, "sample_id", "label", "calibrator", "temperature", "prediction", "confidence", "entropy",
 )
@@ -52,6 +54,8 @@ class RunReport:
     temperatures: dict[str, float] = field(default_factory=dict)
     capped: dict[str, int] = field(default_factory=dict)
     dropped_nonfinite: int = 0
+    #: "run|calibrator" -> {column: reason} for every metric written as missing (NaN)
+    missing: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _clean(shard: Shard, drop_nonfinite: bool) -> tuple[Shard, int]:
@@ -319,6 +323,7 @@ def _calibrate_run(
 ) -> list[dict[str, Any]]:
     names = [ZERO_SHOT] + [c.spec for c in cals]
     stats = {name: CalibrationStats(n_bins, binning) for name in names}
+    trust = {name: TrustStats() for name in names}
     capped = {c.spec: 0 for c in cals if isinstance(c, ZAEC)}
     dup = _DuplicateCheck(key)
     writer = _SampleWriter(samples_dir, key) if samples_dir is not None else None
@@ -333,6 +338,8 @@ def _calibrate_run(
             zs_stats = softmax_stats(shard.zs_logits, 1.0, y)
             stats[ZERO_SHOT].update(zs_stats.confidence, zs_stats.prediction == y, zs_stats.nll, zs_stats.brier,
                                     zs_stats.entropy)
+            trust[ZERO_SHOT].update(shard.zs_logits, 1.0, y, zs_stats.prediction, zs_stats.confidence,
+                                    zs_stats.entropy)
             if writer is not None:
                 writer.write(ZERO_SHOT, shard.sample_id, y, np.ones(len(shard)), zs_stats)
             for c in cals:
@@ -341,6 +348,7 @@ def _calibrate_run(
                     capped[c.spec] += int(c.capped_.sum())
                 s = softmax_stats(shard.tta_logits, t, y)
                 stats[c.spec].update(s.confidence, s.prediction == y, s.nll, s.brier, s.entropy)
+                trust[c.spec].update(shard.tta_logits, t, y, s.prediction, s.confidence, s.entropy)
                 if writer is not None:
                     writer.write(c.spec, shard.sample_id, y, t, s)
             if progress is not None:
@@ -361,7 +369,12 @@ def _calibrate_run(
                 f"{key}: '{spec}': {n} sample(s) capped (target entropy unreachable at finite temperature, e.g. "
                 "a uniform zero-shot prediction)"
             )
-    return [{**key.as_dict(), "calibrator": name, **stats[name].compute()} for name in names]
+    for name in names:
+        why = trust[name].reasons()
+        if why:
+            report.missing[f"{key}|{name}"] = why
+            report.notes.append(f"{key}: '{name}': {describe_missing(why)}")
+    return [{**key.as_dict(), "calibrator": name, **stats[name].compute(), **trust[name].compute()} for name in names]
 
 
 def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
@@ -373,6 +386,7 @@ def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
             writer(tmp)
         paths.append(out / name)
     write_json_atomic(out / "notes.json", {"notes": report.notes, "temperatures": report.temperatures,
-                                           "capped": report.capped, "dropped_nonfinite": report.dropped_nonfinite},
+                                           "capped": report.capped, "dropped_nonfinite": report.dropped_nonfinite,
+                                           "missing": report.missing},
                       indent=2)
     return paths[0], paths[1]
