@@ -682,15 +682,16 @@ def test_default_fp16_step_rounds_gradients_as_official(cls, v, dataset, monkeyp
     and `torch.optim.AdamW`; the project's default config (lr, align, `residual_step="official_fp16"`) runs on a
     stream where the alignment term is active, and must take the same fp16 steps.
 
-    Tolerance. The fp16 step is a discontinuous function of the gradient: each fp16 rounding of g is a step, and
-    where 0.001 g² crosses the smallest fp16 subnormal (|g| about 5.5e-3) one ulp of g moves the coordinate by
-    4.8 lr. So the two codes are compared where the fp16 step is deterministic: in float64, where the two orders of
-    summation differ by a few eps64 per reduction (lengths V, K, D <= 20 here, terms up to max|g|), and every
-    pre-rounding gradient is checked to lie at least 2^-40 max|g| (4096 eps64 max|g|, 100 times that reordering
-    error) from an fp16 rounding edge. There both codes feed the same fp16 bits to the same optimiser (checked
-    bit for bit), and the rows agree to the float64 -> float32 rounding of the output (one float32 eps), as in
-    `test_dpe_matches_reference`. In float32 the reordering error (~1e-7 relative) crosses an edge in about one
-    coordinate per thousand, and one of those can move a row by lr·4.8·scale.
+    Tolerance. The fp16 step is a discontinuous function of the gradient: it jumps wherever fp16(g) does, and where
+    0.001 g² crosses half the smallest fp16 subnormal (|g| about 5.5e-3) one fp16 ulp of g moves the coordinate by
+    4.8 lr. So the codes are compared where the fp16 step is deterministic: in float64, where the transcription and
+    the project sum the same terms in different orders, a few eps64 of max|g| per reduction (lengths V, K, D <= 20
+    here), and every pre-rounding gradient is checked to lie more than 2^-40 max|g| (4096 eps64 max|g|, about 100
+    times that reordering error) from a point where its fp16 rounding changes. Then both feed the same fp16 bits to
+    the same optimiser (checked bit for bit), and the rows agree to the float64 -> float32 rounding of the output
+    (one float32 eps), as in `test_dpe_matches_reference`. (In float32 the reordering error, ~1e-7 relative, puts a
+    few gradient coordinates in ten thousand across an fp16 rounding point, and at the underflow edge one of them
+    moves a residual coordinate by 4.8 lr, which no small tolerance covers.)
     """
     import extract.methods.dpe as dpe_module
 
