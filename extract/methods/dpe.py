@@ -184,7 +184,7 @@ class DPE(TTAMethod):
 
     @staticmethod
     def _text_prototypes(w_loc: torch.Tensor, r_text: torch.Tensor) -> torch.Tensor:
-        """W' = normalize(W_g + R_t), (K, D) (official `TextResidue.forward`).
+        """W' = normalize(W_g + R_t), (K, D) (DPE `main_dpe.py:TextResidue.forward`, DLAE `main_dlae.py` likewise).
 
         The official step builds W' anew for each use: once for the views' logits (the entropy term) and once for
         the alignment term. Each use is its own addition W_g + R_t, so autograd casts each term's gradient to the
