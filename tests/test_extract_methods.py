@@ -260,12 +260,16 @@ def ref_dual(x_stream, text, scale, cfg, dlae: bool):
     """DPE / DLAE (docs/methods.md, "DPE: dual prototypes, one step per sample",
     "DLAE: logit adjustment, reflection and doubt") sample by sample, with a real fresh torch AdamW per sample on
     residual parameters created as fp16 (the official `TextResidue`/`PositiveCacheResidue`) or, for
-    `residual_step="exact"`, in the stream's dtype."""
+    `residual_step="exact"`, in the stream's dtype. As in the official `run_test_dpe`/`run_test_dlae`, W' is built
+    twice from the same residual: before the views are read and again in the step loop for the alignment loss.
+
+    `stats["grads"]` has, per sample, the gradients at the two sums W_g + R_t (entropy and alignment uses) and at
+    K + R_i, in the stream's dtype (before autograd casts them to the residuals' dtype), and the residuals' grads."""
     rdt = torch.float16 if cfg.residual_step == "official_fp16" else text.dtype
     w_g, n_avg, cache, outs = text.clone(), 0, {}, []
     counter, count = torch.ones(K, dtype=text.dtype), K
     conf_mean, conf_cnt = torch.zeros(K, dtype=text.dtype), torch.zeros(K, dtype=text.dtype)
-    stats = {"reflections": 0, "doubts": 0, "global": 0}
+    stats = {"reflections": 0, "doubts": 0, "global": 0, "grads": []}
     lr_image = cfg.lr_text if dlae else cfg.lr_image
 
     def views(x, w):
@@ -279,7 +283,9 @@ def ref_dual(x_stream, text, scale, cfg, dlae: bool):
 
     for t, x in enumerate(x_stream):
         r_t = torch.zeros(w_g.shape, dtype=rdt, requires_grad=True)
-        w = F.normalize(w_g + r_t, dim=1)
+        sum_entropy = w_g + r_t
+        sum_entropy.retain_grad()
+        w = F.normalize(sum_entropy, dim=1)
         (f, z0, h, prob, y), y2 = views(x, w)
         if dlae:
             score = float(h)
@@ -310,15 +316,22 @@ def ref_dual(x_stream, text, scale, cfg, dlae: bool):
         classes = sorted(cache)
         protos = torch.stack([sum(it[0] for it in cache[c]) / len(cache[c]) for c in classes])
         r_i = torch.zeros(protos.shape, dtype=rdt, requires_grad=True)
-        keys = F.normalize(protos + r_i, dim=1)
+        sum_cache = protos + r_i
+        sum_cache.retain_grad()
+        keys = F.normalize(sum_cache, dim=1)
+        sum_align = w_g + r_t  # the step loop's `new_clip_weights = text_residue(clip_weights_local)`
+        sum_align.retain_grad()
+        w_align = F.normalize(sum_align, dim=1)
         z = z0.clone()
         for j, c in enumerate(classes):
             z[c] = z[c] + cfg.alpha * torch.exp(-cfg.beta * (1 - f @ keys[j]))
-        loss = ref_entropy(z.softmax(-1)) + cfg.align * ref_info_nce(keys, w[classes], cfg.temperature)
+        loss = ref_entropy(z.softmax(-1)) + cfg.align * ref_info_nce(keys, w_align[classes], cfg.temperature)
         opt = torch.optim.AdamW([{"params": [r_t], "lr": cfg.lr_text}, {"params": [r_i], "lr": lr_image}],
                                 eps=cfg.adamw_eps, weight_decay=cfg.weight_decay)
         opt.zero_grad()
         loss.backward()
+        stats["grads"].append({"entropy": sum_entropy.grad, "align": sum_align.grad, "cache": sum_cache.grad,
+                               "r_t": r_t.grad.clone(), "r_i": r_i.grad.clone()})
         opt.step()
         with torch.no_grad():
             w_new = F.normalize(w_g + r_t, dim=1)
@@ -638,6 +651,123 @@ def test_dlae_counters_follow_pseudo_labels():
     assert torch.equal(m.counter - 1, m.conf_count.long())
     assert ((m.conf_mean >= 0) & (m.conf_mean <= 1)).all()
     assert m.cache.extras["time"].max() <= 29
+
+
+# ---------------------------------------------------------------------------------------------- fp16 gradient order
+
+def make_aligned_stream(n: int, v: int, seed: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(text (K, D), stream (n, v, D)) shaped like CLIP's: class prototypes about 0.8 apart in cosine, image
+    features about 0.3 from their class's prototype (the modality gap). InfoNCE at temperature 0.01 is then far
+    from saturated, so the alignment term's gradient is of the entropy term's size (on `make_text`'s near-orthogonal
+    prototypes it is below 1e-8 and rounds away)."""
+    g = torch.Generator().manual_seed(seed)
+    common = F.normalize(torch.randn(D, generator=g, dtype=dtype), dim=0)
+    text = F.normalize(common + 0.5 * torch.randn(K, D, generator=g, dtype=dtype) / math.sqrt(D), dim=-1)
+    gap = 1.5 * F.normalize(torch.randn(D, generator=g, dtype=dtype), dim=0)
+    y = torch.randint(0, K, (n,), generator=g)
+    noise = torch.randn(n, v, D, generator=g, dtype=dtype) / math.sqrt(D)
+    return text, F.normalize(text[y][:, None, :] + gap + noise, dim=-1)
+
+
+def fp16_edge_distance(g: torch.Tensor) -> torch.Tensor:
+    """Distance of each float64 value to the nearest point where its fp16 rounding changes (a midpoint)."""
+    h = g.to(torch.float16)
+    up = torch.nextafter(h, torch.tensor(math.inf, dtype=torch.float16)).double()
+    down = torch.nextafter(h, torch.tensor(-math.inf, dtype=torch.float16)).double()
+    return torch.minimum((g - (h.double() + up) / 2).abs(), (g - (h.double() + down) / 2).abs())
+
+
+@pytest.mark.parametrize("cls,v,dataset", [(DPE, 1, "dtd"), (DPE, 20, "imagenet"), (DLAE, 1, "eurosat"),
+                                           (DLAE, 20, "imagenet")])
+def test_default_fp16_step_rounds_gradients_as_official(cls, v, dataset, monkeypatch):
+    """Issue 22. The official step builds W' = normalize(W_g + R_t) twice (once for the views' logits, once for
+    the alignment loss), so its fp16 text residual gets fl16(fl16(g_entropy) + fl16(g_align)); one W' would round
+    fl16(g_entropy + g_align). `ref_dual` transcribes the official per-sample update with real `.half()` residuals
+    and `torch.optim.AdamW`; the project's default config (lr, align, `residual_step="official_fp16"`) runs on a
+    stream where the alignment term is active, and must take the same fp16 steps.
+
+    Tolerance. The fp16 step is a discontinuous function of the gradient: it jumps wherever fp16(g) does, and where
+    0.001 g² crosses half the smallest fp16 subnormal (|g| about 5.5e-3) one fp16 ulp of g moves the coordinate by
+    4.8 lr. So the codes are compared where the fp16 step is deterministic: in float64, where the transcription and
+    the project sum the same terms in different orders, a few eps64 of max|g| per reduction (lengths V, K, D <= 20
+    here), and every pre-rounding gradient is checked to lie more than 2^-40 max|g| (4096 eps64 max|g|, about 100
+    times that reordering error) from a point where its fp16 rounding changes. Then both feed the same fp16 bits to
+    the same optimiser (checked bit for bit), and the rows agree to the float64 -> float32 rounding of the output
+    (one float32 eps), as in `test_dpe_matches_reference`. (In float32 the reordering error, ~1e-7 relative, puts a
+    few gradient coordinates in ten thousand across an fp16 rounding point, and at the underflow edge one of them
+    moves a residual coordinate by 4.8 lr, which no small tolerance covers.)
+    """
+    import extract.methods.dpe as dpe_module
+
+    text, x = make_aligned_stream(40, v, seed=3)
+    cfg = dataclasses.replace(cls.default_config(dataset, "ViT-B-16"), n_views=v)
+    assert cfg.residual_step == "official_fp16" and cfg.align > 0 and not cfg.amp_fp16
+    sent, real = [], dpe_module.torch_adamw_step
+
+    def spy(params, grads, lrs, eps, weight_decay):
+        sent.append([gr.clone() for gr in grads])
+        return real(params, grads, lrs, eps, weight_decay)
+
+    monkeypatch.setattr(dpe_module, "torch_adamw_step", spy)
+    m = cls(cfg, text, 100.0, backbone="ViT-B-16", dataset=dataset)
+    got = torch.cat([m.adapt(x[:17]), m.adapt(x[17:])])
+    want, state, stats = ref_dual(x, text, 100.0, cfg, dlae=cls is DLAE)
+    split = 0
+    for g, (g_text, g_cache) in zip(stats["grads"], sent, strict=True):
+        for name in ("entropy", "align", "cache"):
+            margin = 2.0 ** -40 * float(g[name].abs().max())
+            assert (fp16_edge_distance(g[name]) > margin).all(), f"{name} gradient too close to an fp16 edge"
+        # the official order of roundings, as autograd does it for two uses of one fp16 leaf
+        official = g["entropy"].to(torch.float16) + g["align"].to(torch.float16)
+        assert torch.equal(g["r_t"], official) and torch.equal(g["r_i"], g["cache"].to(torch.float16))
+        split += int((official != (g["entropy"] + g["align"]).to(torch.float16)).sum())
+        assert torch.equal(g_text, g["r_t"]) and torch.equal(g_cache, g["r_i"])
+    assert split > 0, "the stream must separate the two orders of rounding"
+    assert 0 < stats["global"] < len(x) and m.n_global_updates == stats["global"]
+    torch.testing.assert_close(got, want.float(), rtol=torch.finfo(torch.float32).eps, atol=1e-12)
+    torch.testing.assert_close(m.w_global, state["w_g"], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [DPE, DLAE])
+@pytest.mark.parametrize("amp", [False, True])
+def test_text_residual_gradient_rounded_per_term(cls, amp, monkeypatch):
+    """Issue 22, on both code paths: the default (fp32 compute, fp16 residuals) and `amp_fp16` (emulated on the CPU
+    with bfloat16 autocast, as `test_amp_code_path_emulated_on_cpu` does). `_step` builds W' once per loss term, so
+    the text residual's gradient is the fp16 sum of the two sums' gradients, each cast to fp16 on its own: bit for
+    bit what the optimiser gets (an exact claim: the same tensors, cast and added once)."""
+    import extract.methods.dpe as dpe_module
+
+    seen, sent = [], []
+
+    def text_prototypes(w_loc, r_text):
+        s = w_loc + r_text
+        if s.requires_grad:
+            s.register_hook(lambda g: seen[-1].append(g))
+        return F.normalize(s, dim=-1)
+
+    def spy(params, grads, lrs, eps, weight_decay):
+        sent.append(grads[0].clone())
+        return real(params, grads, lrs, eps, weight_decay)
+
+    real = dpe_module.torch_adamw_step
+    monkeypatch.setattr(dpe_module, "torch_adamw_step", spy)
+    changes = {"_text_prototypes": staticmethod(text_prototypes)}
+    if amp:
+        changes.update(_amp_device_type="cpu", _amp_dtype=torch.bfloat16)
+    hooked = type("Hooked" + cls.__name__, (cls,), changes)
+    text, x = make_aligned_stream(20, 1, seed=4, dtype=torch.float32)
+    cfg = dataclasses.replace(cls.default_config("dtd", "RN50"), n_views=1, amp_fp16=amp)
+    m = hooked(cfg, text, 100.0, backbone="RN50", dataset="dtd")
+    split = 0
+    for i in range(len(x)):
+        seen.append([])
+        m.adapt(x[i:i + 1])
+        assert len(seen[-1]) == 2, "W' must be built once for the entropy term and once for the alignment term"
+        g_a, g_b = seen[-1]  # the two terms, in the order the backward reached them
+        assert sent[-1].dtype == torch.float16
+        assert torch.equal(sent[-1], g_a.to(torch.float16) + g_b.to(torch.float16))
+        split += int((sent[-1] != (g_a + g_b).to(torch.float16)).sum())
+    assert split > 0, "the stream must separate the two orders of rounding"
 
 
 # ---------------------------------------------------------------------------------------------- resume, numerics

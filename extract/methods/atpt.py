@@ -18,8 +18,9 @@ which entry point a dataset belongs to and `direction` (derived, recorded in the
 term ran.
 
 Deliberate deviations (numerics only):
-    * AD is computed in float32 (float64 for float64 inputs) outside autocast, from the text features of the
-      entropy forward re-normalised in float32, for both entry points. The official fine-grained path runs a second,
+    * AD is computed in float32 outside autocast, from the text features of the entropy forward re-normalised in
+      float32, for both entry points (the tuner passes them as float32 whatever the features' dtype;
+      `angular_diversity` itself keeps a float64 input in float64). The official fine-grained path runs a second,
       fp32 text forward for it (the same values up to the fp16 rounding of the entropy forward's features; its
       gradient then runs back through that fp32 forward, here through the autocast one, under the loss scale); the
       official natural-shift path forms the cosine matrix under autocast in fp16, where τ = 0.99999 rounds to 1.0, so

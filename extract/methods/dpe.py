@@ -72,8 +72,9 @@ class DualPrototypeConfig(MethodConfig):
     # How the residuals take their AdamW step. "official_fp16" (default, the numerics of the paper's numbers): the
     # residuals are fp16 parameters stepped by a real `torch.optim.AdamW`, whose fp16 second moment underflows for
     # |g| below about 5.5e-3 (step lr·g/eps instead of lr·g/(|g| + eps)); this is the optimiser's dtype, not
-    # autocast, so it holds on the CPU too. "exact": the step in the compute dtype, `adamw_first_step` (a named
-    # deviation: what the official step would be without fp16 rounding).
+    # autocast, so it holds on the CPU too. The text residual's gradient is rounded as in the official code:
+    # fl16(fl16(g_entropy) + fl16(g_align)), see `DPE._text_prototypes`. "exact": the step in the compute dtype,
+    # `adamw_first_step` (a named deviation: what the official step would be without fp16 rounding).
     residual_step: ResidualStep = "official_fp16"
     # The rest of the official numerics: fp16 weights and features under CUDA autocast, without a gradient scaler
     # (docs/methods.md, "DPE/DLAE numerics"); the global prototypes become fp32 after their first update there,
@@ -186,6 +187,19 @@ class DPE(TTAMethod):
             self._present_idx = torch.tensor(present, dtype=torch.long, device=self.cache.keys.device)
         return self._present_idx
 
+    @staticmethod
+    def _text_prototypes(w_loc: torch.Tensor, r_text: torch.Tensor) -> torch.Tensor:
+        """W' = normalize(W_g + R_t), (K, D) (DPE `main_dpe.py:TextResidue.forward`, DLAE `main_dlae.py` likewise).
+
+        The official step builds W' anew for each use: once for the views' logits (the entropy term) and once for
+        the alignment term. Each use is its own addition W_g + R_t, so autograd casts each term's gradient to the
+        fp16 residual's dtype on its own and then sums the two in fp16: the residual gets
+        fl16(fl16(g_entropy) + fl16(g_align)), not fl16(g_entropy + g_align) as one shared W' would give. `_step`
+        calls this once per use to keep that order of roundings (docs/methods.md, DPE/DLAE numerics); in exact
+        arithmetic the two are the same.
+        """
+        return F.normalize(w_loc + r_text, dim=-1)
+
     def _cache_logits(
         self, z: torch.Tensor, f: torch.Tensor, keys: torch.Tensor, classes: torch.Tensor
     ) -> torch.Tensor:
@@ -214,7 +228,7 @@ class DPE(TTAMethod):
         rdt = torch.float16 if c.residual_step == "official_fp16" else w_loc.dtype
         r_text = torch.zeros(w_loc.shape, dtype=rdt, device=w_loc.device, requires_grad=True)
         with torch.enable_grad(), self._autocast():
-            w = F.normalize(w_loc + r_text, dim=-1)  # W' (K, D)
+            w = self._text_prototypes(w_loc, r_text)  # W' (K, D) of the views' logits (the entropy term)
             s = self._train_summary(x, w, t)
             classes = self._present_classes()
             protos = self.cache.class_means(classes)  # (P, D) image prototypes, not normalised
@@ -224,7 +238,10 @@ class DPE(TTAMethod):
             loss = marginal_entropy(z[None])  # official avg_entropy of one row = H(softmax z)
             if c.align != 0.0:
                 # One-directional: image prototypes are the queries, text prototypes the keys (DPE `main_dpe.py`).
-                loss = loss + c.align * info_nce(keys, w[classes], c.temperature)
+                # W' built again for this term, as the official step loop does (`_text_prototypes`): its fp16
+                # gradient is rounded apart from the entropy term's.
+                w_align = self._text_prototypes(w_loc, r_text)
+                loss = loss + c.align * info_nce(keys, w_align[classes], c.temperature)
             g_text, g_cache = torch.autograd.grad(loss, [r_text, r_cache])
         # A fresh AdamW per sample, one step from zero (docs/methods.md, "DPE/DLAE numerics").
         with torch.no_grad(), self._autocast():
@@ -234,7 +251,7 @@ class DPE(TTAMethod):
             else:
                 r_text = adamw_first_step(r_text.detach(), g_text, c.lr_text, c.adamw_eps, c.weight_decay)
                 r_cache = adamw_first_step(r_cache.detach(), g_cache, self.lr_image, c.adamw_eps, c.weight_decay)
-            w_new = F.normalize(w_loc + r_text, dim=-1)
+            w_new = self._text_prototypes(w_loc, r_text)
             z, f = self._inference(x, w_new)
             final = self._cache_logits(z, f, F.normalize(protos.detach() + r_cache, dim=-1), classes)
             # Global text evolution (DPE `main_dpe.py`): a cumulative average, W_g deliberately not re-normalised. Its
