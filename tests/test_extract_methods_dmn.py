@@ -166,3 +166,22 @@ def test_default_config_tables():
         dataclasses.replace(c, mem_weight=-1.0)
     with pytest.raises(ValueError, match="used_views"):
         dataclasses.replace(c, used_views=0)
+
+
+# ---------------------------------------------------------------------------------------------- DMN-weak
+
+def test_dmn_weak_is_dmn_on_view_0():
+    cfg = REGISTRY["dmn-weak"].default_config("flowers102", "ViT-B-16")
+    assert (cfg.n_views, cfg.augmix, cfg.mem_weight) == (1, False, 10.0)
+    assert cfg == dataclasses.replace(DMN.default_config("flowers102", "ViT-B-16"), n_views=1, augmix=False)
+    text = make_text()
+    x = make_stream(50, 1, text, seed=9, noise=1.5)
+    small = dataclasses.replace(cfg, memory_size=2)
+    weak = REGISTRY["dmn-weak"](small, text, SCALE, backbone="ViT-B-16", dataset="flowers102").adapt(x)
+    # the official loop with its single view kept as the pseudo-label source (int(1 * 0.1) = 0 would keep none)
+    want, events = official_dmn(x.clone(), text, SCALE, small)
+    torch.testing.assert_close(weak.double(), torch.log(want / (1 + small.mem_weight)), atol=tol(small),
+                               rtol=torch.finfo(torch.float32).eps)
+    assert events["replaced"] > 0 and events["kept"] > 0
+    # the pseudo-label is view 0's own argmax: the memory read-out never sees another view
+    assert torch.equal(weak, run(dataclasses.replace(small, n_views=1), text, x, scale=SCALE))

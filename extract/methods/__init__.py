@@ -14,14 +14,16 @@ from extract.methods.base import (
     backbone_family,
 )
 from extract.methods.dlae import DLAE
-from extract.methods.dmn import DMN
+from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.zero_shot import ZeroShot
 
-REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS, DMN)}
+REGISTRY: dict[str, type[TTAMethod]] = {
+    cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS, DMN, DMNWeak)
+}
 
 
 def get_method(key: str) -> type[TTAMethod]:
