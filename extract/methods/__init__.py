@@ -13,6 +13,7 @@ from extract.methods.base import (
     apply_overrides,
     backbone_family,
 )
+from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
@@ -22,7 +23,8 @@ from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.zero_shot import ZeroShot
 
 REGISTRY: dict[str, type[TTAMethod]] = {
-    cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS, DMN, DMNWeak)
+    cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS, DMN, DMNWeak,
+                             BoostAdapter)
 }
 
 
