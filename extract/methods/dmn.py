@@ -58,7 +58,7 @@ class DMNConfig(MethodConfig):
     n_views: int = 64
     augmix: bool = False  # crop+flip on the ImageNet family, AugMix elsewhere (`dmn_main.py`: augmix=len(set_id) > 1)
     prompts: PromptSet = "dataset"  # dataset templates (`data/imagnet_prompts.py` ID_to_prompts / tip templates)
-    cupl: bool = True  # --text_prompt tip_cupl: templates plus the CuPL sentences (`scripts/run.sh`, `clip/fix_clip.py`)
+    cupl: bool = True  # --text_prompt tip_cupl: templates + CuPL sentences (`scripts/run.sh`, `clip/fix_clip.py`)
     used_views: int = 32  # -b 32: the original + 31 augmented views (`scripts/run.sh`)
     selection_p: float = 0.1  # --selection_p 0.1 (`scripts/run.sh`)
     memory_size: int = 50  # --memory_size 50 (`scripts/run.sh`)
