@@ -13,14 +13,19 @@ from extract.methods.base import (
     apply_overrides,
     backbone_family,
 )
+from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
+from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.zero_shot import ZeroShot
 
-REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS)}
+REGISTRY: dict[str, type[TTAMethod]] = {
+    cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS, DMN, DMNWeak,
+                             BoostAdapter)
+}
 
 
 def get_method(key: str) -> type[TTAMethod]:

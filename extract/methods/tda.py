@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hparams_key
-from extract.methods.common import ClassCache, summarise_views
+from extract.methods.common import ClassCache, ViewSummary, summarise_views
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,9 @@ class TDA(TTAMethod):
         feats = view_feats.to(dt)  # (B, V, D), L2-normalised
         w = self.text_features.to(dt)  # (K, D)
         # The official code multiplies by a hard-coded 100. (= exp(logit_scale) of OpenAI CLIP); we use the model's.
-        s = summarise_views(feats, self.logit_scale * feats @ w.T, c.selection_p)  # batched over the chunk
+        logits = self.logit_scale * feats @ w.T  # (B, V, K)
+        s = self._summarise(feats, logits)  # batched over the chunk
+        extra = self._chunk_extra(feats, logits)
         h_norm = s.entropy / math.log2(self.n_classes)  # quirk kept: nats / log2(K) (TDA `utils.py:get_entropy`)
         neg_gate = ((h_norm > c.neg_entropy_lower) & (h_norm < c.neg_entropy_upper)).tolist()
         neg_mask = ((s.prob > c.neg_mask_lower) & (s.prob < c.neg_mask_upper)).to(dt)  # (B, K)
@@ -115,9 +117,29 @@ class TDA(TTAMethod):
             f = s.feats[i]
             self.pos.update(y, f, s.entropy[i])
             if neg_gate[i]:
-                self.neg.update(y, f, s.entropy[i], mask=neg_mask[i])
-            out[i] += c.alpha * self.pos.affinity_weights(f, c.beta).sum(1)
+                self._update_negative(y, f, s.entropy[i], neg_mask[i])
+            out[i] += c.alpha * self._positive_affinity(i, f, extra)
             if len(self.neg):
                 a = self.neg.affinity_weights(f, c.neg_beta)  # (K, cap)
                 out[i] -= c.neg_alpha * torch.einsum("kj,kjc->c", a, self.neg.extras["mask"])
         return out
+
+    # Steps a method built on TDA's caches (BoostAdapter) replaces; TDA's own are below.
+
+    def _summarise(self, feats: torch.Tensor, logits: torch.Tensor) -> ViewSummary:
+        """The sample's feature, logits, entropy, probabilities and pseudo-label (§1.3) for the whole chunk."""
+        return summarise_views(feats, logits, self.config.selection_p)
+
+    def _chunk_extra(self, feats: torch.Tensor, logits: torch.Tensor) -> Any:
+        """Anything else the per-sample steps need, computed for the whole chunk at once (TDA: nothing)."""
+        return None
+
+    def _update_negative(self, y: int, f: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> None:
+        """Offer an item to the negative cache (TDA: the lowest-entropy items stay)."""
+        assert self.neg is not None
+        self.neg.update(y, f, entropy, mask=mask)
+
+    def _positive_affinity(self, i: int, f: torch.Tensor, extra: Any) -> torch.Tensor:
+        """(K,) Σ_j exp(-β(1 - f·k_j)) over class c's positive-cache items, for sample i of the chunk."""
+        assert self.pos is not None
+        return self.pos.affinity_weights(f, self.config.beta).sum(1)
