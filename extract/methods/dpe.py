@@ -195,7 +195,7 @@ class DPE(TTAMethod):
         the alignment term. Each use is its own addition W_g + R_t, so autograd casts each term's gradient to the
         fp16 residual's dtype on its own and then sums the two in fp16: the residual gets
         fl16(fl16(g_entropy) + fl16(g_align)), not fl16(g_entropy + g_align) as one shared W' would give. `_step`
-        calls this once per use to keep that order of roundings (docs/methods.md, DPE/DLAE numerics); in exact
+        calls this once per use to keep that order of roundings (docs/methods.md, "DPE/DLAE numerics"); in exact
         arithmetic the two are the same.
         """
         return F.normalize(w_loc + r_text, dim=-1)
