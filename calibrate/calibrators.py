@@ -100,7 +100,9 @@ class TemperatureScaling(Calibrator):
     def is_fitted(self) -> bool:
         return hasattr(self, "temperature_")
 
-    def fit(self, logits: Any = None, labels: Any = None, *, batches: Callable[[], Iterable] | None = None) -> "TemperatureScaling":
+    def fit(
+        self, logits: Any = None, labels: Any = None, *, batches: Callable[[], Iterable] | None = None
+    ) -> "TemperatureScaling":
         """Fit by NLL on labelled logits: in-memory `(logits, labels)` or a streaming `batches` callable."""
         if self.T is not None:
             return self
