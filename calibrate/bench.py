@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy.optimize import brentq
 
-from calibrate.calibrators import ZAEC_T_MAX, entropy_from_logits, solve_zaec
+from calibrate.functional import ZAEC_T_MAX, entropy_from_logits, solve_zaec
 from calibrate.synthetic import PAPER_DATASETS, synthetic_logits, write_synthetic_benchmark
 
 

@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from calibrate.calibrators import TemperatureScaling, softmax_stats, zaec_temperature
+from calibrate.calibrators import TemperatureScaling
+from calibrate.functional import softmax_stats, zaec_temperature
 from calibrate.cli import main
 from calibrate.metrics import ece, mce
 from calibrate.run import METRIC_COLUMNS, SAMPLE_COLUMNS, calibrate_paths

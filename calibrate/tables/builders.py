@@ -141,33 +141,15 @@ _MAIN_SCHEMA = {
 }
 
 
-def main_table(
-    cells: pl.DataFrame,
-    backbone: str,
-    replicates: CellReplicates | None = None,
-    calibrators: Sequence[str] = layout.MAIN_CALIBRATORS,
-    ts_in_sample: str | None = None,
-) -> pl.DataFrame:
-    """The paper's Tables 2/3 for one backbone, long format (one row per table cell), percent.
-
-    Blocks: zero-shot (Acc., ECE) on top, then one block per TTA method (Acc., then ECE for each calibrator present).
-    Columns: datasets grouped like the paper (`layout.order_datasets`), each group followed by its unweighted
-    macro-average (`dataset == "avg"`, over the group's datasets present in that row; `n_datasets` counts them,
-    `group_size` is the number the group holds: the paper's count for its groups, else the columns shown).
-    `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot is never bold.
-    `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates).
-    `in_sample`: a temperature-scaling cell of dataset `ts_in_sample` (the labelled source T was fitted on, so it is
-    scored on its own fitting data), or an average that includes one.
-    """
-    replicates = replicates or CellReplicates(None)
-    cb = cells.filter(pl.col("backbone") == backbone)
+def _main_row_specs(
+    cb: pl.DataFrame, backbone: str, replicates: CellReplicates, calibrators: Sequence[str]
+) -> list[tuple]:
+    """The rows of one backbone's main table, top to bottom: (block, block_label, row, row_label, metric, getter),
+    where getter(dataset) -> (value in percent, bootstrap replicates or None, seed std or None, n_seeds or None)."""
     zs = zero_shot_cells(cb)
-    groups = layout.order_datasets(cb["dataset"].unique().to_list())
     methods = layout.order_methods(cb["method"].unique().to_list())
     lookup = {(r["dataset"], r["method"], r["calibrator"]): r for r in cb.iter_rows(named=True)}
     zs_lookup = {r["dataset"]: r for r in zs.iter_rows(named=True)}
-
-    # (block, block_label, row, row_label, metric, getter(dataset) -> (value, reps))
     specs = []
 
     def zs_get(metric):
@@ -194,7 +176,41 @@ def main_table(
         specs.append((m, layout.method_label(m), "acc", "Acc.", "accuracy", get("accuracy", "none")))
         for c in present:
             specs.append((m, layout.method_label(m), c, f"+ {layout.calibrator_label(c)}", "ece", get("ece", c)))
+    return specs
 
+
+def _bold_block_minima(df: pl.DataFrame) -> pl.DataFrame:
+    """`bold`: the lowest ECE per (method block, column) of a main table; sorted into reading order."""
+    bold = np.zeros(df.height, dtype=bool)
+    ece_rows = df.with_row_index("_i").filter((pl.col("metric") == "ece") & (pl.col("block") != layout.ZERO_SHOT))
+    for _, part in ece_rows.group_by(["block", "col_pos"]):
+        marks = _bold_min(part["value"].to_list())
+        bold[np.asarray(part["_i"].to_list())[marks]] = True
+    return df.with_columns(pl.Series("bold", bold)).sort(["block_pos", "row_pos", "col_pos"])
+
+
+def main_table(
+    cells: pl.DataFrame,
+    backbone: str,
+    replicates: CellReplicates | None = None,
+    calibrators: Sequence[str] = layout.MAIN_CALIBRATORS,
+    ts_in_sample: str | None = None,
+) -> pl.DataFrame:
+    """The paper's Tables 2/3 for one backbone, long format (one row per table cell), percent.
+
+    Blocks: zero-shot (Acc., ECE) on top, then one block per TTA method (Acc., then ECE for each calibrator present).
+    Columns: datasets grouped like the paper (`layout.order_datasets`), each group followed by its unweighted
+    macro-average (`dataset == "avg"`, over the group's datasets present in that row; `n_datasets` counts them,
+    `group_size` is the number the group holds: the paper's count for its groups, else the columns shown).
+    `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot is never bold.
+    `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates).
+    `in_sample`: a temperature-scaling cell of dataset `ts_in_sample` (the labelled source T was fitted on, so it is
+    scored on its own fitting data), or an average that includes one.
+    """
+    replicates = replicates or CellReplicates(None)
+    cb = cells.filter(pl.col("backbone") == backbone)
+    groups = layout.order_datasets(cb["dataset"].unique().to_list())
+    specs = _main_row_specs(cb, backbone, replicates, calibrators)
     rows = []
     block_pos: dict[str, int] = {}
     for row_pos, (block, block_label, row, row_label, metric, getter) in enumerate(specs):
@@ -226,14 +242,7 @@ def main_table(
                              n_datasets=sum(v is not None for v in vals), group_size=size, seed_std=None,
                              n_seeds=None, in_sample=fitted_here, bold=False))
             col += 1
-    df = pl.DataFrame(rows, schema=_MAIN_SCHEMA)
-    # bold: lowest ECE per (method block, column)
-    bold = np.zeros(df.height, dtype=bool)
-    ece_rows = df.with_row_index("_i").filter((pl.col("metric") == "ece") & (pl.col("block") != layout.ZERO_SHOT))
-    for _, part in ece_rows.group_by(["block", "col_pos"]):
-        marks = _bold_min(part["value"].to_list())
-        bold[np.asarray(part["_i"].to_list())[marks]] = True
-    return df.with_columns(pl.Series("bold", bold)).sort(["block_pos", "row_pos", "col_pos"])
+    return _bold_block_minima(pl.DataFrame(rows, schema=_MAIN_SCHEMA))
 
 
 #: the differences a main table claims: ZAEC against each other calibrator

@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from calibrate.calibrators import TemperatureScaling, parse_calibrator, softmax_stats
+from calibrate.calibrators import TemperatureScaling, parse_calibrator
+from calibrate.functional import softmax_stats
 from calibrate.run import check_complete, resolve_ts_sources
 from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
