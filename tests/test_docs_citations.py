@@ -30,7 +30,8 @@ METHODS_MD = ROOT / "docs" / "methods.md"
 CODE_DIRS = ("extract", "calibrate", "schemas", "tests")
 # Built from parts so that this file does not match itself.
 SECTION_SIGN = "\N{SECTION SIGN}"
-FORBIDDEN = ("spec " + SECTION_SIGN, "Spec " + SECTION_SIGN, "tta_methods" + ".md", "atpt_soc" + ".md")
+FORBIDDEN = ("spec " + SECTION_SIGN, "Spec " + SECTION_SIGN, "tta_methods" + ".md", "atpt_soc" + ".md",
+             "shared" + "/reference")  # the reference folder beside the checkout is not part of the repository
 CITED_PATH = "docs/methods" + ".md"
 
 

@@ -13,7 +13,7 @@ The JSON ``test`` list follows the idx file's order, which is therefore the cano
 set: sample 17 of ``fmnist_blur`` is sample 17 of ``fmnist``, blurred.
 
 Shifts act on the 32x32 grey image in [0, 1] (after upsampling) and are seeded per set, so a rewrite is identical.
-Severities follow the design pilot (../shared/reference/demo_pilot.md), where each lowered the small model's zero-shot
+Severities follow the design pilot (docs/demo.md, "Design sizes"), where each lowered the small model's zero-shot
 accuracy: Gaussian noise sigma 0.15, Gaussian blur sigma 2.0 px, contrast x0.4, 20% of images inverted, rotation by
 15 degrees.
 """

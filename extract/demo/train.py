@@ -55,7 +55,7 @@ def _templates() -> tuple[str, ...]:
 class TrainConfig:
     """Training budget and optimiser of one demo model.
 
-    Defaults follow the design pilot (../shared/reference/demo_pilot.md): AdamW, lr 1e-3, weight decay 0.05,
+    Defaults follow the design pilot (docs/demo.md, "Design sizes"): AdamW, lr 1e-3, weight decay 0.05,
     batch 256, logit scale learned from CLIP's initial 1/0.07 and clamped at CLIP's maximum of 100.
     """
 
