@@ -30,13 +30,12 @@ from typing import Literal
 
 import numpy as np
 
+from extract.run.options import CACHE_DIR_ENV as CACHE_ENV, DEFAULT_CACHE_DIR
 from schemas.atomic import atomic_path, write_json_atomic  # noqa: F401  (re-exported for the runner)
 
 Part = Literal["view0", "augmix", "crop_flip"]
 PARTS: tuple[str, ...] = ("view0", "augmix", "crop_flip")
 CHUNK_TEMPLATE = "chunk-{:05d}.npy"
-DEFAULT_CACHE_DIR = Path("data") / "cache"
-CACHE_ENV = "ZAEC_CACHE_DIR"
 
 
 class CacheError(RuntimeError):

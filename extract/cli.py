@@ -15,6 +15,16 @@ from typing import List, Optional
 
 import typer
 
+from extract.run.options import (
+    DEFAULT_ANCHOR,
+    DEFAULT_BACKBONE,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_FINGERPRINT,
+    DEFAULT_OUT,
+    DEFAULT_PRETRAINED,
+    DEFAULT_SEED,
+)
+
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
@@ -23,7 +33,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from extract.datasets import DatasetError
     from extract.models import ModelError
     from extract.prompts import PromptError
-    from extract.runner import RunError
+    from extract.run.options import RunError
     from schemas import ShardError
     # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it;
     # OSError: a folder that became unwritable or a full disk while writing (the message names the path)
@@ -41,16 +51,16 @@ def extract(
     class_names: Optional[Path] = typer.Option(None, help="class names of a folder:/split: dataset, label order: "
                                                           "one per line or a JSON list"),
     backbone: Optional[str] = typer.Option(
-        None, help="open_clip model name (ViT-B-16, RN50); default ViT-B-16, or the local-dir's model"),
-    pretrained: str = typer.Option("openai", help="pretrained tag, checkpoint file, or local-dir:DIR"),
+        None, help=f"open_clip model name (ViT-B-16, RN50); default {DEFAULT_BACKBONE}, or the local-dir's model"),
+    pretrained: str = typer.Option(DEFAULT_PRETRAINED, help="pretrained tag, checkpoint file, or local-dir:DIR"),
     data_root: Optional[Path] = typer.Option(None, help="folder holding the datasets (default: $ZAEC_DATA_ROOT, "
                                                           "else ./data)"),
-    out: Path = typer.Option(Path("data/shards"), help="shard root"),
-    seed: int = typer.Option(1, help="seed of the stream order and the augmented views"),
+    out: Path = typer.Option(DEFAULT_OUT, help="shard root"),
+    seed: int = typer.Option(DEFAULT_SEED, help="seed of the stream order and the augmented views"),
     device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
     limit: Optional[int] = typer.Option(None, help="only the first N samples of the stream"),
     set_: List[str] = typer.Option([], "--set", help="override a config field: --set key=value (repeatable)"),
-    anchor: str = typer.Option("single", help="zero-shot anchor: 'single' (\"a photo of a {}.\") or 'method' "
+    anchor: str = typer.Option(DEFAULT_ANCHOR, help="zero-shot anchor: 'single' (\"a photo of a {}.\") or 'method' "
                                               "(the method's own prompts)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="keep the valid shards of an interrupted run"),
     force: bool = typer.Option(False, "--force", help="recompute a finished run"),
@@ -59,10 +69,10 @@ def extract(
     tda_sh_filter: bool = typer.Option(False, "--tda-sh-filter",
                                        help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 (drops file "
                                             "names containing 'sh'); off by default"),
-    fingerprint: str = typer.Option("stat", help="how image files are fingerprinted for the feature cache and the "
+    fingerprint: str = typer.Option(DEFAULT_FINGERPRINT, help="how image files are fingerprinted for the feature cache and the "
                                                  "finished-run check: 'stat' (size and modification time, cheap) "
                                                  "or 'content' (sha256 of every file)"),
-    batch_size: int = typer.Option(256, help="images per encoder call"),
+    batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="images per encoder call"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to 16 on CUDA, 0 on CPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (warnings and errors still print)"),
 ) -> None:

@@ -40,12 +40,13 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
+from extract.run.options import DATA_ROOT_ENV, default_data_root
+
 #: Class names of the embedded demo (Fashion-MNIST), in label order. Helper modules of the demo import this.
 FASHION_MNIST_CLASSES: tuple[str, ...] = (
     "t-shirt or top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot",
 )
 
-DATA_ROOT_ENV = "ZAEC_DATA_ROOT"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
 Kind = Literal["json", "aircraft", "folders", "image_folder", "split_file"]
@@ -388,7 +389,7 @@ def dataset_source(key: str) -> tuple[str, str | None] | None:
 
 def resolve_data_root(data_root: str | os.PathLike | None) -> Path:
     """`data_root`, else $ZAEC_DATA_ROOT, else ./data. Raises DatasetError if the folder does not exist."""
-    raw = data_root if data_root is not None else os.environ.get(DATA_ROOT_ENV) or "data"
+    raw = data_root if data_root is not None else default_data_root()
     root = Path(raw).expanduser()
     if not root.is_dir():
         src = "--data-root" if data_root is not None else (

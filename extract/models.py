@@ -30,6 +30,8 @@ from typing import Any, Iterator, Literal, Sequence
 import numpy as np
 import torch
 
+from extract.run.options import DEFAULT_BACKBONE  # noqa: F401  (re-exported; defaults live there)
+
 LOCAL_DIR = "local-dir:"
 #: architectures released by OpenAI with QuickGELU; a checkpoint file for one of these gets QuickGELU forced
 OPENAI_ARCHS = frozenset({"RN50", "RN101", "RN50x4", "RN50x16", "RN50x64", "ViT-B-32", "ViT-B-16", "ViT-L-14",
@@ -312,9 +314,6 @@ def _local_dir_config(path: Path) -> dict[str, Any]:
     if not isinstance(cfg, dict) or "model_cfg" not in cfg:
         raise ModelError(f"{cfg_path}: expected a JSON object with a 'model_cfg' entry (open_clip's format)")
     return cfg
-
-
-DEFAULT_BACKBONE = "ViT-B-16"
 
 
 @contextlib.contextmanager

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from extract.datasets import get_dataset
+from extract.run.options import CUPL_DIR_ENV as CUPL_ENV
 
 PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars"]
 PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars")
 #: the policies a user's own dataset may use: no per-dataset templates, no CuPL sentences exist for it
 USER_PROMPT_POLICIES: tuple[str, ...] = ("single", "imagenet80")
-CUPL_ENV = "ZAEC_CUPL_DIR"
 
 SINGLE_TEMPLATE = "a photo of a {}."
 

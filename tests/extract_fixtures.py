@@ -218,11 +218,11 @@ def one_thread():
 
 
 def interrupt_nth_write(monkeypatch, n: int):
-    """Make the runner's n-th shard write raise KeyboardInterrupt (an interrupted run); returns the real writer,
-    which `monkeypatch.setattr(runner, "write_shard", real)` puts back."""
-    from extract import runner
+    """Make the run's n-th part write raise KeyboardInterrupt (an interrupted run); returns the real writer,
+    which `monkeypatch.setattr(extract.run.writer, "write_shard", real)` puts back."""
+    from extract.run import writer
 
-    real_write, count = runner.write_shard, {"n": 0}
+    real_write, count = writer.write_shard, {"n": 0}
 
     def failing(*a, **k):
         count["n"] += 1
@@ -230,5 +230,5 @@ def interrupt_nth_write(monkeypatch, n: int):
             raise KeyboardInterrupt
         return real_write(*a, **k)
 
-    monkeypatch.setattr(runner, "write_shard", failing)
+    monkeypatch.setattr(writer, "write_shard", failing)
     return real_write

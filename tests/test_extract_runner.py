@@ -20,6 +20,8 @@ from extract_fixtures import (
 
 import extract.methods as methods
 from extract import runner
+from extract.run import encode as run_encode
+from extract.run import writer as run_writer
 from extract.datasets import imagenet_synsets, load_testset
 from extract.methods.base import MethodConfig, TTAMethod
 from extract.runner import RunError, run_extraction, run_is_complete, stream_permutation
@@ -181,7 +183,7 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_model, da
     real_write = interrupt_nth_write(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         _run(running_mean, tmp_path / "r", tiny_model, data_root)
-    monkeypatch.setattr(runner, "write_shard", real_write)
+    monkeypatch.setattr(run_writer, "write_shard", real_write)
     out = tmp_path / "r" / "out"
     key = RunKey("tiny-clip", "dtd", running_mean, 1)
     assert not run_is_complete(out, key)
@@ -458,7 +460,7 @@ def test_device_chains_default_on_cuda_unless_disabled(tmp_path, tiny_model, dat
         seen.append(args[-1] if len(args) > 4 else kw.get("device_chains"))
         raise Stop
 
-    monkeypatch.setattr(runner, "_ViewData", spy)
+    monkeypatch.setattr(run_encode, "_ViewData", spy)
     if env is None:
         monkeypatch.delenv(runner.DEVICE_CHAINS_ENV, raising=False)
     else:

@@ -896,7 +896,7 @@ def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key): 
 def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):  # noqa: F811
     """A resumed episodic run equals an uninterrupted one under emulated fp16 overflows: the loss scale, its growth
     tracker and the skip count come back from the last kept part (issue 10)."""
-    from extract import runner
+    from extract.run import writer
     from extract.runner import run_extraction
     from schemas import read_shard
 
@@ -937,7 +937,7 @@ def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):  # n
     real_write = interrupt_nth_write(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         run_extraction("tps", "dtd", out=tmp_path / "r", **kw)
-    monkeypatch.setattr(runner, "write_shard", real_write)
+    monkeypatch.setattr(writer, "write_shard", real_write)
     kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "r").rglob("part-*.parquet")}
     assert len(kept) == 2
     resumed, resumed_states = table(run_extraction("tps", "dtd", out=tmp_path / "r", **kw))

@@ -213,7 +213,8 @@ def _cli(args, capsys):
 @pytest.mark.parametrize("build, needle", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_one_line_exit_2_nothing_read_or_written(tmp_path, cli_data, tiny_model_dir, capsys,  # noqa: F811
                                                            monkeypatch, build, needle):
-    import extract.runner
+    import extract.run.encode
+    import extract.run.options
 
     opts = {"--method": "tda", "--dataset": "dtd", "--data-root": str(cli_data), "--out": str(tmp_path / "out"),
             "--cache-dir": str(tmp_path / "cache"), "--pretrained": f"local-dir:{tiny_model_dir}",
@@ -224,12 +225,12 @@ def test_bad_input_one_line_exit_2_nothing_read_or_written(tmp_path, cli_data, t
     if read_only and os.geteuid() == 0:
         # root writes through 0o555: emulate the read-only folder the way the check sees it
         real_access = os.access
-        monkeypatch.setattr(extract.runner.os, "access", lambda p, mode, **kw: False if any(
+        monkeypatch.setattr(extract.run.options.os, "access", lambda p, mode, **kw: False if any(
             os.path.abspath(p) == os.path.abspath(r) for r in read_only) else real_access(p, mode, **kw))
     if cwd:
         monkeypatch.chdir(cwd)
     opened = []
-    monkeypatch.setattr(extract.runner, "open_image", lambda p: opened.append(p))
+    monkeypatch.setattr(extract.run.encode, "open_image", lambda p: opened.append(p))
     args = [a for k, v in opts.items() if v is not None for a in ([k, v] if v != "" else [k])]
     code, out, err = _cli(args, capsys)
     for r in read_only:

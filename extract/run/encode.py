@@ -1,0 +1,228 @@
+"""The encoding pass: fill the feature cache with the image features of stream positions [0, n) (view 0, plus views
+1..63 for the multi-view policies), and read them back in stream order (`FeatureReader`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from extract.augmix_device import pack_program, run_packed
+from extract.cache import FeatureCache
+from extract.datasets import DatasetError, TestSet, open_image
+from extract.models import LoadedModel
+from extract.run.progress import Progress
+from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy
+
+
+class _ViewData(torch.utils.data.Dataset):
+    """Item i -> (stream position, view 0 raw (1, 1, S, S, 3) uint8, views 1..63 raw (63, J, S, S, 3) uint8,
+    their AugMix coefficients (63, 5) float32, None); None for a part not needed. With `device_chains` (AugMix
+    on a GPU) views 1..63 are the crops (63, 1, S, S, 3), followed by the packed program and its row lists
+    (`augmix_device.pack_program`).
+
+    Loader processes do the PIL work only and send uint8 (a quarter of float32's bytes through shared and pinned
+    memory); the float work (`ViewGenerator.finish`) runs in the main process on the model's device, the same
+    operations giving the same bits there."""
+
+    def __init__(self, testset: TestSet, perm: np.ndarray, jobs: list[tuple[int, bool, bool]], gen: ViewGenerator,
+                 device_chains: bool = False):
+        self.testset, self.perm, self.jobs, self.gen = testset, perm, jobs, gen
+        self.device_chains = device_chains and gen.policy == "augmix"
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        pos, need0, need_aug = self.jobs[i]
+        sid = int(self.perm[pos])
+        try:
+            img = open_image(self.testset.paths[sid])
+        except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
+            return pos, str(e), None, None, None
+        # None, not empty tensors, for what is not needed: each tensor between processes costs the receiver time
+        v0 = torch.from_numpy(self.gen.original_raw(img))[None, None] if need0 else None
+        if need_aug and self.device_chains:  # crops and random draws only: the chains run on the device
+            crops, packed, rows, lengths = pack_program(self.gen.augmix_program(img, sid))
+            return pos, v0, crops, packed, (rows, lengths)
+        aug, coef = self.gen.augmented_raw(img, sid) if need_aug else (None, None)
+        return pos, v0, aug, coef, None
+
+
+class _Batcher:
+    """Encodes images in micro-batches of exactly `batch_size` (the last one of a chunk may be smaller), so a
+    chunk's features depend only on the chunk.
+
+    The micro-batch is assembled on the model's device: each sample's raw uint8 views are sent there
+    (asynchronously on CUDA, from the loader's pinned memory), finished there (`ViewGenerator.finish`) and copied
+    into a preallocated device buffer; the encoder runs on that buffer, and the features stay on the device until
+    the chunk is finished (`finish`, one copy back). On CUDA the host therefore never waits for the encoder inside
+    a chunk: it goes on receiving and copying the next samples while the GPU encodes (the copies into the buffer
+    are queued on the same stream after the encoder's kernels, so a batch is never overwritten while it is read).
+    Before, every micro-batch was concatenated on the host (a 154 MB copy at 256 views of 224 px), sent from
+    pageable memory, and its features brought back at once, which serialised the host and the GPU. The encoder sees
+    the same batches, values and shapes as before: features are unchanged.
+    """
+
+    def __init__(self, model: LoadedModel, n_images: int, batch_size: int):
+        self.model, self.n_images, self.bs = model, n_images, batch_size
+        self.buf: torch.Tensor | None = None  # (batch_size, 3, S, S) on the device, allocated at the first image
+        self.feats: torch.Tensor | None = None  # (n_images, D) float32 on the device
+        self.n_buf = 0
+        self.written = 0
+
+    def add(self, raw: torch.Tensor, coef: torch.Tensor | None, gen: ViewGenerator,
+            rows: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """Append V views to the stream of this part, given raw (V, J, S, S, 3) uint8 and their coefficients
+        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), sent to the device and finished there. With `rows`
+        (a packed AugMix program's row lists and lengths), `raw` holds the crops (V, 1, S, S, 3) and `coef` the
+        packed program (`augmix_device.pack_program`), whose chains run on the device first."""
+        dev = self.model.device
+        raw = raw.to(dev, non_blocking=True)
+        coef = None if coef is None else coef.to(dev, non_blocking=True)
+        if rows is not None:
+            raw, coef = run_packed(raw, coef, rows[0].to(dev, non_blocking=True), rows[1])  # type: ignore[arg-type]
+        images = gen.finish(raw, coef)
+        if self.buf is None:
+            self.buf = torch.empty((self.bs, *images.shape[1:]), dtype=images.dtype, device=self.model.device)
+        i, v = 0, images.shape[0]
+        while i < v:
+            take = min(self.bs - self.n_buf, v - i)
+            self.buf[self.n_buf:self.n_buf + take].copy_(images[i:i + take], non_blocking=True)
+            self.n_buf += take
+            i += take
+            if self.n_buf == self.bs:
+                self._flush()
+
+    def _flush(self) -> None:
+        n = self.n_buf
+        if n == 0:
+            return
+        assert self.buf is not None
+        feats = self.model.encode_images(self.buf[:n])
+        if self.feats is None:
+            self.feats = torch.empty((self.n_images, feats.shape[1]), dtype=torch.float32, device=feats.device)
+        if self.written + n > self.n_images:
+            raise RuntimeError(f"encoded {self.written + n} images, expected {self.n_images}")
+        self.feats[self.written:self.written + n] = feats
+        self.written += n
+        self.n_buf = 0
+
+    def finish(self) -> np.ndarray:
+        """Encode what is pending; (n_images, D) float32 on the host."""
+        self._flush()
+        if self.written != self.n_images or self.feats is None:
+            raise RuntimeError(f"encoded {self.written} images, expected {self.n_images}")
+        return self.feats.cpu().numpy()
+
+
+#: set to 0 to run AugMix's chains with Pillow in the loader processes on CUDA too (the views are the same)
+DEVICE_CHAINS_ENV = "ZAEC_DEVICE_CHAINS"
+
+
+def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: FeatureCache, policy: ViewPolicy,
+                n_positions: int, *, seed: int, batch_size: int = 256, workers: int = 0,
+                progress: Progress | None = None, device_chains: bool | None = None) -> int:
+    """Fill the missing feature-cache chunks covering stream positions [0, n_positions). Returns samples encoded.
+
+    View 0 is always stored; views 1..63 only for the multi-view policies. `device_chains` (default: on CUDA, unless
+    $ZAEC_DEVICE_CHAINS is 0) runs AugMix's operation chains on the model's device (`extract.augmix_device`, the
+    same pixels) instead of in the loader processes, which then only crop and draw.
+    """
+    parts: tuple[str, ...] = ("view0",) if policy == "single" else ("view0", policy)
+    missing = cache.missing(parts, n_positions)
+    if not missing:
+        return 0
+    gen = ViewGenerator(model.preprocess, policy, seed=seed)
+    # per chunk: the rows to encode ([keep, need) of each missing part) - only the positions the run needs
+    plans = [_chunk_plan(cache, c, miss, n_positions, batch_size) for c, miss in missing]
+    jobs: list[tuple[int, bool, bool]] = []
+    for c, start, need, keep in plans:
+        lo = min(keep.values())
+        jobs += [(start + i, i >= keep.get("view0", need), i >= keep.get(policy, need)) for i in range(lo, need)]
+    if device_chains is None:  # ZAEC_DEVICE_CHAINS=0 keeps the chains in the loader processes (same views)
+        device_chains = model.device.type == "cuda" and os.environ.get(DEVICE_CHAINS_ENV, "1") != "0"
+    loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen, device_chains), batch_size=None,
+                                         shuffle=False, num_workers=workers, pin_memory=model.device.type == "cuda")
+    task = (progress or Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))
+    it = iter(loader)
+    for c, start, need, keep in plans:
+        shapes = {part: cache.expected_shape(part, c, need - k) for part, k in keep.items()}  # type: ignore[arg-type]
+        batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size) for part, shape in shapes.items()}
+        for _ in range(need - min(keep.values())):
+            pos, x0, xa, coef, rows = next(it)
+            if isinstance(x0, str):  # an image the loader cannot read (named in the message)
+                raise DatasetError(x0)
+            if x0 is not None:
+                batchers["view0"].add(x0, None, gen)
+            if xa is not None:
+                batchers[policy].add(xa, coef, gen, rows)
+            task.advance(1)
+        for part, b in batchers.items():
+            feats = b.finish().reshape(shapes[part])
+            k = keep[part]
+            cpart: Any = part
+            new = feats if k == 0 else np.concatenate([np.asarray(cache.load(cpart, c)[:k], np.float32), feats])
+            cache.save(cpart, c, new)
+    return len(jobs)
+
+
+def _chunk_plan(cache: FeatureCache, c: int, miss: tuple[str, ...], n_positions: int, batch_size: int
+                ) -> tuple[int, int, int, dict[str, int]]:
+    """(chunk, first stream position, rows needed, {missing part: rows of its stored prefix kept}).
+
+    A stored prefix is kept up to its last micro-batch boundary (a multiple of `batch_size` images from the chunk's
+    start; a part with V images per position keeps a multiple of batch_size / gcd(V, batch_size) positions) and the
+    rest re-encoded, so the extended chunk is encoded in the same micro-batches as a chunk encoded whole."""
+    start, stop = cache.chunk_range(c)
+    need = min(stop, n_positions) - start
+    keep = {}
+    for part in miss:
+        per_pos = 1 if part == "view0" else N_AUG_VIEWS
+        step = batch_size // math.gcd(per_pos, batch_size)
+        keep[part] = min(cache.rows(part, c), need) // step * step  # type: ignore[arg-type]
+    return c, start, need, keep
+
+
+class FeatureReader:
+    """Reads (B, V, D) float32 view features for stream ranges from the cache (keeps the current chunk open)."""
+
+    def __init__(self, cache: FeatureCache, policy: ViewPolicy):
+        self.cache, self.policy = cache, policy
+        self._chunk = -1
+        self._data: tuple[np.ndarray, np.ndarray | None] | None = None
+
+    def _load(self, c: int) -> tuple[np.ndarray, np.ndarray | None]:
+        if c != self._chunk:
+            v0 = self.cache.load("view0", c)
+            aug = None if self.policy == "single" else self.cache.load(self.policy, c)  # type: ignore[arg-type]
+            self._chunk, self._data = c, (v0, aug)
+        assert self._data is not None
+        return self._data
+
+    def get(self, start: int, stop: int) -> np.ndarray:
+        pieces = []
+        pos = start
+        while pos < stop:
+            c = pos // self.cache.chunk_size
+            c0, c1 = self.cache.chunk_range(c)
+            hi = min(stop, c1)
+            v0, aug = self._load(c)
+            a = np.array(v0[pos - c0:hi - c0], dtype=np.float32)[:, None, :]  # a writable copy
+            if aug is not None:
+                a = np.concatenate([a, np.array(aug[pos - c0:hi - c0], dtype=np.float32)], axis=1)
+            pieces.append(a)
+            pos = hi
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def open_feature_cache(cache_root: os.PathLike, model: LoadedModel, dataset: str, testset_key: str, seed: int,
+                       perm: np.ndarray, dim: int, chunk_size: int) -> FeatureCache:
+    """The feature cache of one (model, dataset, test set, stream): `testset_key` is `RunData.cache_key()`, `perm`
+    the stream (its crc32 is part of the key), `dim` the feature width."""
+    return FeatureCache(cache_root, model.fingerprint, dataset, testset_key, int(seed), len(perm), int(dim),
+                        model.cache_dtype, stream_fp=f"{zlib.crc32(perm.tobytes()):08x}", chunk_size=chunk_size)

@@ -1,0 +1,339 @@
+"""The options of a run and its plan: every option that decides the result in one frozen `RunOptions`, the options
+that only decide how it executes in `ExecOptions`, and `plan()` resolving names and the method config before any
+file is read.
+
+This module is the one place where defaults live (`DEFAULT_*`, and the environment fallbacks of the data root,
+feature cache and CuPL folders); the command lines, the sweep and the resolvers in `extract.datasets`,
+`extract.cache` and `extract.prompts` read them from here. It imports nothing heavy (no torch), so a command line
+can read its defaults before the model stack loads.
+
+Example:
+    >>> opts = RunOptions("tda", "dtd", seed=2, overrides=(("alpha", "2.0"),))
+    >>> RunOptions.from_dict(opts.to_dict()) == opts
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from schemas import RunKey
+
+Anchor = Literal["single", "method"]
+ANCHORS: tuple[str, ...] = ("single", "method")
+OnChanged = Literal["refuse", "recompute"]
+ON_CHANGED: tuple[str, ...] = ("refuse", "recompute")
+
+DEFAULT_BACKBONE = "ViT-B-16"
+DEFAULT_PRETRAINED = "openai"
+#: TDA, DPE and DLAE seed their stream with 1 (docs/methods.md, "Stream order and seeds")
+DEFAULT_SEED = 1
+DEFAULT_ANCHOR: Anchor = "single"
+DEFAULT_FINGERPRINT = "stat"
+DEFAULT_OUT = Path("data") / "shards"
+DEFAULT_BATCH_SIZE = 256
+DEFAULT_CHUNK_SIZE = 512
+DEFAULT_ADAPT_BATCH = 64
+DEFAULT_PART_SIZE = 4096
+
+DATA_ROOT_ENV = "ZAEC_DATA_ROOT"
+DEFAULT_DATA_ROOT = Path("data")
+CACHE_DIR_ENV = "ZAEC_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("data") / "cache"
+CUPL_DIR_ENV = "ZAEC_CUPL_DIR"
+
+
+class RunError(ValueError):
+    """A user-side problem with a run (bad argument, shards on disk from a different configuration)."""
+
+
+def default_data_root() -> Path:
+    """The data root when none is given: $ZAEC_DATA_ROOT, else ./data (not checked for existence)."""
+    return Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+
+
+def default_cache_dir() -> Path:
+    """The feature cache when none is given: $ZAEC_CACHE_DIR, else data/cache."""
+    raw = os.environ.get(CACHE_DIR_ENV)
+    return Path(raw).expanduser() if raw else DEFAULT_CACHE_DIR
+
+
+def default_cupl_dir() -> Path | None:
+    """The CuPL prompt folder when none is given: $ZAEC_CUPL_DIR, else None (templates only)."""
+    raw = os.environ.get(CUPL_DIR_ENV)
+    return Path(raw).expanduser() if raw else None
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
+    """["k=v", ...] -> {k: v}; raises RunError for an item without '='."""
+    out: dict[str, str] = {}
+    for item in pairs:
+        k, sep, v = item.partition("=")
+        if not sep or not k.strip():
+            raise RunError(f"--set expects key=value, got {item!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _path_str(p: str | os.PathLike | None) -> str | None:
+    return None if p is None else str(p)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Every option that decides what a run writes (its shards and their metadata).
+
+    Attributes:
+        method: method key (`extract.methods.REGISTRY`).
+        dataset: dataset key, or the name a user's dataset was registered under (`dataset_ref`).
+        backbone: open_clip model name; None = `DEFAULT_BACKBONE`, or with `pretrained="local-dir:DIR"` the
+            directory's model name.
+        pretrained: tag (`openai`), checkpoint file or `local-dir:DIR`.
+        seed: orders the stream and seeds the augmented views.
+        limit: only the first `limit` stream positions (None: all).
+        overrides: (config field, value) pairs in the order given, as `--set` (strings converted to the field type).
+        anchor: "single" = zero-shot logits from "a photo of a {}." on view 0; "method" = the method's own prompts.
+        data_root: datasets folder (None: `default_data_root()`).
+        cupl_dir: CuPL prompt files (None: `default_cupl_dir()`).
+        sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (docs/methods.md, "TDA's file-listing
+            quirk (sh_filter)"), off by default.
+        fingerprint: how image files are fingerprinted: "stat" (size and modification time) or "content" (sha256).
+        adapt_batch: samples per `method.adapt` call (an online method's result depends on it).
+        part_size: rows per shard (a multiple of `adapt_batch`).
+        dataset_ref: for a user's dataset, the `folder:PATH` / `split:FILE.json` it was registered from, so that
+            another process registers the same dataset (`register_dataset`); None for a registered key.
+        class_names_file: the class-names file of a user's dataset (with `dataset_ref`).
+    """
+
+    method: str
+    dataset: str
+    backbone: str | None = None
+    pretrained: str = DEFAULT_PRETRAINED
+    seed: int = DEFAULT_SEED
+    limit: int | None = None
+    overrides: tuple[tuple[str, Any], ...] = ()
+    anchor: str = DEFAULT_ANCHOR
+    data_root: str | None = None
+    cupl_dir: str | None = None
+    sh_filter: bool = False
+    fingerprint: str = DEFAULT_FINGERPRINT
+    adapt_batch: int = DEFAULT_ADAPT_BATCH
+    part_size: int = DEFAULT_PART_SIZE
+    dataset_ref: str | None = None
+    class_names_file: str | None = None
+
+    @classmethod
+    def make(cls, method: str, dataset: str, *, overrides: Mapping[str, Any] | None = None,
+             data_root: str | os.PathLike | None = None, cupl_dir: str | os.PathLike | None = None,
+             **kw: Any) -> "RunOptions":
+        """Build from the keyword style of `run_extraction` (a mapping of overrides, path-like folders)."""
+        return cls(method, dataset, overrides=tuple((overrides or {}).items()), data_root=_path_str(data_root),
+                   cupl_dir=_path_str(cupl_dir), **kw)
+
+    def overrides_dict(self) -> dict[str, Any]:
+        """The overrides as a mapping, in the order given."""
+        return dict(self.overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (what a sweep manifest stores); `from_dict` gives back an equal object."""
+        d = dataclasses.asdict(self)
+        d["overrides"] = [list(kv) for kv in self.overrides]
+        return d
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "RunOptions":
+        """Inverse of `to_dict`; raises RunError naming unknown or missing keys."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(doc) - names)
+        if unknown:
+            raise RunError(f"unknown run option(s) {', '.join(unknown)}; available: {', '.join(sorted(names))}")
+        missing = [k for k in ("method", "dataset") if k not in doc]
+        if missing:
+            raise RunError(f"run options lack {', '.join(missing)}")
+        kw = dict(doc)
+        kw["overrides"] = tuple((str(k), v) for k, v in kw.get("overrides", ()))
+        return cls(**kw)
+
+    def register_dataset(self) -> str:
+        """Register a user's dataset in this process (from `dataset_ref`); returns the dataset key."""
+        if self.dataset_ref is None:
+            return self.dataset
+        from extract.datasets import resolve_dataset
+
+        return resolve_dataset(self.dataset_ref, name=self.dataset, class_names=self.class_names_file)
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """Options that decide how a run executes, never what it writes.
+
+    Attributes:
+        out: shard root (`<out>/backbone=../dataset=../method=../seed=../part-00000.parquet`).
+        cache_dir: feature cache root (None: `default_cache_dir()`).
+        device: torch device (None: cuda if available).
+        batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, up to 16 on CUDA).
+        chunk_size: samples per feature-cache chunk.
+        resume: keep valid parts of an interrupted run; False recomputes every part.
+        force: recompute even a finished run.
+        on_changed: a finished run whose settings differ: "refuse" (RunError naming what changed) or "recompute".
+        progress: show the rich progress bar.
+    """
+
+    out: str | os.PathLike = DEFAULT_OUT
+    cache_dir: str | os.PathLike | None = None
+    device: str | None = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+    workers: int | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    resume: bool = True
+    force: bool = False
+    on_changed: str = "refuse"
+    progress: bool = True
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A method config as plain JSON values (what shards and the finished-run check record)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A run with every name resolved, before any file is read (`plan`).
+
+    Attributes:
+        options: what was asked for.
+        method_cls: the method class; config: its config with the overrides applied.
+        dataset: the dataset's canonical key; backbone: the model name the shards record.
+        policy: the view policy ("single", "crop_flip", "augmix"); key: RunKey(backbone, dataset, method, seed).
+        settings_note: for a dataset without official settings: which settings apply (printed, kept in shards).
+    """
+
+    options: RunOptions
+    method_cls: type
+    config: Any
+    dataset: str
+    backbone: str
+    policy: str
+    key: "RunKey"
+    settings_note: str = ""
+
+    @property
+    def spec_key(self) -> str:
+        """The dataset's canonical key (the name the older `plan_run` result used)."""
+        return self.dataset
+
+    @property
+    def episodic(self) -> bool:
+        """Whether the method resets its state per sample (its state after a part is then stored in the part)."""
+        return bool(getattr(self.config, "episodic", False))
+
+    def config_dict(self) -> dict[str, Any]:
+        """The method config as recorded in shards and settings."""
+        return config_dict(self.config)
+
+    def n_run(self, n_total: int) -> int:
+        """Stream positions the run covers out of `n_total`."""
+        return n_total if self.options.limit is None else min(self.options.limit, n_total)
+
+
+def resolve_backbone_name(backbone: str | None, pretrained: str) -> str:
+    """The backbone name a run records, without loading weights (for `local-dir:`, the config's `model_name`)."""
+    from extract.models import LOCAL_DIR, _local_dir_config
+
+    if pretrained.startswith(LOCAL_DIR):
+        d = Path(pretrained[len(LOCAL_DIR):]).expanduser()
+        cfg = _local_dir_config(d)
+        return backbone or cfg.get("model_name") or d.resolve().name
+    return backbone or DEFAULT_BACKBONE
+
+
+def plan(options: RunOptions) -> PlannedRun:
+    """Resolve method, dataset, backbone name, config (+ overrides) and the view policy; raises on any bad name.
+
+    Raises:
+        RunError (bad anchor, limit, seed, view settings, prompts on a user's dataset), ValueError (unknown method
+        or config key), DatasetError (unknown dataset).
+    """
+    from extract.datasets import get_dataset
+    from extract.methods import apply_overrides, get_method
+    from extract.views import view_policy
+    from schemas import RunKey
+
+    o = options
+    cls = get_method(o.method)
+    spec = get_dataset(o.dataset)
+    if o.anchor not in ANCHORS:
+        raise RunError(f"unknown anchor {o.anchor!r}; available: {', '.join(ANCHORS)}")
+    if o.limit is not None and o.limit < 1:
+        raise RunError(f"--limit must be >= 1, got {o.limit}")
+    if o.seed < 0:
+        raise RunError(f"seed must be >= 0, got {o.seed}")
+    name = resolve_backbone_name(o.backbone, o.pretrained)
+    unseen = spec.hparams_from is None  # a user's dataset: the method's documented settings for unseen data
+    config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
+    overrides = o.overrides_dict()
+    if overrides:
+        config = apply_overrides(config, dict(overrides))
+    try:
+        policy = view_policy(int(config.n_views), bool(config.augmix))
+    except ValueError as e:
+        raise RunError(f"{o.method}: {e}") from None
+    note = _unseen_note(o.method, cls, spec.key, config, overrides) if unseen else ""
+    return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note)
+
+
+def _unseen_note(method: str, cls: type, dataset: str, config: Any, overrides: Mapping[str, Any]) -> str:
+    """Which settings apply to a dataset without official ones; raises RunError for prompts that need them."""
+    from extract.prompts import USER_PROMPT_POLICIES
+
+    if config.prompts not in USER_PROMPT_POLICIES or config.cupl:
+        raise RunError(f"dataset {dataset!r} has no per-dataset templates or CuPL sentences: prompts must be "
+                       f"one of {', '.join(USER_PROMPT_POLICIES)} and cupl false, got prompts={config.prompts}, "
+                       f"cupl={config.cupl}")
+    changes = "".join(f", {k}={v}" for k, v in cls.unseen_changes.items())  # type: ignore[attr-defined]
+    note = f"{method}'s settings for unseen data: {cls.unseen_like}'s row{changes}"  # type: ignore[attr-defined]
+    note += f", then --set {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""
+    return note
+
+
+def check_options(options: RunOptions, execution: ExecOptions) -> None:
+    """The numeric options and the output folders of a run, checked before any image is read (RunError)."""
+    if options.part_size % options.adapt_batch:
+        raise RunError(f"part_size ({options.part_size}) must be a multiple of adapt_batch ({options.adapt_batch})")
+    if execution.batch_size < 1:
+        raise RunError(f"--batch-size must be a positive integer, got {execution.batch_size}")
+    if execution.workers is not None and execution.workers < 0:
+        raise RunError(f"--workers must be >= 0, got {execution.workers}")
+    from extract.cache import resolve_cache_dir
+
+    check_output_dir(execution.out, "--out")
+    cache = execution.cache_dir
+    check_output_dir(resolve_cache_dir(cache), "--cache-dir" if cache is not None else "the cache folder "
+                     "($ZAEC_CACHE_DIR or data/cache; set --cache-dir)")
+    if execution.on_changed not in ON_CHANGED:
+        raise RunError(f"on_changed must be 'refuse' or 'recompute', got {execution.on_changed!r}")
+
+
+def check_output_dir(path: str | os.PathLike, option: str) -> Path:
+    """Fail fast on an output folder that cannot be written: `path` (or the folder it would be created in) must not
+    be a file and its nearest existing folder must be writable. Checked before any image is read.
+
+    Raises:
+        RunError: one line naming the option, the path and what is wrong.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    where = f"{option} {path}" + ("" if probe == path else f" (to be created in {probe})")
+    if probe.exists() and not probe.is_dir():
+        raise RunError(f"{where}: {probe} is a file, expected a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunError(f"{where}: folder {probe} is not writable; choose another with {option}")
+    return path

@@ -1,0 +1,105 @@
+"""`RunDir`: the one object that knows where a run's files live (its shard folder, parts and completion marker).
+
+Parts are shards over fixed stream ranges [p * part_size, (p + 1) * part_size), named `part-00000.parquet`, ...;
+a finished run carries the marker `_zaec_complete.json` beside them, listing its parts. Every file is written under
+a temporary name `.<name>.<random>.tmp` in the same folder and renamed (`schemas.atomic`), so a reader never sees a
+half-written part or marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from schemas import COMPLETE_MARKER, RunKey, shard_dir, shard_path
+from schemas.atomic import write_json_atomic
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The files of run `key` under the shard root `root`.
+
+    Example:
+        >>> d = RunDir(Path("out"), RunKey("ViT-B-16", "dtd", "tda", 1))
+        >>> d.part(2).name, d.marker.name
+        ('part-00002.parquet', '_zaec_complete.json')
+    """
+
+    root: Path
+    key: RunKey
+
+    @property
+    def path(self) -> Path:
+        """The run's shard folder `<root>/backbone=../dataset=../method=../seed=..`."""
+        return shard_dir(self.root, self.key)
+
+    @property
+    def marker(self) -> Path:
+        """The completion marker (written last, only by a run that finished)."""
+        return self.path / COMPLETE_MARKER
+
+    def part(self, index: int) -> Path:
+        """The path of part `index` (stream positions [index * part_size, (index + 1) * part_size))."""
+        return shard_path(self.root, self.key, index)
+
+    @staticmethod
+    def part_index(path: Path) -> int:
+        """The index of a part from its file name (`part-00003.parquet` -> 3)."""
+        return int(path.stem.split("-")[1])
+
+    def existing_parts(self) -> list[Path]:
+        """Part files on disk, sorted by index (not validated)."""
+        return sorted(self.path.glob("part-*.parquet")) if self.path.is_dir() else []
+
+    def temp_files(self) -> list[Path]:
+        """Temporary files of interrupted writes (never read; a later write replaces them under a new name)."""
+        return sorted(self.path.glob(".*.tmp")) if self.path.is_dir() else []
+
+    def remove_parts_from(self, start: int) -> list[Path]:
+        """Delete every part with index >= `start` (parts a run will rewrite, or stale parts of a longer run)."""
+        gone = [p for p in self.existing_parts() if self.part_index(p) >= start]
+        for p in gone:
+            p.unlink()
+        return gone
+
+    def read_marker(self) -> dict[str, Any] | None:
+        """The marker's document, or None when absent or unreadable."""
+        try:
+            doc = json.loads(self.marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def write_marker(self, doc: dict[str, Any]) -> Path:
+        """Mark the run finished (atomic)."""
+        return write_json_atomic(self.marker, doc)
+
+    def remove_marker(self) -> None:
+        """Unmark the run (before any part is rewritten)."""
+        self.marker.unlink(missing_ok=True)
+
+    def is_complete(self, limit: int | None = None) -> bool:
+        """Whether the run finished: its marker exists and every listed part is on disk.
+
+        Args:
+            limit: the `--limit` asked for; a finished full run also satisfies a limited request, a limited run
+                satisfies only the same or a smaller limit.
+        """
+        try:
+            info = json.loads(self.marker.read_text(encoding="utf-8"))
+            n_done, n_total = int(info["n_samples"]), int(info["n_total"])
+            parts = [self.marker.parent / p for p in info["parts"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if not all(p.is_file() for p in parts):
+            return False
+        wanted = n_total if limit is None else min(int(limit), n_total)
+        return n_done >= wanted
+
+
+def run_is_complete(out: str | os.PathLike, key: RunKey, *, limit: int | None = None) -> bool:
+    """Whether the run `key` under the shard root `out` finished (`RunDir.is_complete`)."""
+    return RunDir(Path(out), key).is_complete(limit)

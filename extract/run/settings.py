@@ -1,0 +1,161 @@
+"""What a run's result depends on beyond its options: the listed test set and the identity of its image files, and
+the settings dict a finished run records and is checked against (`finished_run`, `finished_run_mismatch`).
+
+The settings: method config, pretrained weights, anchor, TDA's file filter, the sample list (paths, labels, class
+names: `TestSet.fingerprint()`), the resolved data root and the data fingerprint of the image files
+(`extract.fingerprint`). A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
+asks the same function before it submits anything, so the two checks cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from extract.run.options import PlannedRun, RunOptions
+from extract.run.rundir import RunDir
+
+if TYPE_CHECKING:
+    from extract.datasets import TestSet
+
+#: what a changed setting of a finished run means, for the refusal message
+_SETTING_HINTS = {"data_fingerprint": "the image files changed (size, modification time or content)",
+                  "data_root": "another data root", "samples": "another split or class list"}
+
+
+@dataclass(frozen=True)
+class RunData:
+    """A run's listed test set (split files only, no image opened) and the identity of its data.
+
+    Attributes:
+        testset: the listed test set.
+        identity: {"data_root": resolved folder, "data_fingerprint": fingerprint of the image files}.
+    """
+
+    testset: "TestSet"
+    identity: Mapping[str, str]
+
+    @property
+    def n_total(self) -> int:
+        """Samples in the test set."""
+        return len(self.testset)
+
+    def cache_key(self) -> str:
+        """The test-set part of the feature cache key: sample list, data root and data fingerprint (16 hex)."""
+        raw = "\n".join((self.testset.fingerprint(), self.identity["data_root"], self.identity["data_fingerprint"]))
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _identity(testset: "TestSet", data_root: str | os.PathLike | None, mode: str) -> dict[str, str]:
+    """The resolved data root (for a user's `folder:`/`split:` dataset, which needs none: its own folder) and the
+    data fingerprint of the test set's image files (`extract.fingerprint`)."""
+    from extract.datasets import get_dataset, resolve_data_root
+    from extract.fingerprint import fingerprint
+
+    own = get_dataset(testset.key).ref is not None
+    root = testset.dataset_dir if own else resolve_data_root(data_root)
+    return {"data_root": str(Path(root).resolve()), "data_fingerprint": fingerprint(testset, mode)}
+
+
+def load_run_data(planned: PlannedRun) -> RunData:
+    """List the planned run's test set and fingerprint its files (DatasetError, ValueError for a bad mode)."""
+    from extract.datasets import load_testset
+    from extract.fingerprint import check_mode
+
+    o = planned.options
+    check_mode(o.fingerprint)
+    testset = load_testset(planned.dataset, o.data_root, sh_filter=o.sh_filter)
+    return RunData(testset, _identity(testset, o.data_root, o.fingerprint))
+
+
+def data_identity(dataset: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False,
+                  mode: str = "stat") -> dict[str, str]:
+    """`{"samples": ..., "data_root": ..., "data_fingerprint": ...}` as a run of `dataset` would record them in its
+    settings (for checks outside a run)."""
+    from extract.datasets import load_testset
+
+    testset = load_testset(dataset, data_root, sh_filter=sh_filter)
+    return {"samples": testset.fingerprint(), **_identity(testset, data_root, mode)}
+
+
+def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
+    """What a finished run must match to be reused without --force (recorded in its marker)."""
+    o = planned.options
+    return {"method_config": planned.config_dict(), "pretrained": o.pretrained, "anchor": o.anchor,
+            "sh_filter": bool(o.sh_filter), "samples": data.testset.fingerprint(), **data.identity}
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A finished run on disk compared with the settings of the run asking.
+
+    Attributes:
+        run_dir: where it lives; parts: its parts, in order.
+        recorded: the settings its marker recorded (any JSON value; a dict unless the marker is damaged).
+        wanted: the settings of the run asking.
+    """
+
+    run_dir: RunDir
+    parts: tuple[Path, ...]
+    recorded: Any
+    wanted: Mapping[str, Any]
+
+    @property
+    def matches(self) -> bool:
+        """Same settings: the run is reused as it is."""
+        return self.recorded == self.wanted
+
+    @property
+    def predates_fingerprints(self) -> bool:
+        """Recorded before data fingerprints existed, otherwise the same settings: its data cannot be verified, so
+        it is recomputed rather than served or refused."""
+        old, new = self.recorded, self.wanted
+        return (isinstance(old, dict) and "data_fingerprint" not in old
+                and {k: v for k, v in new.items() if k not in ("data_fingerprint", "data_root")} == old)
+
+    def changed(self) -> str:
+        """The settings that differ, with what each change means: `method_config, samples (another split ...)`."""
+        old = self.recorded if isinstance(self.recorded, dict) else {}
+        keys = sorted(k for k in set(old) | set(self.wanted) if old.get(k) != self.wanted.get(k))
+        return ", ".join(f"{k} ({_SETTING_HINTS[k]})" if k in _SETTING_HINTS else k for k in keys)
+
+    def refusal(self) -> str:
+        """One line for a run that will not overwrite it."""
+        return (f"a finished run under {self.run_dir.path} used different settings: {self.changed()}; use --force to "
+                "recompute it or write elsewhere with --out")
+
+
+def finished_run(run_dir: RunDir, settings: Mapping[str, Any], limit: int | None) -> FinishedRun | None:
+    """The finished run under `run_dir` that covers `limit` (`RunDir.is_complete`), or None."""
+    if not run_dir.is_complete(limit):
+        return None
+    info = run_dir.read_marker() or {}
+    return FinishedRun(run_dir, tuple(run_dir.path / p for p in info["parts"]), info.get("settings"), settings)
+
+
+def finished_run_mismatch(planned: PlannedRun, run_dir: RunDir, data: RunData | None = None) -> str | None:
+    """What differs between a finished run under `run_dir` and `planned`, or None (no finished run covering the
+    planned limit, the same settings, or a run so old that the extractor recomputes it without asking).
+
+    The same check `zaec-extract` applies before it reuses or refuses a finished run. `data` may be passed when
+    several runs share a dataset (`load_run_data` lists and fingerprints it, one `os.stat` per image).
+
+    Example:
+        >>> why = finished_run_mismatch(planned, RunDir(out, planned.key))   # doctest: +SKIP
+        'method_config'
+    """
+    if not run_dir.is_complete(planned.options.limit):
+        return None
+    data = load_run_data(planned) if data is None else data
+    done = finished_run(run_dir, run_settings(planned, data), planned.options.limit)
+    if done is None or done.matches or done.predates_fingerprints:
+        return None
+    return done.changed()
+
+
+def data_key(options: RunOptions) -> tuple[Any, ...]:
+    """The options `load_run_data` depends on: runs with equal keys share one `RunData`."""
+    return (options.dataset, options.data_root, options.sh_filter, options.fingerprint)

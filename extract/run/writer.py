@@ -1,0 +1,71 @@
+"""Writing a run: `PartWriter` turns the adapt loop's rows into one shard per part as the stream advances, and
+`marker_doc` is what the completion marker records once every part is on disk.
+
+Each part is written atomically (`schemas.write_shard`: a temporary name, then a rename), so an interrupted run
+leaves whole parts only; the marker is written last, so a run without it is not finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from extract.run.rundir import RunDir
+from schemas import ShardMeta, write_shard
+
+_COLUMNS = ("sid", "label", "zs", "tta", "pos")
+
+
+def part_meta(meta: ShardMeta, method: Any, episodic: bool) -> ShardMeta:
+    """The metadata of a part just finished: the run's, plus the method's summary and, for an episodic method, its
+    state (plain numbers) after the part's last row, which a resumed run loads."""
+    extra = {**meta.extra, "zaec:method_summary": json.dumps(method.summary(), sort_keys=True)}
+    if episodic:
+        extra["zaec:method_state"] = json.dumps(method.state_dict(), sort_keys=True)
+    return dataclasses.replace(meta, extra=extra)
+
+
+class PartWriter:
+    """Collects rows in stream order and writes part p when position (p + 1) * part_size, or the end of the run,
+    is reached; the method's summary and state are read at that moment (`part_meta`).
+
+    Args:
+        run_dir: where the parts go. meta: the run's shard metadata. method: the method object (read, not changed).
+        episodic: record the method's state in each part. part_size: rows per part. n_run: positions of the run.
+        kept: the parts kept from an interrupted run (listed first in `written`).
+    """
+
+    def __init__(self, run_dir: RunDir, meta: ShardMeta, method: Any, *, episodic: bool, part_size: int,
+                 n_run: int, kept: Sequence[Path] = ()):
+        self.run_dir, self.meta, self.method, self.episodic = run_dir, meta, method, episodic
+        self.part_size, self.n_run = part_size, n_run
+        self.written: list[Path] = list(kept)
+        self._rows: dict[str, list[np.ndarray]] = {k: [] for k in _COLUMNS}
+
+    def add(self, sample_id: np.ndarray, label: np.ndarray, zs: np.ndarray, tta: np.ndarray, pos: np.ndarray
+            ) -> Path | None:
+        """Append rows (B,) sample ids, labels, (B, K) zero-shot and adapted logits, (B,) stream positions, which
+        continue the stream; returns the part written when these rows complete one, else None."""
+        for k, v in zip(_COLUMNS, (sample_id, label, zs, tta, pos)):
+            self._rows[k].append(v)
+        e = int(pos[-1]) + 1
+        if e % self.part_size and e != self.n_run:
+            return None
+        cat = {k: np.concatenate(v) for k, v in self._rows.items()}
+        path = write_shard(self.run_dir.part((e - 1) // self.part_size), part_meta(self.meta, self.method,
+                           self.episodic), cat["sid"], cat["label"], cat["zs"], cat["tta"], stream_pos=cat["pos"])
+        self.written.append(path)
+        self._rows = {k: [] for k in _COLUMNS}
+        return path
+
+
+def marker_doc(*, n_run: int, n_total: int, limit: int | None, settings: Mapping[str, Any], parts: Sequence[Path],
+               method_summary: Mapping[str, Any], accuracies: Mapping[str, float]) -> dict[str, Any]:
+    """The completion marker's document: how much of the stream is done, the settings a later run is checked
+    against, the parts in order, the method's summary and the accuracies."""
+    return {"n_samples": n_run, "n_total": n_total, "limit": limit, "settings": dict(settings),
+            "parts": [p.name for p in parts], "method_summary": dict(method_summary), **accuracies}
