@@ -101,8 +101,8 @@ class RunOptions:
         anchor: "single" = zero-shot logits from "a photo of a {}." on view 0; "method" = the method's own prompts.
         data_root: datasets folder (None: `default_data_root()`).
         cupl_dir: CuPL prompt files (None: `default_cupl_dir()`).
-        sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (docs/methods.md, "TDA's file-listing
-            quirk (sh_filter)"), off by default.
+        sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2, off by default
+            (docs/methods.md, "TDA's file-listing quirk (sh_filter)").
         fingerprint: how image files are fingerprinted: "stat" (size and modification time) or "content" (sha256).
         adapt_batch: samples per `method.adapt` call (an online method's result depends on it).
         part_size: rows per shard (a multiple of `adapt_batch`).
