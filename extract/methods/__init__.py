@@ -18,9 +18,14 @@ from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
+from extract.methods.zero import Zero
 from extract.methods.zero_shot import ZeroShot
 
-REGISTRY: dict[str, type[TTAMethod]] = {cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS)}
+REGISTRY: dict[str, type[TTAMethod]] = {
+    cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
+                             # TTA-VLM's training-free methods (docs/methods.md)
+                             Zero)
+}
 
 
 def get_method(key: str) -> type[TTAMethod]:
