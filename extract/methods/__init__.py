@@ -15,6 +15,7 @@ from extract.methods.base import (
 )
 from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
+from extract.methods.mta import MTA
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
@@ -24,7 +25,7 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's training-free methods (docs/methods.md)
-                             Zero)
+                             Zero, MTA)
 }
 
 
