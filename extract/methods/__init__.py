@@ -16,6 +16,7 @@ from extract.methods.base import (
 from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
 from extract.methods.mta import MTA
+from extract.methods.onzeta import OnZeta
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
@@ -25,7 +26,7 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's training-free methods (docs/methods.md)
-                             Zero, MTA)
+                             Zero, MTA, OnZeta)
 }
 
 

@@ -284,6 +284,10 @@ class TTAMethod(abc.ABC):
         self.n_seen += b
         return out.detach().float()
 
+    def set_stream_length(self, n: int) -> None:
+        """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods
+        whose official schedule needs it in advance (OnZeta's β_i = β·√((i+1)/n)); the runner calls it."""
+
     @classmethod
     def method_class_names(cls, dataset: str, class_names: Sequence[str],
                            imagenet_indices: Sequence[int] | None = None) -> tuple[str, ...]:
