@@ -15,6 +15,7 @@ from extract.methods.base import (
 )
 from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
+from extract.methods.ecalp import ECALP
 from extract.methods.mta import MTA
 from extract.methods.onzeta import OnZeta
 from extract.methods.tda import TDA
@@ -26,7 +27,7 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's training-free methods (docs/methods.md)
-                             Zero, MTA, OnZeta)
+                             Zero, MTA, OnZeta, ECALP)
 }
 
 
