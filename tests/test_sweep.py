@@ -295,6 +295,32 @@ def test_user_errors_are_one_line(args, message, tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1 or message in res.stderr.strip().splitlines()[0]
 
 
+@pytest.mark.parametrize("argv, first", [
+    (["--limit", "abc"], "zaec-sweep: error: Invalid value for '--limit': "),
+    (["run", "--bogus"], "zaec-sweep: error: No such option: --bogus"),
+    (["status", "--state"], "zaec-sweep: error: Option '--state' requires an argument."),
+    (["--methods", "tpz", "--datasets", "dtd", "--dry-run"], "zaec-sweep: error: unknown method 'tpz'; available: "),
+])
+def test_every_error_of_the_console_script_is_one_line(argv, first, tmp_path, capsys):
+    """Usage errors (typer's) and user errors (ours) end alike: one `zaec-sweep: error: ...` line, exit 2."""
+    with pytest.raises(SystemExit) as e:
+        sweep.main(argv + ["--out", str(tmp_path / "o")] if argv[0] != "status" else argv)
+    cap = capsys.readouterr()
+    assert e.value.code == 2 and cap.out == ""
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(first), cap.err
+
+
+def test_a_missing_dataset_names_its_expected_layouts(tmp_path, capsys):
+    """The extractor's layout hint is part of the answer: the error's further lines are kept (no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--methods", "tda", "--datasets", "caltech101", "--data-root", str(tmp_path),
+                    "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.startswith("zaec-sweep: error: dataset 'caltech101' not found") and "101_ObjectCategories" in err
+
+
 def test_bad_config_key_lists_valid_keys(tmp_path):
     cfg = tmp_path / "grid.toml"
     cfg.write_text('methods = ["tda"]\ndatasets = "dtd"\npartitoin = "gpu"\n')

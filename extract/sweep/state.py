@@ -80,11 +80,13 @@ def job_status(row: Mapping[str, Any], facts: JobFacts) -> tuple[JobStatus, str]
     job_id = str(row.get("job_id", ""))
     if not job_id:
         return ("ended", "no job was submitted")
-    if facts.live_done is False:
+    held_done = facts.live_done
+    if held_done is False:
         return ("active", "")
-    if facts.outcome is not None:
-        return ("ended", facts.outcome[1])
-    if facts.live_done:
+    outcome = facts.outcome
+    if outcome is not None:
+        return ("ended", outcome[1])
+    if held_done:
         return ("ended", f"job {job_id} ended without a result ({facts.live_state})")
     if row.get("executor", "local") == "slurm":
         state = facts.slurm_state
