@@ -56,7 +56,7 @@ from extract.sweep.runspec import (
 )
 from extract.sweep.state import ACTIVE_STATES, STATES
 from extract.sweep.submit import ExecOptions, sbatch_preview, submit_and_record
-from extract.sweep.track import refresh
+from extract.sweep.track import refresh, split_runs
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None)
@@ -169,26 +169,14 @@ def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run:
     if dry_run:  # states refreshed in memory only; nothing is written
         manifest = Manifest.load(out)
         refresh(manifest)
-        skipped = [r for r in runs if is_complete(r)]
+        skipped, active, todo = split_runs(runs, manifest)
         check_finished_settings(skipped)
-        done = {r.run_id for r in skipped}
-        active = [r.run_id for r in runs
-                  if r.run_id not in done and manifest.rows.get(r.run_id, {}).get("state") in ACTIVE_STATES]
-        todo = [r for r in runs if r.run_id not in done and r.run_id not in active]
         render_plan(group_runs(todo), skipped, active, opts, out, console)
         return 0
     check_finished_settings([r for r in runs if is_complete(r)])
     with locked_manifest(out) as manifest:
         refresh(manifest)
-        skipped, active, todo = [], [], []
-        for r in runs:
-            if is_complete(r):
-                manifest.record_done(r)
-                skipped.append(r)
-            elif manifest.rows.get(r.run_id, {}).get("state") in ACTIVE_STATES:
-                active.append(r.run_id)
-            else:
-                todo.append(r)
+        skipped, active, todo = split_runs(runs, manifest, record_done=True)
         groups = group_runs(todo)
         live = submit_and_record(manifest, groups, opts) if groups else {}
     console.print(f"{len(todo)} run(s) submitted in {len(groups)} job group(s) ({opts.executor}); "

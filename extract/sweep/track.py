@@ -1,5 +1,6 @@
-"""Following submitted jobs: what submitit, the scheduler and the process table say about a job, and `refresh`,
-which brings every manifest row up to date with `extract.sweep.state.transition`.
+"""Following submitted jobs: what submitit, the scheduler and the process table say about a job; `refresh`, which
+brings every manifest row up to date with `extract.sweep.state.transition`; `split_runs`, which tells the runs of a
+grid to submit from the complete and the still active ones.
 
 The facts of a row are looked up on first use (`_RowFacts`), so a complete run costs no pickle read and the one
 `sacct` call for all SLURM jobs of the manifest is made only when some row needs it.
@@ -135,3 +136,22 @@ def refresh(manifest: Manifest, live: Mapping[str, Any] | None = None) -> list[t
             row.update(state=new, error=err, updated=now())
             changes.append((run_id, new, err))
     return changes
+
+
+def split_runs(runs: Sequence[RunSpec], manifest: Manifest, *, record_done: bool = False
+               ) -> tuple[list[RunSpec], list[str], list[RunSpec]]:
+    """(complete runs, run ids still pending or running in the (refreshed) manifest, runs to submit), in grid
+    order. With `record_done`, each complete run is recorded as done in the manifest (found at planning time)."""
+    skipped: list[RunSpec] = []
+    active: list[str] = []
+    todo: list[RunSpec] = []
+    for r in runs:
+        if is_complete(r):
+            if record_done:
+                manifest.record_done(r)
+            skipped.append(r)
+        elif manifest.rows.get(r.run_id, {}).get("state") in ACTIVE_STATES:
+            active.append(r.run_id)
+        else:
+            todo.append(r)
+    return skipped, active, todo
