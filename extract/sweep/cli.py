@@ -67,6 +67,7 @@ DEFAULT_OUT = Path("data") / "shards"
 #: seconds between two refreshes while waiting
 POLL_S = 2.0
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # rendering (rich) of the polars frames built in extract.sweep.cost and extract.sweep.manifest
 
@@ -139,10 +140,8 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
                           f"{shown}", markup=False, highlight=False)
 
 
-
 def fmt_hours(h: float) -> str:
     return f"{h:.2f}" if h < 10 else f"{h:.0f}"
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -281,6 +280,8 @@ def _exec_options(cfg: Mapping[str, Any], cli: Mapping[str, Any]) -> ExecOptions
         raise SweepError(f"bad executor setting: {e}") from None
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# typer commands (user errors: one line through calibrate.cli_errors.fail)
 
 def _console() -> Any:
     from rich.console import Console
@@ -436,8 +437,6 @@ def retry(
     except USER_ERRORS as e:
         fail(PROG, e, full=True)
     raise typer.Exit(code)
-
-
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -201,7 +201,6 @@ def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: 
         raise SweepError(f"submission failed ({opts.executor}): {lines[0] if lines else type(e).__name__}") from None
 
 
-
 def submit_and_record(manifest: Manifest, groups: Sequence[Group], opts: ExecOptions) -> dict[str, Any]:
     """Submit the groups under a new token and record each run's job in the manifest (state pending); returns the
     submitit job objects by job id (this process can ask them whether they are done)."""
