@@ -8,7 +8,7 @@ that `extract` may import it while `calibrate` never imports `extract`.
 from __future__ import annotations
 
 import sys
-from typing import List, NoReturn, Optional
+from typing import Any, List, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -35,12 +35,32 @@ def fail(prog: str, e: BaseException, err: Optional[Console] = None, *, full: bo
     raise typer.Exit(2)
 
 
+def plain_flags(command: Any) -> Any:
+    """Drop the `<bool>` typer's help shows after flags that take no value (`--force`, `--resume/--no-resume`,
+    `--help`), in `command` and its sub-commands; returns `command`."""
+    for param in getattr(command, "params", ()):
+        if getattr(param, "is_flag", False):
+            param.metavar = " "  # typer prints a non-empty metavar as is; a blank one shows nothing
+    get_help_option = command.get_help_option
+
+    def help_option(ctx: Any) -> Any:
+        opt = get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = " "
+        return opt
+
+    command.get_help_option = help_option
+    for sub in getattr(command, "commands", {}).values():
+        plain_flags(sub)
+    return command
+
+
 def run_app(app: typer.Typer, args: List[str], prog: str) -> NoReturn:
     """Run a typer app on `args` and exit; typer's usage errors (unknown option, bad value) end in one line too."""
     # typer >= 0.2x vendors click, so find click's exception classes by name on typer's own hierarchy
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-    command = typer.main.get_command(app)
+    command = plain_flags(typer.main.get_command(app))
     try:
         code = command.main(args=args, prog_name=prog, standalone_mode=False)
     except click_error as e:

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import typer
 
+from extract.method_keys import METHOD_KEYS
 from extract.run.options import (
     DEFAULT_ANCHOR,
     DEFAULT_BACKBONE,
@@ -42,7 +43,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 @app.command()
 def extract(
-    method: str = typer.Option(..., "--method", "-m", help="TTA method: zero-shot, tda, dpe, dlae, ..."),
+    method: str = typer.Option(..., "--method", "-m", help=f"TTA method: {', '.join(METHOD_KEYS)}"),
     dataset: str = typer.Option(..., "--dataset", "-d",
                                 help="dataset key (imagenet, dtd, imagenet_c:CORRUPTION:SEVERITY, ...), "
                                      "folder:PATH (one sub-folder per class) or split:FILE.json (a CoOp split)"),

@@ -819,3 +819,9 @@ def test_amp_code_path_emulated_on_cpu(cls, v, dataset):
     ref = cls(dataclasses.replace(cfg, amp_fp16=False), text, 100.0, backbone="RN50", dataset=dataset).adapt(x)
     assert low.dtype == torch.float32 and torch.isfinite(low).all()
     assert (low.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_method_keys_for_help_equal_the_registry():
+    from extract.method_keys import METHOD_KEYS
+
+    assert METHOD_KEYS == tuple(REGISTRY)
