@@ -73,9 +73,10 @@ def test_tables_end_to_end(shards, tmp_path, capsys):
         for fig in figs:
             png = out / f"{fig}_{bb}.png"
             assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for stem in ("table1_pa_pd", "table4_subset_ablation", "fig2b_correlation"):
+    for stem in ("table1_pa_pd", "table4_subset_ablation", "fig2b_correlation", "trust_ViT-B-16", "trust_RN50"):
         assert {f"{stem}.csv", f"{stem}.md", f"{stem}.tex"} <= names
     # every figure keeps its data as CSV next to the PNG
+    assert {"trust_ViT-B-16_diff.csv", "risk_coverage.csv", "risk_coverage_ViT-B-16.png"} <= names
     for csv in ("fig1_intro", "fig2a_range_vs_ece", "fig2a_all_points", "fig2b_entropy_vs_ece", "fig2cd_entropy_gap",
                 "fig3_summary", "fig4_boundary", "fig5_reliability", "fig6_strength"):
         assert f"{csv}.csv" in names
