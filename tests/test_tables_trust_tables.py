@@ -236,3 +236,21 @@ def test_risk_coverage_curves_are_the_runs_curves():
 def test_metric_labels_state_the_score():
     assert [tt.metric_label(m) for m in ("aurc_msp", "eaurc_negent", "cw_ece_15w")] == [
         "AURC (MSP)", "E-AURC (−H)", "cw-ECE (15 bins)"]
+
+
+def test_classwise_statistics_merge_across_shards():
+    from calibrate.tables.data import merge_summaries
+
+    labels, zs, tta = make_arrays("dtd", 1, n=100)
+    cals = {"zaec": parse_calibrator("zaec").temperatures}
+    key = RunKey("ViT-B-16", "dtd", "tda", 1)
+    ids = np.arange(100)
+    whole = summarise_arrays(key, ids, labels, zs, tta, cals)
+    order = np.random.default_rng(3).permutation(100)  # shards in any order
+    parts = [summarise_arrays(key, ids[p], labels[p], zs[p], tta[p], cals) for p in np.array_split(order, 3)]
+    merged = merge_summaries(parts)
+    assert set(merged.classwise) == {"zero-shot", "none", "zaec"}
+    for spec, stats in whole.classwise.items():
+        got, want = merged.classwise[spec].compute(), stats.compute()
+        for col in want:  # sums of 100 float64 values in another order
+            assert got[col] == pytest.approx(want[col], abs=1e-13), (spec, col)
