@@ -152,7 +152,8 @@ def trust_cells(
         if (bb, ds, layout.ZERO_SHOT, ZERO_SHOT) in out:
             continue
         zs = sorted((k[2], v) for k, v in out.items() if k[:2] == (bb, ds) and k[3] == ZERO_SHOT)
-        out[(bb, ds, layout.ZERO_SHOT, ZERO_SHOT)] = _mean_cells([v for _, v in zs], [f"{m}'s zero-shot" for m, _ in zs])
+        out[(bb, ds, layout.ZERO_SHOT, ZERO_SHOT)] = _mean_cells([v for _, v in zs],
+                                                                 [f"{m}'s zero-shot" for m, _ in zs])
     return {k: v for k, v in out.items() if not (k[3] == ZERO_SHOT and k[2] != layout.ZERO_SHOT)}
 
 
@@ -245,7 +246,8 @@ def trust_table(
 
 def _table_row(backbone, block, block_label, block_pos, row, row_label, row_pos, group, dataset, metric, value, ci,
                n_datasets, group_size, in_sample, why) -> dict:
-    return dict(backbone=backbone, block=block, block_label=block_label, block_pos=block_pos, row=row, row_label=row_label, row_pos=row_pos, group=group, dataset=dataset,
+    return dict(backbone=backbone, block=block, block_label=block_label, block_pos=block_pos, row=row,
+                row_label=row_label, row_pos=row_pos, group=group, dataset=dataset,
                 column_label="Avg." if dataset == "avg" else layout.dataset_label(dataset), metric=metric,
                 metric_label=metric_label(metric), score=metric_score(metric), value=value, ci_low=ci[0],
                 ci_high=ci[1], n_undefined=ci[2], n_datasets=n_datasets, group_size=group_size,

@@ -290,7 +290,8 @@ def selective_sentence(
     """
     head = "Selective prediction (beyond the paper): "
     if not {"aurc_msp", "auroc_msp"} <= set(metrics.columns):
-        return head + "undecided, the metrics table has no aurc_msp/auroc_msp columns (made by an older zaec-calibrate)."
+        return head + ("undecided, the metrics table has no aurc_msp/auroc_msp columns (made by an older "
+                       "zaec-calibrate).")
     rows = metrics.filter((pl.col("method") != anchor_method) & (pl.col("dataset") != source)
                           & pl.col("calibrator").is_in(["none", "zaec"]))
     per = (rows.with_columns(pl.col("aurc_msp", "auroc_msp").cast(pl.Float64).fill_nan(None))
