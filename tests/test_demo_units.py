@@ -263,3 +263,36 @@ def test_demo_method_selection():
     every = _resolve_methods(["all"])
     assert set(every) == set(REGISTRY) and every[0] == "zero-shot"  # zero-shot first: it fills the view-0 cache
     assert _resolve_methods(["tda", "zero-shot", "tda"]) == ("zero-shot", "tda")
+
+def _with_selective(df, aurc, auroc):
+    """Add aurc_msp/auroc_msp columns: {calibrator: value} for the TTA methods' rows, 0.3/0.7 elsewhere."""
+    def col(values, other):
+        expr = pl.lit(other)
+        for cal, v in values.items():
+            expr = pl.when((pl.col("calibrator") == cal) & (pl.col("method") != "zero-shot")).then(v).otherwise(expr)
+        return expr
+    return df.with_columns(col(aurc, 0.3).alias("aurc_msp"), col(auroc, 0.7).alias("auroc_msp"))
+
+
+def test_selective_sentence_helps_hurts_and_undecided():
+    from extract.demo.run import selective_sentence
+
+    helps = selective_sentence(_with_selective(_paper_like(), {"none": 0.30, "zaec": 0.25},
+                                               {"none": 0.70, "zaec": 0.75}))
+    assert "ZAEC helps" in helps and "AURC 30.0% raw -> 25.0% with ZAEC" in helps
+    assert "lower in 4 of 4 pairs" in helps and "AUROC 70.0% -> 75.0%" in helps and "higher in 4 of 4" in helps
+    hurts = selective_sentence(_with_selective(_paper_like(), {"none": 0.25, "zaec": 0.30},
+                                               {"none": 0.75, "zaec": 0.70}))
+    assert "ZAEC hurts" in hurts and "lower in 0 of 4 pairs" in hurts
+    mixed = selective_sentence(_with_selective(_paper_like(), {"none": 0.30, "zaec": 0.25},
+                                               {"none": 0.75, "zaec": 0.70}))
+    assert "neither clearly helps nor hurts" in mixed
+    assert "undecided" in selective_sentence(_paper_like()) and "aurc_msp" in selective_sentence(_paper_like())
+    # AUROC undefined (NaN: no misclassified sample) everywhere: undecided, never a made-up number
+    nan = selective_sentence(_with_selective(_paper_like(), {"none": 0.0, "zaec": 0.0},
+                                             {"none": float("nan"), "zaec": float("nan")}))
+    assert "undecided" in nan and "misclassified" in nan
+    # the summary carries the sentence next to the paper's findings, which are unchanged
+    s = summarise(_with_selective(_paper_like(), {"none": 0.30, "zaec": 0.25}, {"none": 0.70, "zaec": 0.75}))
+    assert s.selective == helps and [f.key for f in s.findings][-1] == "accuracy_preserved"
+    assert summary_markdown(s).rstrip().endswith(helps)

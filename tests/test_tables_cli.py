@@ -49,6 +49,8 @@ def shards(tmp_path_factory):
 #: the index's items in the paper's order (Figure 1 intro, 2a-2d, 3 RN50, 4 boundary, 5 reliability, 6 strength)
 PAPER_ITEMS = ["Figure 1", "Table 1", "Figure 2a", "Figure 2b", "Figures 2c/2d", "Figure 3", "Tables 2 and 3",
                "Tables 2 and 3, intervals", "Figure 4", "Figure 5", "Table 4", "Figure 6", "Per-run metrics"]
+#: the items beyond the paper, listed after the paper's under their own heading (issue 24)
+BEYOND_ITEMS = ["Selective prediction and classwise calibration", "Risk-coverage figure"]
 
 
 def _items(readme: str) -> dict[str, str]:
@@ -71,9 +73,10 @@ def test_tables_end_to_end(shards, tmp_path, capsys):
         for fig in figs:
             png = out / f"{fig}_{bb}.png"
             assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for stem in ("table1_pa_pd", "table4_subset_ablation", "fig2b_correlation"):
+    for stem in ("table1_pa_pd", "table4_subset_ablation", "fig2b_correlation", "trust_ViT-B-16", "trust_RN50"):
         assert {f"{stem}.csv", f"{stem}.md", f"{stem}.tex"} <= names
     # every figure keeps its data as CSV next to the PNG
+    assert {"trust_ViT-B-16_diff.csv", "risk_coverage.csv", "risk_coverage_ViT-B-16.png"} <= names
     for csv in ("fig1_intro", "fig2a_range_vs_ece", "fig2a_all_points", "fig2b_entropy_vs_ece", "fig2cd_entropy_gap",
                 "fig3_summary", "fig4_boundary", "fig5_reliability", "fig6_strength"):
         assert f"{csv}.csv" in names
@@ -87,7 +90,8 @@ def test_tables_end_to_end(shards, tmp_path, capsys):
     assert "temperature scaling skipped for RN50/tda" in readme and "T = " in readme
     # the index lists every paper item, in the paper's order, with what it shows
     items = _items(readme)
-    assert list(items) == PAPER_ITEMS
+    assert list(items) == PAPER_ITEMS + BEYOND_ITEMS
+    assert readme.index("## Beyond the paper") > readme.index(f"**{PAPER_ITEMS[-1]}**")
     assert "fig4_boundary_caltech101_ViT-B-16.png" in items["Figure 4"] and "boundary" in items["Figure 4"]
     assert "fig5_reliability_ViT-B-16.png" in items["Figure 5"] and "reliability" in items["Figure 5"]
     assert "fig6_strength_RN50.png" in items["Figure 6"] and "fig3_summary_RN50.png" in items["Figure 3"]
@@ -169,7 +173,8 @@ def test_missing_inputs_are_skipped_with_notes(tmp_path, capsys):
     assert code == 0, err
     readme = (out / "README.md").read_text()
     items = _items(readme)
-    assert list(items) == [i for i in PAPER_ITEMS if i != "Tables 2 and 3, intervals"]
+    assert list(items) == [i for i in PAPER_ITEMS if i != "Tables 2 and 3, intervals"] + BEYOND_ITEMS
+    assert items["Risk-coverage figure"].endswith("Skipped: no TTA method runs")
     for item in ("Table 1", "Figure 1", "Figure 2a", "Figure 2b", "Figures 2c/2d", "Figure 4", "Figure 5",
                  "Figure 6"):
         assert items[item].endswith("Skipped: no TTA method runs") or "Skipped: no dpe runs" in items[item], item

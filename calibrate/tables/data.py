@@ -15,12 +15,17 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from calibrate.calibrators import TemperatureScaling, parse_calibrator
+from calibrate.classwise import ClasswiseStats
 from calibrate.functional import softmax_stats
 from calibrate.run import check_complete, resolve_ts_sources
 from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
 #: (zs_logits (n, K), tta_logits (n, K)) -> per-sample temperatures (n,)
 TemperatureFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+#: predictions whose classwise ECE needs every class's probability, so it is folded while the (n, K) logits are
+#: read (`RunSummary.classwise`): the paired zero-shot and the main tables' calibrators (not the ablation specs)
+CLASSWISE_SPECS: tuple[str, ...] = ("zero-shot", "none", "temperature", "sals", "zaec")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class RunSummary:
     tta_pred: np.ndarray
     tta_range: np.ndarray
     calibrated: Mapping[str, CalibratedStats]
+    #: "zero-shot" or a spec of `CLASSWISE_SPECS` -> classwise/top-label ECE statistics (need (n, K) probabilities)
+    classwise: Mapping[str, ClasswiseStats] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.sample_id.shape[0])
@@ -102,6 +109,7 @@ def summarise_arrays(
     zs = np.asarray(zs_logits)
     zs_stats = softmax_stats(zs, 1.0, label)
     cal: dict[str, CalibratedStats] = {}
+    cw = {"zero-shot": ClasswiseStats().update_logits(zs, 1.0, label)}
     fns = dict(calibrators)
     fns.setdefault("none", lambda z, t: np.ones(z.shape[0]))
     for spec, fn in fns.items():
@@ -110,6 +118,8 @@ def summarise_arrays(
             t = np.broadcast_to(t, (n,)).copy()
         st = softmax_stats(tta_logits, t, label)
         cal[spec] = CalibratedStats(t, st.confidence, st.entropy, st.nll)
+        if spec in CLASSWISE_SPECS:
+            cw[spec] = ClasswiseStats().update_logits(tta_logits, t, label)
     tta = np.asarray(tta_logits)
     return RunSummary(
         key=key,
@@ -124,6 +134,7 @@ def summarise_arrays(
         tta_pred=tta.argmax(axis=1).astype(np.int64),
         tta_range=tta.max(axis=1).astype(np.float64) - tta.min(axis=1),
         calibrated=cal,
+        classwise=cw,
     )
 
 
@@ -156,10 +167,15 @@ def merge_summaries(parts: Sequence[RunSummary], where: str = "") -> RunSummary:
             *(np.concatenate([getattr(p.calibrated[spec], f) for p in parts])[order]
               for f in ("temperature", "confidence", "entropy", "nll"))
         )
+    classwise = {spec: ClasswiseStats().merge(stats) for spec, stats in first.classwise.items()}
+    for p in parts[1:]:
+        for spec, stats in p.classwise.items():
+            classwise[spec].merge(stats)
     return RunSummary(
         key=first.key,
         num_classes=first.num_classes,
         calibrated=cal,
+        classwise=classwise,
         **{name: cat[name][order] for name in _ARRAYS},
     )
 

@@ -311,3 +311,39 @@ def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     return save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# beyond the paper: risk-coverage curves
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plot_risk_coverage(curves: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
+    """Risk vs coverage (`trust_tables.risk_coverage_curves`), one panel per method (one run each, its seed in the
+    panel title), one step line per prediction (zero-shot, raw, SaLS, ZAEC, temperature scaling) with its AURC in
+    the legend; the dotted line is the oracle (all correct samples accepted first) of the raw prediction."""
+    methods = curves["method"].unique(maintain_order=True).to_list()
+    cols = min(len(methods), 4)
+    rows = (len(methods) + cols - 1) // cols
+    fig = Figure(figsize=(3.4 * cols, 3.0 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for k, m in enumerate(methods):
+        ax = axes[k // cols][k % cols]
+        part = curves.filter(pl.col("method") == m)
+        for panel in part["panel"].unique(maintain_order=True).to_list():
+            p = part.filter(pl.col("panel") == panel).sort("point")
+            label = "zero-shot" if panel == ZERO_SHOT else layout.calibrator_label(panel)
+            ax.step(p["coverage"] * 100.0, p["risk"] * 100.0, where="post", lw=1.1,
+                    color=CAL_COLORS.get(panel), label=f"{label} (AURC {100.0 * p['aurc'][0]:.2f})")
+            if panel == "none":
+                ax.plot(p["coverage"] * 100.0, p["oracle_risk"] * 100.0, ls=":", lw=0.8, color="#555555",
+                        label="oracle")
+        ax.set_title(f"{layout.method_label(m)} (seed {part['seed'][0]}, {part['n'][0]} samples)", fontsize=9)
+        ax.set_xlabel("coverage (%)")
+        ax.set_ylabel("selective risk (%)")
+        ax.set_xlim(0, 100)
+        ax.legend(fontsize=6)
+    for k in range(len(methods), rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)

@@ -320,3 +320,76 @@ def main_rich(main: pl.DataFrame, title: str):
         b, rl, m, cells = item
         table.add_row(rl if rl else b, m, *cells)
     return table
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the trust table (beyond the paper): selective prediction and classwise calibration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _trust_value_cell(r: dict) -> str:
+    """`value [low, high]` with the main table's marks; a missing value is a dash."""
+    if r["value"] is None:
+        return DASH
+    ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
+    return fmt(r["value"]) + cell_marks(r) + ci
+
+
+def _trust_diff_cell(r: dict) -> str:
+    """`+1.23† [low, high]`: the difference, † where its interval contains zero."""
+    if r["estimate"] is None:
+        return DASH
+    mark = NS_MARK if r["contains_zero"] else ""
+    ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
+    return fmt(r["estimate"], signed=True) + mark + ci
+
+
+def _pivot(df: pl.DataFrame, keys: Sequence[str], label: Callable[[dict], list[str]], metrics: Sequence[str],
+           cell: Callable[[dict], str]) -> list[list[str]]:
+    """One row per distinct `keys` (in order), one cell per metric (dash where absent)."""
+    rows = []
+    for _, part in df.group_by(list(keys), maintain_order=True):
+        by_metric = {r["metric"]: r for r in part.iter_rows(named=True)}
+        first = part.row(0, named=True)
+        rows.append([*label(first), *[cell(by_metric[m]) if m in by_metric else DASH for m in metrics]])
+    return rows
+
+
+def trust_sections(table: pl.DataFrame, diffs: pl.DataFrame, metric_sets: Sequence[tuple[str, Sequence[str]]]):
+    """(group, heading, header, rows) of every table the trust item shows: per dataset group and metric set, the
+    group averages per row, then ZAEC minus each baseline."""
+    labels = dict(zip(table["metric"], table["metric_label"]))
+    avg, davg = table.filter(pl.col("dataset") == "avg"), diffs.filter(pl.col("dataset") == "avg")
+    out = []
+    for group in avg["group"].unique(maintain_order=True).to_list():
+        g, dg = avg.filter(pl.col("group") == group), davg.filter(pl.col("group") == group)
+        for name, metrics in metric_sets:
+            header = [labels.get(m, m) for m in metrics]
+            out.append((group, name, ["Method", "Calibrator", *header], _pivot(
+                g.sort("row_pos"), ["row_pos"], lambda r: [r["block_label"], r["row_label"]], metrics,
+                _trust_value_cell)))
+            if dg.height:
+                out.append((group, f"{name}: differences (points)", ["Method", "Difference", *header], _pivot(
+                    dg, ["method", "comparison"], lambda r: [layout.method_label(r["method"]), r["comparison"]],
+                    metrics, _trust_diff_cell)))
+    return out
+
+
+def trust_markdown(sections, title: str, preamble: str) -> str:
+    """The trust item's Markdown: title, preamble, then one table per section of `trust_sections`."""
+    parts = [f"# {title}\n", preamble + "\n"]
+    for group, name, header, rows in sections:
+        parts.append(f"## {layout.GROUP_LABELS.get(group, group)}: {name}\n")
+        parts.append(md_table(header, rows, "ll" + "r" * (len(header) - 2)))
+    return "\n".join(parts)
+
+
+def trust_latex(sections, caption: str) -> str:
+    """The trust item's LaTeX: one booktabs table per section, the caption on the first."""
+    out = []
+    for i, (group, name, header, rows) in enumerate(sections):
+        body = tex_tabular([tex_escape(h) for h in header], [[tex_escape(c) for c in r] for r in rows],
+                           "ll" + "r" * (len(header) - 2))
+        text = f"{layout.GROUP_LABELS.get(group, group)}: {name}." + (f" {caption}" if i == 0 else "")
+        out.append(_wrap_table(body, text))
+    return "".join(out)

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import polars as pl
 
-from calibrate.tables import builders, figures, layout, render
+from calibrate.tables import builders, figures, layout, render, trust_tables
 from calibrate.tables.bootstrap import BootstrapResult
 from calibrate.tables.data import RunSummary, Summaries
 
@@ -71,16 +71,19 @@ class Item:
     notes: list[str] = field(default_factory=list)
     skipped: str | None = None
     caption: str = ""
+    #: not an item of the paper: listed after the paper's items, under a heading that says so
+    beyond_paper: bool = False
 
 
-def written(name: str, what: str, paths: Sequence[Path], notes: Sequence[str] = (), caption: str = "") -> Item:
+def written(name: str, what: str, paths: Sequence[Path], notes: Sequence[str] = (), caption: str = "",
+            beyond_paper: bool = False) -> Item:
     """The index entry of an item whose files were written."""
-    return Item(name, what, list(paths), list(notes), caption=caption)
+    return Item(name, what, list(paths), list(notes), caption=caption, beyond_paper=beyond_paper)
 
 
-def skipped(name: str, what: str, reason: str, notes: Sequence[str] = ()) -> Item:
+def skipped(name: str, what: str, reason: str, notes: Sequence[str] = (), beyond_paper: bool = False) -> Item:
     """The index entry of an item that was not written, with the one-line reason."""
-    return Item(name, what, [], list(notes), skipped=reason)
+    return Item(name, what, [], list(notes), skipped=reason, beyond_paper=beyond_paper)
 
 
 @dataclass
@@ -577,13 +580,85 @@ def per_run_metrics(ctx: Context) -> Item:
                    [render.write_csv(ctx.run_df, ctx.out / "per_run_metrics.csv")])
 
 
+#: the trust table's column sets, one Markdown/LaTeX table each (every column is in the CSV)
+TRUST_METRIC_SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("confidence score max softmax probability (MSP); classwise and top-label ECE",
+     ("aurc_msp", "eaurc_msp", "auroc_msp", "fpr95_msp", "cw_ece_15w", "tl_ece_15w")),
+    ("confidence score negative entropy (−H)", ("aurc_negent", "eaurc_negent", "auroc_negent", "fpr95_negent")),
+)
+TRUST_NAME = "Selective prediction and classwise calibration"
+TRUST_CAPTION = (
+    "Percent; per dataset group the unweighted average over its datasets (as Tables 2 and 3), zero-shot on top, "
+    "then per method raw TTA (None), SaLS, ZAEC and temperature scaling. AURC: selective risk averaged over all "
+    "coverage levels, lower is better; E-AURC: AURC minus the lowest AURC possible at the run's accuracy; AUROC: "
+    "misclassification detection (correct = positive; ties count 1/2), higher is better; FPR95: share of the "
+    "misclassified samples accepted at the highest threshold accepting 95% of the correct ones, lower is better. "
+    "The score each is computed from is in the column name: MSP (max softmax probability) or −H (negative "
+    "entropy). cw-ECE: classwise ECE, tl-ECE: top-label ECE, both 15 equal-width bins. Intervals: paired basic "
+    "bootstrap over samples with the resamples of the ECE intervals, clipped to [0, 100] (none for cw-ECE, whose "
+    "bootstrap needs every class's probability per sample); differences are ZAEC minus None and minus Temp. Scal., "
+    "† where the interval contains zero. – : undefined (e.g. AUROC without a misclassified sample), the reason in "
+    "the index's notes.")
+
+
+def trust_table(ctx: Context) -> Item:
+    """Beyond the paper: selective prediction and classwise calibration per method and calibrator, with paired
+    intervals of every metric and of ZAEC minus raw / minus temperature scaling, one table per backbone."""
+    what = ("AURC, E-AURC, misclassification AUROC and FPR95 (scores MSP and negative entropy), classwise and "
+            "top-label ECE per method, raw / SaLS / ZAEC / temperature scaling, with paired bootstrap intervals")
+    cells = trust_tables.trust_cells(ctx.runs, ctx.boot)
+    if not cells:
+        return skipped(TRUST_NAME, what, "no runs", beyond_paper=True)
+    level = ctx.boot.level if ctx.boot is not None else 0.95
+    paths, notes = [], []
+    for bb in ctx.backbones:
+        table = trust_tables.trust_table(cells, bb, level, ts_in_sample=ctx.ts_in_sample)
+        diffs = trust_tables.trust_differences(cells, bb, level)
+        sections = render.trust_sections(table, diffs, TRUST_METRIC_SETS)
+        legend = " ".join(render.marks_legend(table))
+        paths += render.write_item(
+            ctx.out, f"trust_{slug(bb)}", table,
+            render.trust_markdown(sections, f"{TRUST_NAME}, {bb} (beyond the paper)",
+                                  " ".join([TRUST_CAPTION, legend])),
+            render.trust_latex(sections, f"{TRUST_NAME}, {bb}. {TRUST_CAPTION} {legend}".strip()))
+        paths.append(render.write_csv(diffs, ctx.out / f"trust_{slug(bb)}_diff.csv"))
+        notes += trust_tables.missing_notes(table)
+    if ctx.boot is None:
+        notes.append("no intervals: bootstrap disabled (--bootstrap 0)")
+    return written(TRUST_NAME, what, paths, notes, TRUST_CAPTION, beyond_paper=True)
+
+
+def risk_coverage_figure(ctx: Context) -> Item:
+    """Beyond the paper: risk-coverage curves of one run per method on the reference dataset (as Figure 5)."""
+    what = "risk vs coverage of zero-shot, raw, SaLS, ZAEC and temperature scaling on the reference dataset"
+    refs, notes = _reference_runs(ctx)
+    frames, paths = [], []
+    for bb, ref, ref_runs in refs:
+        curves = trust_tables.risk_coverage_curves(ref_runs)
+        if not curves.height:
+            continue
+        frames.append(curves)
+        paths.append(figures.plot_risk_coverage(
+            curves, ctx.out / f"risk_coverage_{slug(bb)}.png",
+            f"{bb} on {ref}: risk vs coverage, score max softmax probability (AURC in %)"))
+    if not frames:
+        return skipped("Risk-coverage figure", what, NO_TTA, beyond_paper=True)
+    caption = ("Selective risk (error rate among the accepted samples) vs coverage when the most confident samples "
+               "(max softmax probability) are accepted first, one panel per method (its lowest-seed run on the "
+               "reference dataset, `--reference-dataset`), one line per prediction with its AURC (%) in the legend; "
+               "dotted: the oracle that accepts every correct sample first. Tied confidences are accepted together.")
+    return written("Risk-coverage figure", what,
+                   [render.write_csv(pl.concat(frames), ctx.out / "risk_coverage.csv"), *paths], notes, caption,
+                   beyond_paper=True)
+
+
 Builder = Callable[[Context], "Item | None"]
 
 #: every item of the report, in the order of the index (the paper's order). A new table or figure is one builder
 #: function `(Context) -> Item | None` plus one entry here; `write_report` runs them in this order.
 BUILDERS: list[Builder] = [
     figure_1, table_1, figure_2a, figure_2b, figures_2cd, figure_3, tables_2_3, tables_2_3_intervals, figure_4,
-    figure_5, table_4, figure_6, per_run_metrics,
+    figure_5, table_4, figure_6, per_run_metrics, trust_table, risk_coverage_figure,
 ]
 
 
@@ -630,7 +705,13 @@ def write_index(
     else:
         lines.append("Uncertainty: bootstrap disabled (--bootstrap 0).\n")
     lines.append("## Paper items\n")
+    beyond = False
     for it in rep.ordered():
+        if it.beyond_paper and not beyond:
+            beyond = True
+            lines.append("\n## Beyond the paper\n")
+            lines.append("The paper reports ECE, NLL and accuracy only; these items go beyond it (docs/tables.md, "
+                         "\"Beyond the paper\").\n")
         if it.skipped is not None:
             lines.append(f"- **{it.name}**: {it.what}. Skipped: {it.skipped}")
         else:

@@ -124,6 +124,8 @@ class DemoSummary:
     table: pl.DataFrame
     findings: tuple[Finding, ...]
     shifted_sets: tuple[str, ...]
+    #: beyond the paper: whether ZAEC helps or hurts selective prediction here (`selective_sentence`)
+    selective: str = ""
 
     def finding(self, key: str) -> Finding:
         for f in self.findings:
@@ -272,7 +274,51 @@ def summarise(
         findings.append(Finding("accuracy_preserved", holds, text, measured=False))
     else:
         undecided("accuracy_preserved", "the zaec or none rows are missing")
-    return DemoSummary(table=table, findings=tuple(findings), shifted_sets=shifted_sets)
+    return DemoSummary(table=table, findings=tuple(findings), shifted_sets=shifted_sets,
+                       selective=selective_sentence(metrics, source=source, anchor_method=anchor_method))
+
+
+def selective_sentence(
+    metrics: pl.DataFrame, *, source: str = SOURCE_DATASET, anchor_method: str = ZERO_SHOT_METHOD
+) -> str:
+    """One sentence: does ZAEC help or hurt selective prediction on these runs (beyond the paper)?
+
+    Per (backbone, TTA method), AURC and misclassification AUROC (max softmax probability score, `aurc_msp`,
+    `auroc_msp` of ``zaec-calibrate``) are macro-averaged over the shifted sets, raw (``none``) and ``zaec``. ZAEC
+    "helps" when it lowers AURC and raises AUROC in most pairs, "hurts" when it raises AURC and lowers AUROC in most,
+    and otherwise neither clearly. Runs where AUROC is undefined (no misclassified sample: NaN) are left out.
+    """
+    head = "Selective prediction (beyond the paper): "
+    if not {"aurc_msp", "auroc_msp"} <= set(metrics.columns):
+        return head + ("undecided, the metrics table has no aurc_msp/auroc_msp columns (made by an older "
+                       "zaec-calibrate).")
+    rows = metrics.filter((pl.col("method") != anchor_method) & (pl.col("dataset") != source)
+                          & pl.col("calibrator").is_in(["none", "zaec"]))
+    per = (rows.with_columns(pl.col("aurc_msp", "auroc_msp").cast(pl.Float64).fill_nan(None))
+           .group_by(["backbone", "method", "calibrator"]).agg(pl.col("aurc_msp", "auroc_msp").mean())
+           .pivot(on="calibrator", index=["backbone", "method"], values=["aurc_msp", "auroc_msp"]))
+    need = ["aurc_msp_none", "aurc_msp_zaec", "auroc_msp_none", "auroc_msp_zaec"]
+    per = per.drop_nulls(need) if set(need) <= set(per.columns) else per.clear()
+    if not per.height:
+        return head + ("undecided, no TTA run on the shifted sets has raw and ZAEC rows with a defined AUROC "
+                       "(AUROC needs at least one misclassified sample).")
+    n = per.height
+    aurc_down = int((per["aurc_msp_zaec"] < per["aurc_msp_none"]).sum())
+    aurc_up = int((per["aurc_msp_zaec"] > per["aurc_msp_none"]).sum())
+    auroc_up = int((per["auroc_msp_zaec"] > per["auroc_msp_none"]).sum())
+    auroc_down = int((per["auroc_msp_zaec"] < per["auroc_msp_none"]).sum())
+    if aurc_down > n / 2 and auroc_up > n / 2:
+        verdict = "helps"
+    elif aurc_up > n / 2 and auroc_down > n / 2:
+        verdict = "hurts"
+    else:
+        verdict = "neither clearly helps nor hurts"
+    m = {c: float(per[c].mean()) for c in need}
+    return head + (
+        f"ZAEC {verdict} deciding which predictions to trust here: AURC {_pct(m['aurc_msp_none'])} raw -> "
+        f"{_pct(m['aurc_msp_zaec'])} with ZAEC (lower is better; lower in {aurc_down} of {n} pairs), "
+        f"misclassification AUROC {_pct(m['auroc_msp_none'])} -> {_pct(m['auroc_msp_zaec'])} (higher is better; "
+        f"higher in {auroc_up} of {n}), both from the max softmax probability.")
 
 
 def render_summary(summary: DemoSummary, console, *, n_images: int | None = None) -> None:
@@ -298,6 +344,8 @@ def render_summary(summary: DemoSummary, console, *, n_images: int | None = None
             mark = "[blue]by construction[/]"
         console.print(f"  {mark}  ", end="")
         console.print(f.text, markup=False, highlight=False)
+    if summary.selective:
+        console.print(f"  {summary.selective}", markup=False, highlight=False)
     if n_images is not None:
         console.print(
             f"  Caveat: {n_images} images per set and one seed; with this few samples ECE moves by a few points "
@@ -321,6 +369,8 @@ def summary_markdown(summary: DemoSummary) -> str:
         if not f.measured and f.holds:
             mark = "by construction"
         lines.append(f"- **{mark}**: {f.text}")
+    if summary.selective:
+        lines.append(f"- {summary.selective}")
     return "\n".join(lines) + "\n"
 
 
