@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -221,11 +221,6 @@ def train_model(
         The model directory, to be passed as ``--pretrained local-dir:<dir>``.
     """
     import open_clip
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-    from safetensors.torch import save_file
-
-    from extract.datasets import FASHION_MNIST_CLASSES
 
     out = spec.directory(models_dir)
     if is_trained(spec, models_dir) and not force:
@@ -235,30 +230,55 @@ def train_model(
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
+    train_x, train_y = _training_images(cfg, fmnist_dir)
+    model = open_clip.CLIP(**spec.model_cfg)  # after manual_seed: its initial weights are seeded
+    model.train()
+    tokenizer = open_clip.SimpleTokenizer(context_length=spec.model_cfg["text_cfg"]["context_length"])
+    started = time.perf_counter()
+    _train_loop(spec, model, tokenizer, train_x, train_y, gen, console)
+    train_seconds = time.perf_counter() - started
 
+    model.eval()
+    test_x, test_y = load_split(fmnist_dir, "test")
+    n_eval = min(2000, len(test_x))
+    acc = zero_shot_accuracy(model, tokenizer, to_rgb_uint8(upsample(test_x[:n_eval]))[..., 0], test_y[:n_eval])
+    record = {
+        "name": spec.name,
+        "stands_in_for": spec.stands_in_for,
+        "note": "a small CLIP-architecture model trained by the zaec project on Fashion-MNIST; not OpenAI CLIP",
+        "train": asdict(cfg),
+        "train_seconds": round(train_seconds, 1),
+        "final_logit_scale": round(model.logit_scale.exp().item(), 3),
+        "templates": len(_templates()),
+        "clean_test_accuracy_first_2000": round(acc, 4),
+        "torch": torch.__version__,
+        "open_clip": open_clip.__version__,
+    }
+    _save_model(out, spec, model, record)
+    return out
+
+
+def _training_images(cfg: TrainConfig, fmnist_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training images as (N, 32, 32) uint8 (grey: R = G = B) and their labels; a seeded subset below 60,000."""
     images, labels = load_split(fmnist_dir, "train")
     if cfg.n_images < len(images):
         keep = np.random.default_rng(cfg.seed).permutation(len(images))[: cfg.n_images]
         images, labels = images[keep], labels[keep]
     # uint8 at IMAGE_SIZE, exactly as the test sets are written to PNG, so training and test preprocessing agree
-    train_x = torch.from_numpy(to_rgb_uint8(upsample(images))[..., 0])  # (N, 32, 32) uint8 (grey: R = G = B)
-    train_y = torch.from_numpy(labels)
+    return torch.from_numpy(to_rgb_uint8(upsample(images))[..., 0]), torch.from_numpy(labels)
 
-    model = open_clip.CLIP(**spec.model_cfg)
-    model.train()
-    tokenizer = open_clip.SimpleTokenizer(context_length=spec.model_cfg["text_cfg"]["context_length"])
-    tokens = _prompt_tokens(tokenizer, FASHION_MNIST_CLASSES)  # (T, K, L)
-    n_templates, n_classes = tokens.shape[:2]
-    pre = _preprocess_cfg()
-    mean, std = torch.tensor(pre["mean"]), torch.tensor(pre["std"])
 
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on embeddings, biases, norms or the logit scale)."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr
     )
-    steps_per_epoch = math.ceil(len(train_x) / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
+
+
+def _lr_schedule(cfg: TrainConfig, total: int) -> Callable[[int], float]:
+    """Linear warm-up over `warmup_fraction` of the steps, then a cosine decay to 0."""
     warmup = max(1, int(cfg.warmup_fraction * total))
 
     def lr_at(step: int) -> float:
@@ -266,8 +286,26 @@ def train_model(
             return cfg.lr * (step + 1) / warmup
         return 0.5 * cfg.lr * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
+    return lr_at
+
+
+def _train_loop(spec: DemoModel, model: Any, tokenizer: Any, train_x: torch.Tensor, train_y: torch.Tensor,
+                gen: torch.Generator, console: Any) -> None:
+    """The contrastive training epochs, with a progress bar (loss, running accuracy, logit scale)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    from extract.datasets import FASHION_MNIST_CLASSES
+
+    cfg = spec.train
+    tokens = _prompt_tokens(tokenizer, FASHION_MNIST_CLASSES)  # (T, K, L)
+    n_templates, n_classes = tokens.shape[:2]
+    pre = _preprocess_cfg()
+    mean, std = torch.tensor(pre["mean"]), torch.tensor(pre["std"])
+    opt = _optimizer(model, cfg)
+    total = math.ceil(len(train_x) / cfg.batch_size) * cfg.epochs
+    lr_at = _lr_schedule(cfg, total)
     max_log_scale = math.log(cfg.max_logit_scale)
-    started = time.perf_counter()
     seen = correct = 0
     loss_avg = float("nan")
     columns = (
@@ -312,27 +350,13 @@ def train_model(
                 progress.update(
                     task, advance=1, loss=loss_avg, acc=correct / seen, scale=model.logit_scale.exp().item()
                 )
-    train_seconds = time.perf_counter() - started
 
-    model.eval()
-    test_x, test_y = load_split(fmnist_dir, "test")
-    n_eval = min(2000, len(test_x))
-    acc = zero_shot_accuracy(model, tokenizer, to_rgb_uint8(upsample(test_x[:n_eval]))[..., 0], test_y[:n_eval])
 
-    record = {
-        "name": spec.name,
-        "stands_in_for": spec.stands_in_for,
-        "note": "a small CLIP-architecture model trained by the zaec project on Fashion-MNIST; not OpenAI CLIP",
-        "train": asdict(cfg),
-        "train_seconds": round(train_seconds, 1),
-        "final_logit_scale": round(model.logit_scale.exp().item(), 3),
-        "templates": len(_templates()),
-        "clean_test_accuracy_first_2000": round(acc, 4),
-        "torch": torch.__version__,
-        "open_clip": open_clip.__version__,
-    }
-    # an existing model folder is only replaced with force=True
-    with atomic_dir(out) as tmp:
+def _save_model(out: Path, spec: DemoModel, model: Any, record: dict[str, Any]) -> None:
+    """Config, safetensors weights and the training record, in one folder that appears atomically."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(out) as tmp:  # an existing model folder is only replaced with force=True (the caller checks)
         with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as fh:
             # model_name: the backbone name zaec-extract records in the shards (else the folder's name)
             config = {"model_name": spec.name, "model_cfg": spec.model_cfg, "preprocess_cfg": _preprocess_cfg()}
@@ -341,7 +365,6 @@ def train_model(
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         with open(tmp / RECORD_FILE, "w", encoding="utf-8") as fh:
             json.dump(record, fh, indent=2)
-    return out
 
 
 def training_record(spec: DemoModel, models_dir: str | Path) -> dict[str, Any]:
