@@ -17,6 +17,8 @@ from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
+from extract.methods.dynaprompt import DynaPrompt
+from extract.methods.rtpt import RTPT
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
@@ -24,7 +26,8 @@ from extract.methods.zero_shot import ZeroShot
 
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS, DMN, DMNWeak,
-                             BoostAdapter)
+                             BoostAdapter,
+                             RTPT, DynaPrompt)
 }
 
 
