@@ -69,15 +69,35 @@ def reliability_weights(feats: torch.Tensor, top_k: int = 20, temperature: float
         return torch.ones(g, 1, dtype=feats.dtype, device=feats.device)
     f = feats / feats.norm(dim=-1, keepdim=True)  # as the official image_features / image_features.norm(...)
     sim = torch.stack([fi @ fi.T for fi in f])  # (G, V, V), one product per sample
-    if self_exclusion == "official":
-        excluded = sim >= 1.0
-    else:
-        excluded = torch.eye(v, dtype=torch.bool, device=feats.device).expand(g, v, v)
-    sim = sim.masked_fill(excluded, float("-inf"))
-    score = sim.topk(min(top_k, v - 1), dim=-1).values.mean(-1)  # (G, V)
+    score = neighbour_scores(sim, top_k, self_exclusion)
     w = torch.softmax(score / temperature, dim=-1)
     dead = torch.isneginf(score).all(-1, keepdim=True)  # every view excluded everywhere: uniform, not NaN
     return torch.where(dead, torch.full_like(w, 1.0 / v), w)
+
+
+def neighbour_scores(sim: torch.Tensor, top_k: int = 20, self_exclusion: SelfExclusion = "official") -> torch.Tensor:
+    """`get_top_sim`: entries excluded (−inf), then the mean of each row's `min(top_k, V − 1)` largest entries.
+
+    Args:
+        sim: (G, V, V) cosine matrices, V >= 2.
+        top_k: neighbours averaged (20).
+        self_exclusion: "official": entries ≥ 1.0 (a self-similarity that rounded to 1.0 or above, and any pair of
+            views that equal to within rounding); "diagonal": exactly the diagonal.
+
+    Returns:
+        (G, V) scores (−inf where a row's top entries include an excluded one).
+
+    Example:
+        >>> s = torch.tensor([[[1.0, 0.5], [0.5, 0.99999994]]])  # the second self-similarity rounded below 1.0
+        >>> neighbour_scores(s, top_k=1).tolist()  # ... so that view is its own nearest neighbour
+        [[0.5, 0.9999999403953552]]
+    """
+    v = sim.shape[-1]
+    if self_exclusion == "official":
+        excluded = sim >= 1.0
+    else:
+        excluded = torch.eye(v, dtype=torch.bool, device=sim.device).expand_as(sim)
+    return sim.masked_fill(excluded, float("-inf")).topk(min(top_k, v - 1), dim=-1).values.mean(-1)
 
 
 @dataclass(frozen=True)
@@ -129,4 +149,4 @@ class RTPT(TPT):
         return (w.to(logits.dtype)[:, None] @ logits)[:, 0]
 
 
-__all__ = ["RTPT", "RTPTConfig", "reliability_weights"]
+__all__ = ["RTPT", "RTPTConfig", "neighbour_scores", "reliability_weights"]
