@@ -219,3 +219,17 @@ def test_default_configs():
         dataclasses.replace(RTPT.default_config("dtd", "RN50"), self_exclusion="none")
     with pytest.raises(ValueError, match="temperature"):
         dataclasses.replace(RTPT.default_config("dtd", "RN50"), temperature=0.0)
+
+
+def test_autocast_option_emulated_on_cpu(tiny_model, monkeypatch):  # noqa: F811
+    """`amp=true` (TTA-VLM's reading: autocast + loss scale on CUDA) runs without dtype mismatches: emulated with
+    CPU bfloat16 autocast; the weights stay fp32, the rows finite float32 and mostly the fp32 argmax."""
+    x = F.normalize(sign_stream(tiny_model, 6, seed=6) + 0.05 * torch.randn(6, 64, 16), dim=-1)
+    ref = make(tiny_model).adapt(x)
+    m = make(tiny_model, amp=True)
+    monkeypatch.setattr(m, "_use_amp", lambda device: True)
+    monkeypatch.setattr(m, "_autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+    out = m.adapt(x)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 6}
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.6

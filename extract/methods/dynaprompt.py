@@ -166,7 +166,7 @@ class DynaPrompt(TTAMethod):
         """s · f̂ t̂ᵀ: feats (V, D), text (n, K, D) -> (V, n, K)."""
         if not self._use_amp(feats.device):
             text = text.to(feats.dtype)
-        return self.logit_scale * torch.einsum("vd,nkd->vnk", feats, text)
+        return (self.logit_scale * feats @ text.transpose(-1, -2)).transpose(0, 1)  # (n, V, K) -> (V, n, K)
 
     def _all_prompt_logits(self, feats: torch.Tensor) -> torch.Tensor:
         """(V, P, K) detached logits of every prompt; prompts with equal residuals are encoded once."""

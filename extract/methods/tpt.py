@@ -30,7 +30,9 @@ same rows, the same skipped steps and the same final scale (a pass is re-run onc
 a run of overflows). The count of skipped steps and the scale are the method's `summary()` (recorded per part in
 the shard metadata and printed at the end of a run); both are also state, restored on resume.
 
-`EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context.
+`EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context,
+R-TPT (`rtpt.py`) with its own loss and prediction (`_tuning_loss`, `_predict`). The online DynaPrompt
+(`dynaprompt.py`) reuses the pieces: `adamw_step`, `grad_scaler_update`, `amp_autocast`, `prompt_encoder`.
 
 Where this differs from the official loops (numerics only; the formulas are the same):
     * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
