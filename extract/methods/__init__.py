@@ -17,9 +17,11 @@ from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
+from extract.methods.dynaprompt import DynaPrompt
 from extract.methods.ecalp import ECALP
 from extract.methods.mta import MTA
 from extract.methods.onzeta import OnZeta
+from extract.methods.rtpt import RTPT
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
@@ -29,7 +31,7 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt)
 }
 
 

@@ -30,7 +30,9 @@ same rows, the same skipped steps and the same final scale (a pass is re-run onc
 a run of overflows). The count of skipped steps and the scale are the method's `summary()` (recorded per part in
 the shard metadata and printed at the end of a run); both are also state, restored on resume.
 
-`EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context.
+`EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context,
+R-TPT (`rtpt.py`) with its own loss and prediction (`_tuning_loss`, `_predict`). The online DynaPrompt
+(`dynaprompt.py`) reuses the pieces: `adamw_step`, `grad_scaler_update`, `amp_autocast`, `prompt_encoder`.
 
 Where this differs from the official loops (numerics only; the formulas are the same):
     * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
@@ -163,6 +165,54 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr
     return torch.where(a, new, param)
 
 
+def grad_scaler_update(scaler: dict[str, float | int], finite: bool, growth_interval: int) -> bool:
+    """One `torch.cuda.amp.GradScaler.update` on a plain-number state `{"scale", "growth_tracker"}` (backoff 0.5,
+    growth 2 after `growth_interval` finite steps in a row).
+
+    Returns:
+        True when the scale changed.
+
+    Example:
+        >>> s = {"scale": 1000.0, "growth_tracker": 0}
+        >>> grad_scaler_update(s, False, 2000), s
+        (True, {'scale': 500.0, 'growth_tracker': 0})
+    """
+    if not finite:
+        scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 0.5, 0
+        return True
+    scaler["growth_tracker"] = int(scaler["growth_tracker"]) + 1
+    if scaler["growth_tracker"] == growth_interval:
+        scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 2.0, 0
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def amp_autocast(enabled: bool) -> Iterator[None]:
+    """fp16 autocast on CUDA when `enabled` (the official `torch.cuda.amp.autocast()`), else nothing."""
+    if enabled:
+        with torch.autocast(device_type="cuda", dtype=torch.float16):
+            yield
+    else:
+        yield
+
+
+def prompt_encoder(key: str, text_encoder: Any, class_names: Sequence[str] | None, ctx_init: str,
+                   shortcuts: bool) -> Any:
+    """The `PromptTextEncoder` of a prompt-tuning method, from the `LoadedModel` the runner passes as
+    `text_encoder` (or a bare open_clip model with a `tokenizer` attribute)."""
+    from extract.text_encoder import PromptTextEncoder
+
+    if class_names is None:
+        raise ValueError(f"method {key!r} builds one prompt per class and needs class_names=...")
+    model = getattr(text_encoder, "model", text_encoder)  # a LoadedModel or a bare open_clip model
+    tokenizer = getattr(text_encoder, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(f"{key}: text_encoder must carry its tokenizer (pass the LoadedModel)")
+    return PromptTextEncoder(model, tokenizer, class_names, ctx_init=ctx_init, truncate=shortcuts,
+                             share_prefix=shortcuts)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # shared configuration and core
 
@@ -255,6 +305,15 @@ class EpisodicTuner(TTAMethod):
         """(G, K, D) class features -> (G,) term added to the loss, or None."""
         return None
 
+    def _tuning_loss(self, chosen: torch.Tensor) -> torch.Tensor:
+        """(G, n, K) logits of the selected views -> (G,) loss: their marginal entropy (TPT's `avg_entropy`)."""
+        return marginal_entropy(chosen)
+
+    def _predict(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """(G, V, D) view features and (G, K, D) tuned class features -> (G, K) prediction: the original view's
+        logits (no grad; under autocast when the run uses it)."""
+        return self._logits(feats[:, :1], text)[:, 0]
+
     def _share_first_forward(self) -> bool:
         """Whether step 0 runs `_class_features` once for a pass instead of once per sample (execution only).
 
@@ -304,25 +363,12 @@ class EpisodicTuner(TTAMethod):
     def _use_amp(self, device: torch.device) -> bool:
         return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
 
-    @contextlib.contextmanager
-    def _autocast(self, device: torch.device) -> Iterator[None]:
-        if self._use_amp(device):
-            with torch.autocast(device_type="cuda", dtype=torch.float16):
-                yield
-        else:
-            yield
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return amp_autocast(self._use_amp(device))
 
     def _scaler_step(self, scaler: dict[str, float | int], finite: bool) -> bool:
         """One `GradScaler.update` on `scaler` (backoff 0.5, growth 2); True when the scale changed."""
-        cfg: EpisodicConfig = self.config  # type: ignore[assignment]
-        if not finite:
-            scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 0.5, 0
-            return True
-        scaler["growth_tracker"] = int(scaler["growth_tracker"]) + 1
-        if scaler["growth_tracker"] == cfg.grad_scale_growth_interval:
-            scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 2.0, 0
-            return True
-        return False
+        return grad_scaler_update(scaler, finite, self.config.grad_scale_growth_interval)  # type: ignore[attr-defined]
 
     def _update_scale(self, finite: torch.Tensor) -> None:
         """GradScaler.update once per step, in the order given (stream order)."""
@@ -381,7 +427,7 @@ class EpisodicTuner(TTAMethod):
                     sel = select_confident(logits, cfg.selection_p)
                 chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
                 # fp32 before summing: G scaled fp16 losses (each up to 1000 · ln K) would overflow their sum
-                loss = marginal_entropy(chosen).float()  # (G,)
+                loss = self._tuning_loss(chosen).float()  # (G,)
             with torch.autocast(device_type=dev.type, enabled=False):
                 reg = self._regulariser(text.float())  # in fp32, outside autocast
             if reg is not None:
@@ -460,7 +506,7 @@ class EpisodicTuner(TTAMethod):
                     chunk = feats[i:i + param.shape[0]]
                     with torch.no_grad(), self._autocast(dev):
                         text = self._class_features(param)
-                        logits = self._logits(chunk[:, :1], text)[:, 0].float()  # the original view only
+                        logits = self._predict(chunk, text).float()  # TPT: the original view only
             except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError from torch 2.5 on)
                 if g == 1:
                     raise
@@ -515,17 +561,8 @@ class TPT(EpisodicTuner):
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
         super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
                          text_encoder=text_encoder, class_names=class_names)
-        from extract.text_encoder import PromptTextEncoder
-
-        if self.class_names is None:
-            raise ValueError(f"method {self.key!r} builds one prompt per class and needs class_names=...")
         cfg: TPTConfig = self.config  # type: ignore[assignment]
-        model = getattr(text_encoder, "model", text_encoder)  # a LoadedModel or a bare open_clip model
-        tokenizer = getattr(text_encoder, "tokenizer", None)
-        if tokenizer is None:
-            raise ValueError(f"{self.key}: text_encoder must carry its tokenizer (pass the LoadedModel)")
-        self.prompts = PromptTextEncoder(model, tokenizer, self.class_names, ctx_init=cfg.ctx_init,
-                                         truncate=cfg.text_shortcuts, share_prefix=cfg.text_shortcuts)
+        self.prompts = prompt_encoder(self.key, text_encoder, self.class_names, cfg.ctx_init, cfg.text_shortcuts)
 
     # Unseen data (C-TPT and O-TPT inherit this): the fine-grained settings - AugMix views, and for C-TPT / O-TPT the
     # fine-grained lambda (every fine-grained set has the same row; DTD stands for them).
