@@ -314,6 +314,9 @@ def calibrate_paths(
                 fc = TemperatureScaling(T=fitted[cache_key])
                 fc.spec = c.spec
                 active.append(fc)
+                if key in src_keys:  # the tables mark such cells ‡ and never bold them (docs/tables.md)
+                    report.notes.append(f"{key}: '{c.spec}' is scored on the labelled logits its T was fitted on "
+                                        f"(in-sample: --ts-source {ts_source})")
             else:
                 active.append(c)
         announced = {"n_total": counts[key].n_total, "limit": counts[key].limit}

@@ -89,6 +89,17 @@ def test_end_to_end_outputs_match_one_shot_reference(tmp_path, make_meta, rng, c
     assert np.allclose(t.to_numpy(), t_fit)
 
 
+def test_in_sample_temperature_scaling_is_noted(tmp_path, make_meta, rng):
+    """Temperature scaling scored on the runs it was fitted on (the --ts-source dataset itself) is said to be."""
+    write_run(tmp_path, make_meta, rng, dataset="dtd", n=60)
+    src, *_ = write_run(tmp_path, make_meta, rng, dataset="imagenet", n=60)
+    notes = [n for n in calibrate_paths([tmp_path], calibrators="temperature").notes if "in-sample" in n]
+    assert notes == [f"{src.key}: 'temperature' is scored on the labelled logits its T was fitted on "
+                     "(in-sample: --ts-source imagenet)"]
+    assert not any("in-sample" in n for n in calibrate_paths([tmp_path], calibrators="temperature",
+                                                            temperature=1.5).notes)  # fixed: fitted nowhere
+
+
 def test_shard_splits_do_not_change_metrics(tmp_path, make_meta, rng):
     meta = make_meta(k=9)
     y, zs, tta = synthetic_logits(500, 9, rng)
