@@ -1,13 +1,14 @@
-"""User errors of both `zaec-calibrate` commands (`zaec-calibrate` and `zaec-calibrate tables`).
+"""The one user-error printer of every command: `zaec-calibrate` (and `tables`), `zaec-extract`, `zaec-sweep`.
 
-A user error ends in one line on stderr (`prog: error: ...`) and exit code 2, never a traceback. Both command
-modules import this one; neither imports the other for it.
+A user error ends in one line on stderr (`prog: error: ...`) and exit code 2, never a traceback. The command
+modules import this one; neither imports the other for it. It lives on the CPU side (no torch, no `extract`) so
+that `extract` may import it while `calibrate` never imports `extract`.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import List, NoReturn
+from typing import List, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -18,9 +19,19 @@ from schemas import ShardError, error_line
 USER_ERRORS = (ShardError, ValueError, OSError)
 
 
-def fail(prog: str, e: BaseException, err: Console) -> NoReturn:
-    """Print `prog: error: <first line of e>` on stderr and exit with status 2."""
-    err.print(f"{prog}: error: {error_line(e)}", markup=False, highlight=False, soft_wrap=True)
+def fail(prog: str, e: BaseException, err: Optional[Console] = None, *, full: bool = False) -> NoReturn:
+    """Print `prog: error: <first line of e>` on stderr and exit with status 2.
+
+    Args:
+        prog: the command's name, as the user typed it.
+        e: the user error.
+        err: the stderr console to print on (default: a new one).
+        full: print the whole message: for messages whose further lines are part of the answer (the extractor's
+            expected folder layouts of a missing dataset), still one error, never a traceback.
+    """
+    text = (str(e).strip() or type(e).__name__) if full else error_line(e)
+    err = err if err is not None else Console(stderr=True, emoji=False)
+    err.print(f"{prog}: error: {text}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

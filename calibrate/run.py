@@ -353,6 +353,8 @@ def _calibrate_run(
     stats = {name: CalibrationStats(n_bins, binning) for name in names}
     trust = {name: TrustStats() for name in names}
     capped = {c.spec: 0 for c in cals if isinstance(c, ZAEC)}
+    log_probs = members[0][1].output_kind == "log_probs"
+    one_hot = 0  # log-probability rows whose softmax is one-hot in float64 at T = 1 (docs/calibrate.md)
     dup = _DuplicateCheck(key)
     writer = _SampleWriter(samples_dir, key) if samples_dir is not None else None
     dropped = 0
@@ -370,6 +372,8 @@ def _calibrate_run(
                                     zs_stats.entropy)
             if writer is not None:
                 writer.write(ZERO_SHOT, shard.sample_id, y, np.ones(len(shard)), zs_stats)
+            if log_probs:
+                one_hot += int((softmax_stats(shard.tta_logits, 1.0, y).entropy == 0).sum())
             for c in cals:
                 t = c.temperatures(shard.zs_logits, shard.tta_logits)
                 if isinstance(c, ZAEC):
@@ -390,6 +394,9 @@ def _calibrate_run(
     if dropped:
         report.dropped_nonfinite += dropped
         report.notes.append(f"{key}: dropped {dropped} row(s) with NaN or inf logits (--drop-nonfinite)")
+    if log_probs:
+        report.notes.append(f"{key}: the adapted rows are log-probabilities (zaec:output_kind); every calibrator "
+                            f"treats them as logits (softmax(log p) = p); {one_hot} row(s) one-hot at T = 1")
     for spec, n in capped.items():
         report.capped[f"{key}|{spec}"] = n
         if n:

@@ -95,9 +95,9 @@ def extract(
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
             batch_size=batch_size, workers=workers, progress=not quiet)
     except _user_errors() as e:
-        err.print("[bold red]error:[/bold red]", end=" ")
-        err.print(str(e), markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+        from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
+
+        fail("zaec-extract", e, err, full=True)
     except KeyboardInterrupt:
         err.print("interrupted; rerun the same command to resume")
         raise typer.Exit(130)

@@ -181,10 +181,11 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
                                method_text.shape[1], execution.chunk_size)
     method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
                           dataset=planned.dataset, class_names=prompts.method_names)
+    n_run = planned.n_run(data.n_total)
+    method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
     warnings = [*prompts.method.warnings, *method.warnings]
     meta = shard_meta(planned, data, model, prompts, warnings)
 
-    n_run = planned.n_run(data.n_total)
     scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
                         _state_keys(method) if planned.episodic else None)
     run_dir.remove_marker()

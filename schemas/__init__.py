@@ -5,6 +5,7 @@ from schemas.shard import (
     META_KEYS,
     OPTIONAL_META_KEYS,
     OPTIONAL_COLUMNS,
+    OUTPUT_KINDS,
     PART_TEMPLATE,
     REQUIRED_COLUMNS,
     SCHEMA_VERSION,
@@ -30,7 +31,7 @@ from schemas.shard import (
 )
 
 __all__ = [
-    "COMPLETE_MARKER", "Completeness", "META_KEYS", "OPTIONAL_COLUMNS", "OPTIONAL_META_KEYS", "PART_TEMPLATE",
+    "COMPLETE_MARKER", "Completeness", "META_KEYS", "OPTIONAL_COLUMNS", "OPTIONAL_META_KEYS", "OUTPUT_KINDS", "PART_TEMPLATE",
     "PartialRunError", "REQUIRED_COLUMNS", "SCHEMA_VERSION", "RunKey", "Shard", "ShardError", "ShardMeta",
     "build_table", "error_line", "find_shards", "group_shards", "iter_run", "read_meta", "read_shard",
     "run_completeness", "shard_dir", "shard_path", "validate_shard", "write_atomic_table", "write_shard",

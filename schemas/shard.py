@@ -54,7 +54,11 @@ OPTIONAL_META_KEYS: dict[str, str] = {
     "zaec:data_root": "the resolved (absolute) data root the images were read from",
     "zaec:data_fingerprint": '"<mode>:<hex>": fingerprint of the image files (stat: path, size, mtime; content: '
                              "sha256)",
+    "zaec:output_kind": 'what the tta_logits rows are: "logits" (default when the key is absent) or "log_probs" '
+                        "(finite natural-log probabilities; see docs/contract.md)",
 }
+#: values of `zaec:output_kind`; a shard without the key holds logits
+OUTPUT_KINDS: tuple[str, ...] = ("logits", "log_probs")
 #: the file a writer puts next to the parts of a finished run (JSON: n_samples, n_total, limit, parts, ...)
 COMPLETE_MARKER = "_zaec_complete.json"
 REQUIRED_COLUMNS = ("sample_id", "label", "zs_logits", "tta_logits")
@@ -109,6 +113,11 @@ class ShardMeta:
     @property
     def key(self) -> RunKey:
         return RunKey(self.backbone, self.dataset, self.method, int(self.seed))
+
+    @property
+    def output_kind(self) -> str:
+        """What `tta_logits` holds: "logits" (also when `zaec:output_kind` is absent) or "log_probs"."""
+        return self.extra.get("zaec:output_kind", "logits")
 
     def to_kv(self) -> dict[bytes, bytes]:
         kv = {
@@ -166,6 +175,10 @@ class ShardMeta:
                 f"{path}: metadata 'zaec:class_names' has {len(names)} names but 'zaec:num_classes' is {k}"
             )
         extra = {key: v for key, v in meta.items() if key.startswith(PREFIX) and key not in META_KEYS}
+        kind = extra.get("zaec:output_kind", "logits")
+        if kind not in OUTPUT_KINDS:
+            raise ShardError(f"{path}: metadata 'zaec:output_kind' must be one of {', '.join(OUTPUT_KINDS)}, "
+                             f"got {kind!r}")
         return cls(
             backbone=meta["zaec:backbone"],
             pretrained=meta["zaec:pretrained"],

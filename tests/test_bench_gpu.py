@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from extract import bench_gpu
-from extract.sweep.plan import load_rates
+from extract.sweep.cost import load_rates
 
 runner = CliRunner()
 EPS64 = sys.float_info.epsilon

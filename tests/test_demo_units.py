@@ -253,3 +253,13 @@ def test_calibrators_match_zaec_calibrate_names():
     from calibrate.calibrators import parse_calibrators
 
     parse_calibrators(",".join(CALIBRATORS))  # every name the demo asks for is a valid calibrator spec
+
+
+def test_demo_method_selection():
+    from extract.demo.run import DEMO_METHODS, _resolve_methods
+    from extract.methods import REGISTRY
+
+    assert _resolve_methods(None) == DEMO_METHODS and set(DEMO_METHODS) <= set(REGISTRY)
+    every = _resolve_methods(["all"])
+    assert set(every) == set(REGISTRY) and every[0] == "zero-shot"  # zero-shot first: it fills the view-0 cache
+    assert _resolve_methods(["tda", "zero-shot", "tda"]) == ("zero-shot", "tda")

@@ -265,7 +265,14 @@ def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method, s
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
     assert all(validate_shard(p) == [] for p in paths)
     cfg = methods.get_method(method).default_config("dtd", "tiny-clip")
-    assert read_shard(paths[0]).meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    meta = read_shard(paths[0]).meta
+    assert meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    # what the rows are: written only when they are not logits, so shards of the logit methods keep their bytes
+    kind = methods.get_method(method).output_kind
+    assert meta.output_kind == kind and ("zaec:output_kind" in meta.extra) == (kind != "logits")
+    if kind == "log_probs":  # natural-log probabilities: each row sums to 1 after exp, within float32 rounding of
+        # the stored logs (|log p| <= ~100 here, so exp carries up to 100 eps32 ~ 1.2e-5 relative error per entry)
+        np.testing.assert_allclose(np.exp(t["tta_logits"].astype(np.float64)).sum(1), 1.0, rtol=100 * 2**-23 * 2)
 
 
 def test_bad_run_arguments(tmp_path, tiny_model, data_root):  # noqa: F811

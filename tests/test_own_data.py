@@ -311,7 +311,9 @@ def test_unreadable_image_from_a_loader_process_is_named(tmp_path, tiny_model): 
 
 def test_sweep_with_own_data_and_a_fresh_worker(tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
     from extract.sweep.job import run_group
-    from extract.sweep.plan import Grid, SweepError, expand_datasets, expand_grid, group_runs, n_images
+    from extract.sweep.cost import n_images
+    from extract.sweep.errors import SweepError
+    from extract.sweep.grid import Grid, expand_datasets, expand_grid, group_runs
 
     a = make_folder(tmp_path / "a", {"x": ["1.png", "2.png"], "y": ["3.png"]})
     b = make_folder(tmp_path / "b" / "a", {"x": ["1.png"], "y": ["2.png"]})
@@ -377,7 +379,7 @@ def _sweep_folder_with_names(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_sweep_class_names_per_dataset(tmp_path):
     from extract.sweep import cli as sweep_cli
-    from extract.sweep.plan import Grid, expand_grid
+    from extract.sweep.grid import Grid, expand_grid
 
     root, names = _sweep_folder_with_names(tmp_path)
     other = make_folder(tmp_path / "sat", {"x": ["1.png"], "y": ["2.png"]})
@@ -429,7 +431,7 @@ def test_sweep_class_names_errors(tmp_path, entry, needle):
 @pytest.mark.slow
 def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_dir):  # noqa: F811
     from extract.sweep import cli as sweep_cli
-    from extract.sweep.plan import Manifest
+    from extract.sweep.manifest import Manifest
 
     root, names = _sweep_folder_with_names(tmp_path)
     bad = root / "malignant" / "c.png"

@@ -194,3 +194,20 @@ def test_grouping_and_disagreement(tmp_path, make_meta):
         group_shards(find_shards([tmp_path]))
     assert REQUIRED_COLUMNS == ("sample_id", "label", "zs_logits", "tta_logits")
     del a, b, c
+
+
+def test_output_kind_key(tmp_path):
+    """`zaec:output_kind`: absent means logits; "log_probs" round-trips; any other value is a ShardError."""
+    from schemas import OUTPUT_KINDS, ShardMeta
+
+    assert OUTPUT_KINDS == ("logits", "log_probs")
+    base = ShardMeta("RN50", "openai", "dtd", "zero", 1, ("a", "b"))
+    p = write_shard(tmp_path / "a.parquet", base, [0], [1], [[1.0, 2.0]], [[0.0, -1e3]])
+    assert read_shard(p).meta.output_kind == "logits"
+    meta = ShardMeta("RN50", "openai", "dtd", "zero", 1, ("a", "b"), extra={"zaec:output_kind": "log_probs"})
+    p = write_shard(tmp_path / "b.parquet", meta, [0], [1], [[1.0, 2.0]], [[0.0, -1e3]])
+    assert read_shard(p).meta.output_kind == "log_probs" and validate_shard(p) == []
+    bad = ShardMeta("RN50", "openai", "dtd", "zero", 1, ("a", "b"), extra={"zaec:output_kind": "votes"})
+    p = write_shard(tmp_path / "c.parquet", bad, [0], [1], [[1.0, 2.0]], [[0.0, -1e3]])
+    with pytest.raises(ShardError, match="output_kind' must be one of logits, log_probs, got 'votes'"):
+        read_shard(p)

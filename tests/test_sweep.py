@@ -19,7 +19,8 @@ from extract.sweep import cli as sweep
 from extract.datasets import PAPER_DATASETS, get_dataset
 from extract.methods import REGISTRY, get_method
 from extract.runner import run_is_complete
-from extract.sweep.plan import (
+from extract.sweep import submit, track
+from extract.sweep.cost import (
     ADAPT_S_PER_SAMPLE,
     ADAPT_S_PER_SAMPLE_CLASS,
     DEFAULT_ADAPT_S_PER_SAMPLE,
@@ -27,23 +28,13 @@ from extract.sweep.plan import (
     JOB_OVERHEAD_S,
     NUM_CLASSES,
     TEST_SIZES,
-    Grid,
-    Manifest,
-    RunSpec,
-    SweepError,
-    error_line,
-    expand_grid,
-    fmt_hours,
-    group_runs,
     load_rates,
-    manifest_frame,
-    manifest_path,
-    method_overrides,
-    pack_groups,
     plan_frame,
-    result_path,
-    sweep_dir,
 )
+from extract.sweep.errors import SweepError
+from extract.sweep.grid import Grid, expand_grid, group_runs, method_overrides, pack_groups
+from extract.sweep.manifest import Manifest, error_line, manifest_frame, manifest_path, result_path, sweep_dir
+from extract.sweep.runspec import RunSpec
 from extract.views import view_policy
 from schemas import read_shard
 
@@ -237,10 +228,10 @@ def test_measured_rates_price_the_plan(tmp_path):
     assert a.exit_code == b.exit_code == 0, a.output + b.output
     assert "rates measured in" in " ".join(b.output.split()) and "fixed guesses" in " ".join(a.output.split())
     want_h = (10.0 + 50000 * 64 / 5000 + 50000 * 0.5) / 3600  # TPT: crop+flip views
-    assert f"about {fmt_hours(want_h)} GPU-hours" in " ".join(b.output.split()) and not out.exists()
+    assert f"about {sweep.fmt_hours(want_h)} GPU-hours" in " ".join(b.output.split()) and not out.exists()
     # `retry` rebuilds the options from the manifest: a rates file removed since falls back to the guesses
-    kept = sweep.ExecOptions.from_dict({"rates": str(tmp_path / "r.json")})
-    gone = sweep.ExecOptions.from_dict({"rates": str(tmp_path / "gone.json")})
+    kept = submit.ExecOptions.from_dict({"rates": str(tmp_path / "r.json")})
+    gone = submit.ExecOptions.from_dict({"rates": str(tmp_path / "gone.json")})
     assert kept.cost() is not None and gone.cost() is None
 
 
@@ -304,6 +295,32 @@ def test_user_errors_are_one_line(args, message, tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1 or message in res.stderr.strip().splitlines()[0]
 
 
+@pytest.mark.parametrize("argv, first", [
+    (["--limit", "abc"], "zaec-sweep: error: Invalid value for '--limit': "),
+    (["run", "--bogus"], "zaec-sweep: error: No such option: --bogus"),
+    (["status", "--state"], "zaec-sweep: error: Option '--state' requires an argument."),
+    (["--methods", "tpz", "--datasets", "dtd", "--dry-run"], "zaec-sweep: error: unknown method 'tpz'; available: "),
+])
+def test_every_error_of_the_console_script_is_one_line(argv, first, tmp_path, capsys):
+    """Usage errors (typer's) and user errors (ours) end alike: one `zaec-sweep: error: ...` line, exit 2."""
+    with pytest.raises(SystemExit) as e:
+        sweep.main(argv + ["--out", str(tmp_path / "o")] if argv[0] != "status" else argv)
+    cap = capsys.readouterr()
+    assert e.value.code == 2 and cap.out == ""
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(first), cap.err
+
+
+def test_a_missing_dataset_names_its_expected_layouts(tmp_path, capsys):
+    """The extractor's layout hint is part of the answer: the error's further lines are kept (no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--methods", "tda", "--datasets", "caltech101", "--data-root", str(tmp_path),
+                    "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.startswith("zaec-sweep: error: dataset 'caltech101' not found") and "101_ObjectCategories" in err
+
+
 def test_bad_config_key_lists_valid_keys(tmp_path):
     cfg = tmp_path / "grid.toml"
     cfg.write_text('methods = ["tda"]\ndatasets = "dtd"\npartitoin = "gpu"\n')
@@ -339,25 +356,25 @@ def _fake_slurm(bin_dir: Path, capture: Path, job_id: int = 4242, sacct: str | N
 def test_slurm_parameters(tmp_path):
     runs = expand_grid(Grid(("zero-shot", "tda"), ("dtd", "imagenet_a"), ("ViT-B-16",)), out=tmp_path)
     groups = group_runs(runs)
-    opts = sweep.ExecOptions(executor="slurm", partition="gpu", gpus_per_job=2, cpus_per_job=12, mem_gb=64,
+    opts = submit.ExecOptions(executor="slurm", partition="gpu", gpus_per_job=2, cpus_per_job=12, mem_gb=64,
                              timeout_min=300, account="lab", array_parallelism=2,
                              slurm_setup=("source /env/bin/activate",))
-    p = sweep.slurm_parameters(opts, groups)
+    p = submit.slurm_parameters(opts, groups)
     assert p["partition"] == "gpu" and p["gpus_per_node"] == 2 and p["cpus_per_task"] == 12
     assert p["mem"] == "64GB" and p["time"] == 300 and p["account"] == "lab" and p["array_parallelism"] == 2
     assert p["nodes"] == 1 and p["ntasks_per_node"] == 1 and p["setup"] == ["source /env/bin/activate"]
-    text = sweep.sbatch_preview(opts, groups, tmp_path / "sub")
+    text = submit.sbatch_preview(opts, groups, tmp_path / "sub")
     for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=2", "#SBATCH --cpus-per-task=12",
                  "#SBATCH --mem=64GB", "#SBATCH --time=300", "#SBATCH --account=lab",
                  f"#SBATCH --array=0-{len(groups) - 1}%2", "#SBATCH --job-name=zaec-sweep",
                  "source /env/bin/activate"):
         assert line in text
     # no --timeout-min: twice the longest group's estimate, at least an hour, in steps of 30 minutes
-    auto = sweep.slurm_parameters(dataclasses.replace(opts, timeout_min=None), groups)["time"]
+    auto = submit.slurm_parameters(dataclasses.replace(opts, timeout_min=None), groups)["time"]
     longest = max(g.estimate_hours() for g in groups) * 60
     assert auto % 30 == 0 and auto >= max(60, 2 * longest) and auto < max(60, 2 * longest) + 30
     # no GPU requested: no gres line at all
-    assert "gpus_per_node" not in sweep.slurm_parameters(dataclasses.replace(opts, gpus_per_job=0), groups)
+    assert "gpus_per_node" not in submit.slurm_parameters(dataclasses.replace(opts, gpus_per_job=0), groups)
 
 
 def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, monkeypatch):  # noqa: F811
@@ -419,14 +436,14 @@ def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, mo
     (2, 1, [], [(), ()]),  # no GPU: CPU jobs
 ])
 def test_local_gpu_assignment(n_jobs, per_job, gpus, expected):
-    assert sweep.local_gpu_assignment(n_jobs, per_job, gpus) == expected
+    assert submit.local_gpu_assignment(n_jobs, per_job, gpus) == expected
 
 
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert sweep._visible_gpus() == [2, 3]
+    assert submit._visible_gpus() == [2, 3]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert sweep._visible_gpus() == []
+    assert submit._visible_gpus() == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -460,24 +477,24 @@ def test_refresh_reads_result_files_of_the_current_submission_only(tmp_path):
     path = result_path(tmp_path, run.run_id)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"token": "old", "state": "failed", "error": "stale"}))
-    assert sweep.refresh(m, {"77": _LiveJob(done=False)}) == []  # stale file ignored, job still active
+    assert track.refresh(m, {"77": _LiveJob(done=False)}) == []  # stale file ignored, job still active
     assert m.rows[run.run_id]["state"] == "pending"
     path.write_text(json.dumps({"token": "new", "state": "running", "error": ""}))
-    sweep.refresh(m, {"77": _LiveJob(done=False)})
+    track.refresh(m, {"77": _LiveJob(done=False)})
     assert m.rows[run.run_id]["state"] == "running"
     path.write_text(json.dumps({"token": "new", "state": "failed", "error": "DatasetError: bad image"}))
-    assert sweep.refresh(m) == [(run.run_id, "failed", "DatasetError: bad image")]
+    assert track.refresh(m) == [(run.run_id, "failed", "DatasetError: bad image")]
 
 
 def test_refresh_fails_runs_of_a_job_that_died(tmp_path):
     run = _spec(tmp_path)
     m = Manifest(tmp_path)
     m.record_submission(run, job_id=_dead_pid(), token="t", log="")
-    (changed,) = sweep.refresh(m)
+    (changed,) = track.refresh(m)
     assert changed[1] == "failed" and "ended without a result" in changed[2]
     # a live job object that finished without writing a result
     m.record_submission(run, job_id="123", token="t2", log="")
-    (changed,) = sweep.refresh(m, {"123": _LiveJob(done=True)})
+    (changed,) = track.refresh(m, {"123": _LiveJob(done=True)})
     assert changed[1] == "failed" and "job 123 ended without a result" in changed[2]
 
 
@@ -485,7 +502,7 @@ def test_refresh_notices_removed_shards(tmp_path):
     run = _spec(tmp_path)
     m = Manifest(tmp_path)
     m.record_done(run)  # as if complete; nothing is on disk
-    (changed,) = sweep.refresh(m)
+    (changed,) = track.refresh(m)
     assert changed[1] == "failed" and "removed" in changed[2]
 
 
@@ -554,7 +571,7 @@ def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_
     other = expand_grid(Grid(("zero-shot", "tda"), ("dtd",), (), pretrained=f"local-dir:{tiny_model_dir}",
                              overrides=("tda.alpha=9",)), out=tmp_path / "out", data_root=data_root)
     with pytest.raises(SweepError, match=r"1 finished run\(s\) used other settings .*tda.*method_config"):
-        sweep.sweep_run(other, sweep.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
+        sweep.sweep_run(other, submit.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
                         console=Console(file=io.StringIO()))
     assert not manifest_path(tmp_path / "out").exists()
 
@@ -566,7 +583,7 @@ def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_
     os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     try:
         with pytest.raises(SweepError, match=r"2 finished run\(s\) used other settings .*\(data_fingerprint\)"):
-            sweep.sweep_run(same, sweep.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
+            sweep.sweep_run(same, submit.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
                             console=Console(file=io.StringIO()))
     finally:
         os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -30,7 +30,9 @@ def demo(
     results: Path = typer.Option(_DEFAULTS.results, help="tables, figures and demo_summary.md"),
     n_images: int = typer.Option(_DEFAULTS.n_images or 0, help="images per set: the first N test images (0: all "
                                                                "10,000; large values take hours on a CPU)"),
-    methods: Optional[str] = typer.Option(None, help="comma-separated TTA methods (default: every registered one)"),
+    methods: Optional[str] = typer.Option(None, help="comma-separated TTA methods, or 'all' for every registered "
+                                                     "one (default: the paper's methods and the TTA-VLM ones that "
+                                                     "fit a 10-minute first run)"),
     sets: str = typer.Option(",".join(_DEFAULTS.sets), help="comma-separated sets; 'clean' is required"),
     seed: int = typer.Option(_DEFAULTS.seed, help="seed of the stream order and the augmented views"),
     train_budget: float = typer.Option(_DEFAULTS.train_budget, help="scale of the training images (1.0: 60,000)"),

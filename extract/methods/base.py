@@ -44,6 +44,10 @@ IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet
 #               "A {} featuring a wide range of color options for easy selection." (DPE `datasets/stanford_cars.py`)
 # Each template embedding is L2-normalised, averaged (with the CuPL sentences when `cupl`), and re-normalised.
 PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars"]
+# What a method's output rows are (the shard's `zaec:output_kind`, docs/contract.md): "logits" (any real vector the
+# official code ranks and calibrates through a softmax) or "log_probs" (natural-log probabilities, finite: where the
+# official code outputs probabilities or vote fractions).
+OutputKind = Literal["logits", "log_probs"]
 BackboneFamily = Literal["rn", "vit"]
 
 DPE_CARS_TEMPLATES: tuple[str, ...] = (
@@ -198,6 +202,8 @@ class TTAMethod(abc.ABC):
     key: ClassVar[str]
     Config: ClassVar[type[MethodConfig]]
     needs_text_encoder: ClassVar[bool] = False
+    # What `adapt` returns (recorded in the shard as `zaec:output_kind`); "logits" unless the method says otherwise.
+    output_kind: ClassVar[OutputKind] = "logits"
     # Attributes holding the online state, saved by `state_dict` (so that an interrupted run can resume).
     _state_fields: ClassVar[tuple[str, ...]] = ()
 
@@ -279,6 +285,10 @@ class TTAMethod(abc.ABC):
         out = self._adapt(view_feats)
         self.n_seen += b
         return out.detach().float()
+
+    def set_stream_length(self, n: int) -> None:
+        """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods
+        whose official schedule needs it in advance (OnZeta's β_i = β·√((i+1)/n)); the runner calls it."""
 
     @classmethod
     def method_class_names(cls, dataset: str, class_names: Sequence[str],

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
+from schemas.atomic import check_output_dir as schemas_check_output_dir
+
 if TYPE_CHECKING:
     from schemas import RunKey
 
@@ -101,8 +103,8 @@ class RunOptions:
         anchor: "single" = zero-shot logits from "a photo of a {}." on view 0; "method" = the method's own prompts.
         data_root: datasets folder (None: `default_data_root()`).
         cupl_dir: CuPL prompt files (None: `default_cupl_dir()`).
-        sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2 (docs/methods.md, "TDA's file-listing
-            quirk (sh_filter)"), off by default.
+        sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2, off by default
+            (docs/methods.md, "TDA's file-listing quirk (sh_filter)").
         fingerprint: how image files are fingerprinted: "stat" (size and modification time) or "content" (sha256).
         adapt_batch: samples per `method.adapt` call (an online method's result depends on it).
         part_size: rows per shard (a multiple of `adapt_batch`).
@@ -321,19 +323,12 @@ def check_options(options: RunOptions, execution: ExecOptions) -> None:
 
 
 def check_output_dir(path: str | os.PathLike, option: str) -> Path:
-    """Fail fast on an output folder that cannot be written: `path` (or the folder it would be created in) must not
-    be a file and its nearest existing folder must be writable. Checked before any image is read.
+    """`schemas.atomic.check_output_dir` (the one check every command runs on its output folder) as a RunError.
 
     Raises:
         RunError: one line naming the option, the path and what is wrong.
     """
-    path = Path(path)
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    where = f"{option} {path}" + ("" if probe == path else f" (to be created in {probe})")
-    if probe.exists() and not probe.is_dir():
-        raise RunError(f"{where}: {probe} is a file, expected a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise RunError(f"{where}: folder {probe} is not writable; choose another with {option}")
-    return path
+    try:
+        return schemas_check_output_dir(path, option)
+    except ValueError as e:
+        raise RunError(str(e)) from None

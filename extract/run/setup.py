@@ -103,6 +103,8 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
         extra[f"zaec:{k}"] = v
     if planned.settings_note:
         extra["zaec:method_settings"] = planned.settings_note
+    if planned.method_cls.output_kind != "logits":  # absent means logits (docs/contract.md): older shards stay valid
+        extra["zaec:output_kind"] = planned.method_cls.output_kind
     return ShardMeta(backbone=planned.backbone, pretrained=model.pretrained, dataset=planned.dataset,
                      method=o.method, seed=o.seed, class_names=ts.class_names, method_config=planned.config_dict(),
                      extra=extra, zs_prompts=zs_desc)

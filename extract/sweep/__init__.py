@@ -1,8 +1,15 @@
 """`zaec-sweep`: the grid methods x datasets x backbones x seeds as jobs (SLURM or one machine) via submitit.
 
-    cli   the command line (typer): plan, submit, status, retry; rendering of the plan and the manifest
-    plan  pure and file-level: grid expansion, grouping by feature cache, cost estimate, the manifest
-    job   what a job runs on its worker (imports submitit)
+    cli       the command line (typer): run, status, retry; option parsing, the config file, rendering
+    grid      the grid as given, its expansion into resolved runs, grouping by feature cache, packing
+    cost      the cost model of `--dry-run` (fixed guesses or measured `--rates`) and the plan table
+    runspec   where the sweep meets the extractor: RunSpec, its defaults, the finished-run check
+    manifest  the sweep's files: the manifest and its lock, the per-run result files, atomic JSON I/O
+    state     the pure job-state transition of a manifest row (pending, running, done, failed)
+    track     the facts of a row (result pickle, sacct, process) and `refresh`, which applies `state`
+    submit    executor settings, SLURM parameters, local GPU assignment, submission through submitit
+    job       what a job runs on its worker (imports submitit)
+    errors    SweepError
 """
 
 from extract.sweep.cli import app, main

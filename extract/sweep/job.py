@@ -17,14 +17,9 @@ from typing import Any, Callable, Sequence
 
 from submitit.helpers import Checkpointable
 
-from extract.sweep.plan import Group, RunSpec, error_line, now, result_path, write_json_atomic
-
-
-def write_result(run: RunSpec, token: str, state: str, *, error: str = "", shards: Sequence[str] = ()) -> None:
-    """Record a run's state for `zaec-sweep status` (atomic; the token ties it to one submission)."""
-    write_json_atomic(result_path(run.out, run.run_id), {
-        "run_id": run.run_id, "token": token, "state": state, "error": error, "shards": list(shards),
-        "updated": now()})
+from extract.sweep.grid import Group
+from extract.sweep.manifest import error_line, now, write_result
+from extract.sweep.runspec import RunSpec, extract_run, load_group_model
 
 
 def _say(run: RunSpec) -> Callable[[str], None]:
@@ -39,14 +34,11 @@ def run_group(group: Group, token: str) -> list[dict[str, Any]]:
     Returns:
         One dict per run: run_id, state ("done" or "failed"), error line, shard paths.
     """
-    from extract.models import load_model
-    from extract.runner import run_extraction
-
     r0 = group.runs[0]
     model = None
     model_error = ""
     try:
-        model = load_model(r0.backbone_arg, r0.pretrained, r0.device)
+        model = load_group_model(r0)
     except Exception as e:  # recorded for every run of the group below
         traceback.print_exc()
         model_error = error_line(e)
@@ -59,11 +51,7 @@ def run_group(group: Group, token: str) -> list[dict[str, Any]]:
         else:
             try:
                 run.register_dataset()
-                paths = run_extraction(
-                    run.method, run.dataset, data_root=run.data_root, out=run.out, seed=run.seed, limit=run.limit,
-                    overrides=dict(run.overrides) or None, anchor=run.anchor, cache_dir=run.cache_dir,
-                    cupl_dir=run.cupl_dir, workers=run.workers, batch_size=run.batch_size, progress=False,
-                    model=model, log=_say(run))
+                paths = extract_run(run, model, _say(run))
                 state, err, shards = "done", "", [str(p) for p in paths]
             except Exception as e:  # one failed run must not stop the others
                 traceback.print_exc()

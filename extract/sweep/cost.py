@@ -1,0 +1,231 @@
+"""The cost model of `zaec-sweep --dry-run`: images and views per group, GPU-seconds per view and per sample.
+
+An estimate, documented as such: fixed guesses per backbone family and method below, replaced by the rates measured
+on one device (`python -m extract.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
+plan table (`plan_frame`), the SLURM time limit and the local executor's packing all price groups with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from extract.sweep.errors import SweepError
+
+if TYPE_CHECKING:
+    from extract.sweep.grid import Group
+    from extract.sweep.runspec import RunSpec
+
+#: Test-set sizes (images) of the paper's 15 datasets: ImageNet val, the released ImageNet-A/-V2 (matched
+#: frequency)/-R/-Sketch, and the CoOp `split_zhou_*` test splits (FGVC-Aircraft: `images_variant_test.txt`).
+TEST_SIZES: dict[str, int] = {
+    "imagenet": 50000, "imagenet_a": 7500, "imagenet_v2": 10000, "imagenet_r": 30000, "imagenet_sketch": 50889,
+    "caltech101": 2465, "dtd": 1692, "eurosat": 8100, "fgvc_aircraft": 3333, "food101": 30300,
+    "flowers102": 2463, "oxford_pets": 3669, "stanford_cars": 8041, "sun397": 19850, "ucf101": 3783,
+}
+#: Fashion-MNIST's test set, used by every demo set (`fmnist`, `fmnist_noise`, ...).
+DEMO_TEST_SIZE = 10000
+
+#: Encoder GPU-seconds per encoded view, by backbone family. An estimate for one A100/H100-class GPU with autocast
+#: fp16 and 8 image-loading workers: the network alone runs several thousand views/s, so JPEG decoding and AugMix
+#: on the CPU set the pace; ~1000 views/s (ViT-B-16) and ~1500 views/s (RN50, smaller input pipeline cost per
+#: forward) are the planning figures. Multi-view policies encode 64 views per image.
+ENCODE_S_PER_VIEW: dict[str, float] = {"vit": 1 / 1000, "rn": 1 / 1500}
+#: Adaptation GPU-seconds per sample, by method (estimate): zero-shot is one matmul; TDA a per-sample cache update;
+#: DPE and DLAE one AdamW step on the prototype residuals per sample (DLAE adds its reflection step); TPS one AdamW
+#: step on a (K, D) shift for a batch of samples at once.
+ADAPT_S_PER_SAMPLE: dict[str, float] = {"zero-shot": 0.0001, "tda": 0.003, "dpe": 0.025, "dlae": 0.03, "tps": 0.005,
+                                        "tpt": 0.005, "ctpt": 0.005, "otpt": 0.005, "atpt": 0.005}
+#: ... plus GPU-seconds per sample and class, for the methods that run the text encoder per sample: the TPT family
+#: does one forward + backward and one forward of the text transformer over the K prompts per sample (about
+#: 25 GFLOP per prompt at ~100 TFLOP/s effective fp16), so ImageNet's 1000 classes cost ~0.25 s a sample.
+ADAPT_S_PER_SAMPLE_CLASS: dict[str, float] = {"tpt": 2.5e-4, "ctpt": 2.5e-4, "otpt": 2.5e-4, "atpt": 2.5e-4}
+#: Adaptation cost assumed for a registered method missing from the tables above (flagged in the plan).
+DEFAULT_ADAPT_S_PER_SAMPLE = 0.03
+#: Per-job overhead: start-up, model load, text prototypes (seconds).
+JOB_OVERHEAD_S = 120.0
+#: Classes per dataset (CoOp splits; ImageNet-A/-R are 200-class subsets), for the per-class costs.
+NUM_CLASSES: dict[str, int] = {
+    "imagenet": 1000, "imagenet_a": 200, "imagenet_v2": 1000, "imagenet_r": 200, "imagenet_sketch": 1000,
+    "caltech101": 100, "dtd": 47, "eurosat": 10, "fgvc_aircraft": 100, "food101": 101, "flowers102": 102,
+    "oxford_pets": 37, "stanford_cars": 196, "sun397": 397, "ucf101": 101,
+}
+DEMO_NUM_CLASSES = 10
+
+
+#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT tune the same prompts with the same
+#: text-encoder passes per sample as TPT (their extra loss terms cost little next to them).
+RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt"}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Rates measured on one device by `python -m extract.bench_gpu --json FILE`, by backbone: what `--rates FILE`
+    prices a sweep with instead of the fixed guesses above (backbones and methods it did not measure keep those).
+
+    Attributes:
+        source: the file.
+        encode_s: (backbone, view policy) -> seconds per view through loader and encoder.
+        adapt_s: (backbone, method) -> ((K, seconds per sample), ...) sorted by K.
+        overhead_s: backbone -> seconds of a process's fixed cost.
+    """
+
+    source: str
+    encode_s: Mapping[tuple[str, str], float]
+    adapt_s: Mapping[tuple[str, str], tuple[tuple[int, float], ...]]
+    overhead_s: Mapping[str, float]
+
+    def adapt(self, backbone: str, method: str, k: int) -> float | None:
+        """Seconds per sample at K classes: linear between the measured K, the end segments extended beyond them
+        (the TPT family's cost grows linearly in K), never below zero; None when not measured."""
+        pts = self.adapt_s.get((backbone, RATE_PROXY.get(method, method)))
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1]
+        (k0, s0), (k1, s1) = (pts[0], pts[1]) if k <= pts[0][0] else (pts[-2], pts[-1]) if k >= pts[-1][0] else \
+            next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= k <= b[0])
+        return max(0.0, s0 + (s1 - s0) * (k - k0) / (k1 - k0))
+
+
+def _positive(doc: Mapping[str, Any], key: str, where: str) -> float:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise SweepError(f"{where}: expected a positive number at {key!r}, got {v!r}")
+    return float(v)
+
+
+@functools.lru_cache(maxsize=8)
+def load_rates(path: str) -> Rates:
+    """Read the JSON of `python -m extract.bench_gpu --json` (format version 1). Raises SweepError naming the file
+    and the key when it is not such a file."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SweepError(f"--rates {path}: cannot read a JSON file ({e})") from None
+    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("backbones"), dict) \
+            or not doc["backbones"]:
+        raise SweepError(f"--rates {path}: expected the JSON of `python -m extract.bench_gpu --json` (version 1, "
+                         "a 'backbones' object)")
+    enc: dict[tuple[str, str], float] = {}
+    adapt: dict[tuple[str, str], tuple[tuple[int, float], ...]] = {}
+    over: dict[str, float] = {}
+    for bb, r in doc["backbones"].items():
+        where = f"--rates {path}, backbone {bb}"
+        if not isinstance(r, dict):
+            raise SweepError(f"{where}: expected an object, got {r!r}")
+        enc[(bb, "single")] = 1.0 / _positive(r, "single_view_images_per_s", where)
+        enc[(bb, "crop_flip")] = 1.0 / _positive(r, "crop_flip_views_per_s", where)
+        enc[(bb, "augmix")] = 1.0 / _positive(r, "augmix_views_per_s", where)
+        if isinstance(r.get("fixed_cost"), dict):
+            over[bb] = _positive(r["fixed_cost"], "process_s", where)
+        for method, per_k in (r.get("adapt_samples_per_s") or {}).items():
+            if not isinstance(per_k, dict) or not per_k:
+                raise SweepError(f"{where}: expected {{K: samples/s}} for {method!r}, got {per_k!r}")
+            try:
+                pts = sorted((int(k), 1.0 / _positive(per_k, k, where)) for k in per_k)
+            except ValueError:
+                raise SweepError(f"{where}: class counts of {method!r} must be integers, got {list(per_k)}") from None
+            adapt[(bb, method)] = tuple(pts)
+    return Rates(str(path), enc, adapt, over)
+
+
+def _listed_size(dataset: str) -> tuple[int, int] | None:
+    """(images, classes) of a user's dataset registered in this process, from its listing; None otherwise."""
+    from extract.datasets import dataset_source
+
+    source = dataset_source(dataset)
+    return None if source is None else _listing(dataset, source)
+
+
+@functools.lru_cache(maxsize=None)
+def _listing(dataset: str, source: tuple[str, str | None]) -> tuple[int, int]:
+    from extract.datasets import load_testset
+
+    ts = load_testset(dataset)
+    return len(ts), ts.num_classes
+
+
+def _table_size(dataset: str) -> tuple[int, int] | None:
+    # ImageNet-C: every corruption and severity holds the 50,000 validation images of the 1000 classes
+    base = "imagenet" if dataset.startswith("imagenet_c:") else dataset
+    if base in TEST_SIZES:
+        return TEST_SIZES[base], NUM_CLASSES[base]
+    if dataset.startswith("fmnist"):
+        return DEMO_TEST_SIZE, DEMO_NUM_CLASSES
+    return _listed_size(dataset)
+
+
+def adapt_seconds(method: str, dataset: str, backbone: str | None = None, rates: Rates | None = None) -> float:
+    """Estimated adaptation GPU-seconds per sample of `method` on `dataset`: measured (`rates`) where it holds the
+    backbone and method, else the tables above."""
+    k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
+    measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
+    if measured is not None:
+        return measured
+    return ADAPT_S_PER_SAMPLE.get(method, DEFAULT_ADAPT_S_PER_SAMPLE) + ADAPT_S_PER_SAMPLE_CLASS.get(method, 0.0) * k
+
+
+def encode_seconds(backbone: str, policy: str, rates: Rates | None = None) -> float:
+    """Estimated GPU-seconds per encoded view: measured (`rates`) for this backbone and policy, else the table."""
+    measured = rates.encode_s.get((backbone, policy)) if rates is not None else None
+    return measured if measured is not None else ENCODE_S_PER_VIEW[_family(backbone)]
+
+
+def overhead_seconds(backbone: str, rates: Rates | None = None) -> float:
+    """Fixed seconds of one job: measured (`rates`) for this backbone, else JOB_OVERHEAD_S."""
+    measured = rates.overhead_s.get(backbone) if rates is not None else None
+    return measured if measured is not None else JOB_OVERHEAD_S
+
+
+def n_images(dataset: str, limit: int | None = None) -> int:
+    """Images a run over `dataset` processes: the table's test size (a user's dataset: its listing), capped by
+    `--limit`.
+
+    >>> n_images("dtd"), n_images("imagenet", limit=1000), n_images("imagenet_c:fog:3")
+    (1692, 1000, 50000)
+    """
+    size = _table_size(dataset)
+    if size is None:
+        raise SweepError(f"no test size for dataset {dataset!r}; known: {', '.join(TEST_SIZES)}")
+    return size[0] if limit is None else min(int(limit), size[0])
+
+
+def _family(backbone: str) -> str:
+    return "rn" if backbone.upper().startswith("RN") else "vit"
+
+
+def views_per_image(policy: str) -> int:
+    """Views a run encodes per image: one for the single view, 64 for the multi-view policies."""
+    return 1 if policy == "single" else 64
+
+
+def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> float:
+    """Estimated GPU-hours of a group of runs sharing one feature cache: one encoding pass of the group's views plus
+    each method's adaptation, priced with the measured `rates` where they cover it, else with the fixed guesses."""
+    r0 = runs[0]
+    n = n_images(r0.dataset, r0.limit)
+    views = views_per_image(r0.policy)
+    enc = n * views * encode_seconds(r0.backbone, r0.policy, rates)
+    adapt = sum(n * adapt_seconds(r.method, r.dataset, r.backbone, rates) for r in runs)
+    return (overhead_seconds(r0.backbone, rates) + enc + adapt) / 3600.0
+
+
+def plan_frame(groups: Sequence["Group"], rates: Rates | None = None) -> "Any":
+    """One row per group: group, backbone, dataset, policy, seed, methods, runs, images, views, est. GPU-hours."""
+    import polars as pl
+
+    rows = []
+    for g in groups:
+        r0 = g.runs[0]
+        n = n_images(r0.dataset, r0.limit)
+        rows.append({"group": g.group_id, "backbone": r0.backbone, "dataset": r0.dataset, "policy": r0.policy,
+                     "seed": r0.seed, "methods": ",".join(g.methods), "runs": len(g.runs), "images": n,
+                     "views": n * views_per_image(r0.policy), "gpu_hours": g.estimate_hours(rates)})
+    schema = {"group": pl.Utf8, "backbone": pl.Utf8, "dataset": pl.Utf8, "policy": pl.Utf8, "seed": pl.Int64,
+              "methods": pl.Utf8, "runs": pl.Int64, "images": pl.Int64, "views": pl.Int64, "gpu_hours": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)

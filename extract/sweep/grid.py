@@ -1,0 +1,305 @@
+"""The grid of a sweep: what the user asked for (`Grid`), its expansion into resolved runs, and their grouping.
+
+A sweep is the product methods x datasets x backbones x seeds. Every run is resolved with the extractor's own
+`plan_run` (unknown names fail here, before anything is submitted; see `extract.sweep.runspec`). Runs are grouped by
+what their feature cache is keyed on - (backbone, weights, dataset, view policy, seed), the policy taken from the
+method's config for that dataset after `--set` overrides - so one job loads the model once and encodes each image
+once, and every method of the group adapts from the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from extract.sweep.cost import Rates, estimate_hours
+from extract.sweep.errors import SweepError
+from extract.sweep.runspec import (
+    DEFAULT_ANCHOR,
+    DEFAULT_BACKBONE,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_PRETRAINED,
+    RunSpec,
+    absolute_weights,
+    is_local_dir,
+    resolve_run,
+)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to run, as given by the user (before resolution).
+
+    Attributes:
+        methods, datasets: keys of the method and dataset registries (`datasets=("all",)` = the 15 of the paper;
+            see `expand_datasets` for `imagenet_c` and a user's `folder:`/`split:` datasets).
+        backbones: open_clip names, each optionally `NAME=PRETRAINED` to give it its own weights; empty with a
+            `local-dir:` `pretrained` (the directory names the model).
+        seeds: stream/view seeds.
+        pretrained: weights for every backbone without its own (`openai`, a file, `local-dir:DIR`).
+        overrides: `--set` items: `key=value` for every method, or `method.key=value` for one method.
+        class_names: (dataset name, class-names file) pairs for a user's `folder:`/`split:` datasets (see
+            `class_names_files`).
+    """
+
+    methods: tuple[str, ...]
+    datasets: tuple[str, ...]
+    backbones: tuple[str, ...] = (DEFAULT_BACKBONE,)
+    seeds: tuple[int, ...] = (1,)
+    pretrained: str = DEFAULT_PRETRAINED
+    overrides: tuple[str, ...] = ()
+    class_names: tuple[tuple[str, str], ...] = ()
+
+
+def split_list(raw: str | Sequence[Any] | None, what: str) -> tuple[str, ...]:
+    """'a,b, c' or ['a', 'b'] -> ('a', 'b', 'c'); an empty result is an error naming the option."""
+    if raw is None:
+        return ()
+    items = raw.split(",") if isinstance(raw, str) else [str(x) for x in raw]
+    out = tuple(s.strip() for s in items if str(s).strip())
+    if not out:
+        raise SweepError(f"{what}: expected a comma-separated list, got {raw!r}")
+    return out
+
+
+def parse_seeds(raw: str | Sequence[Any]) -> tuple[int, ...]:
+    """'1,2,3' or [1, 2] -> (1, 2, 3); seeds are integers >= 0."""
+    out = []
+    for s in split_list(raw, "--seeds"):
+        try:
+            v = int(s)
+        except ValueError:
+            raise SweepError(f"--seeds expects integers, got {s!r}") from None
+        if v < 0:
+            raise SweepError(f"--seeds must be >= 0, got {v}")
+        out.append(v)
+    return tuple(dict.fromkeys(out))
+
+
+def method_overrides(items: Sequence[str], methods: Sequence[str]) -> dict[str, dict[str, str]]:
+    """`--set` items -> {method: {key: value}}: `key=value` applies to every method, `method.key=value` to one.
+
+    Raises:
+        SweepError: an item without '=', or a method prefix that is not in the grid.
+
+    Example:
+        >>> method_overrides(["tda.alpha=3", "batch=2"], ["tda", "dpe"])
+        {'tda': {'batch': '2', 'alpha': '3'}, 'dpe': {'batch': '2'}}
+    """
+    out: dict[str, dict[str, str]] = {m: {} for m in methods}
+    scoped = []
+    for item in items:
+        k, sep, v = item.partition("=")
+        k = k.strip()
+        if not sep or not k:
+            raise SweepError(f"--set expects key=value or method.key=value, got {item!r}")
+        if "." in k:
+            m, _, k = k.partition(".")
+            if m not in out:
+                raise SweepError(f"--set {item!r}: method {m!r} is not in the sweep; methods: {', '.join(methods)}")
+            scoped.append((m, k, v.strip()))
+        else:
+            for m in out:
+                out[m][k] = v.strip()
+    for m, k, v in scoped:  # a method-scoped value wins over a global one
+        out[m][k] = v
+    return out
+
+
+def _split_backbone(entry: str, pretrained: str) -> tuple[str | None, str]:
+    name, sep, weights = entry.partition("=")
+    name, weights = name.strip(), weights.strip()
+    if sep and not weights:
+        raise SweepError(f"--backbones entry {entry!r}: expected NAME or NAME=PRETRAINED")
+    return (name or None), (weights if sep else pretrained)
+
+
+def class_names_files(raw: Mapping[str, Any] | str | Sequence[Any] | None) -> dict[str, str]:
+    """`--class-names NAME=FILE` items (or the config's `class_names` table {NAME: FILE}) -> {NAME: FILE}.
+
+    Raises:
+        SweepError: an item that is not NAME=FILE, or one NAME given two files.
+
+    Example:
+        >>> class_names_files(["derm=names.txt"]) == class_names_files({"derm": "names.txt"}) == {"derm": "names.txt"}
+        True
+    """
+    if isinstance(raw, Mapping):
+        items = [(str(k).strip(), str(v).strip()) for k, v in raw.items()]
+    else:
+        items = []
+        for item in split_list(raw, "--class-names") if raw else ():
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise SweepError(f"--class-names expects NAME=FILE (NAME: a folder:/split: dataset of --datasets), "
+                                 f"got {item!r}")
+            items.append((name.strip(), path.strip()))
+    out: dict[str, str] = {}
+    for name, path in items:
+        if out.setdefault(name, path) != path:
+            raise SweepError(f"--class-names: dataset {name!r} is given two files ({out[name]} and {path})")
+    return out
+
+
+def expand_datasets(entries: Sequence[str], class_names: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """`--datasets` entries -> canonical dataset keys, in order, duplicates removed.
+
+    `all` = the 15 of the paper; `imagenet_c` = its 75 keys, `imagenet_c:<corruption>` its 5 severities;
+    `folder:PATH` / `split:FILE.json` a user's dataset named after its folder, `NAME=folder:PATH` named NAME
+    (registered in this process, see `extract.datasets.resolve_dataset`). `class_names` maps such a dataset's
+    canonical name to its class-names file.
+
+    Raises:
+        SweepError: two different user datasets with one name, a `class_names` name that is no user dataset of
+            the entries. DatasetError: a bad reference, name or class-names file.
+    """
+    from extract.datasets import PAPER_DATASETS, dataset_source, expand_dataset_keys, resolve_dataset
+
+    class_names = class_names or {}
+    out: list[str] = []
+    refs: dict[str, str] = {}
+    for d in entries:
+        name, sep, ref = d.partition("=")
+        if not sep or d.startswith(("folder:", "split:")):
+            name, ref = "", d
+        if ref.startswith(("folder:", "split:")):
+            key = resolve_dataset(ref, name=name or None)
+            if key in class_names:
+                key = resolve_dataset(ref, name=key, class_names=class_names[key])
+            source = dataset_source(key)
+            if refs.setdefault(key, str(source)) != str(source):
+                raise SweepError(f"--datasets: two datasets are named {key!r}; name one with NAME=folder:PATH")
+            out.append(key)
+        elif sep:
+            raise SweepError(f"--datasets entry {d!r}: NAME=... names folder:PATH or split:FILE.json datasets only")
+        else:
+            out += PAPER_DATASETS if d == "all" else expand_dataset_keys(d)
+    unknown = [n for n in class_names if n not in refs]
+    if unknown:
+        raise SweepError(f"--class-names {unknown[0]}=...: no folder:PATH or split:FILE.json dataset of --datasets "
+                         f"is named {unknown[0]!r}; the sweep's own datasets: {', '.join(refs) or 'none'}")
+    return tuple(dict.fromkeys(out))
+
+
+def expand_grid(grid: Grid, *, out: str | os.PathLike, data_root: str | os.PathLike | None = None,
+                cache_dir: str | os.PathLike | None = None, cupl_dir: str | os.PathLike | None = None,
+                limit: int | None = None, anchor: str = DEFAULT_ANCHOR, device: str | None = None,
+                workers: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> list[RunSpec]:
+    """Resolve every run of the grid with the extractor's `plan_run`; raises on any unknown name or bad `--set`.
+
+    Paths are made absolute so a worker does not depend on its working directory.
+
+    Returns:
+        RunSpecs in grid order (backbone, dataset, seed, method), duplicates removed.
+
+    Raises:
+        SweepError: empty grid, duplicate shard paths (one backbone name with two different weights).
+        ValueError and its subclasses from the extractor (unknown method, dataset, config key, missing local-dir).
+    """
+    from extract.datasets import dataset_source
+
+    datasets, backbones, per_method = _checked_grid(grid, limit)
+    paths = {"out": _abs(out) or "", "data_root": _abs(data_root), "cache_dir": _abs(cache_dir),
+             "cupl_dir": _abs(cupl_dir)}
+    runs: dict[str, RunSpec] = {}
+    weights_of: dict[str, str] = {}
+    for entry in backbones:
+        name, weights = _split_backbone(entry, grid.pretrained) if entry is not None else (None, grid.pretrained)
+        weights = absolute_weights(weights)
+        for dataset in datasets:
+            for seed in grid.seeds:
+                for method in grid.methods:
+                    plan = resolve_run(method, dataset, backbone_arg=name, pretrained=weights, seed=seed,
+                                       overrides=per_method[method] or None, anchor=anchor, limit=limit)
+                    if weights_of.setdefault(plan.backbone, weights) != weights:
+                        raise SweepError(f"backbone {plan.backbone!r} appears with two weights "
+                                         f"({weights_of[plan.backbone]} and {weights}); their shards would share "
+                                         "one folder: run them into different --out roots")
+                    spec = RunSpec(method=method, dataset=dataset, backbone=plan.backbone, backbone_arg=name,
+                                   pretrained=weights, seed=int(seed), policy=str(plan.policy),
+                                   overrides=tuple(sorted(per_method[method].items())), **paths,
+                                   limit=limit, anchor=anchor, device=device, workers=workers,
+                                   batch_size=batch_size)
+                    source = dataset_source(dataset)
+                    if source is not None:
+                        spec = dataclasses.replace(spec, dataset_ref=source[0], class_names_file=source[1])
+                    runs.setdefault(spec.run_id, spec)
+    return list(runs.values())
+
+
+def _checked_grid(grid: Grid, limit: int | None
+                  ) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[str, dict[str, str]]]:
+    """(dataset keys, backbone entries, per-method overrides) of a grid; SweepError for an empty dimension or a bad
+    `--limit` (checked in this order, so the first problem of the command line is the one named)."""
+    if not grid.methods:
+        raise SweepError("no methods given (--methods tda,dpe,...)")
+    datasets = expand_datasets(grid.datasets or (), dict(grid.class_names))
+    if not datasets:
+        raise SweepError("no datasets given (--datasets all, or a list: dtd,eurosat,...)")
+    if not grid.seeds:
+        raise SweepError("no seeds given (--seeds 1)")
+    backbones: tuple[str | None, ...] = grid.backbones or ((None,) if is_local_dir(grid.pretrained) else ())
+    if not backbones:
+        raise SweepError("no backbones given (--backbones ViT-B-16,RN50)")
+    if limit is not None and limit < 1:
+        raise SweepError(f"--limit must be >= 1, got {limit}")
+    return datasets, backbones, method_overrides(grid.overrides, grid.methods)
+
+
+def _abs(p: str | os.PathLike | None) -> str | None:
+    return None if p is None else str(Path(p).expanduser().resolve())
+
+
+@dataclass(frozen=True)
+class Group:
+    """Runs sharing one feature cache; one job runs them one after the other with one loaded model."""
+
+    runs: tuple[RunSpec, ...]
+
+    @property
+    def group_id(self) -> str:
+        return self.runs[0].group_id
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(r.method for r in self.runs)
+
+    def estimate_hours(self, rates: Rates | None = None) -> float:
+        """Estimated GPU-hours: one encoding pass of the group's views plus each method's adaptation, priced with
+        the measured `rates` where they cover it, else with the fixed guesses (`extract.sweep.cost`)."""
+        return estimate_hours(self.runs, rates)
+
+
+def group_runs(runs: Sequence[RunSpec]) -> list[Group]:
+    """Group runs by their feature cache key, keeping the first-seen order of groups and of runs within a group.
+
+    Example:
+        >>> a = RunSpec("tda", "dtd", "RN50", "RN50", "openai", 1, "single")
+        >>> b = dataclasses.replace(a, method="zero-shot")
+        >>> c = dataclasses.replace(a, dataset="eurosat")
+        >>> [g.methods for g in group_runs([a, c, b])]
+        [('tda', 'zero-shot'), ('tda',)]
+    """
+    groups: dict[tuple, list[RunSpec]] = {}
+    for r in runs:
+        groups.setdefault(r.group_key, []).append(r)
+    return [Group(tuple(v)) for v in groups.values()]
+
+
+def pack_groups(groups: Sequence[Group], n_jobs: int, rates: Rates | None = None) -> list[list[Group]]:
+    """Split groups over at most `n_jobs` jobs, longest estimate first onto the least loaded job (LPT).
+
+    Used by the local executor, where jobs share one machine; SLURM gets one array task per group.
+    """
+    if n_jobs < 1:
+        raise SweepError(f"--local-jobs must be >= 1, got {n_jobs}")
+    packs: list[list[Group]] = [[] for _ in range(min(n_jobs, len(groups)))]
+    loads = [0.0] * len(packs)
+    for g in sorted(groups, key=lambda g: -g.estimate_hours(rates)):  # stable: equal estimates keep their order
+        i = loads.index(min(loads))
+        packs[i].append(g)
+        loads[i] += g.estimate_hours(rates)
+    return packs

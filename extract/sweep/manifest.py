@@ -1,0 +1,174 @@
+"""The sweep's files: the manifest (one row per run) under an exclusive lock, the per-run result files the jobs
+write, and atomic JSON I/O for both.
+
+Files of a sweep, all under `<out>/_sweep/` (no `*.parquet` there, so `zaec-calibrate <out>` sees only shards):
+
+    manifest.json        one row per run (run key, group, job id, state, shard dir, error line, ...)
+    runs/<run>.json      written by the job as a run starts / ends (state, error line, shards)
+    submitit/            submitit's pickles and job logs (`<job id>_0_log.out` / `.err`)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from extract.sweep.errors import SweepError
+from extract.sweep.runspec import RunSpec
+
+SWEEP_DIRNAME = "_sweep"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+def sweep_dir(out: str | os.PathLike) -> Path:
+    return Path(out) / SWEEP_DIRNAME
+
+
+def manifest_path(out: str | os.PathLike) -> Path:
+    return sweep_dir(out) / MANIFEST_NAME
+
+
+def result_path(out: str | os.PathLike, run_id: str) -> Path:
+    """`<out>/_sweep/runs/<readable run id>-<hash>.json`; the hash keeps distinct ids distinct after sanitising."""
+    safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", run_id)
+    return sweep_dir(out) / "runs" / f"{safe}-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}.json"
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_json_atomic(path: Path, obj: Any) -> Path:
+    """Write JSON under a temporary name in the same folder, then rename (never half-written)."""
+    from extract.cache import write_json_atomic as _w
+
+    return _w(path, obj)
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON document at `path`, or None when absent or unreadable (a result file being replaced)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for the manifest: `Type: first line of the message` (the traceback goes to the job's log).
+
+    >>> error_line(ValueError("bad value\\nmore detail"))
+    'ValueError: bad value'
+    """
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0].strip()}" if msg else type(exc).__name__
+
+
+@dataclass
+class Manifest:
+    """The sweep manifest: one row per run, keyed by run id, plus the executor settings of the last submission.
+
+    A row: run_id, backbone, dataset, method, seed, group, policy, job_id, executor, state, shard_dir, error, log
+    (the job's stderr), token (identifies the submission the row belongs to), submitted, updated, attempts, spec
+    (the RunSpec as a dict, what `retry` resubmits).
+    """
+
+    out: Path
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    executor: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, out: str | os.PathLike, *, must_exist: bool = False) -> "Manifest":
+        path = manifest_path(out)
+        doc = read_json(path)
+        if doc is None:
+            if must_exist or path.exists():
+                what = "is unreadable" if path.exists() else "does not exist"
+                raise SweepError(f"sweep manifest {path} {what}; start a sweep with `zaec-sweep --out {out} ...`")
+            return cls(Path(out))
+        if doc.get("version") != MANIFEST_VERSION:
+            raise SweepError(f"{path}: manifest version {doc.get('version')!r}, expected {MANIFEST_VERSION}")
+        rows = {r["run_id"]: r for r in doc.get("runs", [])}
+        return cls(Path(out), rows, dict(doc.get("executor", {})))
+
+    def save(self) -> Path:
+        doc = {"version": MANIFEST_VERSION, "out": str(self.out), "updated": now(), "executor": self.executor,
+               "runs": [self.rows[k] for k in sorted(self.rows)]}
+        return write_json_atomic(manifest_path(self.out), doc)
+
+    def record_submission(self, run: RunSpec, *, job_id: str, token: str, log: str = "",
+                          executor: str = "local") -> None:
+        old = self.rows.get(run.run_id, {})
+        self.rows[run.run_id] = {
+            "run_id": run.run_id, **run.key.as_dict(), "group": run.group_id, "policy": run.policy,
+            "job_id": job_id, "executor": executor, "state": "pending", "shard_dir": str(run.shard_dir),
+            "error": "", "log": log,
+            "token": token, "submitted": now(), "updated": now(), "attempts": int(old.get("attempts", 0)) + 1,
+            "spec": run.to_dict(),
+        }
+
+    def record_done(self, run: RunSpec) -> None:
+        """A run found complete at planning time (no submission)."""
+        old = self.rows.get(run.run_id, {})
+        self.rows[run.run_id] = {
+            "run_id": run.run_id, **run.key.as_dict(), "group": run.group_id, "policy": run.policy,
+            "job_id": old.get("job_id", ""), "state": "done", "shard_dir": str(run.shard_dir), "error": "",
+            "log": old.get("log", ""), "token": old.get("token", ""), "submitted": old.get("submitted", ""),
+            "updated": now(), "attempts": int(old.get("attempts", 0)), "spec": run.to_dict(),
+        }
+
+    def spec(self, run_id: str) -> RunSpec:
+        """The run's RunSpec; a user's dataset is registered in this process on the way."""
+        spec = RunSpec.from_dict(self.rows[run_id]["spec"])
+        spec.register_dataset()
+        return spec
+
+
+@contextlib.contextmanager
+def locked_manifest(out: str | os.PathLike, *, must_exist: bool = False) -> Iterator[Manifest]:
+    """Load, yield and save the manifest under an exclusive lock (`status` and `run` may run at the same time)."""
+    d = sweep_dir(out)
+    if must_exist and not manifest_path(out).exists():
+        raise SweepError(f"no sweep manifest at {manifest_path(out)}; start a sweep with `zaec-sweep --out {out} ...`")
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".manifest.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            m = Manifest.load(out, must_exist=must_exist)
+            yield m
+            m.save()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def new_token() -> str:
+    """Identifies one submission: a job's result files count only for the submission that wrote them."""
+    return hashlib.sha1(os.urandom(16)).hexdigest()[:12]
+
+
+def write_result(run: RunSpec, token: str, state: str, *, error: str = "", shards: Sequence[str] = ()) -> None:
+    """Record a run's state for `zaec-sweep status` (atomic; the token ties it to one submission)."""
+    write_json_atomic(result_path(run.out, run.run_id), {
+        "run_id": run.run_id, "token": token, "state": state, "error": error, "shards": list(shards),
+        "updated": now()})
+
+
+def manifest_frame(manifest: Manifest) -> "Any":
+    """One row per run of the manifest: run key, group, job id, state, shard dir, error line (sorted by run id)."""
+    import polars as pl
+
+    cols = ("backbone", "dataset", "method", "seed", "group", "job_id", "state", "attempts", "shard_dir", "error",
+            "log")
+    schema = {c: pl.Utf8 for c in cols} | {"seed": pl.Int64, "attempts": pl.Int64}
+    rows = [{c: manifest.rows[k].get(c, "" if schema[c] == pl.Utf8 else 0) for c in cols}
+            for k in sorted(manifest.rows)]
+    return pl.DataFrame(rows, schema=schema)
+
