@@ -174,7 +174,8 @@ def marks_legend(main: pl.DataFrame) -> list[str]:
     notes = []
     if "in_sample" in main.columns and main["in_sample"].any():
         notes.append(f"{IN_SAMPLE_MARK} temperature scaling fitted on this dataset's own labelled logits, so scored "
-                     f"on its fitting data (in-sample); an Avg. marked {IN_SAMPLE_MARK} includes such a cell.")
+                     f"on its fitting data (in-sample); an Avg. marked {IN_SAMPLE_MARK} includes such a cell. Neither "
+                     "is ever bold: an in-sample ECE is not a held-out result.")
     if "group_size" in main.columns and main.filter(
             (pl.col("dataset") == "avg") & pl.col("value").is_not_null()
             & (pl.col("n_datasets") < pl.col("group_size"))).height:
