@@ -284,6 +284,7 @@ def test_ts_source_among_the_tabulated_datasets_is_marked_everywhere(tmp_path, c
     assert "Temp. Scal. bars (‡) average over imagenet_a" in block
     main = pl.read_csv(out / "main_ViT-B-16.csv")
     assert main.filter(pl.col("in_sample")).height and not main.filter(pl.col("in_sample") & pl.col("bold")).height
+    assert "Neither is ever bold" in (out / "main_ViT-B-16.md").read_text()
     assert "‡ against temperature scaling" in (out / "main_ViT-B-16_ci.md").read_text()
     per_run = pl.read_csv(out / "per_run_metrics.csv").filter(pl.col("in_sample"))
     assert set(zip(per_run["dataset"], per_run["calibrator"])) == {("imagenet_a", "temperature")}
