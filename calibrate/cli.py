@@ -28,6 +28,12 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 PERCENT = ("accuracy", "ece", "mce", "ece_mass", "mean_confidence")
 
 
+def _count(r: dict) -> str:
+    """The `n` cell: `5 of 24` where the run covers part of its announced test set (a `--limit` run, partial)."""
+    n, total = r["n"], r.get("n_total")
+    return str(n) if total is None or n == total else f"{n} of {total}"
+
+
 def render(report: RunReport, console: Console) -> None:
     """Print the metrics as a rich table (percent for accuracy/ECE/MCE/confidence, like the paper) and the notes."""
     df = report.metrics
@@ -38,7 +44,7 @@ def render(report: RunReport, console: Console) -> None:
         table.add_column(h, justify="left" if h in heads[:5] else "right")
     for r in df.iter_rows(named=True):
         table.add_row(
-            r["backbone"], r["dataset"], r["method"], str(r["seed"]), r["calibrator"], str(r["n"]),
+            r["backbone"], r["dataset"], r["method"], str(r["seed"]), r["calibrator"], _count(r),
             *(f"{100 * r[c]:.2f}" for c in ("accuracy", "ece", "mce", "ece_mass")),
             f"{r['nll']:.3f}", f"{r['brier']:.3f}", f"{100 * r['mean_confidence']:.2f}", f"{r['mean_entropy']:.3f}",
         )

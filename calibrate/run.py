@@ -22,6 +22,7 @@ from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _c
 from calibrate.trust import TRUST_NAMES, TrustStats, describe_missing
 from schemas.atomic import atomic_path, write_json_atomic
 from schemas import (
+    Completeness,
     PartialRunError,
     RunKey,
     Shard,
@@ -35,7 +36,11 @@ from schemas import (
 
 ZERO_SHOT = "zero-shot"
 KEY_COLUMNS = ("backbone", "dataset", "method", "seed")
-METRIC_COLUMNS = (*KEY_COLUMNS, "calibrator", *METRIC_NAMES, *TRUST_NAMES)
+#: the run's announced test-set size and `--limit` (null: not announced, or no limit): with `n` they say how much of
+#: the test set a row covers (`check_complete`)
+COUNT_COLUMNS = ("n_total", "limit")
+METRIC_COLUMNS = (*KEY_COLUMNS, "calibrator", "n", *COUNT_COLUMNS, *(m for m in METRIC_NAMES if m != "n"),
+                  *TRUST_NAMES)
 SAMPLE_COLUMNS = (
     *KEY_COLUMNS, "sample_id", "label", "calibrator", "temperature", "prediction", "confidence", "entropy",
 )
@@ -90,19 +95,28 @@ class _DuplicateCheck:
         self.seen.sort(kind="stable")
 
 
-def check_complete(groups: dict[RunKey, Members], allow_partial: bool = False) -> list[str]:
-    """Check that every run's shards hold all the samples their writer announced; returns notes for the reader.
+def run_counts(groups: dict[RunKey, Members]) -> dict[RunKey, Completeness]:
+    """Rows present and announced (`schemas.run_completeness`) of every run; reads only the Parquet footers."""
+    return {key: run_completeness(members) for key, members in groups.items()}
+
+
+def check_complete(
+    groups: dict[RunKey, Members], allow_partial: bool = False, counts: dict[RunKey, Completeness] | None = None
+) -> list[str]:
+    """Check that every run's shards hold the whole test set their writer announced; returns notes for the reader.
 
     A run with fewer rows than its shards' `zaec:n_total` / `zaec:limit` announce (an interrupted extraction, one
-    still running, or only some of its parts given) raises PartialRunError naming the run and the counts, unless
+    still running, or only some of its parts given), or a `--limit` run of fewer samples than the test set holds
+    (a subset: `5 of 24 samples (--limit 5)`), raises PartialRunError naming the run and the counts, unless
     `allow_partial`, in which case a note says the run is partial. Runs whose shards carry no `zaec:n_total`
     (other writers) get a note that their completeness is unknown. A run with no rows at all raises ShardError.
-    Reads only the Parquet footers.
+    Reads only the Parquet footers (`counts`: the runs' `run_counts` when the caller has them already).
     """
+    counts = counts if counts is not None else run_counts(groups)
     notes: list[str] = []
     unknown: list[str] = []
     for key in sorted(groups, key=lambda k: (k.backbone, k.dataset, k.method, k.seed)):
-        c = run_completeness(groups[key])
+        c = counts[key]
         if c.n_rows == 0:
             # metrics of no sample are NaN, not a result: stop here, before any logit is read
             raise ShardError(f"run {key} holds no samples: {c.n_shards} shard(s) with 0 rows "
@@ -110,12 +124,17 @@ def check_complete(groups: dict[RunKey, Members], allow_partial: bool = False) -
         if not c.known:
             unknown.append(str(key))
         elif c.partial:
-            if not allow_partial:
+            if allow_partial:
+                notes.append(f"{key}: PARTIAL run, {c.describe()} (--allow-partial)")
+            elif c.interrupted:
                 raise PartialRunError(
                     f"run {key} is incomplete: {c.describe()} (an interrupted or still running extraction?); "
                     "finish it by rerunning the same zaec-extract command, or pass --allow-partial to use what is "
                     "there")
-            notes.append(f"{key}: PARTIAL run, {c.describe()} (--allow-partial)")
+            else:
+                raise PartialRunError(
+                    f"run {key} covers only part of its test set: {c.describe()}; rerun zaec-extract without "
+                    f"--limit for all {c.n_total} samples, or pass --allow-partial to use the subset")
     if unknown:
         notes.append(f"completeness not checked for {len(unknown)} run(s) whose shards carry no 'zaec:n_total' "
                      f"(written by another tool?): {', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}")
@@ -265,7 +284,8 @@ def calibrate_paths(
     groups = group_shards(files)
     if on_total is not None:
         on_total(sum(pq.ParquetFile(p).metadata.num_rows for p in files))
-    report = RunReport(pl.DataFrame(), notes=check_complete(groups, allow_partial))
+    counts = run_counts(groups)
+    report = RunReport(pl.DataFrame(), notes=check_complete(groups, allow_partial, counts))
     sources = resolve_ts_sources(groups, ts_source)
     ts_cals = [c for c in cals if isinstance(c, TemperatureScaling)]
     fitted: dict[tuple[str, tuple[RunKey, ...]], float] = {}
@@ -294,9 +314,14 @@ def calibrate_paths(
                 fc = TemperatureScaling(T=fitted[cache_key])
                 fc.spec = c.spec
                 active.append(fc)
+                if key in src_keys:  # the tables mark such cells ‡ and never bold them (docs/tables.md)
+                    report.notes.append(f"{key}: '{c.spec}' is scored on the labelled logits its T was fitted on "
+                                        f"(in-sample: --ts-source {ts_source})")
             else:
                 active.append(c)
-        rows += _calibrate_run(key, members, active, n_bins, binning, drop_nonfinite, samples_dir, report, progress)
+        announced = {"n_total": counts[key].n_total, "limit": counts[key].limit}
+        rows += [{**r, **announced} for r in _calibrate_run(key, members, active, n_bins, binning, drop_nonfinite,
+                                                            samples_dir, report, progress)]
     for c in ts_cals:
         if c.T is not None:
             report.notes.append(f"temperature scaling fixed: T = {c.T:g}")
@@ -309,7 +334,7 @@ def calibrate_paths(
 def _metric_schema() -> dict[str, Any]:
     schema: dict[str, Any] = {c: pl.Float64 for c in METRIC_COLUMNS}
     schema.update({"backbone": pl.String, "dataset": pl.String, "method": pl.String, "seed": pl.Int64,
-                   "calibrator": pl.String, "n": pl.Int64})
+                   "calibrator": pl.String, "n": pl.Int64, "n_total": pl.Int64, "limit": pl.Int64})
     return schema
 
 

@@ -520,6 +520,8 @@ class Completeness:
             `zaec:n_total` (another writer): completeness is then unknown.
         marker: whether the writer's completion marker lies next to the shards (None: they span several folders).
         n_shards: number of shard files.
+        n_total: the test set's size (`zaec:n_total`), None when not announced.
+        limit: the run's `--limit` (`zaec:limit`), None for "none" or when not announced.
     """
 
     key: RunKey
@@ -527,19 +529,53 @@ class Completeness:
     n_expected: int | None
     marker: bool | None
     n_shards: int
+    n_total: int | None = None
+    limit: int | None = None
 
     @property
     def known(self) -> bool:
         return self.n_expected is not None
 
     @property
-    def partial(self) -> bool:
+    def interrupted(self) -> bool:
+        """Fewer rows than the writer announced: an interrupted or still running run, or only some parts given."""
         return self.n_expected is not None and self.n_rows < self.n_expected
 
+    @property
+    def subset(self) -> bool:
+        """A `--limit` run of fewer samples than the test set holds (docs/contract.md, "Optional keys")."""
+        return self.limit is not None and self.n_total is not None and self.n_rows < self.n_total \
+            and self.limit < self.n_total
+
+    @property
+    def partial(self) -> bool:
+        """Not a result on the whole test set: interrupted, or a `--limit` subset."""
+        return self.interrupted or self.subset
+
     def describe(self) -> str:
-        """E.g. `32 of 64 samples in 2 shard(s), no completion marker`."""
+        """E.g. `32 of 64 samples in 2 shard(s), no completion marker`, or for a finished `--limit 5` run of a
+        24-sample set `5 of 24 samples (--limit 5) in 1 shard(s)`."""
+        if self.subset and not self.interrupted:
+            return f"{self.n_rows} of {self.n_total} samples (--limit {self.limit}) in {self.n_shards} shard(s)"
         marker = {True: "", False: ", no completion marker", None: ""}[self.marker]
-        return f"{self.n_rows} of {self.n_expected} samples in {self.n_shards} shard(s){marker}"
+        text = f"{self.n_rows} of {self.n_expected} samples in {self.n_shards} shard(s){marker}"
+        return text + (f", a --limit {self.limit} run of a {self.n_total}-sample set" if self.subset else "")
+
+
+def announced_counts(meta: ShardMeta, path: str | os.PathLike = "<shard>") -> tuple[int | None, int | None]:
+    """`(n_total, limit)` from the optional keys `zaec:n_total` / `zaec:limit` (None: absent, or limit "none").
+
+    Raises:
+        ShardError: a key that is present but not an integer (or "none" for the limit).
+    """
+    raw_total, raw_limit = meta.extra.get("zaec:n_total"), meta.extra.get("zaec:limit", "none")
+    try:
+        n_total = None if raw_total is None else int(raw_total)
+        limit = None if raw_limit in ("none", "") else int(raw_limit)
+    except ValueError:
+        raise ShardError(f"{path}: metadata 'zaec:n_total'/'zaec:limit' must be integers (limit: or \"none\"), "
+                         f"got {raw_total!r}/{raw_limit!r}") from None
+    return n_total, limit
 
 
 def expected_rows(meta: ShardMeta, path: str | os.PathLike = "<shard>") -> int | None:
@@ -548,15 +584,9 @@ def expected_rows(meta: ShardMeta, path: str | os.PathLike = "<shard>") -> int |
     Raises:
         ShardError: a key that is present but not an integer (or "none" for the limit).
     """
-    raw_total, raw_limit = meta.extra.get("zaec:n_total"), meta.extra.get("zaec:limit", "none")
-    if raw_total is None:
+    n_total, limit = announced_counts(meta, path)
+    if n_total is None:
         return None
-    try:
-        n_total = int(raw_total)
-        limit = None if raw_limit in ("none", "") else int(raw_limit)
-    except ValueError:
-        raise ShardError(f"{path}: metadata 'zaec:n_total'/'zaec:limit' must be integers (limit: or \"none\"), "
-                         f"got {raw_total!r}/{raw_limit!r}") from None
     return n_total if limit is None else min(limit, n_total)
 
 
@@ -564,7 +594,7 @@ def run_completeness(members: Sequence[tuple[Path, ShardMeta]]) -> Completeness:
     """Rows present against rows announced for the shards of one run (footers only, no logit is read).
 
     The announced count is the largest any shard states (shards of a resumed run agree; a reader given a subset of
-    the parts sees the shortfall).
+    the parts sees the shortfall); `n_total` and `limit` are read from the shard that states it.
     """
     paths = [Path(p) for p, _ in members]
     n_rows = 0
@@ -573,8 +603,9 @@ def run_completeness(members: Sequence[tuple[Path, ShardMeta]]) -> Completeness:
             n_rows += pq.ParquetFile(p).metadata.num_rows
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
             raise ShardError(f"{p}: not a readable Parquet file ({error_line(e)})") from None
-    expected = [expected_rows(m, p) for p, m in members]
-    known = [e for e in expected if e is not None]
+    counts = [(expected_rows(m, p), announced_counts(m, p)) for p, m in members]
+    known = [c for c in counts if c[0] is not None]
+    expected, (n_total, limit) = max(known, key=lambda c: c[0]) if known else (None, (None, None))
     folders = {p.parent for p in paths}
     marker = (next(iter(folders)) / COMPLETE_MARKER).is_file() if len(folders) == 1 else None
-    return Completeness(members[0][1].key, n_rows, max(known) if known else None, marker, len(paths))
+    return Completeness(members[0][1].key, n_rows, expected, marker, len(paths), n_total, limit)

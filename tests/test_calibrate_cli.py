@@ -18,7 +18,7 @@ from calibrate.calibrators import TemperatureScaling
 from calibrate.functional import softmax_stats, zaec_temperature
 from calibrate.cli import main
 from calibrate.metrics import ece, mce
-from calibrate.run import METRIC_COLUMNS, SAMPLE_COLUMNS, calibrate_paths
+from calibrate.run import COUNT_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, calibrate_paths
 from calibrate.synthetic import synthetic_logits, write_synthetic_run
 from schemas import RunKey, build_table, shard_path, write_shard
 
@@ -89,6 +89,17 @@ def test_end_to_end_outputs_match_one_shot_reference(tmp_path, make_meta, rng, c
     assert np.allclose(t.to_numpy(), t_fit)
 
 
+def test_in_sample_temperature_scaling_is_noted(tmp_path, make_meta, rng):
+    """Temperature scaling scored on the runs it was fitted on (the --ts-source dataset itself) is said to be."""
+    write_run(tmp_path, make_meta, rng, dataset="dtd", n=60)
+    src, *_ = write_run(tmp_path, make_meta, rng, dataset="imagenet", n=60)
+    notes = [n for n in calibrate_paths([tmp_path], calibrators="temperature").notes if "in-sample" in n]
+    assert notes == [f"{src.key}: 'temperature' is scored on the labelled logits its T was fitted on "
+                     "(in-sample: --ts-source imagenet)"]
+    assert not any("in-sample" in n for n in calibrate_paths([tmp_path], calibrators="temperature",
+                                                            temperature=1.5).notes)  # fixed: fitted nowhere
+
+
 def test_shard_splits_do_not_change_metrics(tmp_path, make_meta, rng):
     meta = make_meta(k=9)
     y, zs, tta = synthetic_logits(500, 9, rng)
@@ -100,7 +111,7 @@ def test_shard_splits_do_not_change_metrics(tmp_path, make_meta, rng):
     a = calibrate_paths([tmp_path / "one"], **kw).metrics
     b = calibrate_paths([tmp_path / "many"], **kw).metrics
     assert a.select("calibrator", "n").equals(b.select("calibrator", "n"))
-    for col in METRIC_COLUMNS[6:]:
+    for col in (c for c in METRIC_COLUMNS[5:] if c not in ("n", *COUNT_COLUMNS)):
         assert np.allclose(a[col].to_numpy(), b[col].to_numpy(), rtol=1e-12, atol=1e-14), col
 
 

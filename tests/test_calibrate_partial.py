@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import polars as pl
 import pytest
 
 from calibrate.cli import main
@@ -45,11 +46,25 @@ def test_completeness_counts(tmp_path, make_meta, rng):
     c = run_completeness(members)
     assert (c.n_rows, c.n_expected, c.marker, c.n_shards, c.partial) == (32, 64, False, 2, True)
     assert c.describe() == "32 of 64 samples in 2 shard(s), no completion marker"
-    # a limited run announces min(limit, n_total) and is complete with that many rows
+    # a limited run announces min(limit, n_total): all of it is there, but it is a subset of the test set
     _write_run(tmp_path / "b", make_meta, rng, limit=20, parts=2)
     (_, members), = group_shards(find_shards([tmp_path / "b"])).items()
     c = run_completeness(members)
-    assert (c.n_rows, c.n_expected, c.marker, c.partial) == (20, 20, True, False)
+    assert (c.n_rows, c.n_expected, c.n_total, c.limit, c.marker) == (20, 20, 64, 20, True)
+    assert (c.interrupted, c.subset, c.partial) == (False, True, True)
+    assert c.describe() == "20 of 64 samples (--limit 20) in 2 shard(s)"
+    # a limit at or above the test set's size covers all of it
+    _write_run(tmp_path / "c", make_meta, rng, limit=64, parts=2)
+    (_, members), = group_shards(find_shards([tmp_path / "c"])).items()
+    c = run_completeness(members)
+    assert (c.n_rows, c.n_total, c.limit, c.partial) == (64, 64, 64, False)
+    # a limited run that was interrupted is reported as interrupted, with its limit
+    _write_run(tmp_path / "d", make_meta, rng, limit=20, parts=2, keep={1}, marker=False)
+    (_, members), = group_shards(find_shards([tmp_path / "d"])).items()
+    c = run_completeness(members)
+    assert (c.interrupted, c.subset) == (True, True)
+    assert c.describe() == ("10 of 20 samples in 1 shard(s), no completion marker, a --limit 20 run of a "
+                            "64-sample set")
 
 
 @pytest.mark.parametrize("tables", [False, True], ids=["calibrate", "tables"])
@@ -97,3 +112,37 @@ def test_check_complete_notes_only_partial_runs(tmp_path, make_meta, rng):
         check_complete(groups)
     notes = check_complete(groups, allow_partial=True)
     assert len(notes) == 1 and "dtd" in notes[0] and "PARTIAL" in notes[0]
+
+
+@pytest.mark.parametrize("tables", [False, True], ids=["calibrate", "tables"])
+def test_limited_run_is_partial_for_every_reader(tmp_path, make_meta, rng, capsys, tables):
+    """A finished `--limit 5` run of a 24-sample set is a subset: it stops both commands like an interrupted run;
+    with --allow-partial the counts are on the screen, in notes.json and metrics.csv, or in the tables' README."""
+    _write_run(tmp_path / "s", make_meta, rng, dataset="imagenet", n=24)  # complete: the TS source
+    key = _write_run(tmp_path / "s", make_meta, rng, dataset="dtd", n=24, limit=5, parts=1)
+    pre = ["tables"] if tables else []
+    post = ["--bootstrap", "0"] if tables else []
+    code, out, err = _cli([*pre, tmp_path / "s", "--out", tmp_path / "o", "--quiet", *post], capsys)
+    assert code == 2
+    line, = err.strip().splitlines()
+    assert f"run {key} covers only part of its test set: 5 of 24 samples (--limit 5) in 1 shard(s)" in line
+    assert "--allow-partial" in line and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    code, out, err = _cli([*pre, tmp_path / "s", "--out", tmp_path / "o", *post, "--allow-partial"], capsys)
+    assert code in (0, None), err
+    note = f"{key}: PARTIAL run, 5 of 24 samples (--limit 5)"
+    assert note in out + err
+    if tables:
+        assert note in (tmp_path / "o" / "README.md").read_text()
+        return
+    assert any(note in n for n in json.loads((tmp_path / "o" / "notes.json").read_text())["notes"])
+    assert "5 of 24" in out  # the printed table's n column
+    m = pl.read_csv(tmp_path / "o" / "metrics.csv")
+    counts = {r["dataset"]: (r["n"], r["n_total"], r["limit"]) for r in m.iter_rows(named=True)}
+    assert counts == {"dtd": (5, 24, 5), "imagenet": (24, 24, None)}
+
+
+def test_count_columns_are_null_for_other_writers(tmp_path, make_meta, rng):
+    _write_run(tmp_path, make_meta, rng, announce=False, marker=False)
+    m = calibrate_paths([tmp_path], calibrators="none").metrics
+    assert m["n"].to_list() == [64, 64] and m["n_total"].null_count() == m["limit"].null_count() == 2

@@ -223,6 +223,30 @@ def test_main_table_layout_and_bold():
         {"I-A": 8.0, "Avg.": 4.0, "DTD": 6.0, "fmnist": 4.0})  # last "Avg." key wins (fmnist group)
 
 
+def test_in_sample_temperature_scaling_is_never_bold():
+    """--ts-source dtd: temperature scaling is scored on dtd's own labels there, so even a lower ECE (2.00 against
+    ZAEC's 4.10) is not the block's best; the group average holding it is not either. Other columns keep theirs."""
+    cells = HAND_CELLS.with_columns(
+        pl.when((pl.col("dataset") == "dtd") & (pl.col("calibrator") == "temperature")).then(0.02)
+        .otherwise(pl.col("ece")).alias("ece"))
+    t = builders.main_table(cells, "ViT-B-16", ts_in_sample="dtd")
+    bold = {(r["row"], r["dataset"], r["group"]) for r in t.filter(pl.col("bold")).iter_rows(named=True)}
+    assert bold == {
+        ("sals", "imagenet_a", "natural_shift"), ("sals", "avg", "natural_shift"),
+        ("zaec", "dtd", "fine_grained"), ("zaec", "avg", "fine_grained"),
+        ("zaec", "fmnist", "other"), ("zaec", "avg", "other"),
+    }
+    assert not t.filter(pl.col("in_sample") & pl.col("bold")).height
+    assert t.filter(pl.col("in_sample"))["value"].to_list() == pytest.approx([2.0, 2.0])  # dtd and its Avg.
+    # without an in-sample source the same cell is the best
+    free = builders.main_table(cells, "ViT-B-16")
+    assert free.filter(pl.col("bold") & (pl.col("dataset") == "dtd"))["row"].to_list() == ["temperature"]
+    # the differences against it carry the mark too
+    diffs = builders.main_differences(cells, "ViT-B-16", builders.CellReplicates(None), ts_in_sample="dtd")
+    marked = {(r["comparison"], r["dataset"]) for r in diffs.filter(pl.col("in_sample")).iter_rows(named=True)}
+    assert marked == {("ZAEC - Temp. Scal.", "dtd"), ("ZAEC - Temp. Scal.", "avg")}
+
+
 def test_main_table_macro_average_and_missing_calibrator():
     cells = _cells([
         ("imagenet_a", "dpe", "zero-shot", 0.4, 0.1), ("imagenet_r", "dpe", "zero-shot", 0.6, 0.3),
@@ -357,6 +381,17 @@ def test_backbone_summary_needs_every_dataset():
         {"zero-shot": 5.0, "none": 20.0, "sals": 10.0, "zaec": 6.0})
     s2 = builders.backbone_summary(cells, "ViT-B-16", ["imagenet_a", "imagenet_r"])
     assert s2["calibrator"].to_list() == ["none"] and s2["ece"][0] == pytest.approx(30.0)
+
+
+def test_backbone_summary_marks_in_sample_temperature_scaling():
+    cells = _cells([(d, "tda", c, 0.5, 0.1) for d in ("imagenet_a", "imagenet_r")
+                    for c in ("zero-shot", "none", "temperature", "zaec")])
+    s = builders.backbone_summary(cells, "ViT-B-16", ["imagenet_a", "imagenet_r"], ts_in_sample="imagenet_a")
+    assert dict(zip(s["calibrator"], s["in_sample"])) == {
+        "zero-shot": False, "none": False, "temperature": True, "zaec": False}
+    for source in ("imagenet", None):  # fitted elsewhere, or fixed: nothing in-sample
+        s = builders.backbone_summary(cells, "ViT-B-16", ["imagenet_a", "imagenet_r"], ts_in_sample=source)
+        assert not s["in_sample"].any()
 
 
 def test_run_metrics_ece_matches_the_slow_loop(rng):

@@ -254,3 +254,38 @@ def test_figure_5_columns_are_the_papers_methods_unless_chosen(tmp_path, capsys)
     assert methods == ["tpt", "tps", "tda", "otpt"]  # the paper's method order
     methods, item = fig5("--fig5-methods", "dlae")
     assert methods is None and "--fig5-methods" in item
+
+
+def test_ts_source_among_the_tabulated_datasets_is_marked_everywhere(tmp_path, capsys, monkeypatch):
+    """--ts-source imagenet_a, a natural-shift set: Figure 3's Temp. Scal. average holds in-sample scores, so its
+    legend, CSV and index say so; the main table never bolds an in-sample cell; the differences against it and the
+    per-run metrics carry the mark."""
+    root = tmp_path / "shards"
+    for method in ("tda", "dpe"):
+        for dataset in ("imagenet_a", "imagenet_r"):
+            _write(root, "ViT-B-16", dataset, method, 60, 5, parts=1)
+    legends: list[str] = []
+    save = figures.save
+
+    def spy(fig, path, dpi=130):
+        if "fig3" in str(path):
+            legends.extend(t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts())
+        return save(fig, path, dpi)
+
+    monkeypatch.setattr(figures, "save", spy)
+    out = tmp_path / "results"
+    code, err = _run([root, "--out", out, "--bootstrap", "20", "--ts-source", "imagenet_a", "--quiet"], capsys)
+    assert code == 0, err
+    fig3 = pl.read_csv(out / "fig3_summary.csv")
+    assert fig3.filter(pl.col("in_sample"))["calibrator"].unique().to_list() == ["temperature"]
+    assert fig3.filter(pl.col("calibrator") == "temperature")["in_sample"].all()
+    assert "Temp. Scal. ‡ (in-sample)" in legends and "ZAEC" in legends
+    block = _item_block((out / "README.md").read_text(), "Figure 3")
+    assert "Temp. Scal. bars (‡) average over imagenet_a" in block
+    main = pl.read_csv(out / "main_ViT-B-16.csv")
+    assert main.filter(pl.col("in_sample")).height and not main.filter(pl.col("in_sample") & pl.col("bold")).height
+    assert "Neither is ever bold" in (out / "main_ViT-B-16.md").read_text()
+    assert "‡ against temperature scaling" in (out / "main_ViT-B-16_ci.md").read_text()
+    per_run = pl.read_csv(out / "per_run_metrics.csv").filter(pl.col("in_sample"))
+    assert set(zip(per_run["dataset"], per_run["calibrator"])) == {("imagenet_a", "temperature")}
+    assert per_run.height == 2  # TDA and DPE

@@ -180,9 +180,11 @@ def _main_row_specs(
 
 
 def _bold_block_minima(df: pl.DataFrame) -> pl.DataFrame:
-    """`bold`: the lowest ECE per (method block, column) of a main table; sorted into reading order."""
+    """`bold`: the lowest ECE per (method block, column) of a main table; sorted into reading order. In-sample cells
+    (temperature scaling scored on its own fitting data) are never candidates: their ECE is not a held-out result."""
     bold = np.zeros(df.height, dtype=bool)
-    ece_rows = df.with_row_index("_i").filter((pl.col("metric") == "ece") & (pl.col("block") != layout.ZERO_SHOT))
+    ece_rows = df.with_row_index("_i").filter((pl.col("metric") == "ece") & (pl.col("block") != layout.ZERO_SHOT)
+                                              & ~pl.col("in_sample"))
     for _, part in ece_rows.group_by(["block", "col_pos"]):
         marks = _bold_min(part["value"].to_list())
         bold[np.asarray(part["_i"].to_list())[marks]] = True
@@ -202,7 +204,8 @@ def main_table(
     Columns: datasets grouped like the paper (`layout.order_datasets`), each group followed by its unweighted
     macro-average (`dataset == "avg"`, over the group's datasets present in that row; `n_datasets` counts them,
     `group_size` is the number the group holds: the paper's count for its groups, else the columns shown).
-    `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot is never bold.
+    `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot and in-sample
+    cells are never bold.
     `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates).
     `in_sample`: a temperature-scaling cell of dataset `ts_in_sample` (the labelled source T was fitted on, so it is
     scored on its own fitting data), or an average that includes one.
@@ -250,14 +253,16 @@ COMPARISONS: tuple[tuple[str, str], ...] = (("zaec", "none"), ("zaec", "sals"), 
 
 
 def main_differences(
-    cells: pl.DataFrame, backbone: str, replicates: CellReplicates, comparisons=COMPARISONS
+    cells: pl.DataFrame, backbone: str, replicates: CellReplicates, comparisons=COMPARISONS,
+    ts_in_sample: str | None = None,
 ) -> pl.DataFrame:
     """ECE differences (percentage points) ZAEC minus each baseline, per method and column, with paired intervals.
 
     Columns: backbone, method, group, dataset ("avg" for the group macro-average), column_label, comparison,
-    estimate, ci_low, ci_high, contains_zero (the interval includes 0: no claim of a difference).
+    estimate, ci_low, ci_high, contains_zero (the interval includes 0: no claim of a difference), in_sample (a side
+    is an in-sample cell of `main_table`: temperature scaling scored on its own fitting data `ts_in_sample`).
     """
-    main = main_table(cells, backbone, replicates, calibrators=layout.MAIN_CALIBRATORS)
+    main = main_table(cells, backbone, replicates, calibrators=layout.MAIN_CALIBRATORS, ts_in_sample=ts_in_sample)
     rows = []
     for block in main.filter(pl.col("block") != layout.ZERO_SHOT)["block"].unique(maintain_order=True):
         part = main.filter(pl.col("block") == block)
@@ -289,10 +294,11 @@ def main_differences(
                                  column_label=ra["column_label"], col_pos=ra["col_pos"],
                                  comparison=f"{layout.calibrator_label(a)} - {layout.calibrator_label(b)}",
                                  estimate=estimate, ci_low=lo, ci_high=hi,
-                                 contains_zero=None if lo is None else bool(lo <= 0.0 <= hi)))
+                                 contains_zero=None if lo is None else bool(lo <= 0.0 <= hi),
+                                 in_sample=bool(ra["in_sample"] or rb["in_sample"])))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8, "column_label": pl.Utf8,
               "col_pos": pl.Int64, "comparison": pl.Utf8, "estimate": pl.Float64, "ci_low": pl.Float64,
-              "ci_high": pl.Float64, "contains_zero": pl.Boolean}
+              "ci_high": pl.Float64, "contains_zero": pl.Boolean, "in_sample": pl.Boolean}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -627,11 +633,13 @@ def strength_table(cells: pl.DataFrame, strengths: Sequence[float] = layout.STRE
 
 
 def backbone_summary(
-    cells: pl.DataFrame, backbone: str, datasets: Sequence[str], calibrators: Sequence[str] = layout.MAIN_CALIBRATORS
+    cells: pl.DataFrame, backbone: str, datasets: Sequence[str], calibrators: Sequence[str] = layout.MAIN_CALIBRATORS,
+    ts_in_sample: str | None = None,
 ) -> pl.DataFrame:
     """Figure 3 (the paper draws it for RN50) for any backbone: average ECE (percent) and mean entropy (nats) over
     `datasets` per method and calibrator, with the paired zero-shot as calibrator `zero-shot`. Rows missing a dataset
-    are left out."""
+    are left out. `in_sample`: a temperature-scaling average that includes `ts_in_sample`, the dataset its T was
+    fitted on (scored on its own fitting data there, as `main_table` marks it)."""
     cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets))
                       & (pl.col("method") != layout.ZERO_SHOT))
     rows = []
@@ -641,9 +649,10 @@ def backbone_summary(
             if r.height != len(datasets) or r.height == 0:
                 continue
             rows.append(dict(backbone=backbone, method=m, calibrator=c, ece=float(r["ece"].mean()) * 100.0,
-                             mean_entropy=float(r["mean_entropy"].mean()), n_datasets=r.height))
+                             mean_entropy=float(r["mean_entropy"].mean()), n_datasets=r.height,
+                             in_sample=c == "temperature" and ts_in_sample in datasets))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
-              "mean_entropy": pl.Float64, "n_datasets": pl.Int64}
+              "mean_entropy": pl.Float64, "n_datasets": pl.Int64, "in_sample": pl.Boolean}
     return pl.DataFrame(rows, schema=schema)
 
 

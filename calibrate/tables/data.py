@@ -17,8 +17,8 @@ import numpy as np
 from calibrate.calibrators import TemperatureScaling, parse_calibrator
 from calibrate.classwise import ClasswiseStats
 from calibrate.functional import softmax_stats
-from calibrate.run import check_complete, resolve_ts_sources
-from schemas import RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
+from calibrate.run import Members, check_complete, resolve_ts_sources, run_counts
+from schemas import Completeness, RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
 #: (zs_logits (n, K), tta_logits (n, K)) -> per-sample temperatures (n,)
 TemperatureFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -251,6 +251,32 @@ def run_keys(runs: Iterable[RunKey]) -> list[RunKey]:
     return sorted(runs, key=lambda k: (k.backbone, k.dataset, k.method, k.seed))
 
 
+def check_same_test_sets(groups: dict[RunKey, Members], counts: dict[RunKey, Completeness]) -> None:
+    """Every run of one dataset key must hold the same test set: the same number of classes K and of samples N.
+
+    The tables put all runs of a dataset into one column (seeds averaged, the zero-shot row from one run), so runs
+    of different test sets under one key (third-party shards, a re-extraction after the folder changed) would be
+    mixed without a word; they are refused instead (docs/tables.md, "One dataset key, one test set"). N is the
+    announced `zaec:n_total` where the shards carry it (a partial or `--limit` run is then still the same test
+    set, noted by `calibrate.run.check_complete`), else the row count. Reads only what the footers say.
+
+    Raises:
+        ShardError: one line naming the dataset, each distinct (K, N) and a run of it.
+    """
+    shapes: dict[str, dict[tuple[int, int], list[RunKey]]] = {}
+    for key in run_keys(groups):
+        c = counts[key]
+        shape = (groups[key][0][1].num_classes, c.n_total if c.n_total is not None else c.n_rows)
+        shapes.setdefault(key.dataset, {}).setdefault(shape, []).append(key)
+    for dataset, by_shape in shapes.items():
+        if len(by_shape) > 1:
+            seen = "; ".join(f"K={k}, N={n}: {keys[0]}" + (f" and {len(keys) - 1} more run(s)" if len(keys) > 1
+                                                               else "") for (k, n), keys in sorted(by_shape.items()))
+            raise ShardError(f"dataset {dataset!r} has runs of different test sets, which the tables would average "
+                             f"into one column ({seen}); give each test set its own dataset key, or tabulate them "
+                             "separately")
+
+
 def load_summaries(
     paths: Iterable[str | Path],
     specs: Sequence[str],
@@ -268,16 +294,20 @@ def load_summaries(
     else every seed pooled (`calibrate.run.resolve_ts_sources`, as `zaec-calibrate` does), streamed; or fixed to
     `temperature`; without a source it is skipped with a note.
 
-    A run whose shards hold fewer samples than announced stops the load (PartialRunError) unless `allow_partial`
-    (`calibrate.run.check_complete`; then a note names it).
+    A run whose shards hold fewer samples than announced, or a `--limit` subset, stops the load (PartialRunError)
+    unless `allow_partial` (`calibrate.run.check_complete`; then a note names it). Runs of one dataset key with
+    different class or sample counts stop it too (`check_same_test_sets`).
 
     Raises:
-        ShardError: no shards, a shard that violates the contract, or an incomplete run (PartialRunError).
+        ShardError: no shards, a shard that violates the contract, an incomplete run (PartialRunError), or runs of
+            one dataset holding different test sets.
         ValueError: an unknown calibrator spec.
     """
     cals = {spec: parse_calibrator(spec) for spec in specs if spec != "temperature"}
     groups = group_shards(find_shards(paths))
-    out = Summaries(notes=check_complete(groups, allow_partial))
+    counts = run_counts(groups)
+    out = Summaries(notes=check_complete(groups, allow_partial, counts))
+    check_same_test_sets(groups, counts)
     fitted: dict[RunKey, float] = {}
     if "temperature" in specs and temperature is not None:
         t = float(TemperatureScaling(T=temperature).temperature_)

@@ -291,7 +291,8 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
 
 def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
     """Figure 3 (the paper's RN50 figure, drawn for any backbone): grouped bars of average ECE (left) and mean
-    entropy (right) per method, one bar per calibrator (zero-shot first)."""
+    entropy (right) per method, one bar per calibrator (zero-shot first); a calibrator whose average is scored
+    in-sample (column `in_sample`) carries ‡ in the legend."""
     methods = layout.order_methods(summary["method"].unique().to_list())
     cals = [c for c in ("zero-shot", *layout.MAIN_CALIBRATORS) if c in summary["calibrator"].to_list()]
     fig = Figure(figsize=(10, 3.6), layout="constrained")
@@ -305,6 +306,8 @@ def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title:
                 r = summary.filter((pl.col("method") == m) & (pl.col("calibrator") == c))
                 vals.append(r[col][0] if r.height else np.nan)
             name = "Zero-shot" if c == "zero-shot" else layout.calibrator_label(c)
+            if "in_sample" in summary.columns and summary.filter(pl.col("calibrator") == c)["in_sample"].any():
+                name += " ‡ (in-sample)"  # averaged over its own fitting set (`builders.backbone_summary`)
             ax.bar(x + (k - (len(cals) - 1) / 2) * width, vals, width=width, color=CAL_COLORS.get(c), label=name)
         ax.set_xticks(x, [layout.method_label(m) for m in methods])
         ax.set_ylabel(label)

@@ -174,7 +174,8 @@ def marks_legend(main: pl.DataFrame) -> list[str]:
     notes = []
     if "in_sample" in main.columns and main["in_sample"].any():
         notes.append(f"{IN_SAMPLE_MARK} temperature scaling fitted on this dataset's own labelled logits, so scored "
-                     f"on its fitting data (in-sample); an Avg. marked {IN_SAMPLE_MARK} includes such a cell.")
+                     f"on its fitting data (in-sample); an Avg. marked {IN_SAMPLE_MARK} includes such a cell. Neither "
+                     "is ever bold: an in-sample ECE is not a held-out result.")
     if "group_size" in main.columns and main.filter(
             (pl.col("dataset") == "avg") & pl.col("value").is_not_null()
             & (pl.col("n_datasets") < pl.col("group_size"))).height:
@@ -253,7 +254,9 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
         parts.append(md_table(["Method", *labels], body))
     if diffs.height:
         parts.append(f"## Differences in ECE (percentage points), {pct}% paired intervals\n")
-        parts.append(f"Negative: ZAEC lower. {NS_MARK} the interval contains zero (no difference claimed).\n")
+        parts.append(f"Negative: ZAEC lower. {NS_MARK} the interval contains zero (no difference claimed)."
+                     + (f" {IN_SAMPLE_MARK} against temperature scaling scored on its own fitting data."
+                        if "in_sample" in diffs.columns and diffs["in_sample"].any() else "") + "\n")
         for group in diffs["group"].unique(maintain_order=True).to_list():
             d = diffs.filter(pl.col("group") == group)
             cols = d.select("col_pos", "column_label").unique().sort("col_pos")
@@ -266,9 +269,9 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
                     if r is None:
                         row.append(DASH)
                     elif r["ci_low"] is None:
-                        row.append(fmt(r["estimate"], signed=True))
+                        row.append(fmt(r["estimate"], signed=True) + (IN_SAMPLE_MARK if r.get("in_sample") else ""))
                     else:
-                        mark = NS_MARK if r["contains_zero"] else ""
+                        mark = (NS_MARK if r["contains_zero"] else "") + (IN_SAMPLE_MARK if r.get("in_sample") else "")
                         row.append(f"{fmt(r['estimate'], signed=True)}{mark} "
                                    f"[{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]")
                 body.append(row)
@@ -293,7 +296,7 @@ def intervals_latex(diffs: pl.DataFrame, caption: str) -> str:
             if r is None:
                 row.append("--")
             else:
-                mark = r"$^\dagger$" if r["contains_zero"] else ""
+                mark = (r"$^\dagger$" if r["contains_zero"] else "") + (r"$^\ddagger$" if r.get("in_sample") else "")
                 ci = "" if r["ci_low"] is None else \
                     f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
                 row.append(f"{fmt(r['estimate'], signed=True)}{mark}{ci}")

@@ -390,17 +390,23 @@ def figure_3(ctx: Context) -> Item:
     for bb in ctx.backbones:
         present = cells.filter(pl.col("backbone") == bb)["dataset"].unique().to_list()
         datasets, preferred = builders.pick_datasets(present, layout.GROUPS["natural_shift"])
-        sm = builders.backbone_summary(cells, bb, datasets)
+        sm = builders.backbone_summary(cells, bb, datasets, ts_in_sample=ctx.ts_in_sample)
         if not sm.height:
             notes.append(f"{bb}: no method has every dataset")
             continue
         frames.append(sm.with_columns(pl.lit(",".join(datasets)).alias("datasets")))
+        if sm["in_sample"].any():
+            notes.append(f"{bb}: the Temp. Scal. bars ({render.IN_SAMPLE_MARK}) average over {ctx.ts_in_sample}, "
+                         "the labelled set T was fitted on, so they are partly scored on their own fitting data")
         where = "natural-shift datasets" if preferred else "all datasets"
         paths.append(figures.plot_backbone_summary(sm, out / f"fig3_summary_{slug(bb)}.png",
                                                    f"{bb}: average ECE and mean entropy over {where}"))
     if frames:
         caption = ("Average ECE (%) and mean entropy (nats) per method and calibrator over the natural-shift "
                    "datasets, zero-shot first (the paper draws it for RN50; here for every backbone).")
+        if any(f["in_sample"].any() for f in frames):
+            caption += (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in the legend (CSV column `in_sample`): its "
+                        "average includes the dataset its T was fitted on (`--ts-source`), scored in-sample.")
         return written("Figure 3", what, [render.write_csv(pl.concat(frames), out / "fig3_summary.csv"), *paths],
                        notes, caption)
     return skipped("Figure 3", what, "; ".join(notes) if ctx.tta_methods else NO_TTA)
@@ -412,12 +418,12 @@ def tables_2_3(ctx: Context) -> Item:
     for bb in ctx.backbones:
         main = builders.main_table(ctx.cells, bb, ctx.reps, ts_in_sample=ctx.ts_in_sample)
         caption = (f"Calibration of {bb}: accuracy and ECE (%) per TTA method and calibrator; best ECE per block "
-                   "in bold; Avg. is the unweighted macro-average of each dataset group.")
+                   "in bold, never an in-sample cell; Avg. is the unweighted macro-average of each dataset group.")
         paths += render.write_item(ctx.out, f"main_{slug(bb)}", main, render.main_markdown(main, f"Main table, {bb}"),
                                    render.main_latex(main, caption))
     return written("Tables 2 and 3", "accuracy and ECE per method and calibrator, datasets grouped as in the paper; "
-                   "‡ marks temperature scaling scored on its own fitting data, Avg. (n/m) an average over n of the "
-                   "group's m datasets",
+                   "‡ marks temperature scaling scored on its own fitting data (never bold), Avg. (n/m) an average "
+                   "over n of the group's m datasets",
                    paths, [] if ctx.tta_methods else ["main tables hold zero-shot rows only: " + NO_TTA])
 
 
@@ -431,7 +437,7 @@ def tables_2_3_intervals(ctx: Context) -> Item | None:
     for bb in ctx.backbones:
         s = slug(bb)
         intervals = builders.main_intervals(ctx.cells, bb, ctx.reps, ts_in_sample=ctx.ts_in_sample)
-        diffs = builders.main_differences(ctx.cells, bb, ctx.reps)
+        diffs = builders.main_differences(ctx.cells, bb, ctx.reps, ts_in_sample=ctx.ts_in_sample)
         n_ns = int(diffs["contains_zero"].sum()) if diffs.height else 0
         paths += render.write_item(
             out, f"main_{s}_ci", diffs,
@@ -576,8 +582,12 @@ def figure_6(ctx: Context) -> Item:
 
 def per_run_metrics(ctx: Context) -> Item:
     """Every run and calibrator's metrics, the input of all tables."""
-    return written("Per-run metrics", "every run and calibrator, as fractions: the input of all tables",
-                   [render.write_csv(ctx.run_df, ctx.out / "per_run_metrics.csv")])
+    in_sample = (pl.col("calibrator") == "temperature") & (pl.col("dataset") == ctx.ts_in_sample) \
+        if ctx.ts_in_sample is not None else pl.lit(False)
+    return written("Per-run metrics", "every run and calibrator, as fractions: the input of all tables; "
+                   "`in_sample` marks temperature scaling scored on its own fitting data",
+                   [render.write_csv(ctx.run_df.with_columns(in_sample.alias("in_sample")),
+                                     ctx.out / "per_run_metrics.csv")])
 
 
 #: the trust table's column sets, one Markdown/LaTeX table each (every column is in the CSV)
