@@ -209,8 +209,10 @@ def test_folder_symlink_cycles_are_never_followed(tmp_path):
     root = _seven(tmp_path / "pets")
     want = load_testset(resolve_dataset(f"folder:{root}", name="plain"))
     assert len(want) == 7
-    # links back to a folder being walked: itself, its parent, the dataset folder, a folder above it
+    # the case: a link to its own folder turned 7 images into 287 samples
     os.symlink(".", root / "cat" / "self")
+    assert len(load_testset(resolve_dataset(f"folder:{root}", name="one_loop"))) == 7
+    # links back to a folder being walked: itself, its parent, the dataset folder, a folder above it
     os.symlink("..", root / "cat" / "sub" / "up")
     os.symlink("../..", root / "dog" / "top")
     os.symlink(str(tmp_path), root / "dog" / "above")
