@@ -10,7 +10,8 @@ CoOp split) becomes a spec registered for this process under a canonical name (t
 gives), with `hparams_from=None`: every method then uses its documented settings for unseen data
 (`TTAMethod.unseen_config`). `load_testset` turns an entry into a `TestSet`: absolute image paths in the
 canonical test order (this order defines `sample_id`), labels, and class names. Only the split/list files and the
-folder listing are read here; images are opened later, one by one, by `open_image`.
+folder listing are read here (and one `stat` and listing per image folder, to refuse an image listed twice);
+images are opened later, one by one, by `open_image`.
 
 Canonical order:
     * JSON splits: the order of the `test` list in the file.
@@ -370,7 +371,7 @@ def resolve_dataset(ref: str, *, name: str | None = None, class_names: str | os.
     if class_names is not None:
         names = read_class_names(class_names)
         cn_file = str(Path(class_names).expanduser().resolve())
-        _check_unique(names, f"--class-names {cn_file}")
+        _check_unique(names, f"--class-names {cn_file}", "edit the file so that no name repeats")
     kind: Kind = "image_folder" if is_folder else "split_file"
     layout = Layout("image folder" if is_folder else "split file", "", "", "" if is_folder else path.name)
     spec = DatasetSpec(name, kind, "user", None, (layout,), class_names=names,
@@ -638,37 +639,86 @@ def _load_folders(spec: DatasetSpec, root: Path, lay: Layout, *, sh_filter: bool
     return paths, labels, class_names, subset, notes
 
 
-def _check_unique(names: Sequence[str], where: str) -> None:
+def _check_unique(names: Sequence[str], where: str, fix: str) -> None:
+    """Refuse duplicate class names; `fix` says what the user can do where the names came from (`--class-names`
+    is suggested only where no such file was given)."""
     dup = sorted({n for n in names if list(names).count(n) > 1})
     if dup:
         raise DatasetError(f"{where}: duplicate class name(s) {', '.join(map(repr, dup[:5]))}; every class needs "
-                           "its own name (pass --class-names FILE)")
+                           f"its own name ({fix})")
 
 
 def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _load_image_folder(spec: DatasetSpec, folder: Path) -> tuple[list[Path], list[int], tuple[str, ...]]:
+def _scan(folder: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as it:
+            return [e for e in it if not e.name.startswith(".")]
+    except OSError as e:
+        raise DatasetError(f"{folder}: cannot list the folder ({e.strerror or e})") from None
+
+
+def _entry_is_dir(e: os.DirEntry) -> bool:
+    try:
+        return e.is_dir()  # follows a symlink
+    except OSError:  # a link to itself (ELOOP) or an unreadable target: not a folder to walk
+        return False
+
+
+def _leads_back(real_dir: str, link: str) -> bool:
+    """True if the symlinked folder `link` is `real_dir` (a real path) or one of its ancestors: following it would
+    walk a folder that is being walked (`cat/self -> .`, `cat/up -> ../..`), without end."""
+    target = os.path.realpath(link)
+    return real_dir == target or real_dir.startswith(target.rstrip(os.sep) + os.sep)
+
+
+def _images_below(class_dir: Path, rel: str) -> tuple[list[str], list[str]]:
+    """Relative POSIX paths (starting with `rel`) of the images anywhere below `class_dir`, and the symlinks not
+    followed because they lead back to a folder they lie in (a cycle). Other symlinked folders are followed; a file
+    they reach twice is caught by `_check_no_duplicates`."""
+    found: list[str] = []
+    cycles: list[str] = []
+    stack = [(class_dir, rel, os.path.realpath(class_dir))]
+    while stack:
+        folder, rel_dir, real = stack.pop()
+        for e in _scan(folder):
+            rel_e = f"{rel_dir}/{e.name}"
+            if not _entry_is_dir(e):
+                if _is_image(e.name):
+                    found.append(rel_e)
+            elif not e.is_symlink():
+                stack.append((Path(e.path), rel_e, os.path.join(real, e.name)))
+            elif _leads_back(real, e.path):
+                cycles.append(rel_e)
+            else:
+                stack.append((Path(e.path), rel_e, os.path.realpath(e.path)))
+    return found, cycles
+
+
+def _load_image_folder(spec: DatasetSpec, folder: Path
+                       ) -> tuple[list[Path], list[int], tuple[str, ...], dict[str, str]]:
     """`folder:PATH`: label = index of the class folder in sorted order; images anywhere below a class folder
-    (hidden files and folders skipped); sample order = relative paths sorted as strings."""
-    entries = [n for n in os.listdir(folder) if not n.startswith(".")]
+    (hidden files and folders skipped); sample order = relative paths sorted as strings. Symlinked folders are
+    followed unless they lead back to a folder being walked (a cycle: skipped, recorded in the notes)."""
+    entries = _scan(folder)
     if not entries:
         raise DatasetError(f"{folder}: the folder is empty; expected one sub-folder per class holding its images "
                            f"({folder}/<class name>/<image>)")
-    classes = sorted(n for n in entries if (folder / n).is_dir())
+    real_root = os.path.realpath(folder)
+    cycles = sorted(e.name for e in entries if e.is_symlink() and _entry_is_dir(e) and _leads_back(real_root, e.path))
+    classes = sorted(e.name for e in entries if _entry_is_dir(e) and e.name not in cycles)
     if not classes:
         raise DatasetError(f"{folder}: no class sub-folders (found only files); expected one sub-folder per class "
                            f"holding its images ({folder}/<class name>/<image>)")
     items: list[tuple[str, int]] = []
     for label, c in enumerate(classes):
-        n_before = len(items)
-        for dirpath, dirnames, filenames in os.walk(folder / c, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            rel_dir = Path(dirpath).relative_to(folder).as_posix()
-            items += [(f"{rel_dir}/{f}", label) for f in filenames if _is_image(f)]
-        if len(items) == n_before:
+        found, skipped = _images_below(folder / c, c)
+        if not found:
             raise DatasetError(f"{folder / c}: class folder holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+        items += [(rel, label) for rel in found]
+        cycles += skipped
     if spec.class_names is not None:
         if len(spec.class_names) != len(classes):
             raise DatasetError(f"--class-names {spec.class_names_file}: {len(spec.class_names)} class name(s) for "
@@ -677,9 +727,15 @@ def _load_image_folder(spec: DatasetSpec, folder: Path) -> tuple[list[Path], lis
         names = spec.class_names
     else:
         names = tuple(_clean_name(c) for c in classes)
-        _check_unique(names, f"{folder}: class folder names (with '_' read as a space)")
+        _check_unique(names, f"{folder}: class folder names (with '_' read as a space)",
+                      "rename a folder or pass --class-names FILE")
     items.sort()
-    return [folder / rel for rel, _ in items], [y for _, y in items], names
+    notes = {}
+    if cycles:
+        notes["symlink_cycles"] = (f"not followed (each leads back to a folder it lies in): "
+                                   f"{', '.join(sorted(cycles)[:5])}" + (f" and {len(cycles) - 5} more"
+                                                                        if len(cycles) > 5 else ""))
+    return [folder / rel for rel, _ in items], [y for _, y in items], names, notes
 
 
 def _load_split_file(spec: DatasetSpec, split_path: Path) -> tuple[list[Path], list[int], tuple[str, ...]]:
@@ -690,29 +746,32 @@ def _load_split_file(spec: DatasetSpec, split_path: Path) -> tuple[list[Path], l
         if len(spec.class_names) != len(names):
             raise DatasetError(f"--class-names {spec.class_names_file}: {len(spec.class_names)} class name(s) for "
                                f"the {len(names)} labels (0..{len(names) - 1}) of {split_path}")
-        names = spec.class_names
-    _check_unique(names, f"{split_path}: class names")
+        names = spec.class_names  # already checked for duplicates by resolve_dataset
+    else:
+        _check_unique(names, f"{split_path}: class names", "fix the split's names or pass --class-names FILE")
     return paths, labels, names
 
 
 def _load_user(spec: DatasetSpec) -> TestSet:
     assert spec.ref is not None
     path = Path(spec.ref.partition(":")[2])
+    notes = {"source": spec.ref}
     if spec.kind == "image_folder":
         if not path.is_dir():
             raise DatasetError(f"dataset {spec.key!r}: {path} is not a folder (expected one sub-folder per class)")
         ddir = path
-        paths, labels, names = _load_image_folder(spec, path)
+        paths, labels, names, walk_notes = _load_image_folder(spec, path)
+        notes.update(walk_notes)
     else:
         if not path.is_file():
             raise DatasetError(f"dataset {spec.key!r}: split file {path} does not exist")
         ddir = path.parent
         paths, labels, names = _load_split_file(spec, path)
-    notes = {"source": spec.ref}
     if spec.class_names_file is not None:
         notes["class_names_file"] = spec.class_names_file
-    return TestSet(key=spec.key, dataset_dir=ddir, layout=spec.layouts[0].name, paths=tuple(paths),
-                   labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names), notes=notes)
+    ts = TestSet(key=spec.key, dataset_dir=ddir, layout=spec.layouts[0].name, paths=tuple(paths),
+                 labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names), notes=notes)
+    return _check_no_duplicates(ts, path)
 
 
 def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False) -> TestSet:
@@ -732,12 +791,12 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
     Raises:
         DatasetError: unknown key, missing folder (the message shows the expected layout), a bad split file, or a
             split entry that escapes the dataset folder; for user data also an empty folder, a class folder
-            without images, a class-names count that differs from the classes, duplicate class names; a set of
-            fewer than two classes.
+            without images, a class-names count that differs from the classes, duplicate class names; an image
+            file listed more than once (`_check_no_duplicates`); a set of fewer than two classes.
     """
     spec = get_dataset(key)
     if spec.ref is not None:  # a user's folder or split file: its own path, no data root
-        return _at_least_two_classes(_load_user(spec))
+        return _at_least_two_classes(_load_user(spec))  # _load_user checks for duplicates
     root = resolve_data_root(data_root)
     lay = _find_layout(spec, root)
     ddir = root / lay.dataset_dir
@@ -750,9 +809,109 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
     else:
         paths, labels, names, inet, notes = _load_folders(spec, root, lay,
                                                           sh_filter=sh_filter and spec.sh_quirk_applies)
-    return _at_least_two_classes(TestSet(key=key, dataset_dir=ddir, layout=lay.name, paths=tuple(paths),
-                                         labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names),
-                                         imagenet_indices=inet, notes=notes))
+    listing = ddir / lay.split_file if lay.split_file else ddir / lay.image_dir
+    ts = TestSet(key=key, dataset_dir=ddir, layout=lay.name, paths=tuple(paths),
+                 labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names), imagenet_indices=inet,
+                 notes=notes)
+    return _at_least_two_classes(_check_no_duplicates(ts, listing))
+
+
+class _FileKeys:
+    """What makes two listed paths one file, at one `stat` and one listing per folder rather than a `stat` per
+    image (ImageNet's 50,000): the folder's (device, inode) and the file's name, after resolving a symlinked file
+    to its target. Two paths through a symlinked folder, or a symlink next to its target, give one key; hard links
+    and byte-identical copies are separate files. A path whose folder cannot be read keys on its normalised text
+    (it fails when the image is opened)."""
+
+    def __init__(self) -> None:
+        self._dirs: dict[str, tuple[tuple[int, int] | None, frozenset[str]]] = {}
+
+    def _dir(self, folder: str) -> tuple[tuple[int, int] | None, frozenset[str]]:
+        info = self._dirs.get(folder)
+        if info is None:
+            try:
+                st = os.stat(folder)
+                with os.scandir(folder) as it:
+                    info = ((st.st_dev, st.st_ino), frozenset(e.name for e in it if e.is_symlink()))
+            except OSError:
+                info = (None, frozenset())
+            self._dirs[folder] = info
+        return info
+
+    def __call__(self, path: Path) -> object:
+        folder, name = os.path.split(os.fspath(path))
+        dir_id, links = self._dir(folder)
+        if name in links:
+            folder, name = os.path.split(os.path.realpath(path))
+            dir_id = self._dir(folder)[0]
+        return (dir_id, name) if dir_id is not None else os.path.normpath(os.fspath(path))
+
+
+def _check_no_duplicates(ts: TestSet, listing: Path) -> TestSet:
+    """Refuse a test set that lists one image file more than once (the same entry twice in a split or list file, or
+    one file reached through two paths: a symlinked folder or file), naming the first few and the count: each copy
+    would get its own sample_id and count twice in every metric. `listing` is the split file or folder named."""
+    key_of = _FileKeys()
+    first: dict[object, int] = {}
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(ts.paths):
+        j = first.setdefault(key_of(p), i)
+        if j != i:
+            groups.setdefault(j, [j]).append(i)
+    if not groups:
+        return ts
+
+    def rel(i: int) -> str:
+        return ts.paths[i].relative_to(ts.dataset_dir).as_posix()
+
+    shown = []
+    for g in list(groups.values())[:3]:
+        if len({rel(i) for i in g}) == 1:
+            shown.append(f"{rel(g[0])!r} {len(g)} times (sample_id {', '.join(map(str, g))})")
+        else:
+            shown.append(" = ".join(f"{rel(i)!r} (sample_id {i})" for i in g))
+    more = f"; and {len(groups) - 3} more" if len(groups) > 3 else ""
+    extra = sum(len(g) - 1 for g in groups.values())
+    raise DatasetError(f"{listing}: {len(groups)} image file(s) of dataset {ts.key!r} are listed more than once "
+                       f"({extra} extra sample(s)): {'; '.join(shown)}{more}; each image must appear once in a test "
+                       "set (a path through a symlink to a listed file or folder is the same image)")
+
+
+def check_outside_dataset(testset: TestSet, path: str | os.PathLike, option: str) -> None:
+    """Refuse an output folder (`--out`, `--cache-dir`) inside the folder whose listing defines `testset`.
+
+    A `folder:` dataset takes every class sub-folder and every image below one as data, and a registered
+    class-folder set (the ImageNet family, ImageNet-C) checks every folder name: a run's files there change or
+    break the next listing. Sets listed from a split or list file (`split:`, the CoOp JSON sets, FGVC-Aircraft)
+    read only the files listed, so a folder next to them is allowed. Both paths are compared resolved (symlinks,
+    `~`, relative parts), and `path` need not exist yet.
+
+    Args:
+        testset: from `load_testset` (its dataset registered in this process).
+        path: the folder the run writes to.
+        option: its option name in the message (`--out`, `--cache-dir`).
+
+    Raises:
+        DatasetError: one line naming the option, the path and the dataset folder.
+
+    Example:
+        >>> check_outside_dataset(ts, "/data/pets/out", "--out")  # doctest: +SKIP
+        DatasetError: --out /data/pets/out is inside the folder /data/pets of dataset 'pets' ...
+    """
+    spec = get_dataset(testset.key)
+    if spec.kind == "image_folder":
+        listed = testset.dataset_dir
+    elif spec.kind == "folders":
+        lay = next(lay for lay in spec.layouts if lay.name == testset.layout)
+        listed = testset.dataset_dir / lay.image_dir
+    else:
+        return
+    target = Path(path).expanduser().resolve()
+    listed = listed.resolve()
+    if target == listed or listed in target.parents:
+        raise DatasetError(f"{option} {path} is inside the folder {listed} of dataset {testset.key!r}, whose "
+                           "listing defines the test set (the run's files there would be read as data by the next "
+                           f"run); give {option} a folder outside it")
 
 
 def _at_least_two_classes(ts: TestSet) -> TestSet:
@@ -788,12 +947,40 @@ def _to_rgb(im, path: Path):
         raise DatasetError(f"{path}: cannot convert image mode {im.mode} to RGB ({e})") from None
 
 
-def open_image(path: Path):
+def open_image(path: Path, exif_transpose: bool = False):
     """Open one image as RGB PIL, whatever its mode (grey-scale, palette, CMYK, RGBA and 16-bit grey are converted;
-    unsupported modes are rejected by name). Raises DatasetError if unreadable."""
-    from PIL import Image, UnidentifiedImageError
+    unsupported modes are rejected by name).
+
+    What is read, as the official TDA/DPE code and torchvision's ImageFolder read it (PIL's `open` + `convert`):
+    the stored pixels, whatever the EXIF orientation tag says; an alpha channel is dropped (each pixel keeps its
+    stored colour, however transparent: no compositing on a background); of an animated or multi-frame file (GIF,
+    APNG, WebP, TIFF) only the first frame. docs/extract.md, "Your own data", says the same for users.
+
+    Args:
+        path: the image file.
+        exif_transpose: turn the image as its EXIF orientation tag says (PIL's `ImageOps.exif_transpose`: the
+            8 rotations and mirrorings) before the conversion. Off by default for fidelity with the official
+            code; for photos from cameras and phones. A run that uses it must record it in its settings and
+            feature-cache key: the pixels, and so every feature, differ.
+
+    Returns:
+        An RGB PIL image.
+
+    Raises:
+        DatasetError: a missing or unreadable file, an unsupported mode, an unreadable EXIF block.
+
+    Example:
+        >>> open_image(Path("photo.jpg"), exif_transpose=True).size  # doctest: +SKIP
+        (3024, 4032)
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
     try:
         with Image.open(path) as im:
+            if exif_transpose:
+                try:
+                    im = ImageOps.exif_transpose(im)
+                except (ValueError, SyntaxError) as e:  # PIL's errors for a malformed EXIF block
+                    raise DatasetError(f"{path}: cannot read the image's EXIF orientation ({e})") from None
             return _to_rgb(im, path)
     except FileNotFoundError:
         raise DatasetError(f"{path}: image listed in the test split does not exist") from None

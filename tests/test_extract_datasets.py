@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
-from extract_fixtures import make_aircraft, make_imagenet_folders, make_json_dataset
+from extract_fixtures import make_aircraft, make_imagenet_folders, make_json_dataset, write_image
 
+from extract import datasets as ds
 from extract.datasets import (
     FASHION_MNIST_CLASSES,
     PAPER_DATASETS,
     REGISTRY,
     DatasetError,
+    check_outside_dataset,
     get_dataset,
     imagenet_classnames,
     imagenet_synsets,
     load_testset,
+    open_image,
+    resolve_dataset,
 )
 
 JSON_KEYS = [k for k, s in REGISTRY.items() if s.kind == "json"]
@@ -191,3 +197,150 @@ def test_labels_are_int64_and_in_range(tmp_path):
     make_json_dataset(tmp_path, "eurosat", n_classes=4, per_class=2)
     ts = load_testset("eurosat", tmp_path)
     assert ts.labels.dtype == np.int64 and ts.labels.min() >= 0 and ts.labels.max() < ts.num_classes
+
+
+def test_registered_sets_refuse_an_image_listed_twice(tmp_path):
+    # a CoOp JSON split: one entry twice
+    split = make_json_dataset(tmp_path, "dtd", per_class=2, shuffle=False)
+    split["test"].append(split["test"][1])
+    split_file = tmp_path / "dtd" / "split_zhou_DescribableTextures.json"
+    split_file.write_text(json.dumps(split))
+    with pytest.raises(DatasetError) as e:
+        load_testset("dtd", tmp_path)
+    rel = f"images/{split['test'][1][0]}"
+    assert str(e.value).startswith(f"{split_file}: 1 image file(s) of dataset 'dtd' are listed more than once "
+                                   f"(1 extra sample(s)): {rel!r} 2 times (sample_id 1, 6)")
+    # FGVC-Aircraft: one image id on two lines
+    entries = make_aircraft(tmp_path)
+    list_file = tmp_path / "fgvc_aircraft" / "images_variant_test.txt"
+    list_file.write_text(list_file.read_text() + f"{entries[0][0]} {entries[0][1]}\n")
+    with pytest.raises(DatasetError, match=r"images_variant_test.txt: 1 image file\(s\) of dataset 'fgvc_aircraft' "
+                                           r"are listed more than once"):
+        load_testset("fgvc_aircraft", tmp_path)
+    # ImageNet class folders: a wnid folder that is a symlink to another one
+    syn = imagenet_synsets()
+    img_root = make_imagenet_folders(tmp_path, "imagenet", [syn[0], syn[5]], per_class=2)
+    assert len(load_testset("imagenet", tmp_path)) == 4
+    (img_root / syn[7]).symlink_to(syn[0], target_is_directory=True)
+    with pytest.raises(DatasetError) as e:
+        load_testset("imagenet", tmp_path)
+    assert str(e.value).startswith(f"{img_root}: 2 image file(s) of dataset 'imagenet' are listed more than once")
+    assert f"'images/val/{syn[0]}/img_0.JPEG' (sample_id 0) = 'images/val/{syn[7]}/img_0.JPEG' (sample_id 4)" \
+        in str(e.value)
+    # ImageNet-C: a symlinked image file next to its target
+    img_root = make_imagenet_folders(tmp_path, "imagenet_c:fog:2", [syn[3]], per_class=2)
+    os.symlink("img_1.JPEG", img_root / syn[3] / "img_2.JPEG")
+    with pytest.raises(DatasetError, match="'n01491361/img_1.JPEG' \\(sample_id 1\\) = 'n01491361/img_2.JPEG'"):
+        load_testset("imagenet_c:fog:2", tmp_path)
+
+
+def test_duplicate_check_stats_folders_not_files(tmp_path, monkeypatch):
+    # os.stat on folders, never on an image: ImageNet's 50,000 images lie in 1000 folders
+    syn = imagenet_synsets()
+    make_imagenet_folders(tmp_path, "imagenet", syn[:3], per_class=6)
+    calls: list[str] = []
+    real_stat = os.stat
+    monkeypatch.setattr(ds.os, "stat", lambda p, *a, **k: calls.append(os.fspath(p)) or real_stat(p, *a, **k))
+    assert len(load_testset("imagenet", tmp_path)) == 18
+    assert calls and not any(c.endswith(".JPEG") for c in calls)  # folders only (some more than once)
+
+
+@pytest.fixture
+def _fresh_user_registry(monkeypatch):
+    monkeypatch.setattr(ds, "_USER_SPECS", {})
+
+
+@pytest.mark.usefixtures("_fresh_user_registry")
+def test_check_outside_dataset(tmp_path):
+    # folder: datasets: the folder itself and anything below it, also through a symlink or a relative path
+    root = tmp_path / "pets"
+    for c in ("cat", "dog"):
+        write_image(root / c / "a.png", np.random.default_rng(0))
+    ts = load_testset(resolve_dataset(f"folder:{root}"))
+    (tmp_path / "alias").symlink_to(root, target_is_directory=True)
+    for bad in (root, root / "out", root / "cat" / "cache" / "x", tmp_path / "alias" / "out",
+                root / "dog" / ".." / "shards"):
+        with pytest.raises(DatasetError) as e:
+            check_outside_dataset(ts, bad, "--out")
+        assert str(e.value) == (f"--out {bad} is inside the folder {root.resolve()} of dataset 'pets', whose listing "
+                                "defines the test set (the run's files there would be read as data by the next run); "
+                                "give --out a folder outside it")
+    for ok in (tmp_path / "out", tmp_path / "pets-out", root / ".." / "cache", tmp_path):
+        check_outside_dataset(ts, ok, "--cache-dir")
+    cwd = os.getcwd()
+    try:
+        os.chdir(root)
+        with pytest.raises(DatasetError, match="^--cache-dir data/cache is inside the folder"):
+            check_outside_dataset(ts, Path("data/cache"), "--cache-dir")
+        os.chdir(tmp_path)
+        check_outside_dataset(ts, "data/cache", "--cache-dir")
+    finally:
+        os.chdir(cwd)
+    # a registered class-folder set: its image root (the listing) is refused, the rest of its folder is not
+    img_root = make_imagenet_folders(tmp_path / "data", "imagenet", [imagenet_synsets()[0]], per_class=1)
+    ts = load_testset("imagenet", tmp_path / "data")
+    with pytest.raises(DatasetError, match="^--out .* is inside the folder .*images/val of dataset 'imagenet'"):
+        check_outside_dataset(ts, img_root / "shards", "--out")
+    check_outside_dataset(ts, tmp_path / "data" / "imagenet" / "shards", "--out")
+    # sets listed from a split or list file read only what is listed: a folder next to the images is allowed
+    make_json_dataset(tmp_path / "data", "dtd", per_class=1)
+    check_outside_dataset(load_testset("dtd", tmp_path / "data"), tmp_path / "data" / "dtd" / "images" / "o", "--out")
+    split = tmp_path / "xr" / "split.json"
+    for i in range(2):
+        write_image(tmp_path / "xr" / f"{i}.png", np.random.default_rng(i))
+    split.write_text(json.dumps({"test": [["0.png", 0, "a"], ["1.png", 1, "b"]]}))
+    check_outside_dataset(load_testset(resolve_dataset(f"split:{split}")), tmp_path / "xr" / "out", "--out")
+
+
+#: EXIF orientation (tag 0x0112) -> what a viewer shows, from the stored (H, W, 3) pixels, written from the
+#: tag's definition (TIFF 6.0 / EXIF 2.32: where row 0 and column 0 of the stored image go)
+_ORIENTED = {
+    1: lambda a: a,
+    2: lambda a: a[:, ::-1],                   # mirrored left-right
+    3: lambda a: a[::-1, ::-1],                # rotated 180
+    4: lambda a: a[::-1, :],                   # mirrored top-bottom
+    5: lambda a: a.transpose(1, 0, 2),         # row 0 becomes column 0 (mirror along the main diagonal)
+    6: lambda a: a.transpose(1, 0, 2)[:, ::-1],  # rotated 90 clockwise: row 0 becomes the last column
+    7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],  # mirror along the other diagonal
+    8: lambda a: a.transpose(1, 0, 2)[::-1, :],  # rotated 90 counter-clockwise: row 0 becomes column 0, upwards
+}
+
+
+@pytest.mark.parametrize("orientation", sorted(_ORIENTED))
+def test_open_image_exif_transpose(tmp_path, orientation):
+    from PIL import Image
+
+    rng = np.random.default_rng(orientation)
+    path = tmp_path / "photo.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(rng.integers(0, 256, (12, 20, 3), dtype=np.uint8)).save(path, exif=exif, quality=95)
+    with Image.open(path) as im:
+        assert im.getexif()[0x0112] == orientation  # the tag really is in the file
+        stored = np.asarray(im.convert("RGB"))
+    # default: the stored pixels, as the official code and torchvision's ImageFolder read them
+    assert np.array_equal(np.asarray(open_image(path)), stored)
+    turned = open_image(path, exif_transpose=True)
+    assert turned.mode == "RGB"
+    assert np.array_equal(np.asarray(turned), _ORIENTED[orientation](stored))
+    # no tag: the same pixels either way
+    Image.fromarray(stored).save(tmp_path / "plain.png")
+    assert np.array_equal(np.asarray(open_image(tmp_path / "plain.png", exif_transpose=True)), stored)
+
+
+def test_open_image_drops_alpha_and_reads_the_first_frame(tmp_path):
+    # the documented behaviour (docs/extract.md, "Your own data"): alpha dropped, stored colours kept, frame 0
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgba = rng.integers(0, 256, (9, 7, 4), dtype=np.uint8)
+    rgba[..., 3] = 0  # fully transparent: the stored colours are still what is read
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
+    assert np.array_equal(np.asarray(open_image(tmp_path / "a.png")), rgba[..., :3])
+    frames = [Image.new("P", (6, 5), color=c) for c in (1, 2)]
+    for f in frames:
+        f.putpalette([0, 0, 0, 255, 0, 0, 0, 0, 255] + [0] * 759)
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    with Image.open(tmp_path / "anim.gif") as im:
+        assert im.n_frames == 2
+    assert np.asarray(open_image(tmp_path / "anim.gif")).reshape(-1, 3).tolist() == [[255, 0, 0]] * 30

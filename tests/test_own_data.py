@@ -134,6 +134,121 @@ def test_folder_errors(tmp_path):
     assert "apply to folder:PATH and split:FILE.json datasets only" in _err(resolve_dataset, "dtd", name="x")
 
 
+def test_duplicate_class_names_hint_fits_their_source(tmp_path):
+    # --class-names is suggested only where no such file was given
+    dup = make_folder(tmp_path / "dup", {"sea_lion": ["a.png"], "sea lion": ["b.png"]})
+    msg = _err(load_testset, resolve_dataset(f"folder:{dup}"))
+    assert "rename a folder or pass --class-names FILE" in msg
+    two = make_folder(tmp_path / "two", {"a": ["a.png"], "b": ["b.png"]})
+    names = tmp_path / "names.txt"
+    names.write_text("same\nsame\n")
+    msg = _err(resolve_dataset, f"folder:{two}", class_names=names)
+    assert msg.startswith(f"--class-names {names.resolve()}: duplicate class name(s) 'same'")
+    assert "edit the file so that no name repeats" in msg and "pass --class-names" not in msg
+    msg = _err(resolve_dataset, f"split:{_split(tmp_path / 'sp', [('a.png', 0, 'x'), ('b.png', 1, 'x')])}",
+               class_names=names)
+    assert "edit the file so that no name repeats" in msg and "pass --class-names" not in msg
+    split = _split(tmp_path / "sp2", [("a.png", 0, "x_y"), ("b.png", 1, "x y")])
+    msg = _err(load_testset, resolve_dataset(f"split:{split}"))
+    assert f"{split}: class names: duplicate class name(s) 'x y'" in msg
+    assert "fix the split's names or pass --class-names FILE" in msg
+    names.write_text("one\ntwo\n")  # a file that fixes the split's duplicates is accepted
+    assert load_testset(resolve_dataset(f"split:{split}", name="sp3", class_names=names)).class_names == ("one",
+                                                                                                          "two")
+
+
+def _split(root: Path, test: list[tuple[str, int, str]]) -> Path:
+    """A split file `root/split.json` listing `test` (relative path, label, name), with an image for each path."""
+    rng = np.random.default_rng(0)
+    for rel, _, _ in test:
+        if not (root / rel).exists():
+            write_image(root / rel, rng)
+    (root / "split.json").write_text(json.dumps({"test": [list(t) for t in test]}))
+    return root / "split.json"
+
+
+def _listed_twice(fn, *a) -> str:
+    msg = _err(fn, *a)
+    assert "listed more than once" in msg and "\n" not in msg
+    return msg
+
+
+def test_split_listing_an_image_twice_is_an_error(tmp_path):
+    # the same entry twice, the same file under two spellings, and a symlink to a listed file
+    split = _split(tmp_path / "xr", [("n/1.png", 0, "a"), ("p/2.png", 1, "b"), ("n/1.png", 0, "a"),
+                                     ("n/3.png", 0, "a"), ("p/./2.png", 1, "b")])
+    msg = _listed_twice(load_testset, resolve_dataset(f"split:{split}"))
+    assert msg.startswith(f"{split}: 2 image file(s) of dataset 'xr' are listed more than once (2 extra sample(s))")
+    assert "'n/1.png' 2 times (sample_id 0, 2)" in msg and "'p/2.png' 2 times (sample_id 1, 4)" in msg
+    os.symlink("1.png", tmp_path / "xr" / "n" / "link.png")
+    (tmp_path / "xr" / "m").symlink_to("n", target_is_directory=True)
+    split = _split(tmp_path / "xr", [("n/1.png", 0, "a"), ("p/2.png", 1, "b"), ("n/link.png", 0, "a"),
+                                     ("m/3.png", 0, "a"), ("n/3.png", 0, "a")])
+    msg = _listed_twice(load_testset, resolve_dataset(f"split:{split}", name="xr2"))
+    assert "'n/1.png' (sample_id 0) = 'n/link.png' (sample_id 2)" in msg
+    assert "'m/3.png' (sample_id 3) = 'n/3.png' (sample_id 4)" in msg
+    # more than three: the first three and the count of the others
+    many = [(f"c{c}/{i}.png", c, f"k{c}") for c in range(2) for i in range(5)]
+    split = _split(tmp_path / "many", many + many)
+    msg = _listed_twice(load_testset, resolve_dataset(f"split:{split}"))
+    assert "10 image file(s)" in msg and "(10 extra sample(s))" in msg and "; and 7 more;" in msg
+    # distinct files are fine, also two hard links to one file (two files by name) and identical bytes
+    os.link(tmp_path / "xr" / "n" / "1.png", tmp_path / "xr" / "n" / "hard.png")
+    (tmp_path / "xr" / "n" / "copy.png").write_bytes((tmp_path / "xr" / "n" / "1.png").read_bytes())
+    split = _split(tmp_path / "xr", [("n/1.png", 0, "a"), ("n/hard.png", 0, "a"), ("n/copy.png", 0, "a"),
+                                     ("p/2.png", 1, "b")])
+    assert len(load_testset(resolve_dataset(f"split:{split}", name="xr3"))) == 4
+
+
+def _seven(root: Path) -> Path:
+    return make_folder(root, {"cat": ["a.png", "b.png", "sub/c.png", "sub/d.png"], "dog": ["x.png", "y.png",
+                                                                                          "z.png"]})
+
+
+def test_folder_symlink_cycles_are_never_followed(tmp_path):
+    root = _seven(tmp_path / "pets")
+    want = load_testset(resolve_dataset(f"folder:{root}", name="plain"))
+    assert len(want) == 7
+    # the issue's case: a link to its own folder turned 7 images into 287 samples
+    os.symlink(".", root / "cat" / "self")
+    assert len(load_testset(resolve_dataset(f"folder:{root}", name="one_loop"))) == 7
+    # links back to a folder being walked: itself, its parent, the dataset folder, a folder above it
+    os.symlink("..", root / "cat" / "sub" / "up")
+    os.symlink("../..", root / "dog" / "top")
+    os.symlink(str(tmp_path), root / "dog" / "above")
+    os.symlink(".", root / "loop")  # at the class level: not a class
+    os.symlink("nowhere", root / "dog" / "broken")
+    os.symlink("me", root / "dog" / "me")  # a link to itself
+    ts = load_testset(resolve_dataset(f"folder:{root}"))
+    assert ts.paths == want.paths and ts.labels.tolist() == want.labels.tolist()
+    assert ts.class_names == ("cat", "dog")
+    assert ts.notes["symlink_cycles"] == ("not followed (each leads back to a folder it lies in): cat/self, "
+                                          "cat/sub/up, dog/above, dog/top, loop")
+
+
+def test_folder_symlinked_folders_are_followed_once(tmp_path):
+    root = _seven(tmp_path / "pets")
+    # a class folder and a sub-folder that live elsewhere are followed (no cycle, nothing reached twice)
+    make_folder(tmp_path / "elsewhere", {"birds": ["p.png"], "more_dogs": ["w.png"]})
+    (root / "bird").symlink_to(tmp_path / "elsewhere" / "birds", target_is_directory=True)
+    (root / "dog" / "extra").symlink_to(tmp_path / "elsewhere" / "more_dogs", target_is_directory=True)
+    ts = load_testset(resolve_dataset(f"folder:{root}"))
+    rels = [p.relative_to(root).as_posix() for p in ts.paths]
+    assert rels == sorted(["bird/p.png", "cat/a.png", "cat/b.png", "cat/sub/c.png", "cat/sub/d.png", "dog/x.png",
+                           "dog/y.png", "dog/z.png", "dog/extra/w.png"])
+    assert "symlink_cycles" not in ts.notes
+    # a link to a sibling class reaches its files twice: an error naming them
+    (root / "cat" / "dogs").symlink_to("../dog", target_is_directory=True)
+    msg = _listed_twice(load_testset, resolve_dataset(f"folder:{root}", name="p2"))
+    assert msg.startswith(f"{root.resolve()}: 4 image file(s) of dataset 'p2' are listed more than once")
+    assert "'cat/dogs/extra/w.png' (sample_id " in msg and "= 'dog/extra/w.png' (sample_id" in msg
+    (root / "cat" / "dogs").unlink()
+    # a symlinked file next to its target, and two links into one outside folder
+    os.symlink("a.png", root / "cat" / "a2.png")
+    msg = _listed_twice(load_testset, resolve_dataset(f"folder:{root}", name="p3"))
+    assert "1 image file(s)" in msg and "'cat/a.png' (sample_id 1) = 'cat/a2.png' (sample_id 2)" in msg
+
+
 def test_split_file_uses_the_coop_reader(tmp_path):
     root = tmp_path / "xray"
     rng = np.random.default_rng(1)
@@ -270,6 +385,7 @@ def _bad_image_folder(tmp_path: Path) -> Path:
     ("names_count", "3 class name(s) for 2 class folder(s)"),
     ("duplicates", "duplicate class name(s) 'a b'"),
     ("unreadable", "torn.jpg: cannot read image"),
+    ("listed_twice", "1 image file(s) of dataset 'x' are listed more than once"),
     ("cupl", "prompts must be one of single, imagenet80 and cupl false"),
 ])
 def test_cli_user_errors(tmp_path, tiny_model_dir, case, needle):  # noqa: F811
@@ -289,6 +405,9 @@ def test_cli_user_errors(tmp_path, tiny_model_dir, case, needle):  # noqa: F811
         root = make_folder(data / "x", {"a_b": ["a.png"], "a b": ["b.png"]})
     elif case == "unreadable":
         root = _bad_image_folder(data)
+    elif case == "listed_twice":
+        root = make_folder(data / "x", {"a": ["a.png"], "b": ["b.png"]})
+        os.symlink("a.png", root / "a" / "again.png")
     else:
         root = make_folder(data / "x", {"a": ["a.png"], "b": ["b.png"]})
         extra = ["--set", "cupl=true"]
