@@ -25,7 +25,7 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -119,12 +119,14 @@ class LoadedModel:
         return feats / feats.norm(dim=-1, keepdim=True)
 
     @torch.no_grad()
-    def text_prototypes(self, prompts_per_class: Sequence[Sequence[str]], batch_size: int = 512) -> torch.Tensor:
+    def text_prototypes(self, prompts_per_class: Sequence[Sequence[str]], batch_size: int = 512,
+                        on_batch: Callable[[int], Any] | None = None) -> torch.Tensor:
         """Class prototypes as TDA's `clip_classifier`: per prompt L2-normalise, average per class, re-normalise.
 
         Args:
             prompts_per_class: K lists of prompts (at least one each).
             batch_size: prompts per text-encoder call.
+            on_batch: called with the number of prompts after each encoder call (a progress bar).
 
         Returns:
             (K, D) float32, rows L2-normalised, on `device`.
@@ -133,7 +135,12 @@ class LoadedModel:
         owner = torch.tensor([k for k, ps in enumerate(prompts_per_class) for _ in ps], device=self.device)
         if any(len(ps) == 0 for ps in prompts_per_class):
             raise ValueError("every class needs at least one prompt")
-        feats = torch.cat([self.encode_texts(flat[i:i + batch_size]) for i in range(0, len(flat), batch_size)])
+        pieces = []
+        for i in range(0, len(flat), batch_size):
+            pieces.append(self.encode_texts(flat[i:i + batch_size]))
+            if on_batch is not None:
+                on_batch(len(pieces[-1]))
+        feats = torch.cat(pieces)
         k = len(prompts_per_class)
         sums = torch.zeros(k, feats.shape[1], device=self.device).index_add_(0, owner, feats)
         counts = torch.bincount(owner, minlength=k).clamp_min(1).unsqueeze(1).float()
