@@ -5,8 +5,10 @@ a run"):
     1. `plan`: resolve every name (method, dataset, config overrides, anchor, model name) before any image is read;
     2. `load_run_data`: list the test set (split files only) and fingerprint its files; the stream is a permutation
        of sample_id per (dataset, seed);
-    3. `finished_run`: reuse a finished run with the same settings (unless `force`); otherwise load the model,
-       build the prompts and their text prototypes (cached), the method and the shard metadata;
+    3. `build_prompts` (before the model: a bad prompt file stops the run at once); then, under the run folder's
+       lock (`RunDir.lock`, held to the marker), `finished_run`: reuse a finished run with the same settings (unless
+       `force`), saying so; otherwise load the model, build the text prototypes (cached), the method and the shard
+       metadata;
     4. `scan_resume` / `apply_resume`: keep the valid parts of an interrupted run;
     5. `encode_pass`: fill the missing chunks of the feature cache (view 0, plus views 1..63 if the method uses them);
     6. `adapt_stream`: feed the cached features in stream order, `adapt_batch` samples per `method.adapt` call,
