@@ -76,6 +76,10 @@ def extract(
     batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="images per encoder call"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to 16 on CUDA, 0 on CPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (warnings and errors still print)"),
+    wait_lock: Optional[float] = typer.Option(None, metavar="SECONDS",
+                                              help="while another process writes the same run: wait at most "
+                                                   "SECONDS, then stop (0: stop at once; default: wait until it "
+                                                   "finishes)"),
 ) -> None:
     """Run METHOD over DATASET and write shards under OUT."""
     from rich.console import Console
@@ -94,7 +98,7 @@ def extract(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
-            batch_size=batch_size, workers=workers, progress=not quiet)
+            batch_size=batch_size, workers=workers, progress=not quiet, wait_lock=wait_lock)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 

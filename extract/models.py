@@ -25,7 +25,7 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -119,12 +119,14 @@ class LoadedModel:
         return feats / feats.norm(dim=-1, keepdim=True)
 
     @torch.no_grad()
-    def text_prototypes(self, prompts_per_class: Sequence[Sequence[str]], batch_size: int = 512) -> torch.Tensor:
+    def text_prototypes(self, prompts_per_class: Sequence[Sequence[str]], batch_size: int = 512,
+                        on_batch: Callable[[int], Any] | None = None) -> torch.Tensor:
         """Class prototypes as TDA's `clip_classifier`: per prompt L2-normalise, average per class, re-normalise.
 
         Args:
             prompts_per_class: K lists of prompts (at least one each).
             batch_size: prompts per text-encoder call.
+            on_batch: called with the number of prompts after each encoder call (a progress bar).
 
         Returns:
             (K, D) float32, rows L2-normalised, on `device`.
@@ -133,7 +135,12 @@ class LoadedModel:
         owner = torch.tensor([k for k, ps in enumerate(prompts_per_class) for _ in ps], device=self.device)
         if any(len(ps) == 0 for ps in prompts_per_class):
             raise ValueError("every class needs at least one prompt")
-        feats = torch.cat([self.encode_texts(flat[i:i + batch_size]) for i in range(0, len(flat), batch_size)])
+        pieces = []
+        for i in range(0, len(flat), batch_size):
+            pieces.append(self.encode_texts(flat[i:i + batch_size]))
+            if on_batch is not None:
+                on_batch(len(pieces[-1]))
+        feats = torch.cat(pieces)
         k = len(prompts_per_class)
         sums = torch.zeros(k, feats.shape[1], device=self.device).index_add_(0, owner, feats)
         counts = torch.bincount(owner, minlength=k).clamp_min(1).unsqueeze(1).float()
@@ -316,6 +323,57 @@ def _local_dir_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+#: what decides whether two open_clip model configs describe the same architecture
+_ARCH_KEYS = ("embed_dim", "vision_cfg", "text_cfg")
+
+
+def _arch_diff(known: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """Architecture fields where `cfg` differs from `known` (for the towers, only keys both configs spell out:
+    a config may leave a field at open_clip's default)."""
+    diff = []
+    for key in _ARCH_KEYS:
+        a, b = known.get(key), cfg.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff += [f"{key}.{k}" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+        elif a != b:
+            diff.append(key)
+    return diff
+
+
+def local_dir_name(path: Path, backbone: str | None) -> str:
+    """The backbone name a `local-dir:` model is recorded under: the folder's model decides.
+
+    Its `open_clip_config.json` names the model (`model_name`): a `backbone` must then equal it. Without a
+    `model_name`, a `backbone` that is an open_clip architecture must have the folder's architecture (`embed_dim`,
+    vision and text towers), and any other `backbone` names the model; with neither, the folder's name is used.
+
+    Raises:
+        ModelError: one line, a `backbone` that disagrees with the folder's model, or a bad folder.
+
+    Example:
+        >>> local_dir_name(Path("models/tiny"), None)  # doctest: +SKIP
+        'tiny-clip'
+    """
+    cfg = _local_dir_config(path)
+    own = cfg.get("model_name")
+    if backbone is None or backbone == own:
+        return str(own or path.resolve().name)
+    where = f"--pretrained local-dir:{path}"
+    if own:
+        raise ModelError(f"--backbone {backbone} disagrees with {where}, which holds {own} (model_name in its "
+                         f"open_clip_config.json); drop --backbone or pass --backbone {own}")
+    import open_clip
+
+    known = open_clip.get_model_config(backbone)
+    diff = _arch_diff(known, cfg["model_cfg"]) if known else []
+    if diff:
+        raise ModelError(f"--backbone {backbone} is not the model in {where}: its open_clip_config.json differs "
+                         f"from open_clip's {backbone} in {', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}; "
+                         f"drop --backbone (the folder's name {path.resolve().name!r} is recorded) or set "
+                         "model_name in the config")
+    return backbone
+
+
 @contextlib.contextmanager
 def _without_random_init_warning() -> Iterator[None]:
     """Hide open_clip's "Model initialized randomly" warning while a model is built to receive weights loaded
@@ -416,8 +474,8 @@ def load_model(
 
     Args:
         backbone: open_clip model name (`ViT-B-16`, `RN50`, ...); None = `ViT-B-16`. With `local-dir:` the
-            architecture comes from the directory and the recorded name is `backbone` if given, else the config's
-            `model_name` entry, else the directory's name.
+            architecture and the recorded name come from the directory (`local_dir_name`: its config's
+            `model_name`, else the directory's name); a `backbone` that disagrees is a ModelError.
         pretrained: a tag (`openai`), a checkpoint file, or `local-dir:DIR`.
         device: torch device; None = cuda if available.
         quick_gelu: None = automatic (see the module docstring).
@@ -450,7 +508,7 @@ def load_model(
         if weights is None:
             raise ModelError(f"--pretrained local-dir:{ddir}: no weights file; expected one of "
                              f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
-        name = backbone or cfg.get("model_name") or ddir.resolve().name
+        name = local_dir_name(ddir, backbone)
         arch = f"{LOCAL_DIR}{ddir}"
         qg = bool(cfg["model_cfg"].get("quick_gelu", False))
         if quick_gelu is not None and quick_gelu != qg:

@@ -5,8 +5,10 @@ a run"):
     1. `plan`: resolve every name (method, dataset, config overrides, anchor, model name) before any image is read;
     2. `load_run_data`: list the test set (split files only) and fingerprint its files; the stream is a permutation
        of sample_id per (dataset, seed);
-    3. `finished_run`: reuse a finished run with the same settings (unless `force`); otherwise load the model,
-       build the prompts and their text prototypes (cached), the method and the shard metadata;
+    3. `build_prompts` (before the model: a bad prompt file stops the run at once); then, under the run folder's
+       lock (`RunDir.lock`, held to the marker), `finished_run`: reuse a finished run with the same settings (unless
+       `force`), saying so; otherwise load the model, build the text prototypes (cached), the method and the shard
+       metadata;
     4. `scan_resume` / `apply_resume`: keep the valid parts of an interrupted run;
     5. `encode_pass`: fill the missing chunks of the feature cache (view 0, plus views 1..63 if the method uses them);
     6. `adapt_stream`: feed the cached features in stream order, `adapt_batch` samples per `method.adapt` call,
@@ -78,13 +80,21 @@ from extract.run.resume import (  # noqa: F401  (re-exported)
 from extract.run.rundir import RunDir, run_is_complete  # noqa: F401  (re-exported)
 from extract.run.settings import (  # noqa: F401  (re-exported)
     FinishedRun,
+    RunData,
     data_identity,
     finished_run,
     finished_run_mismatch,
     load_run_data,
     run_settings,
 )
-from extract.run.setup import build_method, build_prompts, prompt_features, shard_meta, text_prototypes  # noqa: F401
+from extract.run.setup import (  # noqa: F401  (re-exported)
+    RunPrompts,
+    build_method,
+    build_prompts,
+    prompt_features,
+    shard_meta,
+    text_prototypes,
+)
 from extract.run.stream import (  # noqa: F401  (re-exported)
     STREAM_RULE,
     RunState,
@@ -131,6 +141,7 @@ def run_extraction(
     adapt_batch: int = DEFAULT_ADAPT_BATCH,
     part_size: int = DEFAULT_PART_SIZE,
     progress: bool = True,
+    wait_lock: float | None = None,
     model: LoadedModel | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[Path]:
@@ -150,59 +161,77 @@ def run_extraction(
                               part_size=part_size)
     execution = ExecOptions(out=out, cache_dir=cache_dir, device=device, batch_size=batch_size, workers=workers,
                             chunk_size=chunk_size, resume=resume, force=force, on_changed=on_changed,
-                            progress=progress)
+                            progress=progress, wait_lock=wait_lock)
     return execute(options, execution, model=model, log=log)
 
 
 def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel | None = None,
             log: Callable[[str], None] | None = None) -> list[Path]:
-    """Run `options` as `execution` says; returns the shard paths in part order (see the module docstring)."""
+    """Run `options` as `execution` says; returns the shard paths in part order (see the module docstring).
+
+    Every check that needs no model (options, names, the test set and its files, the prompts) comes before the
+    model loads. The run folder is locked (`RunDir.lock`) from the finished-run check to the marker, so the check
+    runs again under the lock and two processes never write one run: the second waits for the first, or stops
+    after `execution.wait_lock` seconds with one line naming it.
+    """
     check_options(options, execution)
     if model is not None:
         options = dataclasses.replace(options, backbone=model.backbone, pretrained=model.pretrained)
     planned = plan(options)
     data = load_run_data(planned)
+    prompts = build_prompts(planned, data)  # a bad prompt file stops the run before the model loads
     run_dir = RunDir(Path(execution.out), planned.key)
-    settings = run_settings(planned, data)
-    force = execution.force
-    if not force and (done := finished_run(run_dir, settings, options.limit)) is not None:
-        if done.matches:
+    with run_dir.lock(execution.wait_lock, on_wait=lambda line: note(line, log)) as lock:
+        force = execution.force
+        done = None if force else finished_run(run_dir, run_settings(planned, data), options.limit)
+        if done is not None and done.matches:
+            note(reuse_note(planned, done, data.n_total), log)
             return list(done.parts)
-        _recompute_or_refuse(done, execution.on_changed, log)
-        force = True
+        if done is not None:
+            _recompute_or_refuse(done, execution.on_changed, log)
+            force = True
+        if model is None:
+            model = load_model(options.backbone, options.pretrained, execution.device)
+        parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)
+        lock.check()  # taken over while silent (a network file system without flock): never mark it complete
+        run_dir.write_marker(marker)
+        return parts
 
-    if model is None:
-        model = load_model(options.backbone, options.pretrained, execution.device)
+
+def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: RunDir, execution: ExecOptions,
+             model: LoadedModel, *, force: bool, log: Callable[[str], None] | None
+             ) -> tuple[list[Path], dict[str, Any]]:
+    """Everything after the model loaded: text prototypes, feature cache, method, resume, encoding and the adapt
+    loop (the caller holds the run's lock). Returns the parts in order and the marker's document, which the caller
+    writes."""
+    options = planned.options
     cache_root = resolve_cache_dir(execution.cache_dir)
-    prompts = build_prompts(planned, data)
-    method_text, anchor_text = prompt_features(model, prompts, TextCache(cache_root, model.fingerprint))
-    perm = stream_permutation(planned.dataset, options.seed, data.n_total)
-    cache = open_feature_cache(cache_root, model, planned.dataset, data.cache_key(), options.seed, perm,
-                               method_text.shape[1], execution.chunk_size)
-    method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
-                          dataset=planned.dataset, class_names=prompts.method_names)
-    n_run = planned.n_run(data.n_total)
-    method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
-    warnings = [*prompts.method.warnings, *method.warnings]
-    meta = shard_meta(planned, data, model, prompts, warnings)
-
-    scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
-                        _state_keys(method) if planned.episodic else None)
-    run_dir.remove_marker()
-    # force: every part is rewritten; the old ones go only now that the model loaded
-    point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
-    apply_resume(run_dir, point, meta)
-
-    workers = execution.workers
-    if workers is None:
-        workers = min(16, os.cpu_count() or 1) if model.device.type == "cuda" else 0
-    inputs = StreamInputs(options.method, method, FeatureReader(cache, planned.policy), anchor_text,
-                          model.logit_scale, model.device, perm, data.testset.labels, options.adapt_batch)
-    writer = PartWriter(run_dir, meta, method, episodic=planned.episodic, part_size=options.part_size, n_run=n_run,
-                        kept=[run_dir.part(p) for p in range(point.start_part)])
-    state = RunState(point.start_pos(scope), point.correct_tta, point.correct_zs)
     with Progress(execution.progress) as prog:
-        _announce(planned, warnings, prog, log)
+        method_text, anchor_text = prompt_features(model, prompts, TextCache(cache_root, model.fingerprint), prog)
+        perm = stream_permutation(planned.dataset, options.seed, data.n_total)
+        cache = open_feature_cache(cache_root, model, planned.dataset, data.cache_key(), options.seed, perm,
+                                   method_text.shape[1], execution.chunk_size)
+        method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
+                              dataset=planned.dataset, class_names=prompts.method_names)
+        n_run = planned.n_run(data.n_total)
+        method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
+        warnings = [*prompts.method.warnings, *method.warnings]
+        meta = shard_meta(planned, data, model, prompts, warnings)
+        scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
+                            _state_keys(method) if planned.episodic else None)
+        run_dir.remove_marker()
+        # force: every part is rewritten; the old ones go only now that the model loaded
+        point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
+        apply_resume(run_dir, point, meta)
+        workers = execution.workers
+        if workers is None:
+            workers = min(16, os.cpu_count() or 1) if model.device.type == "cuda" else 0
+        inputs = StreamInputs(options.method, method, FeatureReader(cache, planned.policy), anchor_text,
+                              model.logit_scale, model.device, perm, data.testset.labels, options.adapt_batch)
+        writer = PartWriter(run_dir, meta, method, episodic=planned.episodic, part_size=options.part_size,
+                            n_run=n_run, kept=[run_dir.part(p) for p in range(point.start_part)])
+        state = RunState(point.start_pos(scope), point.correct_tta, point.correct_zs)
+        _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
         _restore_method(inputs, point, state.position, n_run, planned.episodic, prog)
@@ -212,10 +241,37 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         if summary:
             (log or prog.print)(f"{options.method} on {planned.dataset}: "
                                 + ", ".join(f"{k}={v}" for k, v in summary.items()))
-    run_dir.write_marker(marker_doc(n_run=n_run, n_total=data.n_total, limit=options.limit, settings=settings,
-                                    parts=writer.written, method_summary=method.summary(),
-                                    accuracies=state.accuracies(n_run)))
-    return writer.written
+    return writer.written, marker_doc(n_run=n_run, n_total=data.n_total, limit=options.limit,
+                                      settings=run_settings(planned, data), parts=writer.written,
+                                      method_summary=method.summary(), accuracies=state.accuracies(n_run))
+
+
+def note(line: str, log: Callable[[str], None] | None) -> None:
+    """A one-line note outside the progress display: through `log`, else on stderr (also with --quiet: it says
+    which result the caller gets)."""
+    if log is not None:
+        log(line)
+    else:
+        import sys
+
+        print(line, file=sys.stderr, flush=True)
+
+
+def reuse_note(planned: PlannedRun, done: FinishedRun, n_total: int) -> str:
+    """The line a reused finished run prints: that it is finished, its settings, how to redo it, and, when a
+    `--limit` asks for fewer samples than it holds, that its shards hold them all."""
+    o = planned.options
+    n_done = int((done.run_dir.read_marker() or {}).get("n_samples", 0))
+    fields = " ".join(f"{k}={v}" for k, v in planned.config_dict().items())
+    line = (f"{o.method} on {planned.dataset}: already finished under {done.run_dir.path} ({n_done} of {n_total} "
+            f"samples; pretrained={o.pretrained} anchor={o.anchor} seed={o.seed} {fields}); reusing it, --force "
+            "recomputes it")
+    n_run = planned.n_run(n_total)
+    if n_done > n_run:
+        line += (f". --limit {o.limit} asks for the first {n_run} samples of the stream: this finished run covers "
+                 f"them and its shards hold all {n_done} (stream_pos < {n_run} are the ones asked for); --force "
+                 "would replace it with the shorter run, --out elsewhere keeps both")
+    return line
 
 
 def _recompute_or_refuse(done: FinishedRun, on_changed: str, log: Callable[[str], None] | None) -> None:

@@ -15,6 +15,7 @@ from extract_fixtures import (
     make_json_dataset,
     make_tiny_checkpoint,
     make_tiny_model_dir,
+    register_tiny_arch,
     tiny_model,  # noqa: F401  (pytest fixture)
     tiny_model_dir,  # noqa: F401  (pytest fixture)
 )
@@ -208,3 +209,33 @@ def test_unreachable_hub_fails_fast_without_offline_flag(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match=r"RN50/openai are not on this machine and 127\.0\.0\.1 cannot be reached"):
         load_model("RN50", "openai", "cpu")
     assert time.monotonic() - t0 < 15
+
+
+def test_local_dir_model_decides_the_backbone_name(tmp_path, tiny_model_dir):  # noqa: F811
+    """--backbone RN50 on a folder holding another model used to label its shards RN50: now one line, before any
+    image is read (`plan` resolves it), and the same answer from `load_model`."""
+    from extract.run.options import RunOptions, plan
+
+    named = f"local-dir:{tiny_model_dir}"
+    with pytest.raises(ModelError, match="--backbone RN50 disagrees with .* which holds tiny-clip") as e:
+        plan(RunOptions("zero-shot", "dtd", backbone="RN50", pretrained=named))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelError, match="disagrees"):
+        load_model("ViT-B-16", named, "cpu")
+    assert plan(RunOptions("zero-shot", "dtd", backbone="tiny-clip", pretrained=named)).backbone == "tiny-clip"
+    unnamed = make_tiny_model_dir(tmp_path / "folder-name", model_name=None)
+    with pytest.raises(ModelError, match=r"is not the model in .* vision_cfg\.") as e:
+        plan(RunOptions("zero-shot", "dtd", backbone="RN50", pretrained=f"local-dir:{unnamed}"))
+    assert "'folder-name'" in str(e.value)
+    # an open_clip architecture equal to the folder's, or a name open_clip does not know, names an unnamed model
+    arch = register_tiny_arch()
+    assert plan(RunOptions("zero-shot", "dtd", backbone=arch, pretrained=f"local-dir:{unnamed}")).backbone == arch
+    assert load_model("my-tiny", f"local-dir:{unnamed}", "cpu").backbone == "my-tiny"
+
+
+def test_text_prototypes_report_each_encoder_call(tiny_model):  # noqa: F811
+    prompts = [[f"a photo of a {c}{i}." for i in range(3)] for c in "abcde"]  # 15 prompts
+    calls: list[int] = []
+    got = tiny_model.text_prototypes(prompts, batch_size=4, on_batch=calls.append)
+    assert calls == [4, 4, 4, 3]
+    torch.testing.assert_close(got, tiny_model.text_prototypes(prompts, batch_size=4), rtol=0, atol=0)

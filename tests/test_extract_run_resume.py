@@ -171,3 +171,21 @@ def test_apply_resume_refuses_after_restamping_and_deletes_nothing(tmp_path):
         apply_resume(rd, point, _meta())
     assert len(rd.existing_parts()) == 2
     assert read_shard(rd.part(0)).meta.extra["zaec:limit"] == "none"  # restamped before the refusal, as before
+
+
+@pytest.mark.parametrize("setup,why", [(_setup_corrupt, "is unreadable"),
+                                       (_setup_no_fingerprint, "before data fingerprints"),
+                                       (_setup_bad_positions, "does not hold stream positions 4..7")])
+def test_a_part_on_disk_that_ends_the_prefix_is_named(tmp_path, setup, why):
+    """A truncated or otherwise unusable part is recomputed with a note naming it (it used to be silent)."""
+    rd = RunDir(tmp_path, KEY)
+    setup(rd)
+    point = scan_resume(rd, _scope())
+    assert point.start_part == 1 and point.note is not None
+    assert str(rd.part(1)) in point.note and why in point.note and "parts 0..0 kept" in point.note
+
+
+def test_no_note_where_the_interrupted_run_stopped(tmp_path):
+    rd = RunDir(tmp_path, KEY)
+    _setup_gap(rd)
+    assert scan_resume(rd, _scope()).note is None

@@ -480,3 +480,71 @@ def test_device_chains_default_on_cuda_unless_disabled(tmp_path, tiny_model, dat
         with pytest.raises(Stop):
             runner.encode_pass(model, ts, perm, cache, "augmix", 2, seed=1)
         assert seen.pop() is want
+
+
+# --- issue 21: what a reused, limited or damaged run says -------------------------------------------------------
+
+def test_finished_run_reuse_says_so_and_a_smaller_limit_is_told_it_gets_the_whole_run(tmp_path, tiny_model,  # noqa: F811
+                                                                                       data_root):
+    first = _run("tda", tmp_path, tiny_model, data_root)
+    lines: list[str] = []
+    again = _run("tda", tmp_path, tiny_model, data_root, log=lines.append)
+    assert again == first and len(lines) == 1
+    assert "already finished" in lines[0] and "18 of 18 samples" in lines[0] and "--force" in lines[0]
+    assert "alpha=2.0" in lines[0]  # the settings it was made with
+    lines.clear()
+    limited = _run("tda", tmp_path, tiny_model, data_root, limit=5, log=lines.append)
+    assert limited == first  # the superset is reused, not replaced by 5 rows
+    assert len(lines) == 1 and "--limit 5" in lines[0] and "hold all 18" in lines[0]
+    assert sum(len(read_shard(p).sample_id) for p in limited) == 18
+
+
+def test_nan_in_a_cached_feature_chunk_names_the_file_not_the_settings(tmp_path, tiny_model, data_root):  # noqa: F811
+    from extract.cache import CacheError
+
+    _run("zero-shot", tmp_path, tiny_model, data_root)
+    chunk = sorted((tmp_path / "cache").rglob("view0/chunk-00001.npy"))[0]
+    arr = np.load(chunk)
+    arr[2, 0] = np.nan
+    np.save(chunk, arr)
+    with pytest.raises(CacheError) as e:
+        _run("zero-shot", tmp_path, tiny_model, data_root, force=True)
+    assert str(chunk) in str(e.value) and "stream position 7 " in str(e.value) and "--set" not in str(e.value)
+
+
+def test_a_bad_prompt_file_stops_the_run_before_the_model_loads(tmp_path, data_root, monkeypatch):
+    """Validation that needs no model used to wait for the model to load (seconds for ViT-B-16)."""
+    from extract.prompts import PromptError
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the prompts were checked")
+
+    monkeypatch.setattr(runner, "load_model", no_model)
+    cupl = tmp_path / "cupl"
+    cupl.mkdir()
+    (cupl / "CuPL_prompts_dtd.json").write_text("[1, 2]")
+    with pytest.raises(PromptError, match="CuPL_prompts_dtd.json"):
+        run_extraction("dpe", "dtd", data_root=data_root, out=tmp_path / "out", cache_dir=tmp_path / "cache",
+                       cupl_dir=cupl, progress=False)
+    assert not (tmp_path / "out").exists()  # the lock took the run folder and gave it back
+
+
+def test_truncated_part_is_recomputed_with_a_warning(tmp_path, tiny_model, data_root, running_mean):  # noqa: F811
+    paths = _run(running_mean, tmp_path, tiny_model, data_root)
+    ref = _table(paths)
+    paths[1].write_bytes(paths[1].read_bytes()[:100])
+    (paths[0].parent / "_zaec_complete.json").unlink()
+    lines: list[str] = []
+    again = _run(running_mean, tmp_path, tiny_model, data_root, log=lines.append)
+    assert [ln for ln in lines if "warning" in ln] == [ln for ln in lines if str(paths[1]) in ln]
+    assert any("is unreadable" in ln and "parts 0..0 kept" in ln for ln in lines)
+    for k, v in _table(again).items():
+        np.testing.assert_array_equal(v, ref[k])
+
+
+def test_switching_fingerprint_mode_does_not_blame_the_files(tmp_path, tiny_model, data_root):  # noqa: F811
+    _run("zero-shot", tmp_path, tiny_model, data_root)
+    with pytest.raises(RunError) as e:
+        _run("zero-shot", tmp_path, tiny_model, data_root, fingerprint="content")
+    msg = str(e.value)
+    assert "--fingerprint stat" in msg and "the image files changed" not in msg

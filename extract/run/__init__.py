@@ -4,6 +4,7 @@
                  and the one place where defaults live (backbone, seed, folders and their environment fallbacks)
     settings.py  RunData (the listed test set and its identity), run_settings, the finished-run check
     rundir.py    RunDir: where a run's parts and marker live
+    lock.py      RunLock: one process per run folder (flock + an owner file with a heartbeat)
     resume.py    scan_resume (read-only) -> ResumePoint, then apply_resume (the rewrites it calls for)
     encode.py    the encoding pass into the feature cache, and the reader of cached features
     stream.py    the stream order, the runtime state of the adapt loop, replay and the adapt loop

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import zlib
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from extract.augmix_device import pack_program, run_packed
-from extract.cache import FeatureCache
+from extract.cache import CacheError, FeatureCache
 from extract.datasets import DatasetError, TestSet, open_image
 from extract.models import LoadedModel
 from extract.run.progress import Progress
@@ -147,28 +148,60 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     if device_chains is None:  # ZAEC_DEVICE_CHAINS=0 keeps the chains in the loader processes (same views)
         device_chains = model.device.type == "cuda" and os.environ.get(DEVICE_CHAINS_ENV, "1") != "0"
     loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen, device_chains), batch_size=None,
-                                         shuffle=False, num_workers=workers, pin_memory=model.device.type == "cuda")
+                                         shuffle=False, num_workers=workers, pin_memory=model.device.type == "cuda",
+                                         worker_init_fn=_ignore_sigint if workers else None)
     task = (progress or Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))
-    it = iter(loader)
-    for c, start, need, keep in plans:
-        shapes = {part: cache.expected_shape(part, c, need - k) for part, k in keep.items()}  # type: ignore[arg-type]
-        batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size) for part, shape in shapes.items()}
-        for _ in range(need - min(keep.values())):
-            pos, x0, xa, coef, rows = next(it)
-            if isinstance(x0, str):  # an image the loader cannot read (named in the message)
-                raise DatasetError(x0)
-            if x0 is not None:
-                batchers["view0"].add(x0, None, gen)
-            if xa is not None:
-                batchers[policy].add(xa, coef, gen, rows)
-            task.advance(1)
-        for part, b in batchers.items():
-            feats = b.finish().reshape(shapes[part])
-            k = keep[part]
-            cpart: Any = part
-            new = feats if k == 0 else np.concatenate([np.asarray(cache.load(cpart, c)[:k], np.float32), feats])
-            cache.save(cpart, c, new)
+    it = _start_loader(loader)
+    try:
+        for plan in plans:
+            _encode_chunk(it, plan, cache, model, gen, policy, batch_size, task)
+    finally:
+        # on Ctrl-C or an error, stop the loader processes now, while the interpreter is whole, not when the
+        # iterator is collected at exit (the traceback keeps it alive), which printed cut-off tracebacks
+        getattr(it, "_shutdown_workers", lambda: None)()
     return len(jobs)
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """A loader process ignores Ctrl-C: the terminal sends SIGINT to the whole process group, and an interrupted
+    loader process prints its own traceback; the main process alone stops the run and shuts them down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _start_loader(loader: torch.utils.data.DataLoader) -> Any:
+    """`iter(loader)` with SIGINT blocked in this thread while the loader processes start (they inherit the mask
+    until `_ignore_sigint` runs), so none of them can be interrupted before it ignores SIGINT."""
+    if not loader.num_workers:
+        return iter(loader)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _encode_chunk(it: Any, plan: tuple[int, int, int, dict[str, int]], cache: FeatureCache, model: LoadedModel,
+                  gen: ViewGenerator, policy: ViewPolicy, batch_size: int, task: Any) -> None:
+    """Encode the rows `plan` (`_chunk_plan`) calls for from the loader iterator `it` and store the chunk."""
+    c, start, need, keep = plan
+    shapes = {part: cache.expected_shape(part, c, need - k) for part, k in keep.items()}  # type: ignore[arg-type]
+    batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size) for part, shape in shapes.items()}
+    for _ in range(need - min(keep.values())):
+        pos, x0, xa, coef, rows = next(it)
+        if isinstance(x0, str):  # an image the loader cannot read (named in the message)
+            raise DatasetError(x0)
+        if x0 is not None:
+            batchers["view0"].add(x0, None, gen)
+        if xa is not None:
+            batchers[policy].add(xa, coef, gen, rows)
+        task.advance(1)
+    for part, b in batchers.items():
+        feats = b.finish().reshape(shapes[part])
+        k = keep[part]
+        cpart: Any = part
+        new = feats if k == 0 else np.concatenate([np.asarray(cache.load(cpart, c)[:k], np.float32), feats])
+        cache.save(cpart, c, new)
 
 
 def _chunk_plan(cache: FeatureCache, c: int, miss: tuple[str, ...], n_positions: int, batch_size: int
@@ -198,11 +231,23 @@ class FeatureReader:
 
     def _load(self, c: int) -> tuple[np.ndarray, np.ndarray | None]:
         if c != self._chunk:
-            v0 = self.cache.load("view0", c)
-            aug = None if self.policy == "single" else self.cache.load(self.policy, c)  # type: ignore[arg-type]
+            v0 = self._finite("view0", c)
+            aug = None if self.policy == "single" else self._finite(self.policy, c)
             self._chunk, self._data = c, (v0, aug)
         assert self._data is not None
         return self._data
+
+    def _finite(self, part: str, c: int) -> np.ndarray:
+        """Chunk `c` of `part`; CacheError naming the file when a feature is NaN or inf (a damaged cache file, not
+        the method's settings: the encoder's features are L2-normalised, hence finite)."""
+        arr = self.cache.load(part, c)  # type: ignore[arg-type]
+        finite = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
+        if not finite.all():
+            row = int(np.flatnonzero(~finite)[0])
+            raise CacheError(f"{self.cache.path(part, c)}: the cached features of stream position "  # type: ignore
+                             f"{self.cache.chunk_range(c)[0] + row} ({int((~finite).sum())} row(s) in all) are not "
+                             "finite; the cache file is damaged: delete it to encode those images again")
+        return arr
 
     def get(self, start: int, stop: int) -> np.ndarray:
         pieces = []

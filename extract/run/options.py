@@ -185,6 +185,8 @@ class ExecOptions:
         force: recompute even a finished run.
         on_changed: a finished run whose settings differ: "refuse" (RunError naming what changed) or "recompute".
         progress: show the rich progress bar.
+        wait_lock: seconds to wait while another process owns the run folder (`RunDir.lock`); None: for ever,
+            0: stop at once with one line naming the owner.
     """
 
     out: str | os.PathLike = DEFAULT_OUT
@@ -197,6 +199,7 @@ class ExecOptions:
     force: bool = False
     on_changed: str = "refuse"
     progress: bool = True
+    wait_lock: float | None = None
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -245,13 +248,12 @@ class PlannedRun:
 
 
 def resolve_backbone_name(backbone: str | None, pretrained: str) -> str:
-    """The backbone name a run records, without loading weights (for `local-dir:`, the config's `model_name`)."""
-    from extract.models import LOCAL_DIR, _local_dir_config
+    """The backbone name a run records, without loading weights (for `local-dir:`, the folder's model decides:
+    `extract.models.local_dir_name`, a ModelError for a `backbone` that disagrees)."""
+    from extract.models import LOCAL_DIR, local_dir_name
 
     if pretrained.startswith(LOCAL_DIR):
-        d = Path(pretrained[len(LOCAL_DIR):]).expanduser()
-        cfg = _local_dir_config(d)
-        return backbone or cfg.get("model_name") or d.resolve().name
+        return local_dir_name(Path(pretrained[len(LOCAL_DIR):]).expanduser(), backbone)
     return backbone or DEFAULT_BACKBONE
 
 
@@ -318,6 +320,8 @@ def check_options(options: RunOptions, execution: ExecOptions) -> None:
     cache = execution.cache_dir
     check_output_dir(resolve_cache_dir(cache), "--cache-dir" if cache is not None else "the cache folder "
                      "($ZAEC_CACHE_DIR or data/cache; set --cache-dir)")
+    if execution.wait_lock is not None and not execution.wait_lock >= 0:
+        raise RunError(f"--wait-lock must be >= 0 seconds, got {execution.wait_lock}")
     if execution.on_changed not in ON_CHANGED:
         raise RunError(f"on_changed must be 'refuse' or 'recompute', got {execution.on_changed!r}")
 

@@ -70,6 +70,8 @@ class ResumePoint:
         state: an episodic method's state after the last kept part (None: nothing kept, or an online method).
         restamp: kept parts whose footer differs from this run's only in `RESTAMPED_KEYS` (rewritten with it).
         refusal: a part with other settings that the run must refuse (the message), or None.
+        note: why a part on disk ends the kept prefix (unreadable, other settings, ...), for the console; None when
+            the prefix ends where the interrupted run stopped.
     """
 
     start_part: int = 0
@@ -78,6 +80,7 @@ class ResumePoint:
     state: dict[str, Any] | None = None
     restamp: tuple[Path, ...] = field(default=())
     refusal: str | None = None
+    note: str | None = None
 
     def start_pos(self, scope: ResumeScope) -> int:
         """The first stream position to compute."""
@@ -100,31 +103,40 @@ def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
     point = ResumePoint()
     for p in range(n_parts):
         path = run_dir.part(p)
-        try:
-            sh = read_shard(path) if path.is_file() else None
-        except ShardError:
-            sh = None
-        if sh is None or b"zaec:data_fingerprint" not in sh.meta.to_kv():  # (none: written before fingerprints)
+        if not path.is_file():  # where the interrupted run stopped
             break
+        try:
+            sh = read_shard(path)
+        except ShardError as e:  # a truncated or damaged part: say so, it is recomputed
+            return _ends_at(point, path, f"is unreadable ({str(e).splitlines()[0]})")
+        if b"zaec:data_fingerprint" not in sh.meta.to_kv():
+            return _ends_at(point, path, "was written before data fingerprints existed")
         kv = settings_kv(sh.meta)
         diff = meta_diff(kv, scope.expected)
         if diff and scope.recompute_changed:
-            break
+            return _ends_at(point, path, f"was written with other settings ({', '.join(diff)})")
         if diff:
             return dataclasses.replace(point, refusal=f"{path} was written by a run with different settings "
                                        f"({', '.join(diff)}); use --force to overwrite it or write elsewhere with --out")
         lo, hi = p * scope.part_size, min((p + 1) * scope.part_size, scope.n_run)
         if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
-            break
+            return _ends_at(point, path, f"does not hold stream positions {lo}..{hi - 1} (another --limit or part "
+                            "size)")
         state = point.state
         if scope.state_keys is not None:  # its state after this part: recompute from here when missing
             state = _episodic_state(sh, hi, scope.state_keys)
             if state is None:
-                break
+                return _ends_at(point, path, "lacks the method state a resumed run loads")
         point = ResumePoint(p + 1, point.correct_tta + int((sh.tta_logits.argmax(1) == sh.label).sum()),
                             point.correct_zs + int((sh.zs_logits.argmax(1) == sh.label).sum()), state,
                             point.restamp + ((path,) if kv != scope.expected else ()))
     return point
+
+
+def _ends_at(point: ResumePoint, path: Path, why: str) -> ResumePoint:
+    """`point` with the note saying why the part at `path` ends the kept prefix."""
+    kept = f"parts 0..{point.start_part - 1} kept" if point.start_part else "nothing kept"
+    return dataclasses.replace(point, note=f"{path} {why}; it is recomputed with the parts after it ({kept})")
 
 
 def restamp(path: Path, meta: ShardMeta) -> Path:

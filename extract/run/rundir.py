@@ -3,7 +3,7 @@
 Parts are shards over fixed stream ranges [p * part_size, (p + 1) * part_size), named `part-00000.parquet`, ...;
 a finished run carries the marker `_zaec_complete.json` beside them, listing its parts. Every file is written under
 a temporary name `.<name>.<random>.tmp` in the same folder and renamed (`schemas.atomic`), so a reader never sees a
-half-written part or marker.
+half-written part or marker. The run's lock (`lock`) lives in the same folder (`.zaec-lock`, `.zaec-owner`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from schemas import COMPLETE_MARKER, RunKey, shard_dir, shard_path
 from schemas.atomic import write_json_atomic
+
+if TYPE_CHECKING:
+    from extract.run.lock import RunLock
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,14 @@ class RunDir:
     def remove_marker(self) -> None:
         """Unmark the run (before any part is rewritten)."""
         self.marker.unlink(missing_ok=True)
+
+    def lock(self, wait: float | None = None, on_wait: Callable[[str], None] | None = None) -> "RunLock":
+        """The run's lock (a context manager): held around every read or write of its parts and marker, so one
+        process at a time owns the run (`extract.run.lock`). `wait`: seconds to wait for another owner (None: for
+        ever, 0: stop at once, RunError naming the holder); `on_wait` gets one line when waiting starts."""
+        from extract.run.lock import RunLock
+
+        return RunLock(self.path, wait=wait, on_wait=on_wait)
 
     def is_complete(self, limit: int | None = None) -> bool:
         """Whether the run finished: its marker exists and every listed part is on disk.

@@ -21,6 +21,8 @@ from extract.run.rundir import RunDir
 if TYPE_CHECKING:
     from extract.datasets import TestSet
 
+#: `extract.fingerprint.FINGERPRINT_MODES` (kept here: this module loads before the dataset stack)
+_FINGERPRINT_MODES = ("stat", "content")
 #: what a changed setting of a finished run means, for the refusal message
 _SETTING_HINTS = {"data_fingerprint": "the image files changed (size, modification time or content)",
                   "data_root": "another data root", "samples": "another split or class list"}
@@ -120,7 +122,18 @@ class FinishedRun:
         """The settings that differ, with what each change means: `method_config, samples (another split ...)`."""
         old = self.recorded if isinstance(self.recorded, dict) else {}
         keys = sorted(k for k in set(old) | set(self.wanted) if old.get(k) != self.wanted.get(k))
-        return ", ".join(f"{k} ({_SETTING_HINTS[k]})" if k in _SETTING_HINTS else k for k in keys)
+        hints = {**_SETTING_HINTS, **self._mode_hint(old)}
+        return ", ".join(f"{k} ({hints[k]})" if k in hints else k for k in keys)
+
+    def _mode_hint(self, old: Mapping[str, Any]) -> dict[str, str]:
+        """A data fingerprint taken in another `--fingerprint` mode (`stat:...` against `content:...`) says nothing
+        about the files: name the modes instead of blaming the files."""
+        was, now = (str(v).partition(":")[0] for v in (old.get("data_fingerprint"), self.wanted.get("data_fingerprint")))
+        if was == now or was not in _FINGERPRINT_MODES or now not in _FINGERPRINT_MODES:
+            return {}
+        return {"data_fingerprint": f"the finished run fingerprinted its files with --fingerprint {was}, this run "
+                                    f"with {now}: the two cannot be compared and the files may well be unchanged; "
+                                    f"pass --fingerprint {was} to check them as that run did"}
 
     def refusal(self) -> str:
         """One line for a run that will not overwrite it."""

@@ -7,12 +7,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from extract.cache import TextCache
 from extract.models import LoadedModel
 from extract.prompts import PromptSet, build_prompt_set
 from extract.run.options import PlannedRun
+from extract.run.progress import Progress
 from extract.run.settings import RunData
 from extract.run.stream import STREAM_RULE
 from schemas import ShardMeta
@@ -29,14 +31,19 @@ def build_method(cls: type, config: Any, text_features: torch.Tensor, model: Loa
     return cls(config, text_features, model.logit_scale, **kwargs)
 
 
-def text_prototypes(model: LoadedModel, prompts: PromptSet, cache: TextCache | None) -> torch.Tensor:
-    """(K, D) float32 prototypes on the model's device, from the text cache when present."""
+def text_prototypes(model: LoadedModel, prompts: PromptSet, cache: TextCache | None,
+                    progress: Progress | None = None) -> torch.Tensor:
+    """(K, D) float32 prototypes on the model's device, from the text cache when present (and finite: a damaged
+    entry is encoded again); `progress` shows a bar while the prompts are encoded (2000 classes x 80 templates
+    take minutes on a CPU)."""
     k = len(prompts.per_class)
     if cache is not None:
         hit = cache.get(prompts.fingerprint(), k)
-        if hit is not None:
+        if hit is not None and np.isfinite(hit).all():
             return torch.from_numpy(hit).to(model.device)
-    protos = model.text_prototypes(prompts.per_class)
+    n = sum(len(p) for p in prompts.per_class)
+    task = (progress or Progress(False)).task(f"encoding {n} prompts of {k} classes", n)
+    protos = model.text_prototypes(prompts.per_class, on_batch=task.advance)
     if cache is not None:
         cache.put(prompts.fingerprint(), protos.cpu().numpy())
     return protos
@@ -70,11 +77,13 @@ def build_prompts(planned: PlannedRun, data: RunData) -> RunPrompts:
     return RunPrompts(names, method, anchor)
 
 
-def prompt_features(model: LoadedModel, prompts: RunPrompts, cache: TextCache) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_features(model: LoadedModel, prompts: RunPrompts, cache: TextCache, progress: Progress | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(method prototypes, anchor prototypes), each (K, D) float32 on the model's device (one tensor when the
-    anchor is the method's own prompt set)."""
-    method_text = text_prototypes(model, prompts.method, cache)
-    anchor_text = method_text if prompts.anchor is prompts.method else text_prototypes(model, prompts.anchor, cache)
+    anchor is the method's own prompt set); `progress`: where encoding prompts shows its bar."""
+    method_text = text_prototypes(model, prompts.method, cache, progress)
+    anchor_text = (method_text if prompts.anchor is prompts.method
+                   else text_prototypes(model, prompts.anchor, cache, progress))
     return method_text, anchor_text
 
 

@@ -46,10 +46,13 @@ def check_finite_logits(method: str, tta: np.ndarray, zs: np.ndarray, sample_ids
     bad = ~(np.isfinite(tta).all(axis=1) & np.isfinite(zs).all(axis=1))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        which = "adapted" if not np.isfinite(tta[i]).all() else "zero-shot"
-        raise RunError(f"method {method!r} produced non-finite {which} logits for sample_id {int(sample_ids[i])} at "
-                       f"stream position {start + i} ({int(bad.sum())} of {len(bad)} row(s) in this batch); the run "
-                       "is not marked complete; check the --set values")
+        adapted = not np.isfinite(tta[i]).all()
+        # the zero-shot logits use no method setting: non-finite ones come from the features or text prototypes
+        hint = ("check the --set values" if adapted else "the image features or text prototypes are not finite "
+                "(a damaged feature or text cache: delete it under --cache-dir to encode again)")
+        raise RunError(f"method {method!r} produced non-finite {'adapted' if adapted else 'zero-shot'} logits for "
+                       f"sample_id {int(sample_ids[i])} at stream position {start + i} ({int(bad.sum())} of {len(bad)} "
+                       f"row(s) in this batch); the run is not marked complete; {hint}")
 
 
 @dataclass

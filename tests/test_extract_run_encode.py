@@ -1,0 +1,47 @@
+"""extract/run/encode.py: Ctrl-C during an encoding pass with loader processes ends in the one clean line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from extract_fixtures import make_json_dataset, make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.7])
+def test_ctrl_c_with_loader_processes_is_clean(tmp_path, delay):
+    """SIGINT to the whole process group, as a terminal sends it: the loader processes ignore it, the main process
+    shuts them down and prints only its message (a loader process interrupted at start-up, or shut down at
+    interpreter exit, printed a traceback after it)."""
+    make_tiny_model_dir(tmp_path / "model")
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=4, per_class=150)  # 600 images: seconds of encoding
+    cmd = [sys.executable, "-m", "extract.cli", "--method", "zero-shot", "--dataset", "dtd", "--pretrained",
+           f"local-dir:{tmp_path / 'model'}", "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+           "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--workers", "2", "--batch-size", "4"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"), cwd=ROOT)
+    try:
+        t0 = time.monotonic()
+        # the text prototypes are cached just before the encoding pass starts its loader processes
+        while not list((tmp_path / "cache").glob("*/text/*.npy")) and p.poll() is None:
+            assert time.monotonic() - t0 < 120
+            time.sleep(0.02)
+        time.sleep(delay)
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err
+    assert err == "interrupted; rerun the same command to resume\n"
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # no loader process is left behind
+        os.killpg(p.pid, 0)
+    assert not list((tmp_path / "out").rglob("_zaec_complete.json"))
