@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 import typer
 
 from extract.bench import view_rate, write_image_set
+from extract.run.options import MAX_CUDA_WORKERS
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -394,15 +395,16 @@ def run(
     n_single = images if images is not None else (8 if tiny else 4096)
     n_multi = multi_view_images if multi_view_images is not None else (2 if tiny else 96)
     bs = batch_size if batch_size is not None else (64 if tiny else 256)
-    nw = workers if workers is not None else (0 if tiny else min(16, os.cpu_count() or 1))
+    nw = workers if workers is not None else (0 if tiny else min(MAX_CUDA_WORKERS, os.cpu_count() or 1))
     secs = seconds if seconds is not None else (0.2 if tiny else 3.0)
     console = Console(emoji=False)
     say = (lambda msg: console.print(msg, highlight=False))
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="zaec-bench-gpu-"))
     try:
-        root_single = write_jpeg_set(work / "data-single", max(n_single, 1))
-        root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 1), seed=1)
+        # at least two images (two classes: a test set of one class is refused); a pass encodes the first n only
+        root_single = write_jpeg_set(work / "data-single", max(n_single, 2))
+        root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 2), seed=1)
         dev = torch.device(device)
         results: dict[str, Any] = {
             "version": RATES_VERSION, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
