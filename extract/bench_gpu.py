@@ -368,13 +368,12 @@ def run(
     images: Optional[int] = typer.Option(None, help="JPEGs of the single-view pass (default 4096; tiny 8)"),
     multi_view_images: Optional[int] = typer.Option(None, help="JPEGs of each 64-view pass (default 96; tiny 2)"),
     batch_size: Optional[int] = typer.Option(None, help="images per encoder call (default 256; tiny 64)"),
-    workers: Optional[int] = typer.Option(None, help="loader processes (default min(16, CPUs); tiny 0)"),
+    workers: Optional[int] = typer.Option(None, help=f"loader processes (default up to {MAX_CUDA_WORKERS}; tiny 0)"),
     ks: str = typer.Option(",".join(map(str, DEFAULT_KS)), help="class counts of the TPT/TPS measurement"),
     methods: str = typer.Option("tpt,tps", help="adaptation methods to time"),
     seconds: Optional[float] = typer.Option(None, help="least seconds per timed rate (default 3; tiny 0.2)"),
     fixed_cost_: bool = typer.Option(True, "--fixed-cost/--no-fixed-cost", help="time a fresh process"),
-    pass_budgets: str = typer.Option("2048,8192", help="TPT pass_budget values timed at the largest K (empty: "
-                                                       "none)"),
+    pass_budgets: str = typer.Option("2048,8192", help="TPT pass_budget values timed at the largest K (empty: none)"),
 ) -> None:
     """Measure and print the rates and their ratios to the encoder ceiling."""
     import torch
@@ -402,9 +401,8 @@ def run(
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="zaec-bench-gpu-"))
     try:
-        # at least two images (two classes: a test set of one class is refused); a pass encodes the first n only
-        root_single = write_jpeg_set(work / "data-single", max(n_single, 2))
-        root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 2), seed=1)
+        root_single = write_jpeg_set(work / "data-single", max(n_single, 2))  # two classes at least: one is refused
+        root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 2), seed=1)  # (a pass encodes the first n)
         dev = torch.device(device)
         results: dict[str, Any] = {
             "version": RATES_VERSION, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
