@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from extract.sweep.cost import Rates, estimate_hours
