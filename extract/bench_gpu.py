@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 import typer
 
 from extract.bench import view_rate, write_image_set
+from extract.run.options import MAX_CUDA_WORKERS
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -367,13 +368,12 @@ def run(
     images: Optional[int] = typer.Option(None, help="JPEGs of the single-view pass (default 4096; tiny 8)"),
     multi_view_images: Optional[int] = typer.Option(None, help="JPEGs of each 64-view pass (default 96; tiny 2)"),
     batch_size: Optional[int] = typer.Option(None, help="images per encoder call (default 256; tiny 64)"),
-    workers: Optional[int] = typer.Option(None, help="loader processes (default min(16, CPUs); tiny 0)"),
+    workers: Optional[int] = typer.Option(None, help=f"loader processes (default up to {MAX_CUDA_WORKERS}; tiny 0)"),
     ks: str = typer.Option(",".join(map(str, DEFAULT_KS)), help="class counts of the TPT/TPS measurement"),
     methods: str = typer.Option("tpt,tps", help="adaptation methods to time"),
     seconds: Optional[float] = typer.Option(None, help="least seconds per timed rate (default 3; tiny 0.2)"),
     fixed_cost_: bool = typer.Option(True, "--fixed-cost/--no-fixed-cost", help="time a fresh process"),
-    pass_budgets: str = typer.Option("2048,8192", help="TPT pass_budget values timed at the largest K (empty: "
-                                                       "none)"),
+    pass_budgets: str = typer.Option("2048,8192", help="TPT pass_budget values timed at the largest K (empty: none)"),
 ) -> None:
     """Measure and print the rates and their ratios to the encoder ceiling."""
     import torch
@@ -394,15 +394,15 @@ def run(
     n_single = images if images is not None else (8 if tiny else 4096)
     n_multi = multi_view_images if multi_view_images is not None else (2 if tiny else 96)
     bs = batch_size if batch_size is not None else (64 if tiny else 256)
-    nw = workers if workers is not None else (0 if tiny else min(16, os.cpu_count() or 1))
+    nw = workers if workers is not None else (0 if tiny else min(MAX_CUDA_WORKERS, os.cpu_count() or 1))
     secs = seconds if seconds is not None else (0.2 if tiny else 3.0)
     console = Console(emoji=False)
     say = (lambda msg: console.print(msg, highlight=False))
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="zaec-bench-gpu-"))
     try:
-        root_single = write_jpeg_set(work / "data-single", max(n_single, 1))
-        root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 1), seed=1)
+        root_single = write_jpeg_set(work / "data-single", max(n_single, 2))  # two classes at least: one is refused
+        root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 2), seed=1)  # (a pass encodes the first n)
         dev = torch.device(device)
         results: dict[str, Any] = {
             "version": RATES_VERSION, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

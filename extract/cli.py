@@ -24,6 +24,7 @@ from extract.run.options import (
     DEFAULT_OUT,
     DEFAULT_PRETRAINED,
     DEFAULT_SEED,
+    MAX_CUDA_WORKERS,
 )
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -74,7 +75,8 @@ def extract(
                                                  "finished-run check: 'stat' (size and modification time, cheap) "
                                                  "or 'content' (sha256 of every file)"),
     batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="images per encoder call"),
-    workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to 16 on CUDA, 0 on CPU)"),
+    workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to "
+                                                           f"{MAX_CUDA_WORKERS} on CUDA, 0 on CPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (warnings and errors still print)"),
     wait_lock: Optional[float] = typer.Option(None, metavar="SECONDS",
                                               help="while another process writes the same run: wait at most "

@@ -56,6 +56,7 @@ from extract.run.options import (  # noqa: F401  (re-exported)
     DEFAULT_PART_SIZE,
     DEFAULT_PRETRAINED,
     DEFAULT_SEED,
+    MAX_CUDA_WORKERS,
     Anchor,
     ExecOptions,
     PlannedRun,
@@ -225,7 +226,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         apply_resume(run_dir, point, meta)
         workers = execution.workers
         if workers is None:
-            workers = min(16, os.cpu_count() or 1) if model.device.type == "cuda" else 0
+            workers = min(MAX_CUDA_WORKERS, os.cpu_count() or 1) if model.device.type == "cuda" else 0
         inputs = StreamInputs(options.method, method, FeatureReader(cache, planned.policy), anchor_text,
                               model.logit_scale, model.device, perm, data.testset.labels, options.adapt_batch)
         writer = PartWriter(run_dir, meta, method, episodic=planned.episodic, part_size=options.part_size,

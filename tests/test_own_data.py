@@ -447,7 +447,7 @@ def test_sweep_with_own_data_and_a_fresh_worker(tmp_path, tiny_model_dir, monkey
     runs = expand_grid(Grid(("zero-shot", "tda"), (f"mine=folder:{a}",), (),
                             pretrained=f"local-dir:{tiny_model_dir}"),
                        out=tmp_path / "out", cache_dir=tmp_path / "cache", device="cpu")
-    assert {r.dataset for r in runs} == {"mine"} and {r.dataset_ref for r in runs} == {f"folder:{a.resolve()}"}
+    assert {r.dataset for r in runs} == {"mine"} and {r.options.dataset_ref for r in runs} == {f"folder:{a.resolve()}"}
     (group,) = group_runs(runs)
     assert n_images("mine") == 3
     monkeypatch.setattr(ds, "_USER_SPECS", {})  # a worker process: nothing registered yet
@@ -504,7 +504,7 @@ def test_sweep_class_names_per_dataset(tmp_path):
     other = make_folder(tmp_path / "sat", {"x": ["1.png"], "y": ["2.png"]})
     runs = expand_grid(Grid(("zero-shot", "tda"), (f"derm=folder:{root}", f"folder:{other}"),
                             class_names=(("derm", str(names)),)), out=tmp_path / "out")
-    assert {(r.dataset, r.class_names_file) for r in runs} == {("derm", str(names.resolve())), ("sat", None)}
+    assert {(r.dataset, r.options.class_names_file) for r in runs} == {("derm", str(names.resolve())), ("sat", None)}
     assert load_testset("derm").class_names == ("benign lesion", "malignant lesion")
     assert load_testset("sat").class_names == ("x", "y")
 
@@ -564,7 +564,7 @@ def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_di
     assert res.exit_code == 1, res.output
     (row,) = Manifest.load(out).rows.values()
     assert row["state"] == "failed" and "c.png" in row["error"]
-    assert row["spec"]["class_names_file"] == str(names.resolve())
+    assert row["spec"]["options"]["class_names_file"] == str(names.resolve())
 
     bad.write_bytes(good)
     ds._USER_SPECS.clear()  # `retry` finds the dataset and its class names in the manifest alone
@@ -579,7 +579,8 @@ def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_di
     assert same.exit_code == 0 and "1 complete (skipped)" in " ".join(same.output.split()), same.output
     names.write_text("harmless\nharmful\n")
     changed = cli.invoke(sweep_cli.app, args + ["--dry-run"])
-    assert changed.exit_code == 2 and "(samples)" in changed.output, changed.output
+    assert changed.exit_code == 2 and "(samples (another split or class list))" in " ".join(changed.output.split()), \
+        changed.output
 
 
 @pytest.mark.parametrize("method", ["dpe", "dlae", "tda", "tpt"])

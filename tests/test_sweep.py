@@ -20,14 +20,14 @@ from extract.datasets import PAPER_DATASETS, get_dataset
 from extract.methods import REGISTRY, get_method
 from extract.runner import run_is_complete
 from extract.sweep import submit, track
+from extract.run.options import ExecOptions, RunOptions
 from extract.sweep.cost import (
-    ADAPT_S_PER_SAMPLE,
-    ADAPT_S_PER_SAMPLE_CLASS,
-    DEFAULT_ADAPT_S_PER_SAMPLE,
+    ADAPT_COSTS,
     ENCODE_S_PER_VIEW,
     JOB_OVERHEAD_S,
     NUM_CLASSES,
     TEST_SIZES,
+    adapt_seconds,
     load_rates,
     plan_frame,
 )
@@ -39,6 +39,7 @@ from extract.views import view_policy
 from schemas import read_shard
 
 runner = CliRunner()
+EPS = sys.float_info.epsilon
 DATASETS = ("dtd", "eurosat")
 METHODS = ("zero-shot", "tda")
 
@@ -113,7 +114,7 @@ def test_overrides_change_the_view_policy_and_thus_the_group(tmp_path):
                       out=tmp_path)
     assert {r.policy for r in one} == {"single"}
     assert [set(g.methods) for g in group_runs(one)] == [{"tda", "zero-shot"}]
-    assert dict(one[0].overrides) == {"n_views": "1"}
+    assert dict(one[0].options.overrides) == {"n_views": "1"}
 
 
 def test_method_overrides_scoping():
@@ -150,6 +151,29 @@ def test_pack_groups_balances_estimates(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # the plan and its estimate
 
+def _adapt_reference(method: str, n: int, k: int, views: int) -> float:
+    """The documented cost model, sample by sample: the n-th sample of the stream costs its per-sample figure (the
+    64-view one when the run encodes 64 views) plus n times its per-position figures."""
+    c = ADAPT_COSTS[method]
+    per_sample = c.multi_view if views > 1 and c.multi_view is not None else c.per_sample
+    return n * (per_sample + c.per_class * k) + sum(range(1, n + 1)) * (c.per_position + c.per_position_class * k)
+
+
+@pytest.mark.parametrize("method", sorted(REGISTRY))
+def test_every_registered_method_has_a_cost(method):
+    assert method in ADAPT_COSTS, f"give {method} a cost figure in extract/sweep/cost.py (ADAPT_COSTS)"
+    c = ADAPT_COSTS[method]
+    assert min(c.per_sample, c.per_class, c.per_position, c.per_position_class) >= 0
+    assert c.seconds(1, 1000, 1) > 0 and c.seconds(1, 1000, 64) > 0
+
+
+def test_ecalp_is_priced_from_its_measured_mean_over_the_first_256_samples():
+    # 44.5 ms a sample over the first 256 samples at K = 1000 (the figure ECALP's cost is fitted to), growing after
+    assert adapt_seconds("ecalp", "imagenet", 256, "single") == pytest.approx(256 * 0.0445, rel=64 * EPS, abs=0)
+    first, second = (adapt_seconds("ecalp", "imagenet", n, "single") for n in (1000, 2000))
+    assert second - first > first  # the second thousand samples cost more than the first
+
+
 def test_plan_frame_estimate_matches_the_documented_cost_model(tmp_path):
     runs = expand_grid(Grid(tuple(sorted(REGISTRY)), ("all",), ("ViT-B-16", "RN50")), out=tmp_path)
     groups = group_runs(runs)
@@ -161,12 +185,12 @@ def test_plan_frame_estimate_matches_the_documented_cost_model(tmp_path):
         views = 1 if row["policy"] == "single" else 64
         enc = ENCODE_S_PER_VIEW["rn" if row["backbone"] == "RN50" else "vit"]
         k = NUM_CLASSES[row["dataset"]]
-        adapt = sum(ADAPT_S_PER_SAMPLE.get(m, DEFAULT_ADAPT_S_PER_SAMPLE) + ADAPT_S_PER_SAMPLE_CLASS.get(m, 0.0) * k
-                    for m in row["methods"].split(","))
+        adapt = sum(_adapt_reference(m, n, k, views) for m in row["methods"].split(","))
         assert row["images"] == n and row["views"] == n * views
-        assert row["gpu_hours"] == pytest.approx((JOB_OVERHEAD_S + n * views * enc + n * adapt) / 3600)
+        # a sum of a few dozen positive float64 terms, each a few roundings
+        want = (JOB_OVERHEAD_S + n * views * enc + adapt) / 3600
+        assert row["gpu_hours"] == pytest.approx(want, rel=64 * EPS, abs=0)
     assert TEST_SIZES["imagenet_sketch"] == 50889 and TEST_SIZES["fgvc_aircraft"] == 3333
-    assert set(REGISTRY) <= set(ADAPT_S_PER_SAMPLE), "give every registered method a cost estimate"
 
 
 def test_limit_caps_the_estimate(tmp_path):
@@ -213,7 +237,8 @@ def test_measured_rates_price_the_plan(tmp_path):
     for g in group_runs(runs):
         r0 = g.runs[0]
         n, k = TEST_SIZES[r0.dataset], NUM_CLASSES[r0.dataset]
-        guess = {m: ADAPT_S_PER_SAMPLE[m] + ADAPT_S_PER_SAMPLE_CLASS.get(m, 0.0) * k for m in g.methods}
+        views = 1 if r0.policy == "single" else 64
+        guess = {m: _adapt_reference(m, 1, k, views) for m in g.methods}
         if r0.backbone == "ViT-B-16":
             per_view = {"single": 1 / 4000, "crop_flip": 1 / 5000, "augmix": 1 / 2000}[r0.policy]
             tpt = 1 / 40 if k == 47 else 0.5
@@ -450,7 +475,8 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
 # refreshing states (no jobs: result files and job ids are written by the test)
 
 def _spec(tmp_path, method="tda", dataset="dtd") -> RunSpec:
-    return RunSpec(method, dataset, "tiny-clip", None, "local-dir:/x", 1, "single", out=str(tmp_path))
+    return RunSpec(RunOptions(method, dataset, backbone="tiny-clip", pretrained="local-dir:/x"),
+                   ExecOptions(out=str(tmp_path)), "single")
 
 
 class _LiveJob:
@@ -536,20 +562,20 @@ def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_
                        out=tmp_path / "out", data_root=data_root, cache_dir=tmp_path / "cache", device="cpu")
     (group,) = group_runs(runs)
     encoded = []
-    real_encode, real_run = extract_runner.encode_pass, extract_runner.run_extraction
+    real_encode, real_run = extract_runner.encode_pass, extract_runner.execute
 
     def counting_encode(*a, **k):
         n = real_encode(*a, **k)
         encoded.append(n)
         return n
 
-    def failing_zero_shot(method, *a, **k):
-        if method == "zero-shot":
+    def failing_zero_shot(options, *a, **k):
+        if options.method == "zero-shot":
             raise RuntimeError("injected failure\nsecond line")
-        return real_run(method, *a, **k)
+        return real_run(options, *a, **k)
 
     monkeypatch.setattr(extract_runner, "encode_pass", counting_encode)
-    monkeypatch.setattr(extract_runner, "run_extraction", failing_zero_shot)
+    monkeypatch.setattr(extract_runner, "execute", failing_zero_shot)
     results = run_group(group, "tok")
     assert [(r["run_id"].split("/")[2], r["state"], r["error"]) for r in results] == [
         ("zero-shot", "failed", "RuntimeError: injected failure"), ("tda", "done", "")]
@@ -558,7 +584,7 @@ def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_
     assert run_is_complete(tmp_path / "out", runs[1].key)
 
     # with the failure gone, the zero-shot run reuses the cache: nothing is encoded a second time
-    monkeypatch.setattr(extract_runner, "run_extraction", real_run)
+    monkeypatch.setattr(extract_runner, "execute", real_run)
     results = run_group(group, "tok2")
     assert [r["state"] for r in results] == ["done", "done"]
     assert sum(encoded) == 6  # 6 images, encoded once for the whole group
@@ -582,7 +608,8 @@ def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_
     st = os.stat(img)
     os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     try:
-        with pytest.raises(SweepError, match=r"2 finished run\(s\) used other settings .*\(data_fingerprint\)"):
+        with pytest.raises(SweepError, match=r"2 finished run\(s\) used other settings .*\(data_fingerprint \(the "
+                                             r"image files changed"):
             sweep.sweep_run(same, submit.ExecOptions(), tmp_path / "out", dry_run=False, wait=False,
                             console=Console(file=io.StringIO()))
     finally:
@@ -669,6 +696,7 @@ def test_a_failure_is_recorded_and_retry_fixes_it(tmp_path, tiny_model_dir, data
         assert after[("dtd", m)]["job_id"] == rows[("dtd", m)]["job_id"] and after[("dtd", m)]["attempts"] == 1
         assert after[("eurosat", m)]["job_id"] != rows[("eurosat", m)]["job_id"]
         assert after[("eurosat", m)]["attempts"] == 2 and after[("eurosat", m)]["error"] == ""
-        assert run_is_complete(out, RunSpec(m, "eurosat", "tiny-clip", None, "", 1, "single").key)
+        assert run_is_complete(out, RunSpec(RunOptions(m, "eurosat", backbone="tiny-clip"), ExecOptions(),
+                                            "single").key)
     nothing = _cli("retry", "--out", str(out))
     assert nothing.exit_code == 0 and "nothing to retry" in nothing.output

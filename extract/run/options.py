@@ -43,6 +43,8 @@ DEFAULT_BATCH_SIZE = 256
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_ADAPT_BATCH = 64
 DEFAULT_PART_SIZE = 4096
+#: image-loading processes on CUDA when none are given: one per CPU core, at most this many (CPU: 0, in-process)
+MAX_CUDA_WORKERS = 16
 
 DATA_ROOT_ENV = "ZAEC_DATA_ROOT"
 DEFAULT_DATA_ROOT = Path("data")
@@ -179,7 +181,8 @@ class ExecOptions:
         out: shard root (`<out>/backbone=../dataset=../method=../seed=../part-00000.parquet`).
         cache_dir: feature cache root (None: `default_cache_dir()`).
         device: torch device (None: cuda if available).
-        batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, up to 16 on CUDA).
+        batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, up to
+            `MAX_CUDA_WORKERS` on CUDA).
         chunk_size: samples per feature-cache chunk.
         resume: keep valid parts of an interrupted run; False recomputes every part.
         force: recompute even a finished run.

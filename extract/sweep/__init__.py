@@ -3,7 +3,8 @@
     cli       the command line (typer): run, status, retry; option parsing, the config file, rendering
     grid      the grid as given, its expansion into resolved runs, grouping by feature cache, packing
     cost      the cost model of `--dry-run` (fixed guesses or measured `--rates`) and the plan table
-    runspec   where the sweep meets the extractor: RunSpec, its defaults, the finished-run check
+    runspec   where the sweep meets the extractor: RunSpec (RunOptions + ExecOptions), the sweep options derived
+              from their fields, the call into `execute`, the extractor's finished-run check
     manifest  the sweep's files: the manifest and its lock, the per-run result files, atomic JSON I/O
     state     the pure job-state transition of a manifest row (pending, running, done, failed)
     track     the facts of a row (result pickle, sacct, process) and `refresh`, which applies `state`

@@ -7,7 +7,7 @@
     zaec-sweep retry  [--out DIR]         resubmit the failed runs only
 
 Every name is resolved before anything is submitted. Runs whose shards are complete (the extractor's own
-`run_is_complete`) are skipped, so re-running the same command submits only what is missing or failed. Runs that
+`RunDir.is_complete`) are skipped, so re-running the same command submits only what is missing or failed. Runs that
 share a feature cache - same backbone, weights, dataset, view policy and seed - form one group; SLURM gets one array
 task per group, the local executor packs the groups into `--local-jobs` processes. The manifest lives in
 `<out>/_sweep/manifest.json`; calibrate the results with `zaec-calibrate <out>`.
@@ -28,7 +28,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 import typer
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
-from extract.sweep.cost import plan_frame
+from extract.sweep.cost import cost_notes, plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import (
     Grid,
@@ -41,18 +41,33 @@ from extract.sweep.grid import (
     split_list,
 )
 from extract.sweep.manifest import Manifest, locked_manifest, manifest_frame, sweep_dir
-from extract.sweep.runspec import (
+from extract.run.options import (
+    ANCHORS,
+    CACHE_DIR_ENV,
+    CUPL_DIR_ENV,
+    DATA_ROOT_ENV,
+    DEFAULT_ADAPT_BATCH,
     DEFAULT_ANCHOR,
     DEFAULT_BACKBONE,
     DEFAULT_BATCH_SIZE,
+    DEFAULT_CACHE_DIR,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_DATA_ROOT,
+    DEFAULT_FINGERPRINT,
+    DEFAULT_OUT,
+    DEFAULT_PART_SIZE,
     DEFAULT_PRETRAINED,
-    DEFAULT_SEEDS,
+    DEFAULT_SEED,
+    MAX_CUDA_WORKERS,
+)
+from extract.sweep.runspec import (
     RunSpec,
     check_data,
     check_finished_settings,
     default_backbones,
-    default_dirs,
     is_complete,
+    sweep_exec_fields,
+    sweep_run_fields,
 )
 from extract.sweep.state import ACTIVE_STATES, STATES
 from extract.sweep.submit import ExecOptions, sbatch_preview, submit_and_record
@@ -63,7 +78,6 @@ app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pret
 
 PROG = "zaec-sweep"
 COMMANDS = ("run", "status", "retry")
-DEFAULT_OUT = Path("data") / "shards"
 #: seconds between two refreshes while waiting
 POLL_S = 2.0
 
@@ -124,6 +138,8 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
     console.print(f"{n_runs} run(s) to submit in {len(groups)} group(s), about {fmt_hours(total)} GPU-hours; "
                   f"{len(skipped)} complete (skipped); {len(active)} already submitted and still active",
                   highlight=False)
+    for note in cost_notes([m for g in groups for m in g.methods]):
+        console.print(f"note: {note}", markup=False, highlight=False)
     if not groups:
         return
     if opts.executor == "slurm":
@@ -228,10 +244,12 @@ def sweep_retry(out: Path, overrides: Mapping[str, Any], *, dry_run: bool, wait:
 # configuration file
 
 GRID_KEYS = ("methods", "datasets", "backbones", "seeds", "pretrained", "set", "class_names")
-RUN_KEYS = ("out", "data_root", "cache_dir", "cupl_dir", "limit", "anchor", "device", "workers", "batch_size",
-            "skip_data_check", "wait")
+#: one value for every run: the options of `RunOptions` and the runner's `ExecOptions` that are no grid dimension
+#: (derived from their fields, so a new option of the extractor is a key here without an edit)
+RUN_KEYS = tuple(sweep_run_fields().values()) + tuple(sweep_exec_fields().values())
+SWEEP_KEYS = ("skip_data_check", "wait")
 EXEC_KEYS = tuple(f.name for f in dataclasses.fields(ExecOptions))
-CONFIG_KEYS = GRID_KEYS + RUN_KEYS + EXEC_KEYS
+CONFIG_KEYS = GRID_KEYS + RUN_KEYS + SWEEP_KEYS + EXEC_KEYS
 
 
 def load_config(path: Path) -> dict[str, Any]:
@@ -304,24 +322,38 @@ def run(
     backbones: Optional[str] = typer.Option(
         None, help="comma-separated open_clip names (ViT-B-16,RN50), each optionally NAME=PRETRAINED; may be "
                    f"omitted with --pretrained local-dir:DIR [default: {DEFAULT_BACKBONE}]"),
-    seeds: Optional[str] = typer.Option(None, help=f"comma-separated seeds [default: {DEFAULT_SEEDS}]"),
+    seeds: Optional[str] = typer.Option(None, help=f"comma-separated seeds [default: {DEFAULT_SEED}]"),
     pretrained: Optional[str] = typer.Option(None, help="weights of every backbone: tag, file, or local-dir:DIR "
                                                         f"[default: {DEFAULT_PRETRAINED}]"),
     set_: List[str] = typer.Option([], "--set", help="config override: key=value (all methods) or "
                                                      "method.key=value (repeatable)"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file with the same keys as the options; "
                                                                  "options given here override it"),
-    out: Optional[Path] = typer.Option(None, help="shard root [default: data/shards]; the manifest goes to "
+    out: Optional[Path] = typer.Option(None, help=f"shard root [default: {DEFAULT_OUT}]; the manifest goes to "
                                                   "OUT/_sweep/"),
-    data_root: Optional[Path] = typer.Option(None, help="datasets folder [default: $ZAEC_DATA_ROOT, else ./data]"),
-    cache_dir: Optional[Path] = typer.Option(None, help="feature cache [default: $ZAEC_CACHE_DIR, else "
-                                                        "data/cache]; must be visible to every job"),
-    cupl_dir: Optional[Path] = typer.Option(None, help="CuPL prompt files [default: $ZAEC_CUPL_DIR]"),
+    data_root: Optional[Path] = typer.Option(None, help=f"datasets folder [default: ${DATA_ROOT_ENV}, else "
+                                                        f"./{DEFAULT_DATA_ROOT}]"),
+    cache_dir: Optional[Path] = typer.Option(None, help=f"feature cache [default: ${CACHE_DIR_ENV}, else "
+                                                        f"{DEFAULT_CACHE_DIR}]; must be visible to every job"),
+    cupl_dir: Optional[Path] = typer.Option(None, help=f"CuPL prompt files [default: ${CUPL_DIR_ENV}]"),
     limit: Optional[int] = typer.Option(None, help="only the first N samples of each stream (quick looks)"),
-    anchor: Optional[str] = typer.Option(None, help=f"zero-shot anchor: single or method [default: {DEFAULT_ANCHOR}]"),
+    anchor: Optional[str] = typer.Option(None, help=f"zero-shot anchor: {' or '.join(ANCHORS)} "
+                                                    f"[default: {DEFAULT_ANCHOR}]"),
+    tda_sh_filter: Optional[bool] = typer.Option(None, "--tda-sh-filter/--no-tda-sh-filter",
+                                                 help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 "
+                                                      "(drops file names containing 'sh') [default: off]"),
+    fingerprint: Optional[str] = typer.Option(None, help="how image files are fingerprinted: stat or content "
+                                                         f"[default: {DEFAULT_FINGERPRINT}]"),
+    adapt_batch: Optional[int] = typer.Option(None, help="samples per adapt call (an online method's result depends "
+                                                         f"on it) [default: {DEFAULT_ADAPT_BATCH}]"),
+    part_size: Optional[int] = typer.Option(None, help="rows per shard, a multiple of --adapt-batch "
+                                                       f"[default: {DEFAULT_PART_SIZE}]"),
     device: Optional[str] = typer.Option(None, help="torch device inside each job [default: cuda if available]"),
-    workers: Optional[int] = typer.Option(None, help="image-loading processes per job [default: 8 on CUDA]"),
+    workers: Optional[int] = typer.Option(None, help="image-loading processes per job [default: up to "
+                                                     f"{MAX_CUDA_WORKERS} on CUDA, 0 on CPU]"),
     batch_size: Optional[int] = typer.Option(None, help=f"images per encoder call [default: {DEFAULT_BATCH_SIZE}]"),
+    chunk_size: Optional[int] = typer.Option(None, help=f"samples per feature-cache chunk [default: "
+                                                        f"{DEFAULT_CHUNK_SIZE}]"),
     executor: Optional[str] = typer.Option(None, help="local (this machine) or slurm [default: local]"),
     partition: Optional[str] = typer.Option(None, help="SLURM partition"),
     account: Optional[str] = typer.Option(None, help="SLURM account"),
@@ -361,6 +393,19 @@ def run(
 def _run_grid(given: Mapping[str, Any], console: Any) -> int:
     """The `run` command on its options (`given`, by parameter name) over the config file's; returns the exit code."""
     cfg = load_config(given["config"]) if given["config"] is not None else {}
+    runs, opts, out_dir = grid_runs(given, cfg)
+    if not given["dry_run"] and not (given["skip_data_check"] or cfg.get("skip_data_check", False)):
+        check_data([r for r in runs if not is_complete(r)])
+    do_wait = _pick(given["wait"], cfg, "wait")
+    if do_wait is None:
+        do_wait = opts.executor == "local"
+    return sweep_run(runs, opts, out_dir, dry_run=given["dry_run"], wait=bool(do_wait), console=console)
+
+
+def grid_runs(given: Mapping[str, Any], cfg: Mapping[str, Any]) -> tuple[list[RunSpec], ExecOptions, Path]:
+    """(resolved runs, executor settings, shard root) of the `run` command's options (`given`, by parameter name;
+    None or [] where not given) over the config file's `cfg`. Options not given anywhere are the extractor's
+    defaults (`extract.run.options`)."""
 
     def pick(key: str, default: Any = None) -> Any:
         return _pick(given[key if key != "set" else "set_"], cfg, key, default)
@@ -369,26 +414,19 @@ def _run_grid(given: Mapping[str, Any], console: Any) -> int:
         methods=split_list(pick("methods"), "--methods"),
         datasets=split_list(pick("datasets"), "--datasets"),
         backbones=split_list(pick("backbones"), "--backbones"),
-        seeds=parse_seeds(pick("seeds", DEFAULT_SEEDS)),
+        seeds=parse_seeds(pick("seeds", str(DEFAULT_SEED))),
         pretrained=str(pick("pretrained", DEFAULT_PRETRAINED)),
         overrides=_as_tuple(pick("set", ())),
         class_names=tuple(class_names_files(pick("class_names")).items()),
     )
     if not grid.backbones:
         grid = dataclasses.replace(grid, backbones=default_backbones(grid.pretrained))
-    out_dir = Path(pick("out", DEFAULT_OUT))
-    root, cache, cupl = default_dirs(pick("data_root"), pick("cache_dir"), pick("cupl_dir"))
     opts = _exec_options(cfg, {**{k: given[k] for k in EXEC_KEYS},
                                "rates": str(given["rates"]) if given["rates"] is not None else None})
-    runs = expand_grid(grid, out=out_dir, data_root=root, cache_dir=cache, cupl_dir=cupl, limit=pick("limit"),
-                       anchor=str(pick("anchor", DEFAULT_ANCHOR)), device=pick("device"), workers=pick("workers"),
-                       batch_size=int(pick("batch_size", DEFAULT_BATCH_SIZE)))
-    if not given["dry_run"] and not (given["skip_data_check"] or cfg.get("skip_data_check", False)):
-        check_data([r for r in runs if not is_complete(r)])
-    do_wait = pick("wait")
-    if do_wait is None:
-        do_wait = opts.executor == "local"
-    return sweep_run(runs, opts, out_dir, dry_run=given["dry_run"], wait=bool(do_wait), console=console)
+    settings = {field: pick(key) for field, key in {**sweep_run_fields(), **sweep_exec_fields()}.items()}
+    out_dir = Path(settings["out"] if settings["out"] is not None else DEFAULT_OUT)
+    runs = expand_grid(grid, **settings)
+    return runs, opts, out_dir
 
 
 @app.command()

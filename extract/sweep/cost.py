@@ -31,21 +31,79 @@ TEST_SIZES: dict[str, int] = {
 DEMO_TEST_SIZE = 10000
 
 #: Encoder GPU-seconds per encoded view, by backbone family. An estimate for one A100/H100-class GPU with autocast
-#: fp16 and 8 image-loading workers: the network alone runs several thousand views/s, so JPEG decoding and AugMix
+#: fp16 and about 8 image-loading workers: the network alone runs several thousand views/s, so JPEG decoding and AugMix
 #: on the CPU set the pace; ~1000 views/s (ViT-B-16) and ~1500 views/s (RN50, smaller input pipeline cost per
 #: forward) are the planning figures. Multi-view policies encode 64 views per image.
 ENCODE_S_PER_VIEW: dict[str, float] = {"vit": 1 / 1000, "rn": 1 / 1500}
-#: Adaptation GPU-seconds per sample, by method (estimate): zero-shot is one matmul; TDA a per-sample cache update;
-#: DPE and DLAE one AdamW step on the prototype residuals per sample (DLAE adds its reflection step); TPS one AdamW
-#: step on a (K, D) shift for a batch of samples at once.
-ADAPT_S_PER_SAMPLE: dict[str, float] = {"zero-shot": 0.0001, "tda": 0.003, "dpe": 0.025, "dlae": 0.03, "tps": 0.005,
-                                        "tpt": 0.005, "ctpt": 0.005, "otpt": 0.005, "atpt": 0.005}
-#: ... plus GPU-seconds per sample and class, for the methods that run the text encoder per sample: the TPT family
-#: does one forward + backward and one forward of the text transformer over the K prompts per sample (about
-#: 25 GFLOP per prompt at ~100 TFLOP/s effective fp16), so ImageNet's 1000 classes cost ~0.25 s a sample.
-ADAPT_S_PER_SAMPLE_CLASS: dict[str, float] = {"tpt": 2.5e-4, "ctpt": 2.5e-4, "otpt": 2.5e-4, "atpt": 2.5e-4}
-#: Adaptation cost assumed for a registered method missing from the tables above (flagged in the plan).
-DEFAULT_ADAPT_S_PER_SAMPLE = 0.03
+@dataclass(frozen=True)
+class AdaptCost:
+    """The fixed guess of one method's adaptation cost, GPU-seconds, over a stream of N samples with K classes:
+
+        N * (per_sample + per_class * K) + (per_position + per_position_class * K) * N * (N + 1) / 2
+
+    with `multi_view` in place of `per_sample` when the run encodes 64 views. The second term prices a method whose
+    work per sample grows with the samples seen so far (the n-th sample costs n times the per-position figures).
+
+    Attributes:
+        per_sample: seconds per sample (one view, or any view count when `multi_view` is None).
+        per_class: seconds per sample and class (the methods that run the text encoder per sample).
+        multi_view: seconds per sample when the run encodes 64 views, where that differs.
+        per_position, per_position_class: seconds per sample and stream position (and class).
+        provisional: a placeholder for a method still being written, applied once its key is registered.
+    """
+
+    per_sample: float
+    per_class: float = 0.0
+    multi_view: float | None = None
+    per_position: float = 0.0
+    per_position_class: float = 0.0
+    provisional: bool = False
+
+    def seconds(self, n: int, k: int, views: int) -> float:
+        """Estimated adaptation seconds of a run over the first `n` stream positions, `k` classes, `views` views."""
+        base = self.multi_view if views > 1 and self.multi_view is not None else self.per_sample
+        growth = (self.per_position + self.per_position_class * k) * n * (n + 1) / 2
+        return n * (base + self.per_class * k) + growth
+
+
+#: TDA's adapt step measured on a CPU (1 thread, K = 1000, D = 512): the reference the figures below scale from
+TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
+#: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
+#: prompts per sample (about 25 GFLOP per prompt at ~100 TFLOP/s effective fp16): ImageNet's 1000 classes ~0.25 s
+TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
+#: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
+#: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
+ECALP_S_PER_POSITION = 0.0445 / 128.5
+#: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
+#: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
+#: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,
+#: ECALP, DMN and BoostAdapter use the adapt steps measured on a CPU (1 thread, K = 1000, D = 512): their work per
+#: sample is small tensor operations, which a GPU does not make much faster. docs/sweep.md, "The cost model".
+ADAPT_COSTS: dict[str, AdaptCost] = {
+    "zero-shot": AdaptCost(0.0001),
+    "tda": AdaptCost(TDA_S, multi_view=TDA_S_64_VIEWS),
+    "dpe": AdaptCost(0.025),
+    "dlae": AdaptCost(0.03),
+    "tps": AdaptCost(0.005),
+    **{m: AdaptCost(**TPT) for m in ("tpt", "ctpt", "otpt", "atpt")},
+    "zero": AdaptCost(0.0036),  # 64 crop+flip views, encoded as TPT's; the adapt step votes over them
+    "mta": AdaptCost(0.0034),  # 64 crop+flip views; the mode seeking over them
+    "onzeta": AdaptCost(0.0027),  # one view
+    "ecalp": AdaptCost(0.0, per_position=ECALP_S_PER_POSITION * 512 / 22512,
+                       per_position_class=ECALP_S_PER_POSITION * 22 / 22512),  # grows with the stream
+    "dmn": AdaptCost(10 * TDA_S),  # ~10x TDA's cache work: 64 views encoded, 32 read out of the memory
+    "dmn-weak": AdaptCost(TDA_S),  # one view through DMN's read-out, priced as TDA's cache read-out
+    "boostadapter": AdaptCost(TDA_S + 0.001, multi_view=TDA_S_64_VIEWS + 0.001),  # TDA + its boosting samples
+    # provisional, for the prompt-tuning methods still being written (they apply once their keys are registered):
+    "rtpt": AdaptCost(**TPT, provisional=True),  # TPT's passes
+    "dynaprompt": AdaptCost(**TPT, provisional=True),  # TPT's passes over its prompt buffer
+    # 3-5x TPT, plus the 64 views through the reward model once more (at the encoder's planning rate, 1 ms a view)
+    "rlcf": AdaptCost(4 * TPT["per_sample"] + 0.064, per_class=4 * TPT["per_class"], provisional=True),
+    # backprop through 3 of ViT-B-16's 12 vision blocks for 64 views (~3/12 x 3 x 64 ms)
+    "ttl": AdaptCost(0.05, provisional=True),
+}
+#: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
+DEFAULT_ADAPT_COST = AdaptCost(0.03)
 #: Per-job overhead: start-up, model load, text prototypes (seconds).
 JOB_OVERHEAD_S = 120.0
 #: Classes per dataset (CoOp splits; ImageNet-A/-R are 200-class subsets), for the per-class costs.
@@ -57,9 +115,9 @@ NUM_CLASSES: dict[str, int] = {
 DEMO_NUM_CLASSES = 10
 
 
-#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT tune the same prompts with the same
-#: text-encoder passes per sample as TPT (their extra loss terms cost little next to them).
-RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt"}
+#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT (and R-TPT, DynaPrompt) tune the same
+#: prompts with the same text-encoder passes per sample as TPT (their extra terms cost little next to them).
+RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt": "tpt", "dynaprompt": "tpt"}
 
 
 @dataclass(frozen=True)
@@ -160,14 +218,37 @@ def _table_size(dataset: str) -> tuple[int, int] | None:
     return _listed_size(dataset)
 
 
-def adapt_seconds(method: str, dataset: str, backbone: str | None = None, rates: Rates | None = None) -> float:
-    """Estimated adaptation GPU-seconds per sample of `method` on `dataset`: measured (`rates`) where it holds the
-    backbone and method, else the tables above."""
+def adapt_cost(method: str) -> AdaptCost:
+    """The fixed guess of `method`'s adaptation cost (DEFAULT_ADAPT_COST for a method the table lacks)."""
+    return ADAPT_COSTS.get(method, DEFAULT_ADAPT_COST)
+
+
+def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str | None = None,
+                  rates: Rates | None = None) -> float:
+    """Estimated adaptation GPU-seconds of `method` over the first `n` samples of `dataset` with view `policy`:
+    measured (`rates`, seconds per sample) where it holds the backbone and method, else `ADAPT_COSTS`."""
     k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
     measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
     if measured is not None:
-        return measured
-    return ADAPT_S_PER_SAMPLE.get(method, DEFAULT_ADAPT_S_PER_SAMPLE) + ADAPT_S_PER_SAMPLE_CLASS.get(method, 0.0) * k
+        return n * measured
+    return adapt_cost(method).seconds(n, k, views_per_image(policy))
+
+
+def cost_notes(methods: Sequence[str]) -> list[str]:
+    """One line per method whose fixed guess needs saying: none in the table, a provisional one, or a cost that
+    grows with the stream (quadratic in a run's images)."""
+    notes = []
+    for m in dict.fromkeys(methods):
+        cost = ADAPT_COSTS.get(m)
+        if cost is None:
+            notes.append(f"{m}: no cost figure in extract/sweep/cost.py; priced at "
+                         f"{DEFAULT_ADAPT_COST.per_sample} s a sample")
+        elif cost.provisional:
+            notes.append(f"{m}: provisional cost figure (extract/sweep/cost.py)")
+        elif cost.per_position or cost.per_position_class:
+            notes.append(f"{m}: its cost per sample grows with the samples seen, so a run's cost grows with the "
+                         "square of its images (--limit caps it)")
+    return notes
 
 
 def encode_seconds(backbone: str, policy: str, rates: Rates | None = None) -> float:
@@ -200,8 +281,11 @@ def _family(backbone: str) -> str:
 
 
 def views_per_image(policy: str) -> int:
-    """Views a run encodes per image: one for the single view, 64 for the multi-view policies."""
-    return 1 if policy == "single" else 64
+    """Views a run encodes per image: one for the single view, the original and `N_AUG_VIEWS` augmented ones for
+    the multi-view policies (`extract.views`)."""
+    from extract.views import N_AUG_VIEWS
+
+    return 1 if policy == "single" else 1 + N_AUG_VIEWS
 
 
 def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> float:
@@ -211,7 +295,7 @@ def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> flo
     n = n_images(r0.dataset, r0.limit)
     views = views_per_image(r0.policy)
     enc = n * views * encode_seconds(r0.backbone, r0.policy, rates)
-    adapt = sum(n * adapt_seconds(r.method, r.dataset, r.backbone, rates) for r in runs)
+    adapt = sum(adapt_seconds(r.method, r.dataset, n, r.policy, r.backbone, rates) for r in runs)
     return (overhead_seconds(r0.backbone, rates) + enc + adapt) / 3600.0
 
 

@@ -1,7 +1,7 @@
 """The grid of a sweep: what the user asked for (`Grid`), its expansion into resolved runs, and their grouping.
 
 A sweep is the product methods x datasets x backbones x seeds. Every run is resolved with the extractor's own
-`plan_run` (unknown names fail here, before anything is submitted; see `extract.sweep.runspec`). Runs are grouped by
+`plan` (unknown names fail here, before anything is submitted; see `extract.sweep.runspec`). Runs are grouped by
 what their feature cache is keyed on - (backbone, weights, dataset, view policy, seed), the policy taken from the
 method's config for that dataset after `--set` overrides - so one job loads the model once and encodes each image
 once, and every method of the group adapts from the cache.
@@ -12,21 +12,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from extract.sweep.cost import Rates, estimate_hours
 from extract.sweep.errors import SweepError
-from extract.sweep.runspec import (
-    DEFAULT_ANCHOR,
-    DEFAULT_BACKBONE,
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_PRETRAINED,
-    RunSpec,
-    absolute_weights,
-    is_local_dir,
-    resolve_run,
-)
+from extract.run.options import DEFAULT_BACKBONE, DEFAULT_PRETRAINED, DEFAULT_SEED
+from extract.sweep.runspec import RunSpec, absolute_weights, is_local_dir, resolve_run, sweep_options
 
 
 @dataclass(frozen=True)
@@ -48,7 +39,7 @@ class Grid:
     methods: tuple[str, ...]
     datasets: tuple[str, ...]
     backbones: tuple[str, ...] = (DEFAULT_BACKBONE,)
-    seeds: tuple[int, ...] = (1,)
+    seeds: tuple[int, ...] = (DEFAULT_SEED,)
     pretrained: str = DEFAULT_PRETRAINED
     overrides: tuple[str, ...] = ()
     class_names: tuple[tuple[str, str], ...] = ()
@@ -184,13 +175,16 @@ def expand_datasets(entries: Sequence[str], class_names: Mapping[str, str] | Non
     return tuple(dict.fromkeys(out))
 
 
-def expand_grid(grid: Grid, *, out: str | os.PathLike, data_root: str | os.PathLike | None = None,
-                cache_dir: str | os.PathLike | None = None, cupl_dir: str | os.PathLike | None = None,
-                limit: int | None = None, anchor: str = DEFAULT_ANCHOR, device: str | None = None,
-                workers: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> list[RunSpec]:
-    """Resolve every run of the grid with the extractor's `plan_run`; raises on any unknown name or bad `--set`.
+def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings: Any) -> list[RunSpec]:
+    """Resolve every run of the grid with the extractor's `plan`; raises on any unknown name or bad `--set`.
 
-    Paths are made absolute so a worker does not depend on its working directory.
+    Args:
+        grid: what to run.
+        out: the shard root (None: `zaec-extract`'s default).
+        settings: the options every run shares, by `RunOptions` / `ExecOptions` field name (`limit`, `anchor`,
+            `sh_filter`, `fingerprint`, `data_root`, `cache_dir`, `device`, ...; None: the extractor's default),
+            see `extract.sweep.runspec.sweep_options`. Folders are made absolute so a worker does not depend on its
+            working directory.
 
     Returns:
         RunSpecs in grid order (backbone, dataset, seed, method), duplicates removed.
@@ -201,36 +195,31 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike, data_root: str | os.PathL
     """
     from extract.datasets import dataset_source
 
-    datasets, backbones, per_method = _checked_grid(grid, limit)
-    paths = {"out": _abs(out) or "", "data_root": _abs(data_root), "cache_dir": _abs(cache_dir),
-             "cupl_dir": _abs(cupl_dir)}
+    datasets, backbones, per_method = _checked_grid(grid, settings.get("limit"))
+    base, execution = sweep_options({**settings, "out": out})
     runs: dict[str, RunSpec] = {}
     weights_of: dict[str, str] = {}
     for entry in backbones:
         name, weights = _split_backbone(entry, grid.pretrained) if entry is not None else (None, grid.pretrained)
         weights = absolute_weights(weights)
         for dataset in datasets:
+            ref, names = dataset_source(dataset) or (None, None)
             for seed in grid.seeds:
                 for method in grid.methods:
-                    plan = resolve_run(method, dataset, backbone_arg=name, pretrained=weights, seed=seed,
-                                       overrides=per_method[method] or None, anchor=anchor, limit=limit)
-                    if weights_of.setdefault(plan.backbone, weights) != weights:
-                        raise SweepError(f"backbone {plan.backbone!r} appears with two weights "
-                                         f"({weights_of[plan.backbone]} and {weights}); their shards would share "
+                    options = dataclasses.replace(
+                        base, method=method, dataset=dataset, backbone=name, pretrained=weights, seed=int(seed),
+                        overrides=tuple(sorted(per_method[method].items())), dataset_ref=ref,
+                        class_names_file=names)
+                    spec = resolve_run(options, execution)
+                    if weights_of.setdefault(spec.backbone, weights) != weights:
+                        raise SweepError(f"backbone {spec.backbone!r} appears with two weights "
+                                         f"({weights_of[spec.backbone]} and {weights}); their shards would share "
                                          "one folder: run them into different --out roots")
-                    spec = RunSpec(method=method, dataset=dataset, backbone=plan.backbone, backbone_arg=name,
-                                   pretrained=weights, seed=int(seed), policy=str(plan.policy),
-                                   overrides=tuple(sorted(per_method[method].items())), **paths,
-                                   limit=limit, anchor=anchor, device=device, workers=workers,
-                                   batch_size=batch_size)
-                    source = dataset_source(dataset)
-                    if source is not None:
-                        spec = dataclasses.replace(spec, dataset_ref=source[0], class_names_file=source[1])
                     runs.setdefault(spec.run_id, spec)
     return list(runs.values())
 
 
-def _checked_grid(grid: Grid, limit: int | None
+def _checked_grid(grid: Grid, limit: Any
                   ) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[str, dict[str, str]]]:
     """(dataset keys, backbone entries, per-method overrides) of a grid; SweepError for an empty dimension or a bad
     `--limit` (checked in this order, so the first problem of the command line is the one named)."""
@@ -244,13 +233,9 @@ def _checked_grid(grid: Grid, limit: int | None
     backbones: tuple[str | None, ...] = grid.backbones or ((None,) if is_local_dir(grid.pretrained) else ())
     if not backbones:
         raise SweepError("no backbones given (--backbones ViT-B-16,RN50)")
-    if limit is not None and limit < 1:
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit < 1:
         raise SweepError(f"--limit must be >= 1, got {limit}")
     return datasets, backbones, method_overrides(grid.overrides, grid.methods)
-
-
-def _abs(p: str | os.PathLike | None) -> str | None:
-    return None if p is None else str(Path(p).expanduser().resolve())
 
 
 @dataclass(frozen=True)
@@ -277,9 +262,10 @@ def group_runs(runs: Sequence[RunSpec]) -> list[Group]:
     """Group runs by their feature cache key, keeping the first-seen order of groups and of runs within a group.
 
     Example:
-        >>> a = RunSpec("tda", "dtd", "RN50", "RN50", "openai", 1, "single")
-        >>> b = dataclasses.replace(a, method="zero-shot")
-        >>> c = dataclasses.replace(a, dataset="eurosat")
+        >>> from extract.run.options import ExecOptions, RunOptions
+        >>> a = RunSpec(RunOptions("tda", "dtd", backbone="RN50"), ExecOptions(), "single")
+        >>> b = dataclasses.replace(a, options=dataclasses.replace(a.options, method="zero-shot"))
+        >>> c = dataclasses.replace(a, options=dataclasses.replace(a.options, dataset="eurosat"))
         >>> [g.methods for g in group_runs([a, c, b])]
         [('tda', 'zero-shot'), ('tda',)]
     """

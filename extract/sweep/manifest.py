@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from extract.sweep.errors import SweepError
-from extract.sweep.runspec import RunSpec
+from extract.sweep.runspec import OLD_MANIFEST, RunSpec
 
 SWEEP_DIRNAME = "_sweep"
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+#: 2: a run's spec is {"options": RunOptions.to_dict(), "execution": ..., "policy": ...} (1: the older flat spec)
+MANIFEST_VERSION = 2
 
 
 def sweep_dir(out: str | os.PathLike) -> Path:
@@ -78,7 +79,7 @@ class Manifest:
 
     A row: run_id, backbone, dataset, method, seed, group, policy, job_id, executor, state, shard_dir, error, log
     (the job's stderr), token (identifies the submission the row belongs to), submitted, updated, attempts, spec
-    (the RunSpec as a dict, what `retry` resubmits).
+    (`RunSpec.to_dict()`: the run's `RunOptions` and execution options, what `retry` resubmits).
     """
 
     out: Path
@@ -94,6 +95,8 @@ class Manifest:
                 what = "is unreadable" if path.exists() else "does not exist"
                 raise SweepError(f"sweep manifest {path} {what}; start a sweep with `zaec-sweep --out {out} ...`")
             return cls(Path(out))
+        if isinstance(doc.get("version"), int) and doc["version"] < MANIFEST_VERSION:
+            raise SweepError(f"sweep manifest {path} was {OLD_MANIFEST}")
         if doc.get("version") != MANIFEST_VERSION:
             raise SweepError(f"{path}: manifest version {doc.get('version')!r}, expected {MANIFEST_VERSION}")
         rows = {r["run_id"]: r for r in doc.get("runs", [])}

@@ -1,76 +1,93 @@
-"""Where the sweep meets the extractor: the one module to change when the runner's options change.
+"""Where the sweep meets the extractor: a sweep run is the extractor's own `RunOptions` and `ExecOptions`.
 
-Everything the sweep knows about `zaec-extract`'s options lives here, so that no copy can drift elsewhere:
-- `RunSpec`, the options of one run that a worker passes to `run_extraction` (`extract_run`, `load_group_model`);
-- the defaults `zaec-extract` uses (backbone, weights, anchor, batch size, seed) and its environment fallbacks for
-  the data root, the feature cache and the CuPL prompts, applied before the paths are made absolute for the workers;
-- how a run is resolved (`resolve_run`: the extractor's `plan_run`) and how `--pretrained` names a file;
-- the finished-run check: `is_complete` (the extractor's `run_is_complete`) and `settings_mismatch` /
-  `check_finished_settings` (the settings recorded in a finished run's marker against the sweep's);
-- `check_data`: every dataset listed once before submission.
+The sweep keeps no copy of `zaec-extract`'s options, defaults or checks:
+- `RunSpec` holds a `RunOptions` (every option that decides the result), the runner's `ExecOptions` (how it
+  executes) and the run's view policy (which group it joins); a worker passes the first two to `execute`;
+- the options a sweep can set are derived from the fields of those two classes (`sweep_run_fields`,
+  `sweep_exec_fields`), so a new `RunOptions` field is a new sweep option and config key without an edit here;
+- defaults and environment fallbacks are `extract.run.options`'s (applied in the submitting process, so that every
+  job sees the same folders whatever its environment);
+- the finished-run check is the extractor's `finished_run_mismatch` (`finished_mismatches`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from extract.run.options import (
+    DEFAULT_BACKBONE,
+    DEFAULT_OUT,
+    ExecOptions,
+    RunOptions,
+    default_cache_dir,
+    default_cupl_dir,
+    default_data_root,
+)
 from extract.sweep.errors import SweepError
 from schemas import RunKey, shard_dir
 
-#: `zaec-extract`'s defaults (extract/cli.py), used where a sweep option is not given
-DEFAULT_BACKBONE = "ViT-B-16"
-DEFAULT_PRETRAINED = "openai"
-DEFAULT_ANCHOR = "single"
-DEFAULT_BATCH_SIZE = 256
-DEFAULT_SEEDS = "1"
 #: a `--pretrained` value ending so (or holding a path separator) names a checkpoint file (as extract.models reads it)
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+#: `RunOptions` fields that are dimensions of the grid, with the sweep option that gives them (the others are one
+#: value for the whole sweep)
+GRID_FIELDS: dict[str, str] = {"method": "methods", "dataset": "datasets", "dataset_ref": "datasets",
+                               "class_names_file": "class_names", "backbone": "backbones", "pretrained": "pretrained",
+                               "seed": "seeds", "overrides": "set"}
+#: sweep option names that differ from the field's name: `zaec-extract`'s spelling of the option
+OPTION_NAMES: dict[str, str] = {"sh_filter": "tda_sh_filter"}
+#: `ExecOptions` fields a sweep fixes: a job resumes, never forces, refuses changed settings (the sweep checks them
+#: before submitting), and logs lines instead of drawing a progress bar
+FIXED_EXECUTION: dict[str, Any] = {"resume": True, "force": False, "on_changed": "refuse", "progress": False}
+OLD_MANIFEST = "made by an older zaec-sweep; start a new sweep with another --out"
+
+
+def sweep_run_fields() -> dict[str, str]:
+    """{RunOptions field: sweep option / config key} for the fields one value sets for the whole sweep."""
+    return {f.name: OPTION_NAMES.get(f.name, f.name) for f in dataclasses.fields(RunOptions)
+            if f.name not in GRID_FIELDS}
+
+
+def sweep_exec_fields() -> dict[str, str]:
+    """{ExecOptions field: sweep option / config key} for the execution options a sweep passes to its jobs."""
+    return {f.name: f.name for f in dataclasses.fields(ExecOptions) if f.name not in FIXED_EXECUTION}
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a worker needs to call `run_extraction` for one run (paths absolute, names resolved).
+    """One run of a sweep: what `execute` gets on the worker, and the view policy that decides its group.
 
-    `backbone` is the name recorded in the shards (for `local-dir:` the directory's model name); `backbone_arg` is
-    what is passed to the loader (None for `local-dir:`).
+    Attributes:
+        options: every option that decides the result; `backbone` is the name the shards record (for `local-dir:`
+            the directory's model name), `pretrained` the string the loaded model records (`LoadedModel.pretrained`),
+            folders absolute.
+        execution: the runner's execution options (shard root, cache, device, batch size, workers, chunk size).
+        policy: the view policy of the method's config after `--set` (from `plan`).
     """
 
-    method: str
-    dataset: str
-    backbone: str
-    backbone_arg: str | None
-    pretrained: str
-    seed: int
+    options: RunOptions
+    execution: ExecOptions
     policy: str
-    overrides: tuple[tuple[str, str], ...] = ()
-    out: str = ""
-    data_root: str | None = None
-    cache_dir: str | None = None
-    cupl_dir: str | None = None
-    limit: int | None = None
-    anchor: str = DEFAULT_ANCHOR
-    device: str | None = None
-    workers: int | None = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    #: a user's dataset (`folder:`/`split:`): its reference and class-names file, to register it in the worker
-    dataset_ref: str = ""
-    class_names_file: str | None = None
+
+    # read-only views of the options: what grouping, the manifest and the cost model read
+    method = property(lambda self: self.options.method)
+    dataset = property(lambda self: self.options.dataset)
+    backbone = property(lambda self: str(self.options.backbone))
+    pretrained = property(lambda self: self.options.pretrained)
+    seed = property(lambda self: int(self.options.seed))
+    limit = property(lambda self: self.options.limit)
+    out = property(lambda self: str(self.execution.out))
 
     def register_dataset(self) -> None:
         """Register a user's dataset in this process under the run's dataset name (a no-op for registered keys)."""
-        if self.dataset_ref:
-            from extract.datasets import resolve_dataset
-
-            resolve_dataset(self.dataset_ref, name=self.dataset, class_names=self.class_names_file)
+        self.options.register_dataset()
 
     @property
     def key(self) -> RunKey:
-        return RunKey(self.backbone, self.dataset, self.method, int(self.seed))
+        return RunKey(self.backbone, self.dataset, self.method, self.seed)
 
     @property
     def run_id(self) -> str:
@@ -79,7 +96,7 @@ class RunSpec:
     @property
     def group_key(self) -> tuple[str, str, str, str, int]:
         """What the feature cache of the run is keyed on: (backbone, weights, dataset, view policy, seed)."""
-        return (self.backbone, self.pretrained, self.dataset, self.policy, int(self.seed))
+        return (self.backbone, self.pretrained, self.dataset, self.policy, self.seed)
 
     @property
     def group_id(self) -> str:
@@ -89,18 +106,90 @@ class RunSpec:
     def shard_dir(self) -> Path:
         return shard_dir(self.out, self.key)
 
+    def run_dir(self) -> Any:
+        """The extractor's `RunDir` of this run."""
+        from extract.run.rundir import RunDir
+
+        return RunDir(Path(self.out), self.key)
+
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["overrides"] = [list(kv) for kv in self.overrides]
-        return d
+        """JSON-able (the manifest's `spec`): {"options": RunOptions.to_dict(), "execution": {...}, "policy": ...}."""
+        execution = dataclasses.asdict(self.execution)
+        execution.update(out=str(self.execution.out), cache_dir=_str(self.execution.cache_dir))
+        return {"options": self.options.to_dict(), "execution": execution, "policy": self.policy}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RunSpec":
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        kw["overrides"] = tuple((str(k), str(v)) for k, v in kw.get("overrides", ()))
-        kw["seed"] = int(kw["seed"])
-        return cls(**kw)
+        """Inverse of `to_dict`; SweepError for the spec of an older manifest."""
+        if not isinstance(d, Mapping) or not {"options", "execution", "policy"} <= set(d):
+            raise SweepError(f"a run of the sweep manifest was {OLD_MANIFEST}")
+        try:
+            execution = ExecOptions(**d["execution"])
+        except TypeError:
+            raise SweepError(f"a run of the sweep manifest was {OLD_MANIFEST}") from None
+        return cls(RunOptions.from_dict(d["options"]), execution, str(d["policy"]))
+
+
+def _str(p: Any) -> str | None:
+    return None if p is None else str(p)
+
+
+def _abs(p: str | os.PathLike | None) -> str | None:
+    return None if p is None else str(Path(p).expanduser().resolve())
+
+
+def _coerce(cls: type, name: str, option: str, value: Any) -> Any:
+    """A config-file or command-line value as the field's type (from its annotation); SweepError otherwise."""
+    kind = str({f.name: f.type for f in dataclasses.fields(cls)}[name]).split("|")[0].strip()
+    flag = f"--{option.replace('_', '-')}"
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise SweepError(f"{flag}: expected true or false, got {value!r}")
+        return value
+    if kind == "int":
+        try:
+            if isinstance(value, (bool, float)):
+                raise ValueError
+            return int(value)
+        except ValueError:
+            raise SweepError(f"{flag}: expected an integer, got {value!r}") from None
+    return str(value)
+
+
+def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]:
+    """The options every run of a sweep shares, from settings named by field (`sweep_run_fields`,
+    `sweep_exec_fields`; None or absent: the extractor's default). The method and dataset stay empty.
+
+    The data root, feature cache and CuPL folder get the extractor's fallbacks (`default_data_root()`, ...) here,
+    and every folder is made absolute: a worker shares neither our environment nor our working directory.
+
+    Raises:
+        SweepError: an unknown setting, a value of the wrong type, adapt_batch or part_size below 1.
+        RunError, ValueError: the extractor's own checks (`check_options`, the fingerprint mode).
+    """
+    from extract.fingerprint import check_mode
+    from extract.run.options import check_options
+
+    run_fields, exec_fields = sweep_run_fields(), sweep_exec_fields()
+    unknown = sorted(set(settings) - set(run_fields) - set(exec_fields))
+    if unknown:
+        raise SweepError(f"unknown run setting(s) {', '.join(unknown)}; available: "
+                         f"{', '.join(sorted({**run_fields, **exec_fields}.values()))}")
+    given = {k: v for k, v in settings.items() if v is not None}
+    run_kw = {k: _coerce(RunOptions, k, run_fields[k], v) for k, v in given.items() if k in run_fields}
+    exec_kw = {k: _coerce(ExecOptions, k, exec_fields[k], v) for k, v in given.items() if k in exec_fields}
+    run_kw["data_root"] = _abs(run_kw.get("data_root") or default_data_root())
+    run_kw["cupl_dir"] = _abs(run_kw.get("cupl_dir") or default_cupl_dir())
+    exec_kw["cache_dir"] = _abs(exec_kw.get("cache_dir") or default_cache_dir())
+    exec_kw["out"] = _abs(exec_kw.get("out") or DEFAULT_OUT)
+    options = RunOptions("", "", **run_kw)
+    execution = ExecOptions(**exec_kw, **FIXED_EXECUTION)
+    for name in ("adapt_batch", "part_size"):
+        if getattr(options, name) < 1:
+            raise SweepError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
+    check_mode(options.fingerprint)
+    check_options(options, execution)
+    return options, execution
 
 
 def is_local_dir(pretrained: str) -> bool:
@@ -115,23 +204,12 @@ def default_backbones(pretrained: str) -> tuple[str, ...]:
     return () if is_local_dir(pretrained) else (DEFAULT_BACKBONE,)
 
 
-def default_dirs(data_root: Any, cache_dir: Any, cupl_dir: Any) -> tuple[Any, Any, Any]:
-    """(data root, feature cache, CuPL folder) with the extractor's fallbacks for the ones not given: $ZAEC_DATA_ROOT
-    else ./data, $ZAEC_CACHE_DIR else data/cache, $ZAEC_CUPL_DIR (resolved here, in the submitting process, so that
-    every job sees the same folders whatever its environment)."""
-    from extract.cache import CACHE_ENV
-    from extract.datasets import DATA_ROOT_ENV
-    from extract.prompts import CUPL_ENV
-
-    root = data_root or os.environ.get(DATA_ROOT_ENV) or "data"
-    cache = cache_dir or os.environ.get(CACHE_ENV) or Path("data") / "cache"
-    cupl = cupl_dir or os.environ.get(CUPL_ENV)
-    return root, cache, cupl
-
-
 def absolute_weights(p: str) -> str:
     """A checkpoint file or local-dir path made absolute (a worker does not share our working directory); a
-    pretrained tag unchanged. Raises SweepError for a checkpoint file that does not exist."""
+    pretrained tag unchanged. Raises SweepError for a checkpoint file that does not exist.
+
+    The result is what the run's options carry and so what the loaded model records (`LoadedModel.pretrained` is
+    the string it was loaded with) and what the finished-run check compares."""
     from extract.models import LOCAL_DIR
 
     if p.startswith(LOCAL_DIR):
@@ -144,85 +222,76 @@ def absolute_weights(p: str) -> str:
     return p
 
 
-def resolve_run(method: str, dataset: str, *, backbone_arg: str | None, pretrained: str, seed: int,
-                overrides: Mapping[str, str] | None, anchor: str, limit: int | None) -> Any:
-    """The extractor's own resolution of one run (`extract.runner.plan_run`): its recorded backbone name, method
-    config after `overrides` and view policy. Raises on any unknown name or bad override."""
-    from extract.runner import plan_run
+def resolve_run(options: RunOptions, execution: ExecOptions) -> RunSpec:
+    """The extractor's own resolution of one run (`plan`): the backbone name its shards record and the view
+    policy of its method config after the overrides. Raises on any unknown name or bad override."""
+    from extract.run.options import plan
 
-    return plan_run(method, dataset, backbone=backbone_arg, pretrained=pretrained, seed=seed, overrides=overrides,
-                    anchor=anchor, limit=limit)
+    planned = plan(options)
+    return RunSpec(dataclasses.replace(options, backbone=planned.backbone), execution, str(planned.policy))
 
 
 def load_group_model(run: RunSpec) -> Any:
     """Load the model of a group (its first run's backbone, weights and device) the way `zaec-extract` does."""
     from extract.models import load_model
 
-    return load_model(run.backbone_arg, run.pretrained, run.device)
+    return load_model(run.options.backbone, run.options.pretrained, run.execution.device)
 
 
 def extract_run(run: RunSpec, model: Any, log: Callable[[str], None]) -> list[Path]:
-    """Run one extraction with an already loaded model; returns the shard paths (`run_extraction`'s result)."""
-    from extract.runner import run_extraction
+    """Run one extraction with an already loaded model: `extract.runner.execute`; returns its shard paths."""
+    from extract import runner
 
-    return run_extraction(
-        run.method, run.dataset, data_root=run.data_root, out=run.out, seed=run.seed, limit=run.limit,
-        overrides=dict(run.overrides) or None, anchor=run.anchor, cache_dir=run.cache_dir,
-        cupl_dir=run.cupl_dir, workers=run.workers, batch_size=run.batch_size, progress=False,
-        model=model, log=log)
+    return runner.execute(run.options, run.execution, model=model, log=log)
 
 
 def check_data(runs: Sequence[RunSpec]) -> None:
-    """List every dataset of the sweep once (split files and folders only, no image is opened), so a missing or
+    """List every test set of the sweep once (split files and folders only, no image is opened), so a missing or
     misnamed folder fails before submission with the extractor's expected-layout message."""
     from extract.datasets import load_testset
+    from extract.run.settings import data_key
 
     seen = set()
     for r in runs:
-        if (r.dataset, r.data_root) not in seen:
-            seen.add((r.dataset, r.data_root))
-            load_testset(r.dataset, r.data_root)
+        if data_key(r.options) not in seen:
+            seen.add(data_key(r.options))
+            load_testset(r.dataset, r.options.data_root, sh_filter=r.options.sh_filter)
 
 
 def is_complete(run: RunSpec) -> bool:
     """The extractor's own finished test (marker + parts on disk, enough samples for the run's `--limit`)."""
-    from extract.runner import run_is_complete
-
-    return run_is_complete(run.out, run.key, limit=run.limit)
+    return bool(run.run_dir().is_complete(run.limit))
 
 
-def settings_mismatch(run: RunSpec, data_cache: dict[tuple[str, str | None], dict[str, str]] | None = None
-                      ) -> str | None:
-    """For a complete run: the recorded settings (method config, anchor, sample list and class names, data root and
-    data fingerprint) that differ from this sweep's, else None.
+def finished_mismatches(runs: Sequence[RunSpec]) -> list[tuple[RunSpec, str]]:
+    """(run, what differs) for each finished run whose recorded settings differ from the sweep's: the extractor's
+    `finished_run_mismatch`, which `zaec-extract` applies before it reuses or refuses a finished run.
 
-    The extractor refuses to reuse such a run without `--force`; the sweep reports it before submitting anything.
-    The data fingerprint (one `os.stat` per image) is computed once per (dataset, data root) in `data_cache`.
+    Each test set is listed and fingerprinted once (`data_key`), and only for runs that are finished.
     """
-    from extract.runner import COMPLETE_MARKER, data_identity
-    from extract.sweep.manifest import read_json
+    from extract.run.options import plan
+    from extract.run.settings import data_key, finished_run_mismatch, load_run_data
 
-    info = read_json(run.shard_dir / COMPLETE_MARKER) or {}
-    recorded = info.get("settings") or {}
-    plan = resolve_run(run.method, run.dataset, backbone_arg=run.backbone_arg, pretrained=run.pretrained,
-                       seed=run.seed, overrides=dict(run.overrides) or None, anchor=run.anchor, limit=run.limit)
-    data_cache = {} if data_cache is None else data_cache
-    if (run.dataset, run.data_root) not in data_cache:
-        run.register_dataset()
-        data_cache[(run.dataset, run.data_root)] = data_identity(run.dataset, run.data_root)
-    wanted = {"method_config": json.loads(json.dumps(dataclasses.asdict(plan.config), default=str)),
-              "anchor": run.anchor, **data_cache[(run.dataset, run.data_root)]}
-    diff = [k for k, v in wanted.items() if k in recorded and recorded[k] != v]
-    return ", ".join(diff) or None
+    data: dict[tuple[Any, ...], Any] = {}
+    bad = []
+    for r in runs:
+        if not is_complete(r):
+            continue
+        r.register_dataset()
+        planned = plan(r.options)
+        if data_key(r.options) not in data:
+            data[data_key(r.options)] = load_run_data(planned)
+        why = finished_run_mismatch(planned, r.run_dir(), data[data_key(r.options)])
+        if why:
+            bad.append((r, why))
+    return bad
 
 
 def check_finished_settings(runs: Sequence[RunSpec]) -> None:
-    """Raise SweepError when complete runs were made with other settings than the sweep asks for."""
-    data_cache: dict[tuple[str, str | None], dict[str, str]] = {}
-    bad = [(r, d) for r in runs if (d := settings_mismatch(r, data_cache))]
+    """Raise SweepError when finished runs were made with other settings than the sweep asks for."""
+    bad = finished_mismatches(runs)
     if bad:
         r, d = bad[0]
         raise SweepError(f"{len(bad)} finished run(s) used other settings than this sweep, e.g. {r.run_id} "
                          f"({d}) under {r.shard_dir}; write the sweep to another --out, or recompute them with "
                          "zaec-extract --force")
-
