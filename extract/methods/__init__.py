@@ -20,6 +20,7 @@ from extract.methods.dpe import DPE
 from extract.methods.ecalp import ECALP
 from extract.methods.mta import MTA
 from extract.methods.onzeta import OnZeta
+from extract.methods.rlcf import RLCF
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
@@ -29,7 +30,7 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RLCF)
 }
 
 
