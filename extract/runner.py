@@ -75,6 +75,7 @@ from extract.run.resume import (  # noqa: F401  (re-exported)
     scan_resume,
     settings_kv,
 )
+from extract.run.pixels import attach_views
 from extract.run.reward import attach_reward
 from extract.run.rundir import RunDir, run_is_complete  # noqa: F401  (re-exported)
 from extract.run.settings import (  # noqa: F401  (re-exported)
@@ -185,6 +186,8 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
     # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
     reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
                            testset_key=data.cache_key(), seed=options.seed, perm=perm, chunk_size=execution.chunk_size)
+    # [view pixels] TTL adapts the image encoder: it reads the views themselves (extract/run/pixels.py)
+    attach_views(method, model, data.testset, perm, planned.policy, options.seed)
     n_run = planned.n_run(data.n_total)
     method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
     warnings = [*prompts.method.warnings, *method.warnings]

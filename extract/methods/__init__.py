@@ -23,6 +23,7 @@ from extract.methods.onzeta import OnZeta
 from extract.methods.rlcf import RLCF
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
+from extract.methods.ttl import TTL
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.zero import Zero
 from extract.methods.zero_shot import ZeroShot
@@ -30,7 +31,8 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RLCF)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RLCF,
+                             TTL)
 }
 
 
