@@ -7,5 +7,6 @@ keys, so a method added to the registry without its key here fails the tests.
 
 METHOD_KEYS: tuple[str, ...] = (
     "zero-shot", "tda", "dpe", "dlae", "tpt", "ctpt", "otpt", "atpt", "tps",
-    "zero", "mta", "onzeta", "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt",
+    "zero", "mta", "onzeta", "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt", "rlcf",
+    "ttl",
 )

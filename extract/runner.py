@@ -78,6 +78,8 @@ from extract.run.resume import (  # noqa: F401  (re-exported)
     scan_resume,
     settings_kv,
 )
+from extract.run.pixels import attach_views
+from extract.run.reward import attach_reward
 from extract.run.rundir import RunDir, run_is_complete  # noqa: F401  (re-exported)
 from extract.run.settings import (  # noqa: F401  (re-exported)
     FinishedRun,
@@ -214,6 +216,11 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
                                    method_text.shape[1], execution.chunk_size)
         method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
                               dataset=planned.dataset, class_names=prompts.method_names)
+        # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
+        attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
+                      testset_key=data.cache_key(), seed=options.seed, perm=perm, chunk_size=execution.chunk_size)
+        # [view pixels] TTL adapts the image encoder: it reads the views themselves (extract/run/pixels.py)
+        attach_views(method, model, data.testset, perm, planned.policy, options.seed)
         n_run = planned.n_run(data.n_total)
         method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
         warnings = [*prompts.method.warnings, *method.warnings]
@@ -235,6 +242,9 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
+        if reward is not None:  # [reward model] its features of the same views, into its own cache
+            reward.encode(data.testset, perm, n_run, seed=options.seed, batch_size=execution.batch_size,
+                          workers=workers, progress=prog)
         _restore_method(inputs, point, state.position, n_run, planned.episodic, prog)
         adapt_stream(inputs, state, n_run, writer, prog.task(f"{options.method} on {planned.dataset}",
                                                               n_run - state.position))

@@ -259,12 +259,16 @@ def shared_cache(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", sorted(methods.REGISTRY))
-def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method, shared_cache):  # noqa: F811
-    paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache)
+def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data_root, method,  # noqa: F811
+                                     shared_cache):
+    # a method with a second model (RLCF's reward model) gets the tiny model: its default cannot be loaded offline
+    overrides = ({"reward_pretrained": f"local-dir:{tiny_model_dir}"}
+                 if getattr(methods.get_method(method), "needs_reward_model", False) else {})
+    paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides)
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
     assert all(validate_shard(p) == [] for p in paths)
-    cfg = methods.get_method(method).default_config("dtd", "tiny-clip")
+    cfg = methods.apply_overrides(methods.get_method(method).default_config("dtd", "tiny-clip"), overrides)
     meta = read_shard(paths[0]).meta
     assert meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
     # what the rows are: written only when they are not logits, so shards of the logit methods keep their bytes

@@ -40,7 +40,9 @@ from extract.text_encoder import PromptTextEncoder, TextEncoderError
 NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
 K = len(NAMES)
 # every registered episodic tuner (TPT, C-TPT, O-TPT, A-TPT, TPS, and any added later)
-EPISODIC = tuple(k for k, cls in REGISTRY.items() if issubclass(cls, EpisodicTuner))
+# (RLCF reuses the tuner with its own loss and a reward model: tests/test_extract_methods_rlcf.py)
+EPISODIC = tuple(k for k, cls in REGISTRY.items()
+                 if issubclass(cls, EpisodicTuner) and not getattr(cls, "needs_reward_model", False))
 # float32 tolerances: the tiny text tower reduces over width 32, so a unit-norm feature may move by ~32 eps when
 # the summation order changes (threads, AVX2 vs AVX-512 kernels, batch shapes); logits carry the logit scale.
 EPS32 = torch.finfo(torch.float32).eps

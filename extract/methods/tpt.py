@@ -301,6 +301,16 @@ class EpisodicTuner(TTAMethod):
     def _class_features(self, param: torch.Tensor) -> torch.Tensor:
         """(G, ...) parameter -> (G, K, D) L2-normalised class features (differentiable)."""
 
+    def _loss(self, feats: torch.Tensor, logits: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """(G,) per-sample tuning loss (before the regulariser): `_tuning_loss` of the selected views' logits
+        (a method whose loss needs more than those, such as RLCF's reward, overrides this one).
+
+        Args:
+            feats: (G, V, ...) the pass's inputs; logits: (G, V, K) of the current parameter; sel: (G, n) views.
+        """
+        chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
+        return self._tuning_loss(chosen)
+
     def _regulariser(self, text: torch.Tensor) -> torch.Tensor | None:
         """(G, K, D) class features -> (G,) term added to the loss, or None."""
         return None
@@ -425,9 +435,8 @@ class EpisodicTuner(TTAMethod):
                 # step (`run_shift_iter`). Identical with the default single step.
                 if sel is None or self.reselect_each_step:
                     sel = select_confident(logits, cfg.selection_p)
-                chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
                 # fp32 before summing: G scaled fp16 losses (each up to 1000 · ln K) would overflow their sum
-                loss = self._tuning_loss(chosen).float()  # (G,)
+                loss = self._loss(feats, logits, sel).float()  # (G,)
             with torch.autocast(device_type=dev.type, enabled=False):
                 reg = self._regulariser(text.float())  # in fp32, outside autocast
             if reg is not None:
