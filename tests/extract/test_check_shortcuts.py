@@ -6,12 +6,12 @@ import json
 
 import numpy as np
 import pytest
-from extract_fixtures import make_json_dataset, tiny_model_dir  # noqa: F401  (pytest fixture)
-
-from test_extract_tpt import tuned_tol
 
 from extract import check_shortcuts
 from extract.check_shortcuts import _metrics
+
+from tests.support.extract import make_json_dataset
+from tests.support.tpt import tuned_tol
 
 
 def test_metrics_against_an_obvious_loop():
@@ -29,7 +29,7 @@ def test_metrics_against_an_obvious_loop():
     assert abs(m["ece"] - ece) <= 64 * np.finfo(np.float64).eps
 
 
-def test_cpu_runs_agree_to_rounding_and_write_json(tmp_path, tiny_model_dir, capsys):  # noqa: F811
+def test_cpu_runs_agree_to_rounding_and_write_json(tmp_path, tiny_model_dir, capsys):
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=3, per_class=4)
     out = tmp_path / "s.json"
@@ -48,7 +48,7 @@ def test_cpu_runs_agree_to_rounding_and_write_json(tmp_path, tiny_model_dir, cap
     assert "with / without the shortcuts" in capsys.readouterr().out
 
 
-def test_a_method_without_shortcuts_is_one_line(tmp_path, tiny_model_dir, capsys):  # noqa: F811
+def test_a_method_without_shortcuts_is_one_line(tmp_path, tiny_model_dir, capsys):
     with pytest.raises(SystemExit) as e:
         check_shortcuts.run(["--pretrained", f"local-dir:{tiny_model_dir}", "--dataset", "dtd", "--methods", "tda"])
     err = capsys.readouterr().err

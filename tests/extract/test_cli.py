@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from extract_fixtures import make_json_dataset, tiny_model_dir  # noqa: F401  (pytest fixture)
 from typer.testing import CliRunner
 
 from extract.cli import app
 from schemas import find_shards, read_shard
+
+from tests.support.extract import make_json_dataset
 
 runner = CliRunner()
 
@@ -28,7 +29,7 @@ def _base(tmp_path, data_root, model_dir):
             "--pretrained", f"local-dir:{model_dir}", "--device", "cpu", "--quiet"]
 
 
-def test_cli_run_with_set_and_limit(tmp_path, data_root, tiny_model_dir):  # noqa: F811
+def test_cli_run_with_set_and_limit(tmp_path, data_root, tiny_model_dir):
     r = _invoke(["--method", "tda", "--dataset", "dtd", "--limit", "4", "--seed", "3", "--set", "alpha=0.5",
                  "--set", "beta=2"] + _base(tmp_path, data_root, tiny_model_dir))
     assert r.exit_code == 0, r.output
@@ -48,14 +49,14 @@ def test_cli_run_with_set_and_limit(tmp_path, data_root, tiny_model_dir):  # noq
     (["--method", "tda", "--dataset", "dtd", "--anchor", "both"], "unknown anchor 'both'"),
     (["--method", "tda", "--dataset", "caltech101"], "dataset 'caltech101' not found"),
 ])
-def test_cli_user_errors_one_line_no_traceback(tmp_path, data_root, tiny_model_dir, extra, needle):  # noqa: F811
+def test_cli_user_errors_one_line_no_traceback(tmp_path, data_root, tiny_model_dir, extra, needle):
     r = _invoke(extra + _base(tmp_path, data_root, tiny_model_dir))
     assert r.exit_code == 2
     assert needle in r.output and "Traceback" not in r.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
-def test_cli_missing_dataset_shows_layout(tmp_path, tiny_model_dir):  # noqa: F811
+def test_cli_missing_dataset_shows_layout(tmp_path, tiny_model_dir):
     r = _invoke(["--method", "zero-shot", "--dataset", "caltech101"] + _base(tmp_path, tmp_path, tiny_model_dir))
     assert r.exit_code == 2
     assert "caltech-101/split_zhou_Caltech101.json" in r.output and "101_ObjectCategories" in r.output

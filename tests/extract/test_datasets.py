@@ -6,8 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from extract_fixtures import make_aircraft, make_imagenet_folders, make_json_dataset
-
 from extract.datasets import (
     FASHION_MNIST_CLASSES,
     PAPER_DATASETS,
@@ -18,6 +16,8 @@ from extract.datasets import (
     imagenet_synsets,
     load_testset,
 )
+
+from tests.support.extract import make_aircraft, make_imagenet_folders, make_json_dataset
 
 JSON_KEYS = [k for k, s in REGISTRY.items() if s.kind == "json"]
 FOLDER_KEYS = [k for k, s in REGISTRY.items() if s.kind == "folders"]

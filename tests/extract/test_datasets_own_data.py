@@ -10,12 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from extract_fixtures import (  # noqa: F401  (pytest fixtures)
-    make_imagenet_folders,
-    tiny_model,
-    tiny_model_dir,
-    write_image,
-)
 from typer.testing import CliRunner
 
 from extract import datasets as ds
@@ -36,6 +30,8 @@ from extract.prompts import USER_PROMPT_POLICIES, PromptError, build_prompt_set
 from extract.runner import RunError, plan_run, run_extraction
 from extract.views import ViewGenerator
 from schemas import find_shards, read_shard
+
+from tests.support.extract import make_imagenet_folders, write_image
 
 cli = CliRunner()
 
@@ -211,7 +207,7 @@ def test_plan_for_unseen_data(tmp_path):
         build_prompt_set(key, ["a", "b"], policy="dataset")
 
 
-def test_run_on_a_folder_end_to_end(tmp_path, tiny_model):  # noqa: F811
+def test_run_on_a_folder_end_to_end(tmp_path, tiny_model):
     root = make_folder(tmp_path / "pets", PETS, seed=3)
     lines: list[str] = []
     paths = run_extraction("zero-shot", f"folder:{root}", out=tmp_path / "out", cache_dir=tmp_path / "cache",
@@ -244,7 +240,7 @@ def _cli(args, tmp_path, model_dir):
     return cli.invoke(app, args + base, catch_exceptions=False)
 
 
-def test_cli_folder_with_name_and_class_names(tmp_path, tiny_model_dir):  # noqa: F811
+def test_cli_folder_with_name_and_class_names(tmp_path, tiny_model_dir):
     root = make_folder(tmp_path / "scans", {"benign": ["a.png", "b.png"], "malignant": ["c.png"]})
     names = tmp_path / "names.json"
     names.write_text('["benign lesion", "malignant lesion"]')
@@ -272,7 +268,7 @@ def _bad_image_folder(tmp_path: Path) -> Path:
     ("unreadable", "torn.jpg: cannot read image"),
     ("cupl", "prompts must be one of single, imagenet80 and cupl false"),
 ])
-def test_cli_user_errors(tmp_path, tiny_model_dir, case, needle):  # noqa: F811
+def test_cli_user_errors(tmp_path, tiny_model_dir, case, needle):
     data = tmp_path / "data"
     data.mkdir()
     extra: list[str] = []
@@ -299,7 +295,7 @@ def test_cli_user_errors(tmp_path, tiny_model_dir, case, needle):  # noqa: F811
     assert not (tmp_path / "out").exists()
 
 
-def test_unreadable_image_from_a_loader_process_is_named(tmp_path, tiny_model):  # noqa: F811
+def test_unreadable_image_from_a_loader_process_is_named(tmp_path, tiny_model):
     root = _bad_image_folder(tmp_path)
     with pytest.raises(DatasetError) as e:
         run_extraction("zero-shot", f"folder:{root}", out=tmp_path / "out", cache_dir=tmp_path / "cache",
@@ -309,7 +305,7 @@ def test_unreadable_image_from_a_loader_process_is_named(tmp_path, tiny_model): 
     assert not list((tmp_path / "out").rglob("*.parquet"))
 
 
-def test_sweep_with_own_data_and_a_fresh_worker(tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
+def test_sweep_with_own_data_and_a_fresh_worker(tmp_path, tiny_model_dir, monkeypatch):
     from extract.sweep.job import run_group
     from extract.sweep.plan import Grid, SweepError, expand_datasets, expand_grid, group_runs, n_images
 
@@ -427,7 +423,7 @@ def test_sweep_class_names_errors(tmp_path, entry, needle):
 
 
 @pytest.mark.slow
-def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_dir):  # noqa: F811
+def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_dir):
     from extract.sweep import cli as sweep_cli
     from extract.sweep.plan import Manifest
 
@@ -462,7 +458,7 @@ def test_sweep_local_job_and_retry_carry_the_class_names(tmp_path, tiny_model_di
 
 
 @pytest.mark.parametrize("method", ["dpe", "dlae", "tda", "tpt"])
-def test_one_class_dataset_is_one_line(tmp_path, tiny_model_dir, method):  # noqa: F811
+def test_one_class_dataset_is_one_line(tmp_path, tiny_model_dir, method):
     # DPE/DLAE divided by K - 1 (a 43-line traceback) and the others reported 100% accuracy
     root = make_folder(tmp_path / "solo", {"only": ["a.png", "b.png"]})
     with pytest.raises(DatasetError, match="needs at least two classes"):

@@ -17,7 +17,7 @@ import pytest
 from extract.demo import fmnist
 from extract.demo.run import CALIBRATORS, DemoConfig, run_demo
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FMNIST_DIR = Path(os.environ.get("FMNIST_DIR", REPO / "data" / "fashion-mnist"))
 if not FMNIST_DIR.is_absolute():
     FMNIST_DIR = REPO / FMNIST_DIR

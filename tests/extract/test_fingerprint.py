@@ -7,16 +7,13 @@ import shutil
 
 import numpy as np
 import pytest
-from extract_fixtures import (  # noqa: F401  (pytest fixtures)
-    make_json_dataset,
-    tiny_model,
-    tiny_model_dir,
-)
 
 from extract.datasets import load_testset
 from extract.fingerprint import fingerprint
 from extract.runner import RunError, run_extraction
 from schemas import read_shard
+
+from tests.support.extract import make_json_dataset
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
 
@@ -63,7 +60,7 @@ def test_fingerprint_modes_notice_changes(two_roots):
         fingerprint(ta, "mtime")
 
 
-def test_other_root_same_split_recomputes_or_refuses(tmp_path, two_roots, tiny_model):  # noqa: F811
+def test_other_root_same_split_recomputes_or_refuses(tmp_path, two_roots, tiny_model):
     a, b = two_roots
     out, cache = tmp_path / "out", tmp_path / "cache"
     pa_ = _run(a, out, cache, tiny_model)
@@ -82,7 +79,7 @@ def test_other_root_same_split_recomputes_or_refuses(tmp_path, two_roots, tiny_m
     np.testing.assert_array_equal(lb, _logits(ref))  # equals a run that never saw the first copy
 
 
-def test_changed_image_in_place_recomputes(tmp_path, two_roots, tiny_model):  # noqa: F811
+def test_changed_image_in_place_recomputes(tmp_path, two_roots, tiny_model):
     a, b = two_roots
     out, cache = tmp_path / "out", tmp_path / "cache"
     first = _logits(_run(a, out, cache, tiny_model))
@@ -98,7 +95,7 @@ def test_changed_image_in_place_recomputes(tmp_path, two_roots, tiny_model):  # 
     np.testing.assert_array_equal(again, ref)
 
 
-def test_writer_announces_counts_and_resumed_parts_agree(tmp_path, tiny_model):  # noqa: F811
+def test_writer_announces_counts_and_resumed_parts_agree(tmp_path, tiny_model):
     from calibrate.run import check_complete
     from schemas import PartialRunError, find_shards, group_shards
 
@@ -122,7 +119,7 @@ def test_writer_announces_counts_and_resumed_parts_agree(tmp_path, tiny_model): 
 def _tiny_ckpt(d, name, cut=None, layers=1):
     """A tiny checkpoint of the registered TINY_ARCH; `cut` truncates it, `layers` != 1 makes it another arch."""
     import open_clip
-    from extract_fixtures import make_tiny_checkpoint, tiny_model_cfg
+    from tests.support.extract import make_tiny_checkpoint, tiny_model_cfg
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
@@ -211,7 +208,7 @@ def _cli(args, capsys):
 
 
 @pytest.mark.parametrize("build, needle", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_one_line_exit_2_nothing_read_or_written(tmp_path, cli_data, tiny_model_dir, capsys,  # noqa: F811
+def test_bad_input_one_line_exit_2_nothing_read_or_written(tmp_path, cli_data, tiny_model_dir, capsys,
                                                            monkeypatch, build, needle):
     import extract.run.encode
     import extract.run.options
@@ -243,7 +240,7 @@ def test_bad_input_one_line_exit_2_nothing_read_or_written(tmp_path, cli_data, t
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("chunk-*.npy"))
 
 
-def test_nonfinite_logits_fail_the_run_naming_the_sample(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_nonfinite_logits_fail_the_run_naming_the_sample(tmp_path, tiny_model, monkeypatch):
     import torch
     import extract.methods as methods
     from extract.methods.zero_shot import ZeroShot
@@ -349,7 +346,7 @@ def _cache_arrays(cache):
     return {str(p.relative_to(cache).parts[-2:]): np.load(p) for p in sorted(cache.rglob("chunk-*.npy"))}
 
 
-def test_limit_encodes_only_needed_positions_and_extends_prefix(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_limit_encodes_only_needed_positions_and_extends_prefix(tmp_path, tiny_model, monkeypatch):
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=3, per_class=6)  # 18 samples, chunks of 5, micro-batches of 2
     kw = dict(chunk_size=5, batch_size=2)
@@ -374,7 +371,7 @@ def test_limit_encodes_only_needed_positions_and_extends_prefix(tmp_path, tiny_m
     np.testing.assert_array_equal(_logits(full), _logits(fresh))
 
 
-def test_limit_with_64_views_encodes_limit_times_64_images(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_limit_with_64_views_encodes_limit_times_64_images(tmp_path, tiny_model, monkeypatch):
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=3, per_class=6)
     calls = _count_encoded(monkeypatch, tiny_model)
@@ -387,7 +384,7 @@ def test_limit_with_64_views_encodes_limit_times_64_images(tmp_path, tiny_model,
 
 # --- small things --------------------------------------------------------------------------------------------------
 
-def test_quiet_keeps_warnings_and_the_last_line_is_unwrapped(tmp_path, cli_data, tiny_model_dir,  # noqa: F811
+def test_quiet_keeps_warnings_and_the_last_line_is_unwrapped(tmp_path, cli_data, tiny_model_dir,
                                                              capsys):
     out = tmp_path / ("a-long-folder-name-" * 5) / "shards"
     code, stdout, err = _cli(["--method", "dpe", "--dataset", "dtd", "--limit", "2", "--data-root", cli_data,
@@ -400,8 +397,7 @@ def test_quiet_keeps_warnings_and_the_last_line_is_unwrapped(tmp_path, cli_data,
 
 
 def test_torchscript_load_does_not_claim_random_init(tmp_path, caplog, capfd):
-    from extract_fixtures import make_tiny_checkpoint
-
+    from tests.support.extract import make_tiny_checkpoint
     from extract.models import load_model
 
     path = make_tiny_checkpoint(tmp_path / "jit.pt", fmt="jit")
@@ -434,7 +430,7 @@ def test_temperature_at_its_bound_is_not_reported_as_fitted(tmp_path, make_meta)
     assert not any(n.startswith("temperature scaling fitted on") for n in notes)
 
 
-def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):  # noqa: F811
+def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=3, per_class=3)
     out, cache = tmp_path / "out", tmp_path / "cache"
@@ -471,10 +467,9 @@ def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):  # 
     assert all("zaec:data_fingerprint" in read_shard(p).meta.extra for p in third)
 
 
-def test_user_folder_dataset_gets_the_fingerprint_for_free(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_user_folder_dataset_gets_the_fingerprint_for_free(tmp_path, tiny_model, monkeypatch):
     import extract.datasets as ds
-    from extract_fixtures import write_image
-
+    from tests.support.extract import write_image
     monkeypatch.setattr(ds, "_USER_SPECS", {})  # as a fresh process: no user dataset registered yet
     rng = np.random.default_rng(0)
     root = tmp_path / "pets"

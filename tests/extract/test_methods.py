@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract_fixtures import one_thread, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 from extract.methods import HPARAMS_KEYS, REGISTRY, apply_overrides, get_method
 from extract.methods.common import ClassCache, adamw_first_step, info_nce, marginal_entropy, torch_adamw_step
@@ -22,13 +21,13 @@ from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.zero_shot import ZeroShot
 
-K, D = 5, 16  # D = the embedding width of the tiny open_clip model of `extract_fixtures`
+K, D = 5, 16  # D = the embedding width of the tiny open_clip model of `tests.support.extract`
 NAMES = ("cat", "dog", "sea_lion", "car", "tree")
 # float32 logit tolerance: a width-D dot product at scale 100 moves by ~D eps x 100 when its summation order changes
 LOGIT_TOL32 = 2 * D * torch.finfo(torch.float32).eps * 100.0
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (extract_fixtures)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (tests/support/extract.py)
 
 
 def make_text(seed: int = 0, dtype=torch.float64) -> torch.Tensor:

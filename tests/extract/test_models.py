@@ -10,20 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from extract_fixtures import (
+
+from extract.models import ModelError, load_model, resolve_device, skip_random_init
+
+from tests.support.extract import (
     TINY_ARCH,
     make_json_dataset,
     make_tiny_checkpoint,
     make_tiny_model_dir,
-    tiny_model,  # noqa: F401  (pytest fixture)
-    tiny_model_dir,  # noqa: F401  (pytest fixture)
 )
-
-from extract.models import ModelError, load_model, resolve_device, skip_random_init
 
 EPS32 = torch.finfo(torch.float32).eps  # float32 tolerances below are multiples of it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _uses_quick_gelu(model: torch.nn.Module) -> bool:
@@ -31,7 +30,7 @@ def _uses_quick_gelu(model: torch.nn.Module) -> bool:
     return any(isinstance(m, QuickGELU) for m in model.modules())
 
 
-def test_local_dir_loads_config_and_weights(tiny_model, tiny_model_dir):  # noqa: F811
+def test_local_dir_loads_config_and_weights(tiny_model, tiny_model_dir):
     m = tiny_model
     assert m.backbone == "tiny-clip"  # the directory's model name is recorded
     assert m.preprocess.size == (32, 32)
@@ -74,7 +73,7 @@ def test_loading_without_random_init_gives_the_same_model(tmp_path, kind):
     assert not torch.equal(x, torch.full((64,), 7.0))
 
 
-def test_lazy_tokenizer_tokenises_as_open_clip(tiny_model, tiny_model_dir):  # noqa: F811
+def test_lazy_tokenizer_tokenises_as_open_clip(tiny_model, tiny_model_dir):
     import open_clip
     texts = ["a photo of a cat.", "a dog"]
     got = tiny_model.tokenizer(texts)
@@ -89,7 +88,7 @@ def test_local_dir_without_model_name_uses_folder_name(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pt", "jit"])
-def test_checkpoint_file_same_weights_as_local_dir(tmp_path, tiny_model, fmt):  # noqa: F811
+def test_checkpoint_file_same_weights_as_local_dir(tmp_path, tiny_model, fmt):
     ckpt = make_tiny_checkpoint(tmp_path / f"tiny.{fmt}", seed=0, fmt=fmt)
     m = load_model(TINY_ARCH, str(ckpt), "cpu", quick_gelu=True)
     assert m.backbone == TINY_ARCH and m.weights_file == str(ckpt)
@@ -106,7 +105,7 @@ class _Payload:
 
 def test_pickled_objects_are_refused(tmp_path):
     """A .pt holding Python objects is never unpickled (weights_only loading)."""
-    from extract_fixtures import register_tiny_arch
+    from tests.support.extract import register_tiny_arch
     register_tiny_arch()
     bad = tmp_path / "evil.pt"
     torch.save({"state_dict": {"x": _Payload()}}, bad)
@@ -114,18 +113,18 @@ def test_pickled_objects_are_refused(tmp_path):
         load_model(TINY_ARCH, str(bad), "cpu")
 
 
-def test_fingerprint_distinguishes_weights(tmp_path, tiny_model):  # noqa: F811
+def test_fingerprint_distinguishes_weights(tmp_path, tiny_model):
     other = make_tiny_model_dir(tmp_path / "other", seed=1)
     assert load_model(None, f"local-dir:{other}", "cpu").fingerprint != tiny_model.fingerprint
 
 
-def test_encode_outputs_are_normalised(tiny_model):  # noqa: F811
+def test_encode_outputs_are_normalised(tiny_model):
     f = tiny_model.encode_images(torch.randn(4, 3, 32, 32))
     assert f.dtype == torch.float32 and f.shape == (4, 16)
     torch.testing.assert_close(f.norm(dim=-1), torch.ones(4), rtol=0, atol=2 * 16 * EPS32)  # a width-16 norm
 
 
-def test_text_prototypes_match_independent_average(tiny_model):  # noqa: F811
+def test_text_prototypes_match_independent_average(tiny_model):
     import open_clip
     prompts = [["a photo of a cat.", "itap of a cat."], ["a dog texture."], ["x.", "y.", "z."]]
     got = tiny_model.text_prototypes(prompts, batch_size=2)

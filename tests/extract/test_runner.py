@@ -10,13 +10,6 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from extract_fixtures import (
-    interrupt_nth_write,
-    make_imagenet_folders,
-    make_json_dataset,
-    tiny_model,  # noqa: F401  (pytest fixture)
-    tiny_model_dir,  # noqa: F401  (pytest fixture)
-)
 
 import extract.methods as methods
 from extract import runner
@@ -26,6 +19,8 @@ from extract.datasets import imagenet_synsets, load_testset
 from extract.methods.base import MethodConfig, TTAMethod
 from extract.runner import RunError, run_extraction, run_is_complete, stream_permutation
 from schemas import RunKey, find_shards, group_shards, read_shard, validate_shard
+
+from tests.support.extract import interrupt_nth_write, make_imagenet_folders, make_json_dataset
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
 
@@ -89,7 +84,7 @@ def running_mean(monkeypatch):
 
 # --------------------------------------------------------------------------------------------------------------
 
-def test_zero_shot_shards_valid_and_logits_independent(tmp_path, tiny_model, tiny_model_dir, data_root):  # noqa: F811
+def test_zero_shot_shards_valid_and_logits_independent(tmp_path, tiny_model, tiny_model_dir, data_root):
     paths = _run("zero-shot", tmp_path, tiny_model, data_root)
     assert [p.name for p in paths] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     for p in paths:
@@ -133,7 +128,7 @@ def test_zero_shot_shards_valid_and_logits_independent(tmp_path, tiny_model, tin
     assert run_is_complete(tmp_path / "out", key)
 
 
-def test_deterministic_and_cache_reused(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+def test_deterministic_and_cache_reused(tmp_path, tiny_model, data_root, monkeypatch):
     a = _table(_run("tda", tmp_path / "a", tiny_model, data_root))
     b = _table(_run("tda", tmp_path / "b", tiny_model, data_root))
     for k in a:
@@ -149,7 +144,7 @@ def test_deterministic_and_cache_reused(tmp_path, tiny_model, data_root, monkeyp
     np.testing.assert_array_equal(z["zs_logits"], a["zs_logits"])
 
 
-def test_multi_view_cache_shares_view0_exactly(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+def test_multi_view_cache_shares_view0_exactly(tmp_path, tiny_model, data_root, monkeypatch):
     multi = _table(_run("zero-shot", tmp_path, tiny_model, data_root, limit=6, force=True, chunk_size=3,
                         overrides={"n_views": "64", "augmix": "true"}))
     calls = []
@@ -164,7 +159,7 @@ def test_multi_view_cache_shares_view0_exactly(tmp_path, tiny_model, data_root, 
                                                                                        "chunk-00001.npy"]
 
 
-def test_limit_prefix_of_full_stream(tmp_path, tiny_model, data_root):  # noqa: F811
+def test_limit_prefix_of_full_stream(tmp_path, tiny_model, data_root):
     full = _table(_run("tda", tmp_path / "f", tiny_model, data_root))
     part = _table(_run("tda", tmp_path / "l", tiny_model, data_root, limit=8))
     assert len(part["sample_id"]) == 8
@@ -175,7 +170,7 @@ def test_limit_prefix_of_full_stream(tmp_path, tiny_model, data_root):  # noqa: 
                                                                                       "chunk-00001.npy"]
 
 
-def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_model, data_root, running_mean,  # noqa: F811
+def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_model, data_root, running_mean,
                                                         monkeypatch):
     full_paths = _run(running_mean, tmp_path / "full", tiny_model, data_root)
     full = _table(full_paths)
@@ -207,7 +202,7 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_model, da
     np.testing.assert_array_equal(again["tta_logits"], full["tta_logits"])
 
 
-def test_changed_settings_need_force(tmp_path, tiny_model, data_root, running_mean):  # noqa: F811
+def test_changed_settings_need_force(tmp_path, tiny_model, data_root, running_mean):
     _run(running_mean, tmp_path, tiny_model, data_root)
     with pytest.raises(RunError, match="different settings.*--force"):
         _run(running_mean, tmp_path, tiny_model, data_root, overrides={"weight": "1.5"})
@@ -220,7 +215,7 @@ def test_changed_settings_need_force(tmp_path, tiny_model, data_root, running_me
     assert read_shard(paths[0]).meta.method_config["weight"] == 1.5
 
 
-def test_anchor_method_and_cupl_warning_in_metadata(tmp_path, tiny_model, data_root):  # noqa: F811
+def test_anchor_method_and_cupl_warning_in_metadata(tmp_path, tiny_model, data_root):
     paths = _run("dpe", tmp_path, tiny_model, data_root, limit=4, anchor="method", cupl_dir=tmp_path / "nocupl")
     meta = read_shard(paths[0]).meta
     assert meta.zs_prompts["anchor"] == "method" and meta.zs_prompts["templates"] == ["{} texture."]
@@ -229,7 +224,7 @@ def test_anchor_method_and_cupl_warning_in_metadata(tmp_path, tiny_model, data_r
     assert meta.method_config["cupl"] is True
 
 
-def test_v2_end_to_end_labels(tmp_path, tiny_model):  # noqa: F811
+def test_v2_end_to_end_labels(tmp_path, tiny_model):
     root = tmp_path / "data"
     make_imagenet_folders(root, "imagenet_v2", ["0", "10", "2"], per_class=1)
     paths = _run("zero-shot", tmp_path, tiny_model, root, dataset="imagenet_v2")
@@ -240,7 +235,7 @@ def test_v2_end_to_end_labels(tmp_path, tiny_model):  # noqa: F811
     assert read_shard(paths[0]).meta.num_classes == 1000
 
 
-def test_imagenet_a_subset_metadata(tmp_path, tiny_model):  # noqa: F811
+def test_imagenet_a_subset_metadata(tmp_path, tiny_model):
     import importlib.resources
     idx = [int(x) for x in (importlib.resources.files("timm.data") / "_info" / "imagenet_a_indices.txt")
            .read_text().split()]
@@ -259,7 +254,7 @@ def shared_cache(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", sorted(methods.REGISTRY))
-def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method, shared_cache):  # noqa: F811
+def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method, shared_cache):
     paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache)
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
@@ -268,7 +263,7 @@ def test_every_registered_method_runs(tmp_path, tiny_model, data_root, method, s
     assert read_shard(paths[0]).meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def test_bad_run_arguments(tmp_path, tiny_model, data_root):  # noqa: F811
+def test_bad_run_arguments(tmp_path, tiny_model, data_root):
     with pytest.raises(ValueError, match="unknown method 'nope'; available: zero-shot"):
         _run("nope", tmp_path, tiny_model, data_root)
     with pytest.raises(ValueError, match="unknown config key.*valid keys"):
@@ -290,7 +285,7 @@ def test_stream_permutation_fixed_per_dataset_and_seed():
     assert not np.array_equal(a, stream_permutation("eurosat", 1, 100))
 
 
-def test_encoding_crash_resumes_missing_chunks_only(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+def test_encoding_crash_resumes_missing_chunks_only(tmp_path, tiny_model, data_root, monkeypatch):
     from extract.cache import FeatureCache
     full = _table(_run("zero-shot", tmp_path / "ref", tiny_model, data_root))
     real_save = FeatureCache.save
@@ -318,7 +313,7 @@ def test_encoding_crash_resumes_missing_chunks_only(tmp_path, tiny_model, data_r
         np.testing.assert_array_equal(resumed[k], full[k])
 
 
-def test_text_prototypes_cached(tmp_path, tiny_model, data_root, monkeypatch):  # noqa: F811
+def test_text_prototypes_cached(tmp_path, tiny_model, data_root, monkeypatch):
     _run("tda", tmp_path, tiny_model, data_root, limit=4)
     calls = []
     orig = type(tiny_model).encode_texts
@@ -330,7 +325,7 @@ def test_text_prototypes_cached(tmp_path, tiny_model, data_root, monkeypatch):  
     assert calls == []  # "a photo of a {}." prototypes were cached by the anchor of the first run
 
 
-def test_sh_filter_recorded_in_metadata(tmp_path, tiny_model):  # noqa: F811
+def test_sh_filter_recorded_in_metadata(tmp_path, tiny_model):
     root = tmp_path / "data"
     make_imagenet_folders(root, "imagenet_v2", ["3"], per_class=3, names=["a.png", "ash.png", "b.png"])
     paths = _run("zero-shot", tmp_path, tiny_model, root, dataset="imagenet_v2", sh_filter=True)
@@ -340,7 +335,7 @@ def test_sh_filter_recorded_in_metadata(tmp_path, tiny_model):  # noqa: F811
     assert len(read_shard(plain[0])) == 3 and "zaec:tda_sh_filter" not in read_shard(plain[0]).meta.extra
 
 
-def test_workers_and_fp16_cache_paths(tmp_path, tiny_model, tiny_model_dir, data_root):  # noqa: F811
+def test_workers_and_fp16_cache_paths(tmp_path, tiny_model, tiny_model_dir, data_root):
     """The GPU code paths that run on the CPU too: worker processes for the views, an fp16 feature cache."""
     from extract.models import load_model
     ref = _table(_run("tda", tmp_path / "w0", tiny_model, data_root, limit=8, workers=0))
@@ -357,7 +352,7 @@ def test_workers_and_fp16_cache_paths(tmp_path, tiny_model, tiny_model_dir, data
     np.testing.assert_allclose(half["zs_logits"], ref["zs_logits"], atol=0.05)
 
 
-def test_all_parts_present_but_no_marker(tmp_path, tiny_model, data_root, running_mean):  # noqa: F811
+def test_all_parts_present_but_no_marker(tmp_path, tiny_model, data_root, running_mean):
     """A crash between the last shard and the marker: the rerun keeps every part and only writes the marker."""
     paths = _run(running_mean, tmp_path, tiny_model, data_root)
     key = RunKey("tiny-clip", "dtd", running_mean, 1)
@@ -368,7 +363,7 @@ def test_all_parts_present_but_no_marker(tmp_path, tiny_model, data_root, runnin
     assert {p: p.stat().st_mtime_ns for p in paths} == mtimes and run_is_complete(tmp_path / "out", key)
 
 
-def test_changed_settings_recomputed_when_the_caller_owns_the_output(tmp_path, tiny_model, data_root,  # noqa: F811
+def test_changed_settings_recomputed_when_the_caller_owns_the_output(tmp_path, tiny_model, data_root,
                                                                     running_mean):
     """on_changed="recompute" (the demo's choice) recomputes a finished or partial run whose settings changed,
     with a note, instead of refusing; the default still refuses (test above)."""
@@ -389,7 +384,7 @@ def test_changed_settings_recomputed_when_the_caller_owns_the_output(tmp_path, t
 
 @pytest.mark.parametrize("policy,batch_size,device_chains", [("single", 4, False), ("crop_flip", 40, False),
                                                               ("augmix", 64, False), ("augmix", 40, True)])
-def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model, data_root, policy,  # noqa: F811
+def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model, data_root, policy,
                                                             batch_size, device_chains):
     """The device-side micro-batches (`_Batcher`) encode exactly what the obvious code encodes: per chunk, every
     view of its samples in stream order, concatenated on the host, cut into `batch_size` pieces (63 views per sample
@@ -423,7 +418,7 @@ def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-side micro-batches run on CUDA here")
-def test_cuda_encode_pass_equals_host_micro_batches(tmp_path, tiny_model_dir, data_root):  # noqa: F811
+def test_cuda_encode_pass_equals_host_micro_batches(tmp_path, tiny_model_dir, data_root):
     """On CUDA (pinned uint8 from loader processes, finished on the GPU, asynchronous copies into the batch buffer)
     the cache holds the features of the same micro-batches built on the host and encoded one by one."""
     from extract.cache import FeatureCache
@@ -446,7 +441,7 @@ def test_cuda_encode_pass_equals_host_micro_batches(tmp_path, tiny_model_dir, da
 
 
 @pytest.mark.parametrize("env,expected", [(None, True), ("1", True), ("0", False)])
-def test_device_chains_default_on_cuda_unless_disabled(tmp_path, tiny_model, data_root, monkeypatch,  # noqa: F811
+def test_device_chains_default_on_cuda_unless_disabled(tmp_path, tiny_model, data_root, monkeypatch,
                                                        env, expected):
     """A CUDA model runs AugMix's chains on the device unless ZAEC_DEVICE_CHAINS=0; a CPU model never does."""
     from extract.cache import FeatureCache

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from extract_fixtures import make_json_dataset, tiny_model_dir  # noqa: F401  (pytest fixture)
 from typer.testing import CliRunner
 
 from extract.sweep import cli as sweep
@@ -46,6 +45,8 @@ from extract.sweep.plan import (
 )
 from extract.views import view_policy
 from schemas import read_shard
+
+from tests.support.extract import make_json_dataset
 
 runner = CliRunner()
 DATASETS = ("dtd", "eurosat")
@@ -360,7 +361,7 @@ def test_slurm_parameters(tmp_path):
     assert "gpus_per_node" not in sweep.slurm_parameters(dataclasses.replace(opts, gpus_per_job=0), groups)
 
 
-def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, monkeypatch):  # noqa: F811
+def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, monkeypatch):
     capture = tmp_path / "captured.sbatch"
     _fake_slurm(tmp_path / "bin", capture)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
@@ -510,7 +511,7 @@ def test_error_line_is_one_line():
 # ---------------------------------------------------------------------------------------------------------------
 # the job function in this process: one model per group, one encoding pass, failures isolated per run
 
-def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_dir, data_root,  # noqa: F811
+def test_run_group_encodes_once_and_isolates_a_failing_run(tmp_path, tiny_model_dir, data_root,
                                                            monkeypatch):
     from extract import runner as extract_runner
     from extract.sweep.job import run_group
@@ -585,7 +586,7 @@ def _submitted_pickles(out: Path) -> int:
 
 
 @pytest.mark.slow
-def test_local_grid_completes_and_a_second_invocation_submits_nothing(tmp_path, tiny_model_dir,  # noqa: F811
+def test_local_grid_completes_and_a_second_invocation_submits_nothing(tmp_path, tiny_model_dir,
                                                                       data_root):
     out, cache = tmp_path / "out", tmp_path / "cache"
     res = _cli(*_grid_args(tiny_model_dir, data_root, out, cache))
@@ -621,7 +622,7 @@ def test_local_grid_completes_and_a_second_invocation_submits_nothing(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_failure_is_recorded_and_retry_fixes_it(tmp_path, tiny_model_dir, data_root):  # noqa: F811
+def test_a_failure_is_recorded_and_retry_fixes_it(tmp_path, tiny_model_dir, data_root):
     # a private copy of the data with one unreadable eurosat image: every eurosat run fails, dtd is unaffected
     import shutil
 

@@ -1,7 +1,8 @@
 """Shared test fixtures for the extraction stage: a tiny open_clip model and tiny image datasets on disk.
 
-Nothing here downloads anything. Import from tests with `from extract_fixtures import ...` (pytest puts `tests/` on
-the path), or use the pytest fixtures `tiny_model_dir` / `tiny_ckpt` (see conftest-free usage below).
+Nothing here downloads anything. Import the helpers with `from tests.support.extract import ...`; the pytest
+fixtures at the end (`tiny_model_dir`, `tiny_model`, `one_thread`) are registered by tests/conftest.py
+(`pytest_plugins`): name them as test arguments, never import them.
 
     model_dir = make_tiny_model_dir(tmp_path / "model")               # local-dir: layout
     ckpt = make_tiny_checkpoint(tmp_path / "tiny.safetensors")        # file + registered arch TINY_ARCH
@@ -181,7 +182,7 @@ def make_imagenet_folders(root: Path, key: str, classes: Sequence[str], *, per_c
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# pytest fixtures (import them into a test module: `from extract_fixtures import tiny_model_dir, tiny_model`)
+# pytest fixtures (a plugin of tests/conftest.py: a test names them as arguments, never imports them)
 
 import os  # noqa: E402
 
@@ -207,8 +208,7 @@ def tiny_model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def one_thread():
     """torch on one thread for a module: its tensors are tiny, and thread hand-offs cost more than the work on a
-    shared 2-core machine. Import it under an autouse name: `from extract_fixtures import one_thread` plus
-    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    shared 2-core machine. A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     import torch
 
     n = torch.get_num_threads()

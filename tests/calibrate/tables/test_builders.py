@@ -12,6 +12,8 @@ from calibrate.tables import builders, layout
 from calibrate.tables.data import merge_summaries, summarise_arrays, summarise_run
 from schemas import RunKey, ShardError, find_shards, group_shards, shard_path, write_shard
 
+from tests.support.tables import cells as _cells, slow_ece
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # slow obvious references
@@ -27,20 +29,6 @@ def slow_softmax(z):
 
 def slow_entropy(p):
     return -sum(v * math.log(v) for v in p if v > 0)
-
-
-def slow_ece(conf, correct, n_bins):
-    """Loop over bins with membership lo < c <= hi (c == 0 in the first bin)."""
-    total = 0.0
-    n = len(conf)
-    for b in range(n_bins):
-        lo, hi = b / n_bins, (b + 1) / n_bins
-        idx = [i for i, c in enumerate(conf) if (lo < c <= hi) or (b == 0 and c == 0)]
-        if idx:
-            acc = sum(correct[i] for i in idx) / len(idx)
-            cf = sum(conf[i] for i in idx) / len(idx)
-            total += len(idx) / n * abs(acc - cf)
-    return total
 
 
 KEY = RunKey("ViT-B-16", "imagenet_a", "tda", 1)
@@ -178,14 +166,6 @@ def test_pa_pd_table_averages_seeds_and_skips_zero_shot():
 # ---------------------------------------------------------------------------------------------------------------
 # main table: layout, macro-average, bold
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _cells(rows):
-    """rows: (dataset, method, calibrator, accuracy, ece) -> a cells frame as `cell_metrics` makes."""
-    return pl.DataFrame(
-        [dict(backbone="ViT-B-16", dataset=d, method=m, calibrator=c, accuracy=a, ece=e, nll=1.0, mean_confidence=0.5,
-              mean_entropy=1.0, range_deviation=0.0, mean_delta_entropy=0.0, n=10.0, n_seeds=1)
-         for d, m, c, a, e in rows])
 
 
 HAND_CELLS = _cells([

@@ -9,29 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from calibrate.tables.cli import main as tables_main
-from schemas import ShardMeta, shard_path, write_shard
-
-
-def _write(root, backbone, dataset, method, n, k, seed=1, parts=2):
-    """Zero-shot logits with a true-class margin; adapted logits 2.5x sharper with a little noise."""
-    rng = np.random.default_rng([n, k, sum(map(ord, dataset)), sum(map(ord, backbone))])  # same samples per dataset
-    labels = rng.integers(0, k, n)
-    zs = rng.normal(0, 1.0, (n, k))
-    zs[np.arange(n), labels] += rng.uniform(0, 2.5, n)
-    noise = np.random.default_rng([seed, *method.encode()]).normal(0, 0.5, (n, k))  # its own noise per method
-    tta = zs if method == "zero-shot" else 2.5 * zs + noise
-    meta = ShardMeta(backbone, "openai", dataset, method, seed, tuple(f"c{i}" for i in range(k)))
-    for part, sl in enumerate(np.array_split(np.arange(n), parts)):
-        write_shard(shard_path(root, meta.key, part), meta, sl, labels[sl], zs[sl].astype(np.float32),
-                    tta[sl].astype(np.float32))
-
-
-def _run(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        tables_main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.err
+from tests.support.tables import index_items as _items, run_tables as _run, write_run as _write
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +27,6 @@ def shards(tmp_path_factory):
 #: the index's items in the paper's order (Figure 1 intro, 2a-2d, 3 RN50, 4 boundary, 5 reliability, 6 strength)
 PAPER_ITEMS = ["Figure 1", "Table 1", "Figure 2a", "Figure 2b", "Figures 2c/2d", "Figure 3", "Tables 2 and 3",
                "Tables 2 and 3, intervals", "Figure 4", "Figure 5", "Table 4", "Figure 6", "Per-run metrics"]
-
-
-def _items(readme: str) -> dict[str, str]:
-    """Index lines `- **<item>** ...`: item -> the rest of its line, in the order written."""
-    return {m.group(1): m.group(2) for m in re.finditer(r"^- \*\*(.+?)\*\*: (.*)$", readme, re.M)}
 
 
 def test_tables_end_to_end(shards, tmp_path, capsys):

@@ -12,8 +12,12 @@ from matplotlib.figure import Figure
 from calibrate.tables import builders, figures, render
 from calibrate.tables.data import summarise_arrays
 from schemas import RunKey
-from test_tables_builders import _cells, slow_ece
-from test_tables_cli import _items, _run, _write
+
+from tests.support.tables import cells as _cells
+from tests.support.tables import index_items as _items
+from tests.support.tables import run_tables as _run
+from tests.support.tables import slow_ece
+from tests.support.tables import write_run as _write
 
 EPS64 = np.finfo(np.float64).eps
 # percent ECE means over at most 3 datasets: a few float64 roundings of values <= 100

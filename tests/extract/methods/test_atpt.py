@@ -11,19 +11,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import one_thread, make_json_dataset, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
-from test_extract_tpt import FEAT_TOL, NAMES, make, ref_encode, ref_episodic, stream, tuned_tol
 
 from extract.methods import REGISTRY, apply_overrides
 from extract.methods.atpt import ATPT, ATPTConfig, angular_diversity
 from extract.methods.base import HPARAMS_KEYS
 from extract.methods.tpt import NATURAL_SHIFT
 
+from tests.support.extract import make_json_dataset
+from tests.support.tpt import FEAT_TOL, NAMES, make, ref_encode, ref_episodic, stream, tuned_tol
+
 TAU = 0.99999
 EPS32 = torch.finfo(torch.float32).eps
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (extract_fixtures)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (tests/support/extract.py)
 
 
 def ref_ad(t: torch.Tensor, tau: float = TAU) -> torch.Tensor:
@@ -185,7 +186,7 @@ def test_config_errors():
 
 # ------------------------------------------------------------------------------------------ the method
 
-def test_lambda_zero_is_tpt_bit_for_bit(tiny_model):  # noqa: F811
+def test_lambda_zero_is_tpt_bit_for_bit(tiny_model):
     x = stream(tiny_model, 7, seed=6)
     want = make("tpt", tiny_model).adapt(x)
     for sign in ("paper", "official_head"):
@@ -202,7 +203,7 @@ def test_lambda_zero_is_tpt_bit_for_bit(tiny_model):  # noqa: F811
 
 
 @pytest.mark.parametrize("sign", ["paper", "official_head"])
-def test_matches_slow_reference(tiny_model, sign):  # noqa: F811
+def test_matches_slow_reference(tiny_model, sign):
     m = make("atpt", tiny_model, text_shortcuts=False, sign=sign)
     assert m.config.direction == ("expand" if sign == "paper" else "contract")  # dtd: the fg script
     lam = (-1.0 if sign == "paper" else 1.0) * m.config.lambda_term
@@ -218,7 +219,7 @@ def test_matches_slow_reference(tiny_model, sign):  # noqa: F811
 
 @pytest.mark.parametrize("dataset,sign,grows", [("dtd", "paper", True), ("dtd", "official_head", False),
                                                  ("imagenet_a", "official_head", True)])
-def test_sign_moves_the_angles_the_documented_way(tiny_model, dataset, sign, grows):  # noqa: F811
+def test_sign_moves_the_angles_the_documented_way(tiny_model, dataset, sign, grows):
     # a tiny step dominated by the term (λ large, no decay): Adam's first step is about -lr·sign(∇), a descent step
     m = make("atpt", tiny_model, dataset=dataset, sign=sign, lambda_term=1e4, lr=1e-5, weight_decay=0.0)
     x = stream(tiny_model, 4, seed=7)
@@ -230,7 +231,7 @@ def test_sign_moves_the_angles_the_documented_way(tiny_model, dataset, sign, gro
     assert ((after > before) if grows else (after < before)).all(), (before, after)
 
 
-def test_batched_tuning_equals_one_sample_at_a_time(tiny_model):  # noqa: F811
+def test_batched_tuning_equals_one_sample_at_a_time(tiny_model):
     x = stream(tiny_model, 9, seed=3)
     batched = make("atpt", tiny_model)
     assert batched._rows_per_pass() >= 9  # all nine in one pass
@@ -246,7 +247,7 @@ def test_batched_tuning_equals_one_sample_at_a_time(tiny_model):  # noqa: F811
                                rtol=0, atol=tuned_tol(tiny_model.logit_scale, batched.config.tta_steps))
 
 
-def test_shard_metadata_records_the_sign(tmp_path, tiny_model):  # noqa: F811
+def test_shard_metadata_records_the_sign(tmp_path, tiny_model):
     from extract.runner import run_extraction
     from schemas import read_shard
 
@@ -266,7 +267,7 @@ def test_shard_metadata_records_the_sign(tmp_path, tiny_model):  # noqa: F811
 
 
 
-def test_cli_runs_atpt_and_rejects_a_bad_sign(tmp_path, tiny_model_dir):  # noqa: F811
+def test_cli_runs_atpt_and_rejects_a_bad_sign(tmp_path, tiny_model_dir):
     from typer.testing import CliRunner
 
     from extract.cli import app
@@ -287,7 +288,7 @@ def test_cli_runs_atpt_and_rejects_a_bad_sign(tmp_path, tiny_model_dir):  # noqa
     assert "Traceback" not in r.output
 
 
-def test_mixed_precision_emulated_on_cpu_keeps_the_term_in_fp32(tiny_model):  # noqa: F811
+def test_mixed_precision_emulated_on_cpu_keeps_the_term_in_fp32(tiny_model):
     """The CUDA path (autocast fp16 + loss scale 1000) emulated with the CPU's fp16 autocast: the term is computed
     in fp32 from the fp16 text features, and its scaled gradient through the fp16 text forward stays finite (no
     step skipped) at the official λ = 80."""

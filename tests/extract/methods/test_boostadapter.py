@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract_fixtures import one_thread  # noqa: F401  (pytest fixture)
 
 from extract.methods import REGISTRY
 from extract.methods.boostadapter import BOOST_DELTA, BoostAdapter, BoostAdapterConfig

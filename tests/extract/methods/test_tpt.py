@@ -1,6 +1,7 @@
-"""TPT, C-TPT, O-TPT and TPS (extract/methods/tpt.py, tps.py, extract/text_encoder.py) on the tiny open_clip model,
-against slow references written here from docs/methods.md, "Confident-view selection and marginal entropy",
-"TPT: episodic prompt tuning", "C-TPT and O-TPT", "TPS: prototype shifting", "Precision in the official code"."""
+"""TPT, C-TPT, O-TPT and what every episodic tuner shares (extract/methods/tpt.py) on the tiny open_clip model,
+against slow references written here and in tests/support/tpt.py from docs/methods.md, "Confident-view selection
+and marginal entropy", "TPT: episodic prompt tuning", "C-TPT and O-TPT", "Precision in the official code" (TPS's own
+tests are in test_tps.py, the prompt encoder's in tests/extract/test_text_encoder.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import (  # noqa: F401  (pytest fixtures)
-    interrupt_nth_write,
-    make_imagenet_folders,
-    make_json_dataset,
-    one_thread,
-    tiny_model,
-    tiny_model_dir,
-)
 
 from extract.methods import REGISTRY, apply_overrides, get_method
 from extract.methods.base import HPARAMS_KEYS
@@ -34,106 +27,32 @@ from extract.methods.tpt import (
     householder_orthogonality,
     select_confident,
 )
-from extract.methods.tps import TPS, descriptor_sentence, load_descriptors
-from extract.text_encoder import PromptTextEncoder, TextEncoderError
+from extract.methods.tps import TPS
 
-NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
-K = len(NAMES)
+from tests.support.extract import interrupt_nth_write, make_json_dataset
+from tests.support.tpt import (
+    FEAT_TOL,
+    K,
+    NAMES,
+    make,
+    ref_encode,
+    ref_episodic,
+    ref_marginal_entropy,
+    ref_select,
+    stream,
+    tuned_tol,
+    zs_text,
+)
+
 # every registered episodic tuner (TPT, C-TPT, O-TPT, A-TPT, TPS, and any added later)
 EPISODIC = tuple(k for k, cls in REGISTRY.items() if issubclass(cls, EpisodicTuner))
-# float32 tolerances: the tiny text tower reduces over width 32, so a unit-norm feature may move by ~32 eps when
-# the summation order changes (threads, AVX2 vs AVX-512 kernels, batch shapes); logits carry the logit scale.
-EPS32 = torch.finfo(torch.float32).eps
-FEAT_TOL = 32 * EPS32
 EPS64 = torch.finfo(torch.float64).eps
 
 
-def tuned_tol(scale, steps: int) -> float:
-    """Logit tolerance between two fp32 paths (batch shapes, kernels, encode_text vs ours) after `steps` AdamW steps.
-
-    The prediction forward contributes 2 FEAT_TOL·scale (a unit feature within FEAT_TOL, then a width-16 dot
-    product). Each step contributes at most 2 FEAT_TOL·scale more: AdamW's update lr·m̂/(√v̂ + eps) has a relative
-    condition number <= 1 in each gradient coordinate, so the FEAT_TOL relative rounding of a gradient through the
-    width-32 tower moves the update by <= FEAT_TOL of itself, and the features by <= FEAT_TOL times the step's own
-    effect on a unit vector (< 2). The bound does not cover a coordinate whose gradient cancels to within its own
-    rounding of Adam's eps (1e-8): there the rounding is divided by ~eps and that coordinate may step by up to lr,
-    which would show as an O(lr·scale) failure, never as a last-bit one.
-    """
-    return (2 + 2 * steps) * FEAT_TOL * float(scale)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (extract_fixtures)
-
-
-def zs_text(model) -> torch.Tensor:
-    return model.encode_texts([f"a photo of a {n.replace('_', ' ')}." for n in NAMES])
-
-
-def stream(model, n: int, v: int = 64, seed: int = 0, noise: float = 0.4) -> torch.Tensor:
-    """(n, v, D) normalised features scattered around the zero-shot prototypes."""
-    g = torch.Generator().manual_seed(seed)
-    text = zs_text(model)
-    y = torch.randint(0, K, (n,), generator=g)
-    return F.normalize(text[y][:, None] + noise * torch.randn(n, v, text.shape[1], generator=g), dim=-1)
-
-
-def make(key: str, model, dataset: str = "dtd", **changes):
-    cls = get_method(key)
-    cfg = dataclasses.replace(cls.default_config(dataset, "ViT-B-16"), **changes)
-    return cls(cfg, zs_text(model), model.logit_scale, backbone="tiny-clip", dataset=dataset, text_encoder=model,
-               class_names=NAMES)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (tests/support/extract.py)
 
 
 # ------------------------------------------------------------------------------------------ slow references
-
-def ref_encode(model, names, ctx: torch.Tensor) -> torch.Tensor:
-    """open_clip's CLIP.encode_text written out with the embeddings of tokens 1..n_ctx replaced by `ctx`."""
-    m = model.model
-    tokens = model.tokenizer([f"a photo of a {n.replace('_', ' ')}." for n in names])
-    x = m.token_embedding(tokens)
-    x = torch.cat([x[:, :1], ctx[None].expand(len(names), -1, -1), x[:, 1 + ctx.shape[0]:]], dim=1)
-    x = x + m.positional_embedding
-    x = m.transformer(x, attn_mask=m.attn_mask)
-    x = m.ln_final(x)
-    x = x[torch.arange(len(names)), tokens.argmax(-1)] @ m.text_projection
-    return x / x.norm(dim=-1, keepdim=True)
-
-
-def ref_entropy(z: torch.Tensor) -> float:
-    p = z.softmax(-1)
-    return float(-(p * p.log()).sum())
-
-
-def ref_select(logits: torch.Tensor, p: float) -> list[int]:
-    """int(N p) views of lowest entropy, by sorting (entropy, index) pairs."""
-    ents = [(ref_entropy(logits[v]), v) for v in range(logits.shape[0])]
-    return [v for _, v in sorted(ents)[:max(1, int(logits.shape[0] * p))]]
-
-
-def ref_marginal_entropy(z: torch.Tensor) -> torch.Tensor:
-    pbar = z.softmax(-1).mean(0)
-    return -(pbar * pbar.log()).sum()
-
-
-def ref_episodic(feats: torch.Tensor, init: torch.Tensor, features, scale: float, *, lr: float, steps: int = 1,
-                 reg=None, p: float = 0.1, reselect: bool = False, eps: float = 1e-8) -> torch.Tensor:
-    """One sample the way TPT's loop does it: a fresh torch AdamW, selection at step 0 (TPT `test_time_tuning`) or
-    at every step (`reselect`, TPS `run_shift_iter`), predict on view 0."""
-    param = torch.nn.Parameter(init.clone())
-    opt = torch.optim.AdamW([param], lr=lr, eps=eps)  # weight decay 0.01 (default)
-    sel = None
-    for _ in range(steps):
-        logits = scale * feats @ features(param).T
-        if sel is None or reselect:
-            sel = ref_select(logits.detach(), p)
-        loss = ref_marginal_entropy(logits[sel])
-        if reg is not None:
-            loss = loss + reg(features(param))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        return scale * feats[0] @ features(param).T
 
 
 def ref_atfd(t: torch.Tensor) -> torch.Tensor:
@@ -155,133 +74,6 @@ def ref_householder(t: torch.Tensor) -> torch.Tensor:
         h = eye - 2.0 * torch.outer(v, v)
         total = total + torch.sqrt(((h @ m[i] - eye[i]) ** 2).sum())
     return total / k
-
-
-# ------------------------------------------------------------------------------------------ the text encoder
-
-def test_prompt_encoder_reproduces_encode_text(tiny_model):  # noqa: F811
-    ref = zs_text(tiny_model)
-    full = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, truncate=False)
-    assert full.n_ctx == 4 and full.ctx_init.shape == (4, 32)
-    assert torch.equal(full(full.ctx_init), ref)  # bit for bit, the frozen zero-shot prototypes
-    short = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, truncate=True)
-    assert short.length < full.length
-    torch.testing.assert_close(short(short.ctx_init), ref, rtol=0, atol=FEAT_TOL)
-    grouped = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, min_bucket=1)
-    assert len(grouped.buckets) > 1 and sorted(c for idx, _ in grouped.buckets for c in idx) == list(range(K))
-    torch.testing.assert_close(grouped(grouped.ctx_init), ref, rtol=0, atol=FEAT_TOL)
-    # a batch of different contexts equals encoding them one by one, and the reference forward
-    g = torch.Generator().manual_seed(0)
-    ctx = short.ctx_init + 0.05 * torch.randn(3, 4, 32, generator=g)
-    for enc in (short, grouped):
-        batched = enc(ctx)
-        for b in range(3):
-            torch.testing.assert_close(batched[b], enc(ctx[b]), rtol=0, atol=FEAT_TOL)
-            torch.testing.assert_close(batched[b], ref_encode(tiny_model, NAMES, ctx[b]), rtol=0, atol=FEAT_TOL)
-
-
-def test_prompt_encoder_custom_text_clip_with_eos_pooling():
-    """open_clip's CustomTextCLIP (text tower under `model.text`) with `pool_type="eos"`."""
-    import open_clip
-    from open_clip.tokenizer import SimpleTokenizer
-
-    torch.manual_seed(0)
-    text_cfg = {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1,
-                "pool_type": "eos", "eos_id": 49407}
-    model = open_clip.CustomTextCLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": 1, "width": 32,
-                                                               "head_width": 16, "patch_size": 8},
-                                     text_cfg=text_cfg).eval()
-    tok = SimpleTokenizer(context_length=32)
-    with torch.no_grad():
-        ref = model.encode_text(tok([f"a photo of a {n.replace('_', ' ')}." for n in NAMES]), normalize=True)
-        full = PromptTextEncoder(model, tok, NAMES, truncate=False)
-        assert torch.equal(full(full.ctx_init), ref)
-        short = PromptTextEncoder(model, tok, NAMES)
-        torch.testing.assert_close(short(short.ctx_init), ref, rtol=0, atol=FEAT_TOL)
-
-
-def test_prompt_encoder_gradient_only_to_context_and_same_on_every_path(tiny_model):  # noqa: F811
-    g = torch.Generator().manual_seed(1)
-    ctx0 = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES).ctx_init
-    ctx0 = ctx0 + 0.05 * torch.randn(2, *ctx0.shape, generator=g)
-    weights = torch.randn(2, K, 16, generator=g)
-    grads = []
-    for kw in ({"truncate": False}, {"share_prefix": False, "min_bucket": 1}, {"min_bucket": 1}, {}):
-        enc = PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, NAMES, **kw)
-        assert enc.shared_prefix == (kw.get("truncate", True) and kw.get("share_prefix", True))
-        ctx = ctx0.clone().requires_grad_(True)
-        (enc(ctx) * weights).sum().backward()
-        grads.append(ctx.grad)
-    assert grads[0].abs().sum() > 0
-    for gr in grads[1:]:  # backward through width 32: each element within ~32 eps of the largest gradient
-        torch.testing.assert_close(gr, grads[0], rtol=0, atol=FEAT_TOL * float(grads[0].abs().max()))
-    assert all(p.grad is None for p in tiny_model.model.parameters())
-
-
-def test_shared_prefix_path_on_a_deep_tower_equals_encode_text():
-    """The written-out blocks of the shared-prefix path (first, middle and last block differ) on a 3-layer tower
-    with LayerScale, against open_clip's own encode_text and the full path: features, gradients, batching."""
-    import open_clip
-    from open_clip.tokenizer import SimpleTokenizer
-
-    torch.manual_seed(0)
-    text_cfg = {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 3, "ls_init_value": 0.5}
-    model = open_clip.CLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": 1, "width": 32, "head_width": 16,
-                                                     "patch_size": 8}, text_cfg=text_cfg).eval().requires_grad_(False)
-    tok = SimpleTokenizer(context_length=32)
-    names = list(NAMES) + ["a rather long class name with many words", "x_y"]
-    with torch.no_grad():
-        ref = model.encode_text(tok([f"a photo of a {n.replace('_', ' ')}." for n in names]), normalize=True)
-    full = PromptTextEncoder(model, tok, names, truncate=False)
-    shared = PromptTextEncoder(model, tok, names, min_bucket=3)
-    assert shared.shared_prefix and not full.shared_prefix and len(shared.buckets) > 1
-    # a unit-norm feature through 3 blocks of width 32: a few times the one-block tolerance
-    tol = 3 * FEAT_TOL
-    torch.testing.assert_close(shared(shared.ctx_init), ref, rtol=0, atol=tol)
-    g = torch.Generator().manual_seed(2)
-    ctx0 = shared.ctx_init + 0.05 * torch.randn(3, *shared.ctx_init.shape, generator=g)
-    weights = torch.randn(3, len(names), 16, generator=g)
-    out, grads = [], []
-    for enc in (full, shared):
-        ctx = ctx0.clone().requires_grad_(True)
-        feats = enc(ctx)
-        (feats * weights).sum().backward()
-        out.append(feats.detach())
-        grads.append(ctx.grad)
-    torch.testing.assert_close(out[1], out[0], rtol=0, atol=tol)
-    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=tol * float(grads[0].abs().max()))
-    for b in range(3):  # one context at a time: the same rows
-        torch.testing.assert_close(shared(ctx0[b]), out[1][b], rtol=0, atol=tol)
-
-
-def test_attention_backward_equals_autograd_of_sdpa_and_batches_under_vmap():
-    """`_Attention`: SDPA forward, textbook backward; equal to autograd through SDPA (float64), also per sample
-    under `torch.func.vmap` (the shared first forward's use)."""
-    from extract.text_encoder import _Attention
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 2, n, 8, generator=g, dtype=torch.float64) for n in (5, 9, 9))
-    mask = torch.zeros(5, 9, dtype=torch.float64).masked_fill(torch.ones(5, 9).triu(5).bool(), float("-inf"))
-    d_out = torch.randn(3, 2, 5, 8, generator=g, dtype=torch.float64)
-    grads = []
-    for fn in (lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]), _Attention.apply):
-        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = fn(*x, mask)
-        grads.append((out.detach(), *torch.autograd.grad(out, x, d_out)))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
-    out, vjp = torch.func.vjp(lambda q_: _Attention.apply(q_, k, v, mask), q)
-    cots = torch.randn(4, *out.shape, generator=g, dtype=torch.float64)
-    (batched,) = torch.func.vmap(vjp)(cots)
-    for i in range(4):
-        torch.testing.assert_close(batched[i], vjp(cots[i])[0], rtol=1e-12, atol=1e-12)
-
-
-def test_prompt_encoder_rejects_unsupported_towers(tiny_model):  # noqa: F811
-    with pytest.raises(TextEncoderError, match="CLIP-style text tower"):
-        PromptTextEncoder(torch.nn.Linear(2, 2), tiny_model.tokenizer, NAMES)
-    with pytest.raises(ValueError, match="at least one class"):
-        PromptTextEncoder(tiny_model.model, tiny_model.tokenizer, [])
 
 
 # ------------------------------------------------------------------------------------------ pure pieces
@@ -347,7 +139,7 @@ def test_stacked_adamw_equals_torch_adamw_per_row():
         torch.testing.assert_close(p[r], q.detach(), rtol=0, atol=3 * 16 * EPS64 * float(init.abs().max() + 1))
 
 
-def test_loss_scale_follows_grad_scaler_rule(tiny_model):  # noqa: F811
+def test_loss_scale_follows_grad_scaler_rule(tiny_model):
     m = make("tpt", tiny_model, grad_scale_growth_interval=3)
     pattern = [True, True, False, True, True, True, True, True, True, False]
     m._update_scale(torch.tensor(pattern))
@@ -366,7 +158,7 @@ def test_loss_scale_follows_grad_scaler_rule(tiny_model):  # noqa: F811
 # ------------------------------------------------------------------------------------------ the methods
 
 @pytest.mark.parametrize("key", EPISODIC)
-def test_zero_lr_or_zero_steps_reproduce_zero_shot(tiny_model, key):  # noqa: F811
+def test_zero_lr_or_zero_steps_reproduce_zero_shot(tiny_model, key):
     x = stream(tiny_model, 6)
     zs = tiny_model.logit_scale * x[:, 0] @ zs_text(tiny_model).T
     for changes in ({"lr": 0.0, "weight_decay": 0.0}, {"tta_steps": 0}):
@@ -380,7 +172,7 @@ def test_zero_lr_or_zero_steps_reproduce_zero_shot(tiny_model, key):  # noqa: F8
 
 
 @pytest.mark.parametrize("key", EPISODIC)
-def test_one_step_lowers_the_tuned_loss(tiny_model, key):  # noqa: F811
+def test_one_step_lowers_the_tuned_loss(tiny_model, key):
     # a small step: on the tiny random model the default 5e-3 is large next to token embeddings of scale 0.02,
     # and a first Adam step moves every coordinate by about lr whatever the gradient's size
     m = make(key, tiny_model, lr=1e-4)
@@ -409,7 +201,7 @@ def test_one_step_lowers_the_tuned_loss(tiny_model, key):  # noqa: F811
 
 @pytest.mark.parametrize("shortcuts", [False, True])
 @pytest.mark.parametrize("key", ["tpt", "ctpt", "otpt"])
-def test_tpt_family_matches_slow_reference(tiny_model, key, shortcuts):  # noqa: F811
+def test_tpt_family_matches_slow_reference(tiny_model, key, shortcuts):
     m = make(key, tiny_model, text_shortcuts=shortcuts)
     x = stream(tiny_model, 3, seed=1)
     out = m.adapt(x)
@@ -421,43 +213,8 @@ def test_tpt_family_matches_slow_reference(tiny_model, key, shortcuts):  # noqa:
         torch.testing.assert_close(out[i], expect, rtol=0, atol=tuned_tol(tiny_model.logit_scale, steps=1))
 
 
-def test_tps_matches_slow_reference(tiny_model):  # noqa: F811
-    m = make("tps", tiny_model, tta_steps=2)
-    x = stream(tiny_model, 4, seed=2)
-    out = m.adapt(x)
-    base = F.normalize(zs_text(tiny_model), dim=-1)
-    for i in range(4):
-        expect = ref_episodic(x[i], torch.zeros(K, base.shape[1]), lambda s: F.normalize(base + s, dim=-1),
-                              tiny_model.logit_scale, lr=m.config.lr, steps=2, reselect=True)
-        torch.testing.assert_close(out[i], expect, rtol=0, atol=tuned_tol(tiny_model.logit_scale, steps=2))
-
-
-@pytest.mark.parametrize("key", ["tps", "tpt"])
-def test_tps_reselects_views_at_every_step_tpt_once(tiny_model, monkeypatch, key):  # noqa: F811
-    """TPS `run_shift_iter` selects the confident views from the logits of every step; TPT selects at step 0."""
-    import extract.methods.tpt as tpt_module
-
-    calls = []
-
-    def spy(logits, p):
-        sel = select_confident(logits, p)
-        calls.append((logits.detach().clone(), sel))
-        return sel
-
-    monkeypatch.setattr(tpt_module, "select_confident", spy)
-    m = make(key, tiny_model, tta_steps=3, lr=0.05)
-    x = stream(tiny_model, 6, seed=2, noise=0.8)
-    m.adapt(x)
-    assert len(calls) == (3 if key == "tps" else 1)
-    for (z, sel) in calls:  # each selection: the lowest-entropy views of the logits it was given
-        assert [s.tolist() for s in sel] == [ref_select(zi, 0.1) for zi in z]
-    if key == "tps":  # ... and those are the current step's logits, after the shift moved
-        assert all((a[0] - b[0]).abs().max() > 1e-3 for a, b in zip(calls, calls[1:]))
-        assert any(not torch.equal(a[1], b[1]) for a, b in zip(calls, calls[1:])), "the selection must change"
-
-
 @pytest.mark.parametrize("shortcuts", [True, False])
-def test_first_forward_shared_by_a_pass(tiny_model, monkeypatch, shortcuts):  # noqa: F811
+def test_first_forward_shared_by_a_pass(tiny_model, monkeypatch, shortcuts):
     """With the text shortcuts, step 0 encodes the prompts once per pass (one context), then the prediction G;
     without them, G and G. The rows agree (the reference comparison is `test_tpt_family_matches_slow_reference`)."""
     m = make("tpt", tiny_model, text_shortcuts=shortcuts)
@@ -472,7 +229,7 @@ def test_first_forward_shared_by_a_pass(tiny_model, monkeypatch, shortcuts):  # 
 
 
 @pytest.mark.parametrize("key", ["tpt", "otpt"])
-def test_shared_first_forward_under_fp16_autocast(tiny_model, monkeypatch, key):  # noqa: F811
+def test_shared_first_forward_under_fp16_autocast(tiny_model, monkeypatch, key):
     """The shared forward (torch.func.vjp + vmap, `_Attention`) under fp16 autocast, emulated with the CPU's autocast
     (the CUDA run is `test_cuda_mixed_precision_close_to_fp32`): it runs, it is used, and with a zero step it gives
     the per-sample path's logits to fp16 rounding."""
@@ -497,7 +254,7 @@ def test_shared_first_forward_under_fp16_autocast(tiny_model, monkeypatch, key):
 
 
 @pytest.mark.parametrize("key", EPISODIC)
-def test_episodic_reset_order_and_batching_invariant(tiny_model, key):  # noqa: F811
+def test_episodic_reset_order_and_batching_invariant(tiny_model, key):
     x = stream(tiny_model, 9, seed=3)
     whole = make(key, tiny_model).adapt(x)
     perm = torch.randperm(9, generator=torch.Generator().manual_seed(0))
@@ -509,7 +266,7 @@ def test_episodic_reset_order_and_batching_invariant(tiny_model, key):  # noqa: 
     torch.testing.assert_close(torch.cat([one.adapt(x[i:i + 1]) for i in range(9)]), whole, rtol=0, atol=tol)
 
 
-def test_cpu_runs_fp32_without_loss_scaling(tiny_model):  # noqa: F811
+def test_cpu_runs_fp32_without_loss_scaling(tiny_model):
     x = stream(tiny_model, 4)
     m_amp, m_fp32 = make("tpt", tiny_model, amp=True), make("tpt", tiny_model, amp=False)
     assert not m_amp._use_amp(torch.device("cpu"))
@@ -538,7 +295,7 @@ def emulate_loss_scaling(monkeypatch, m, x: torch.Tensor, overflows) -> None:
     monkeypatch.setattr(m, "_logits", poisoned)
 
 
-def test_loss_scale_path_unscales_and_skips_non_finite_steps(tiny_model, monkeypatch):  # noqa: F811
+def test_loss_scale_path_unscales_and_skips_non_finite_steps(tiny_model, monkeypatch):
     """Scaled gradients are unscaled; a sample whose step is not finite keeps its initial context (zero-shot logits)
     and halves the scale before the next sample."""
     x = stream(tiny_model, 3, seed=4)
@@ -578,7 +335,7 @@ def ref_grad_scaler(thresholds: list[float], steps: int, interval: int) -> tuple
 
 
 @pytest.mark.parametrize("key,n,steps", [("tps", 120, 1), ("tps", 60, 2), ("tpt", 24, 1)])
-def test_batched_tuning_follows_the_loss_scale_in_stream_order(tiny_model, monkeypatch, key, n, steps):  # noqa: F811
+def test_batched_tuning_follows_the_loss_scale_in_stream_order(tiny_model, monkeypatch, key, n, steps):
     """Default `pass_budget` (many samples per pass) == `pass_budget = K` (the official one-at-a-time loop) row for
     row under emulated fp16 overflows, skip count and final scale included (issue 10)."""
     x = stream(tiny_model, n, v=16, seed=7)
@@ -639,7 +396,7 @@ def emulate_memory_sizing(monkeypatch, m, free: list[float], oom_at: int) -> lis
 
 
 @pytest.mark.parametrize("key,steps", [("tpt", 1), ("tps", 2)])
-def test_passes_sized_from_memory_follow_the_loss_scale(tiny_model, monkeypatch, key, steps):  # noqa: F811
+def test_passes_sized_from_memory_follow_the_loss_scale(tiny_model, monkeypatch, key, steps):
     """Passes sized from (emulated) free GPU memory - a whole `adapt` call of 60 samples, 7, 1, and an
     out-of-memory retry with half - give the one-at-a-time rows, skip count and final scale under emulated fp16
     overflows (issue 13)."""
@@ -669,7 +426,7 @@ def test_passes_sized_from_memory_follow_the_loss_scale(tiny_model, monkeypatch,
     torch.testing.assert_close(sized, one, rtol=1e-5, atol=1e-5)
 
 
-def test_pass_size_from_memory_and_config_checks(tiny_model, monkeypatch):  # noqa: F811
+def test_pass_size_from_memory_and_config_checks(tiny_model, monkeypatch):
     m = make("tpt", tiny_model)
     cpu = torch.device("cpu")
     assert not m._sized_by_memory(cpu) and m._pass_size(cpu, 10**6) == 2048 // K  # the CPU keeps pass_budget
@@ -691,7 +448,7 @@ def test_pass_size_from_memory_and_config_checks(tiny_model, monkeypatch):  # no
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed precision runs only on CUDA")
 @pytest.mark.parametrize("key", EPISODIC)
-def test_cuda_mixed_precision_close_to_fp32(tiny_model_dir, key):  # noqa: F811
+def test_cuda_mixed_precision_close_to_fp32(tiny_model_dir, key):
     from extract.models import load_model
 
     gpu = load_model(None, f"local-dir:{tiny_model_dir}", "cuda")
@@ -713,7 +470,7 @@ def test_cuda_mixed_precision_close_to_fp32(tiny_model_dir, key):  # noqa: F811
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pass sizing from GPU memory runs only on CUDA")
-def test_cuda_passes_sized_from_free_memory(tiny_model_dir):  # noqa: F811
+def test_cuda_passes_sized_from_free_memory(tiny_model_dir):
     from extract.models import load_model
 
     gpu = load_model(None, f"local-dir:{tiny_model_dir}", "cuda")
@@ -758,7 +515,7 @@ def test_default_configs_follow_the_spec():
     assert REGISTRY["ctpt"] is CTPT and REGISTRY["otpt"] is OTPT and REGISTRY["tps"] is TPS
 
 
-def test_methods_need_encoder_and_class_names(tiny_model):  # noqa: F811
+def test_methods_need_encoder_and_class_names(tiny_model):
     cfg = TPT.default_config("dtd", "RN50")
     with pytest.raises(ValueError, match="needs the text encoder"):
         TPT(cfg, zs_text(tiny_model), 1.0, backbone="b", dataset="dtd")
@@ -769,110 +526,10 @@ def test_methods_need_encoder_and_class_names(tiny_model):  # noqa: F811
             class_names=NAMES[:2])
 
 
-def test_tps_descriptor_prototypes(tiny_model, tmp_path):  # noqa: F811
-    assert descriptor_sentence("fish", "an orange body") == "fish, which is an orange body"
-    assert descriptor_sentence("fish", "often seen in ponds") == "fish, which often seen in ponds"
-    assert descriptor_sentence("fish", "used as a pet") == "fish, which is used as a pet"
-    assert descriptor_sentence("fish", "fins") == "fish, which has fins"
-    table = {"cat": ["whiskers", "a tail"], "sea lion": ["flippers"], "annual crop land": ["fields"],
-             "DOG": ["a wet nose", "paws", "has fur"], "a": ["letters"]}  # matched loosely: "_", case
-    path = tmp_path / "desc.json"
-    path.write_text(json.dumps(table))
-    m = make("tps", tiny_model, descriptors=str(path))
-    from extract.prompts import imagenet80_templates
-
-    descs = [table["cat"], table["sea lion"], table["annual crop land"], table["DOG"], table["a"]]
-    for c, (name, desc) in enumerate(zip(NAMES, descs)):
-        n = name.replace("_", " ")
-        tmpl = tiny_model.encode_texts([t.format(n) for t in imagenet80_templates()]).mean(0)
-        dmean = tiny_model.encode_texts([descriptor_sentence(n, d) for d in desc]).mean(0)
-        proto = 0.5 * (tmpl + dmean)
-        # a mean of up to 80 unit encodings, each within FEAT_TOL: 80 eps for the sum on top
-        torch.testing.assert_close(m.text_features[c], proto / proto.norm(), rtol=0, atol=FEAT_TOL + 80 * EPS32)
-    del table["cat"]
-    path.write_text(json.dumps(table))
-    with pytest.raises(ValueError, match="no descriptors for 1 of 5 classes \\('cat'\\)"):
-        make("tps", tiny_model, descriptors=str(path))
-
-
-def test_tps_descriptor_files_keyed_loosely_or_by_position(tiny_model, tmp_path):  # noqa: F811
-    names = ["sea_lion", "Annual Crop Land", "abbey", "newt", "tights"]
-    # SUN397-style keys: `_` and spaces mixed, other case, extra spaces: matched by name, no warning
-    loose = {"Sea Lion": ["flippers"], "annual_crop_land": ["fields"], " Abbey ": ["a cloister"],
-             "newt": ["a tail"], "TIGHTS": ["legs"]}
-    path = tmp_path / "loose.json"
-    path.write_text(json.dumps(loose))
-    descs, warnings = load_descriptors(path, names)
-    assert descs == [["flippers"], ["fields"], ["a cloister"], ["a tail"], ["legs"]] and warnings == []
-    # the official ImageNet file's keys differ from the class names ('eft' for 'newt', 'maillot' for 'tights'):
-    # TPS pairs by position
-    official = {"sea lion": ["flippers"], "annual crop land": ["fields"], "abbey": ["a cloister"],
-                "eft": ["a small salamander"], "maillot": ["a swimsuit"]}
-    path.write_text(json.dumps(official))
-    descs, warnings = load_descriptors(path, names)
-    assert descs == [v for v in official.values()]
-    assert len(warnings) == 1 and "by position" in warnings[0] and "'newt' <- 'eft'" in warnings[0]
-    # with another number of entries there is no pairing to fall back on
-    del official["maillot"]
-    path.write_text(json.dumps(official))
-    with pytest.raises(ValueError, match="no descriptors for 2 of 5 classes \\('newt', 'tights'\\); it has 4 entries"):
-        load_descriptors(path, names)
-
-
-def test_tps_imagenet_names_are_tps_own():
-    from extract.datasets import imagenet_classnames, imagenet_subset
-
-    clip = imagenet_classnames()
-    assert clip[744] == clip[657] == "missile" and clip[836] == clip[837] == "sunglasses"  # CLIP/TPT duplicates
-    tps = TPS.method_class_names("imagenet", clip, range(1000))
-    assert (tps[744], tps[836]) == ("projectile", "sunglass") and len(set(tps)) == 1000
-    assert [i for i in range(1000) if tps[i] != clip[i]] == [744, 836]
-    for key in ("imagenet_v2", "imagenet_sketch"):
-        assert TPS.method_class_names(key, clip, range(1000)) == tps
-    for which in ("a", "r"):  # TPS indexes its list with the masks; neither subset holds 744 or 836
-        idx = imagenet_subset(which)
-        sub = tuple(clip[i] for i in idx)
-        assert TPS.method_class_names(f"imagenet_{which}", sub, idx) == sub
-    assert TPS.method_class_names("dtd", ["a", "b"], None) == ("a", "b")
-    for key in ("tpt", "ctpt", "otpt"):  # the TPT family keeps the CLIP/TPT list (the official TPT has the duplicates)
-        assert get_method(key).method_class_names("imagenet", clip, range(1000)) == clip
-
-
-def test_run_records_tps_imagenet_names_and_descriptor_warning(tmp_path, tiny_model):  # noqa: F811
-    from extract.datasets import imagenet_classnames, imagenet_synsets
-    from extract.runner import run_extraction
-    from schemas import read_shard
-
-    syn = imagenet_synsets()
-    make_imagenet_folders(tmp_path / "data", "imagenet", [syn[744], syn[836]], per_class=1)
-    common = dict(data_root=tmp_path / "data", cache_dir=tmp_path / "cache", model=tiny_model, progress=False,
-                  anchor="method")
-    quick = {"prompts": "single", "n_views": "1"}  # 1000 prompts, one view: enough to see the names
-    (path,) = run_extraction("tps", "imagenet", out=tmp_path / "out", overrides=quick, **common)
-    sh = read_shard(path)
-    names = json.loads(sh.meta.extra["zaec:method_class_names"])
-    assert (names[744], names[836]) == ("projectile", "sunglass") and sh.meta.class_names == imagenet_classnames()
-    # the method's prompts (here also the anchor) use them: no two classes share a prototype any more
-    assert not np.array_equal(sh.zs_logits[:, 657], sh.zs_logits[:, 744])
-    assert not np.array_equal(sh.zs_logits[:, 836], sh.zs_logits[:, 837])
-    (path,) = run_extraction("tpt", "imagenet", out=tmp_path / "out", overrides={"n_views": "1"}, limit=1, **common)
-    sh = read_shard(path)
-    assert "zaec:method_class_names" not in sh.meta.extra
-    np.testing.assert_array_equal(sh.zs_logits[:, 657], sh.zs_logits[:, 744])  # the CLIP/TPT duplicate
-    # a descriptor file paired by position: the warning is in the shard metadata
-    make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=1)
-    desc = tmp_path / "desc.json"
-    desc.write_text(json.dumps({"first": ["a"], "second": ["b"], "third": ["c"]}))
-    (path,) = run_extraction("tps", "dtd", out=tmp_path / "out", overrides={**quick, "descriptors": str(desc)},
-                             **common)
-    warnings = json.loads(read_shard(path).meta.extra["zaec:warnings"])
-    assert any("paired with the classes by position" in w for w in warnings)
-
-
 # ------------------------------------------------------------------------------------------ end to end
 
 @pytest.mark.parametrize("key", EPISODIC)
-def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key):  # noqa: F811
+def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key):
     from extract.runner import run_extraction
     from schemas import read_shard, validate_shard
 
@@ -893,7 +550,7 @@ def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key): 
     assert np.abs(zs).max() <= tiny_model.logit_scale * 1.0001  # cosine logits
 
 
-def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):
     """A resumed episodic run equals an uninterrupted one under emulated fp16 overflows: the loss scale, its growth
     tracker and the skip count come back from the last kept part (issue 10)."""
     from extract.run import writer
