@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from extract.datasets import (
     FASHION_MNIST_CLASSES,
     PAPER_DATASETS,
@@ -191,3 +192,67 @@ def test_labels_are_int64_and_in_range(tmp_path):
     make_json_dataset(tmp_path, "eurosat", n_classes=4, per_class=2)
     ts = load_testset("eurosat", tmp_path)
     assert ts.labels.dtype == np.int64 and ts.labels.min() >= 0 and ts.labels.max() < ts.num_classes
+
+
+# --- images of every mode ----------------------------------------------------------------------------------------
+
+def _grey16(h=6, w=7):
+    return (np.arange(h * w, dtype=np.int64).reshape(h, w) * 65535 // (h * w - 1)).astype(np.uint16)
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
+def test_16bit_grey_images_scale_to_8bit(tmp_path, mode):
+    from PIL import Image
+
+    from extract.datasets import open_image
+
+    a = _grey16()
+    im = Image.fromarray(a) if mode == "I;16" else Image.fromarray(a.astype(np.int32), "I")
+    if mode == "I;16B":
+        im = Image.frombytes("I;16B", im.size, a.astype(">u2").tobytes())
+    path = tmp_path / ("g.png" if mode == "I;16" else "g.tif")  # mode I: how some 16-bit files open
+    im.save(path) if mode != "I;16B" else _save_raw_tiff(im, path)
+    got = np.asarray(open_image(path))
+    want = np.round(a / 257.0).astype(np.uint8)  # 65535 -> 255; a / 257 is never exactly half-way
+    assert got.shape == a.shape + (3,) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got[..., 0], want)
+    np.testing.assert_array_equal(got[..., 1], want)
+    assert got.max() == 255 and got.min() == 0 and 100 < got.mean() < 155  # a ramp, not a white image
+
+
+def _save_raw_tiff(im, path):
+    try:
+        im.save(path)
+    except (OSError, ValueError, KeyError):
+        pytest.skip("this Pillow cannot write big-endian 16-bit TIFF")
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "RGBA", "CMYK", "YCbCr"])
+def test_8bit_modes_convert_like_pil(tmp_path, mode):
+    from PIL import Image
+
+    from extract.datasets import open_image
+
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 6, 3), dtype=np.uint8), "RGB")
+    im = rgb.convert(mode)
+    path = tmp_path / ("x.tif" if mode in ("CMYK", "YCbCr") else "x.png")
+    try:
+        im.save(path)
+    except (OSError, KeyError):
+        pytest.skip(f"Pillow cannot save mode {mode} to {path.suffix}")
+    with Image.open(path) as ref:
+        want = np.asarray(ref.convert("RGB"))
+    np.testing.assert_array_equal(np.asarray(open_image(path)), want)
+
+
+def test_unsupported_modes_rejected_by_name(tmp_path):
+    from PIL import Image
+
+    from extract.datasets import DatasetError, open_image
+
+    Image.fromarray(np.zeros((4, 4), np.float32), "F").save(tmp_path / "f.tif")
+    with pytest.raises(DatasetError, match=r"f.tif: floating-point image \(mode F\) is not supported"):
+        open_image(tmp_path / "f.tif")
+    Image.fromarray(np.full((4, 4), 70000, np.int32), "I").save(tmp_path / "i.tif")
+    with pytest.raises(DatasetError, match=r"i.tif: 32-bit integer image \(mode I\) with values outside 0..65535"):
+        open_image(tmp_path / "i.tif")

@@ -269,69 +269,6 @@ def test_nonfinite_logits_fail_the_run_naming_the_sample(tmp_path, tiny_model, m
     assert [len(read_shard(p)) for p in parts] == [8]  # the finite part before it stays; nothing after it
 
 
-# --- images of every mode ----------------------------------------------------------------------------------------
-
-def _grey16(h=6, w=7):
-    return (np.arange(h * w, dtype=np.int64).reshape(h, w) * 65535 // (h * w - 1)).astype(np.uint16)
-
-
-@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
-def test_16bit_grey_images_scale_to_8bit(tmp_path, mode):
-    from PIL import Image
-
-    from extract.datasets import open_image
-
-    a = _grey16()
-    im = Image.fromarray(a) if mode == "I;16" else Image.fromarray(a.astype(np.int32), "I")
-    if mode == "I;16B":
-        im = Image.frombytes("I;16B", im.size, a.astype(">u2").tobytes())
-    path = tmp_path / ("g.png" if mode == "I;16" else "g.tif")  # mode I: how some 16-bit files open
-    im.save(path) if mode != "I;16B" else _save_raw_tiff(im, path)
-    got = np.asarray(open_image(path))
-    want = np.round(a / 257.0).astype(np.uint8)  # 65535 -> 255; a / 257 is never exactly half-way
-    assert got.shape == a.shape + (3,) and got.dtype == np.uint8
-    np.testing.assert_array_equal(got[..., 0], want)
-    np.testing.assert_array_equal(got[..., 1], want)
-    assert got.max() == 255 and got.min() == 0 and 100 < got.mean() < 155  # a ramp, not a white image
-
-
-def _save_raw_tiff(im, path):
-    try:
-        im.save(path)
-    except (OSError, ValueError, KeyError):
-        pytest.skip("this Pillow cannot write big-endian 16-bit TIFF")
-
-
-@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "RGBA", "CMYK", "YCbCr"])
-def test_8bit_modes_convert_like_pil(tmp_path, mode):
-    from PIL import Image
-
-    from extract.datasets import open_image
-
-    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 6, 3), dtype=np.uint8), "RGB")
-    im = rgb.convert(mode)
-    path = tmp_path / ("x.tif" if mode in ("CMYK", "YCbCr") else "x.png")
-    try:
-        im.save(path)
-    except (OSError, KeyError):
-        pytest.skip(f"Pillow cannot save mode {mode} to {path.suffix}")
-    with Image.open(path) as ref:
-        want = np.asarray(ref.convert("RGB"))
-    np.testing.assert_array_equal(np.asarray(open_image(path)), want)
-
-
-def test_unsupported_modes_rejected_by_name(tmp_path):
-    from PIL import Image
-
-    from extract.datasets import DatasetError, open_image
-
-    Image.fromarray(np.zeros((4, 4), np.float32), "F").save(tmp_path / "f.tif")
-    with pytest.raises(DatasetError, match=r"f.tif: floating-point image \(mode F\) is not supported"):
-        open_image(tmp_path / "f.tif")
-    Image.fromarray(np.full((4, 4), 70000, np.int32), "I").save(tmp_path / "i.tif")
-    with pytest.raises(DatasetError, match=r"i.tif: 32-bit integer image \(mode I\) with values outside 0..65535"):
-        open_image(tmp_path / "i.tif")
-
 
 # --- --limit encodes only what it needs ----------------------------------------------------------------------------
 
@@ -394,40 +331,6 @@ def test_quiet_keeps_warnings_and_the_last_line_is_unwrapped(tmp_path, cli_data,
     assert "warning:" in err and "CuPL" in err  # the fallback to templates is said even with --quiet
     sdir = out / "backbone=tiny-clip" / "dataset=dtd" / "method=dpe" / "seed=1"
     assert stdout.splitlines()[-1] == f"1 shard(s) in {sdir}"  # one line, whatever its length
-
-
-def test_torchscript_load_does_not_claim_random_init(tmp_path, caplog, capfd):
-    from tests.support.extract import make_tiny_checkpoint
-    from extract.models import load_model
-
-    path = make_tiny_checkpoint(tmp_path / "jit.pt", fmt="jit")
-    with caplog.at_level("INFO"):
-        load_model("zaec-tiny-vit", str(path), "cpu")
-    said = caplog.text + "".join(capfd.readouterr())
-    assert "initialized randomly" not in said
-    with caplog.at_level("INFO"):  # the filter is gone afterwards: a real random init is still reported
-        import logging
-        logging.getLogger().warning("Model x initialized randomly.")
-    assert "initialized randomly" in caplog.text
-
-
-def test_temperature_at_its_bound_is_not_reported_as_fitted(tmp_path, make_meta):
-    from calibrate.calibrators import TS_BETA_MIN, TemperatureScaling
-    from calibrate.run import calibrate_paths
-    from schemas import shard_path, write_shard
-
-    z = np.array([[5.0, 0.0], [0.0, 5.0], [4.0, 1.0]])
-    wrong = TemperatureScaling().fit(z, np.array([1, 0, 1]))  # every prediction wrong: NLL falls as T grows
-    # within a relative 1e-6 of the bound is how `at_bound_` defines "at the bound" (a solver tolerance, not rounding)
-    assert wrong.at_bound_ and wrong.temperature_ == pytest.approx(1 / TS_BETA_MIN, rel=1e-6)
-    assert "is the bound of its search range" in wrong.describe_fit("src")
-    mixed = TemperatureScaling().fit(np.array([[2.0, 0.0], [0.0, 1.0], [1.0, 0.5]]), np.array([0, 0, 0]))
-    assert not mixed.at_bound_ and mixed.describe_fit("src").startswith("temperature scaling fitted on src: T = ")
-    meta = make_meta(dataset="imagenet", k=2)
-    write_shard(shard_path(tmp_path, meta.key, 0), meta, [0, 1, 2], [1, 0, 1], z, z)
-    notes = calibrate_paths([tmp_path], calibrators="temperature").notes
-    assert any("is the bound of its search range" in n for n in notes)
-    assert not any(n.startswith("temperature scaling fitted on") for n in notes)
 
 
 def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):

@@ -207,3 +207,18 @@ def test_unreachable_hub_fails_fast_without_offline_flag(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match=r"RN50/openai are not on this machine and 127\.0\.0\.1 cannot be reached"):
         load_model("RN50", "openai", "cpu")
     assert time.monotonic() - t0 < 15
+
+
+def test_torchscript_load_does_not_claim_random_init(tmp_path, caplog, capfd):
+    from tests.support.extract import make_tiny_checkpoint
+    from extract.models import load_model
+
+    path = make_tiny_checkpoint(tmp_path / "jit.pt", fmt="jit")
+    with caplog.at_level("INFO"):
+        load_model("zaec-tiny-vit", str(path), "cpu")
+    said = caplog.text + "".join(capfd.readouterr())
+    assert "initialized randomly" not in said
+    with caplog.at_level("INFO"):  # the filter is gone afterwards: a real random init is still reported
+        import logging
+        logging.getLogger().warning("Model x initialized randomly.")
+    assert "initialized randomly" in caplog.text

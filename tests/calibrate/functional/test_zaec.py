@@ -1,6 +1,7 @@
-"""ZAEC and the other calibrators: the paper's Propositions 1 and 2 as properties over many random cases,
-against slow obvious references written here (bisection in log T on log H, per-sample scipy brentq, plain softmax
-loops), with confident samples (entropies down to 1e-300 nats) solved as exactly as diffuse ones."""
+"""The ZAEC solver (calibrate/functional/zaec.py): the paper's Propositions 1 and 2 as properties over many random
+cases, against slow obvious references written here and in tests/support/calibrate.py (bisection in log T on log H,
+per-sample scipy brentq, plain softmax loops), with confident samples (entropies down to 1e-300 nats) solved as
+exactly as diffuse ones (the calibrator classes are tested in tests/calibrate/test_calibrators.py)."""
 
 from __future__ import annotations
 
@@ -8,28 +9,14 @@ import numpy as np
 import pytest
 from scipy.optimize import brentq
 
-from calibrate import CALIBRATORS, entropy_from_logits, parse_calibrator, softmax_stats, solve_zaec, zaec_temperature
-from calibrate.calibrators import SaLS, TemperatureScaling, parse_calibrators
-from calibrate.functional import ZAEC_RTOL, ZAEC_T_MAX, ZAEC_T_MIN, fit_temperature
-from calibrate.synthetic import synthetic_logits
+from calibrate import entropy_from_logits, softmax_stats, solve_zaec, zaec_temperature
+from calibrate.functional import ZAEC_RTOL, ZAEC_T_MAX, ZAEC_T_MIN
+from calibrate.functional.softmax import _centred
+from calibrate.functional.zaec import _moments, _moments32
 
+from tests.support.calibrate import random_pair, ref_entropies, slow_entropy
 
-def ref_entropies(z: np.ndarray) -> np.ndarray:
-    """(n, K) -> (n,) float64 entropies from log-probabilities: log p_j = z_j - logsumexp(z), with the log-sum-exp
-    written as m + log1p(sum over the non-top classes of exp(z_j - m)) so that it keeps sums far below eps, and
-    H = sum_j p_j * (-log p_j), a sum of non-negative terms: accurate relative to H down to ~1e-300 nats."""
-    z = np.atleast_2d(np.asarray(z, dtype=np.float64))
-    rows = np.arange(z.shape[0])
-    top = z.argmax(axis=1)
-    d = z - z[rows, top][:, None]
-    rest = np.exp(d)
-    rest[rows, top] = 0.0
-    log_p = d - np.log1p(rest.sum(axis=1))[:, None]
-    return np.sum(np.exp(log_p) * -log_p, axis=1)
-
-
-def slow_entropy(z: np.ndarray) -> float:
-    return float(ref_entropies(z)[0])
+EPS32 = float(np.finfo(np.float32).eps)
 
 
 #: log H as evaluated by `ref_entropies` is exact to ~1e-14 (sums of non-negative terms); so float64 fixes the
@@ -90,47 +77,6 @@ def assert_exact_temperatures(zs, tta, sol, *, strength=1.0, subset="reduced"):
     assert np.all(err <= tol), (idx[ok][err > tol], t[idx][ok][err > tol], t_ref[ok][err > tol])
     h_out = ref_entropies(centred(tta)[idx][ok] / t[idx][ok][:, None])
     assert np.all(np.abs(np.log(h_out / target[idx][ok])) <= ZAEC_RTOL + 10 * LOG_H_NOISE)
-
-
-def random_pair(rng, n, k, scale=None):
-    """Mixed regimes: CLIP-like synthetic logits and raw Gaussian logits of random scales."""
-    if rng.random() < 0.5:
-        _, zs, tta = synthetic_logits(n, k, rng)
-        return zs, tta
-    s = scale if scale is not None else 10 ** rng.uniform(-1, 1.5)
-    zs = (rng.normal(size=(n, k)) * s).astype(np.float32)
-    tta = (zs * np.exp(rng.normal(0.3, 0.6, size=(n, 1))) + rng.normal(size=(n, k))).astype(np.float32)
-    return zs, tta
-
-
-def test_entropy_matches_slow_loop_and_is_stable(rng):
-    z = rng.normal(size=(50, 7)) * 5
-    assert np.allclose(entropy_from_logits(z), [slow_entropy(r) for r in z], atol=1e-12)
-    assert entropy_from_logits(np.zeros((1, 4)))[0] == pytest.approx(np.log(4), abs=1e-15)
-    huge = np.array([[1e4, -1e4, 0.0], [1e4, 1e4, -1e4], [-1e4, -1e4, -1e4]])
-    h = entropy_from_logits(huge)
-    assert np.all(np.isfinite(h))
-    assert h == pytest.approx([0.0, np.log(2), np.log(3)], abs=1e-12)
-    # shift invariance at large magnitude (float32 input is promoted to float64)
-    z32 = (rng.normal(size=(20, 10)) * 30).astype(np.float32)
-    assert np.allclose(entropy_from_logits(z32), entropy_from_logits(z32.astype(np.float64) + 1e4), atol=1e-9)
-
-
-def test_softmax_stats_against_slow_reference(rng):
-    z = rng.normal(size=(40, 6)) * 4
-    t = rng.uniform(0.3, 4, size=40)
-    y = rng.integers(0, 6, size=40)
-    s = softmax_stats(z.astype(np.float32), t, y)
-    for i in range(40):
-        zi = z[i].astype(np.float32).astype(np.float64) / t[i]
-        p = np.exp(zi - zi.max())
-        p /= p.sum()
-        assert s.prediction[i] == np.argmax(p)
-        assert s.confidence[i] == pytest.approx(p.max(), abs=1e-12)
-        assert s.entropy[i] == pytest.approx(slow_entropy(zi), abs=1e-12)
-        assert s.nll[i] == pytest.approx(-np.log(p[y[i]]), abs=1e-10)
-        onehot = np.eye(6)[y[i]]
-        assert s.brier[i] == pytest.approx(((p - onehot) ** 2).sum(), abs=1e-12)
 
 
 @pytest.mark.parametrize("k", [2, 3, 10, 100])
@@ -248,89 +194,6 @@ def test_chunking_does_not_change_results(rng, monkeypatch):
     full = zaec_temperature(zs, tta)
     monkeypatch.setattr(C, "CHUNK_ELEMENTS", 7 * 40)
     assert np.array_equal(zaec_temperature(zs, tta), full)
-
-
-def test_sals_is_range_ratio(rng):
-    zs = rng.normal(size=(50, 6)) * 3
-    tta = rng.normal(size=(50, 6)) * 7
-    t = SaLS().temperatures(zs, tta)
-    for i in range(50):
-        scaled = (tta[i] - tta[i].min()) / np.ptp(tta[i]) * np.ptp(zs[i]) + zs[i].min()
-        p_ref = np.exp(scaled - scaled.max()); p_ref /= p_ref.sum()
-        z = tta[i] / t[i]
-        p = np.exp(z - z.max()); p /= p.sum()
-        assert np.allclose(p, p_ref, atol=1e-12)
-    # zero range on either side: T = 1, no division by zero
-    assert SaLS().temperatures(np.ones((1, 3)), np.array([[1.0, 2, 3]]))[0] == 1.0
-    assert SaLS().temperatures(np.array([[1.0, 2, 3]]), np.ones((1, 3)))[0] == 1.0
-
-
-def slow_nll(z, y, T):
-    z = z / T
-    m = z.max(1, keepdims=True)
-    return float(np.mean(np.log(np.exp(z - m).sum(1)) + m[:, 0] - z[np.arange(len(y)), y]))
-
-
-def test_temperature_scaling_minimises_nll(rng):
-    for true_t in (0.5, 1.0, 2.5):
-        y = rng.integers(0, 10, size=2000)
-        z = rng.normal(size=(2000, 10)) * 2
-        z[np.arange(2000), y] += 2.5
-        z = z / true_t
-        ts = TemperatureScaling().fit(z, y)
-        t = ts.temperature_
-        grid = t * np.array([0.98, 1.0, 1.02])
-        nll = [slow_nll(z, y, g) for g in grid]
-        assert nll[1] < nll[0] and nll[1] < nll[2]
-        # streaming over two batches gives the same fit
-        t2, _ = fit_temperature(lambda: [(z[:700], y[:700]), (z[700:], y[700:])])
-        assert t2 == pytest.approx(t, rel=1e-9)
-        assert np.all(ts.temperatures(z, z) == t)
-    # separable data: the optimum is T -> 0; the fit stays finite and clamped
-    z = np.eye(3)[[0, 1, 2]] * 10
-    assert 0 < TemperatureScaling().fit(z, [0, 1, 2]).temperature_ <= 1.0
-    with pytest.raises(ValueError, match="not fitted"):
-        TemperatureScaling().temperatures(z, z)
-    assert TemperatureScaling(T=1.3).temperature_ == 1.3
-
-
-@pytest.mark.parametrize("name", sorted(CALIBRATORS))
-def test_every_registered_calibrator_preserves_predictions(rng, name):
-    zs, tta = random_pair(rng, 300, 12)
-    cal = parse_calibrator(name)
-    if cal.needs_fit:
-        y = rng.integers(0, 12, size=300)
-        assert cal.fit(tta, y) is cal
-    else:
-        assert cal.fit() is cal
-    t = cal.temperatures(zs, tta)
-    assert t.shape == (300,) and t.dtype == np.float64 and np.all(t > 0)
-    out = cal.transform(zs, tta)
-    assert np.array_equal(out.argmax(1), tta.argmax(1))
-
-
-def test_parse_calibrator_specs():
-    c = parse_calibrator("zaec:strength=0.5")
-    assert c.strength == 0.5 and c.subset == "reduced" and c.spec == "zaec:strength=0.5"
-    assert parse_calibrator("zaec:subset=all").subset == "all"
-    assert parse_calibrator("temperature:T=1.2").temperature_ == 1.2
-    cals = parse_calibrators("none,zaec:strength=0.5,subset=all,sals")
-    assert [c.spec for c in cals] == ["none", "zaec:strength=0.5,subset=all", "sals"]
-    assert cals[1].subset == "all"
-    with pytest.raises(ValueError, match="unknown calibrator 'zeac'; available: none, temperature, sals, zaec"):
-        parse_calibrator("zeac")
-    with pytest.raises(ValueError, match="no option 'lambda'; valid options: strength, subset"):
-        parse_calibrator("zaec:lambda=1")
-    with pytest.raises(ValueError, match="unknown zaec subset 'some'; valid: reduced, all, increased"):
-        parse_calibrator("zaec:subset=some")
-    with pytest.raises(ValueError, match=r"strength must lie in \[0, 1\]"):
-        parse_calibrator("zaec:strength=2")
-    with pytest.raises(ValueError, match="expects a number"):
-        parse_calibrator("zaec:strength=high")
-    with pytest.raises(ValueError, match="given twice"):
-        parse_calibrators("zaec,zaec")
-    with pytest.raises(ValueError, match="no option 'x'; valid options: none"):
-        parse_calibrator("sals:x=1")
 
 
 def test_nan_and_bad_shapes_are_rejected():
@@ -455,3 +318,16 @@ def test_named_extreme_cases():
     nudged = solve_zaec(same * (1 - 1e-7), same)
     assert nudged.corrected[0] and nudged.temperature[0] > 1.0
     assert_exact_temperatures(same * (1 - 1e-7), same, nudged)
+
+
+def test_float32_moments_steer_close_to_float64(rng):
+    """The float32 evaluation that only steers the ZAEC search agrees with the float64 one to float32 precision."""
+    k = 20
+    z = rng.normal(size=(50, k)) * 3
+    beta = rng.uniform(0.3, 2, size=50)
+    zc, top = _centred(z)
+    h, v, k3 = _moments(zc, top, beta)
+    h32, v32, k32 = _moments32(zc.astype(np.float32), top, beta)
+    # a few float32 eps per class term, times the size of beta * zc (entropy) or of zc^2 (variance)
+    assert np.all(np.abs(h32 - h) <= 64 * k * EPS32 * (np.abs(zc).max(axis=1) * beta + 1.0))
+    assert np.all(np.abs(v32 - v) <= 64 * k * EPS32 * (np.abs(zc).max(axis=1) + 1.0) ** 2)
