@@ -42,7 +42,7 @@ def test_cpu_runs_agree_to_rounding_and_write_json(tmp_path, tiny_model_dir, cap
     assert doc["device"] == "cpu" and [r["method"] for r in doc["rows"]] == ["tpt", "atpt"]
     for r in doc["rows"]:
         assert r["n"] == 6 and r["argmax_agreement"] == 1.0
-        # fp32 on the CPU: other summation orders only (test_extract_tpt's bound after TPT's one step)
+        # fp32 on the CPU: other summation orders only (tests/support/tpt.py's bound after TPT's one step)
         assert r["max_abs_logit_diff"] <= tuned_tol(r["logit_scale_max"], 1)
         assert r["shortcuts"]["accuracy"] == r["no_shortcuts"]["accuracy"]
     assert "with / without the shortcuts" in capsys.readouterr().out

@@ -193,7 +193,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
-# rates as `python -m extract.bench_gpu --json` writes them (tests/test_bench_gpu.py checks that writer)
+# rates as `python -m extract.bench_gpu --json` writes them (tests/extract/test_bench_gpu.py checks that writer)
 RATES_DOC = {"version": 1, "device": "test", "backbones": {
     "ViT-B-16": {"encoder_images_per_s": 6000.0, "single_view_images_per_s": 4000.0, "crop_flip_views_per_s": 5000.0,
                  "augmix_views_per_s": 2000.0, "fixed_cost": {"process_s": 10.0},

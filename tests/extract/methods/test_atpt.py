@@ -1,7 +1,7 @@
 """A-TPT (extract/methods/atpt.py): the angular-diversity term against a slow reference and the worked examples
 of docs/methods.md, "A-TPT: angular diversity and its two signs", its sign options, per-sample batching, fp32 under
 autocast, and the method end to end on the tiny open_clip model (the TPT-family properties shared with TPT are in
-test_extract_tpt.py, parametrised over the registry)."""
+test_tpt.py, parametrised over the registry)."""
 
 from __future__ import annotations
 
