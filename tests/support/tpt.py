@@ -1,7 +1,7 @@
 """Shared helpers of the TPT-family tests (tests/extract/methods/test_tpt.py, test_tps.py, test_atpt.py,
 tests/extract/test_text_encoder.py, test_check_shortcuts.py): class names, float32 tolerances, a feature stream on
-the tiny open_clip model, and slow references written from docs/methods.md, "Confident-view selection and marginal
-entropy", "TPT: episodic prompt tuning"."""
+the tiny open_clip model, and slow references written from
+docs/methods.md, "Confident-view selection and marginal entropy", "TPT: episodic prompt tuning"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """TPT, C-TPT, O-TPT and what every episodic tuner shares (extract/methods/tpt.py) on the tiny open_clip model,
-against slow references written here and in tests/support/tpt.py from docs/methods.md, "Confident-view selection
-and marginal entropy", "TPT: episodic prompt tuning", "C-TPT and O-TPT", "Precision in the official code" (TPS's own
-tests are in test_tps.py, the prompt encoder's in tests/extract/test_text_encoder.py)."""
+against slow references written here and in tests/support/tpt.py from
+docs/methods.md, "Confident-view selection and marginal entropy", "TPT: episodic prompt tuning", "C-TPT and O-TPT",
+"Precision in the official code" (TPS's own tests are in test_tps.py, the prompt encoder's in
+tests/extract/test_text_encoder.py)."""
 
 from __future__ import annotations
 
