@@ -75,8 +75,9 @@ GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
 GPU_SITE ?= /tmp/zaec-site
 GPU_WHEELS := open_clip_torch ftfy wcwidth
-GPU_TESTS := tests/test_extract_tpt.py tests/test_extract_views.py tests/test_extract_runner.py tests/test_augmix_device.py \
-             tests/test_extract_models.py tests/test_check_shortcuts.py tests/test_bench_gpu.py
+GPU_TESTS := tests/extract/methods/test_tpt.py tests/extract/methods/test_tps.py tests/extract/test_text_encoder.py \
+             tests/extract/test_views.py tests/extract/test_runner.py tests/extract/test_augmix_device.py \
+             tests/extract/test_models.py tests/extract/test_check_shortcuts.py tests/extract/test_bench_gpu.py
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \

@@ -18,9 +18,9 @@ order as the Pillow path), and the chains run here, on the model's device, batch
   (`AFFINE_KIND`).
 
 IEEE float64 additions, multiplications and divisions round the same on the CPU and on a GPU and torch runs each as
-its own kernel (nothing is fused), so the device gives the floats Pillow's C code gives. tests/test_augmix_device.py
-checks every operation against Pillow over their parameter ranges and random, flat and few-level images, and whole
-chains through the runner; a CUDA twin checks the GPU against the CPU.
+its own kernel (nothing is fused), so the device gives the floats Pillow's C code gives.
+tests/extract/test_augmix_device.py checks every operation against Pillow over their parameter ranges and random,
+flat and few-level images, and whole chains through the runner; a CUDA twin checks the GPU against the CPU.
 """
 
 from __future__ import annotations

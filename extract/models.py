@@ -221,7 +221,7 @@ def skip_random_init() -> Iterator[None]:
     """Within the block, torch.nn.init's random initialisers leave their tensor as it is (uninitialised memory).
 
     Only for building a module whose every parameter a strict load overwrites right after: the loaded model is
-    then the same, bit for bit (tests/test_extract_models.py compares every tensor with a normally built one).
+    then the same, bit for bit (tests/extract/test_models.py compares every tensor with a normally built one).
     Constant initialisers run as usual, and so does code that draws from torch directly. Not thread-safe: it
     swaps module attributes of torch.nn.init for the duration.
     """

@@ -135,7 +135,7 @@ def _shear_y(img: Image.Image, shear: float, size: int) -> Image.Image:
 
 # A translation by a whole number of pixels t is an affine map whose bilinear weights are all exactly 0, so PIL's
 # bilinear `transform` returns input pixel x + t, or 0 outside the image: exactly what `crop` with a box reaching past
-# the border returns, at a fraction of the cost (tests/test_extract_views.py checks every shift against `transform`).
+# the border returns, at a fraction of the cost (tests/extract/test_views.py checks every shift against `transform`).
 
 def _translate_x(img: Image.Image, t: int, size: int) -> Image.Image:
     return img.crop((t, 0, t + size, size))

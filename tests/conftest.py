@@ -1,4 +1,9 @@
-"""Shared fixtures (keep minimal; helpers may append)."""
+"""Shared fixtures (keep minimal; helpers may append).
+
+The extraction stage's fixtures (`tiny_model_dir`, `tiny_model`, `one_thread`) live in tests/support/extract.py,
+registered here as a plugin: a test names them as arguments and imports nothing. Helpers that several test modules
+share live in tests/support/ too; no test module imports from another.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import numpy as np
 import pytest
 
 from schemas import ShardMeta
+
+pytest_plugins = ["tests.support.extract"]
 
 
 @pytest.fixture

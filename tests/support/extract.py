@@ -1,0 +1,234 @@
+"""Shared test fixtures for the extraction stage: a tiny open_clip model and tiny image datasets on disk.
+
+Nothing here downloads anything. Import the helpers with `from tests.support.extract import ...`; the pytest
+fixtures at the end (`tiny_model_dir`, `tiny_model`, `one_thread`) are registered by tests/conftest.py
+(`pytest_plugins`): name them as test arguments, never import them.
+
+    model_dir = make_tiny_model_dir(tmp_path / "model")               # local-dir: layout
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny.safetensors")        # file + registered arch TINY_ARCH
+    root = tmp_path / "data"; make_json_dataset(root, "dtd", n_classes=3, per_class=4)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+TINY_ARCH = "zaec-tiny-vit"
+TINY_IMAGE_SIZE = 32
+TINY_MEAN = (0.48145466, 0.4578275, 0.40821073)
+TINY_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def tiny_model_cfg(image_size: int = TINY_IMAGE_SIZE, quick_gelu: bool = True) -> dict:
+    """open_clip CLIP config of a ViT with width 32, one layer, patch 8, 32 px input, a one-layer text tower."""
+    return {
+        "embed_dim": 16,
+        "quick_gelu": quick_gelu,
+        "vision_cfg": {"image_size": image_size, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
+
+
+def _build(cfg: dict, seed: int):
+    import open_clip
+    import torch
+
+    torch.manual_seed(seed)
+    model = open_clip.CLIP(**cfg)
+    # a logit scale that is not OpenAI's 100, so tests catch a hard-coded 100
+    with torch.no_grad():
+        model.logit_scale.fill_(float(np.log(37.5)))
+    return model
+
+
+def _state_dict(model) -> dict:
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def make_tiny_model_dir(path: Path, *, seed: int = 0, model_name: str | None = "tiny-clip",
+                        quick_gelu: bool = True, image_size: int = TINY_IMAGE_SIZE) -> Path:
+    """Write `open_clip_config.json` + `open_clip_model.safetensors` of a tiny random CLIP into `path`."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_model_cfg(image_size, quick_gelu)
+    doc = {"model_cfg": cfg, "preprocess_cfg": {"mean": list(TINY_MEAN), "std": list(TINY_STD),
+                                                 "interpolation": "bicubic", "resize_mode": "shortest"}}
+    if model_name:
+        doc["model_name"] = model_name
+    (path / "open_clip_config.json").write_text(json.dumps(doc))
+    save_file(_state_dict(_build(cfg, seed)), str(path / "open_clip_model.safetensors"))
+    return path
+
+
+def register_tiny_arch() -> str:
+    """Register TINY_ARCH as an open_clip built-in model name (so a bare checkpoint file can be loaded)."""
+    import open_clip
+    from open_clip.factory import _MODEL_CONFIGS
+
+    _MODEL_CONFIGS[TINY_ARCH] = tiny_model_cfg()
+    assert TINY_ARCH in open_clip.list_models()
+    return TINY_ARCH
+
+
+def make_tiny_checkpoint(path: Path, *, seed: int = 0, fmt: str = "safetensors") -> Path:
+    """A checkpoint file of TINY_ARCH (registered on the fly): `.safetensors`, a torch state dict `.pt`, or a
+    TorchScript archive (fmt="jit")."""
+    import torch
+    from safetensors.torch import save_file
+
+    register_tiny_arch()
+    sd = _state_dict(_build(tiny_model_cfg(), seed))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        save_file(sd, str(path))
+    elif fmt == "jit":  # a TorchScript archive, as OpenAI's original ViT-B-16.pt
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.jit.script(_build(tiny_model_cfg(), seed).eval()).save(str(path))
+    else:
+        torch.save(sd, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# images and layouts
+
+def write_image(path: Path, rng: np.random.Generator, size: tuple[int, int] = (40, 48), mode: str = "RGB") -> Path:
+    """A random image (width, height) = size; class-independent noise is enough for pipeline tests."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w, h = size
+    arr = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+    img = Image.fromarray(arr, "RGB")
+    if mode != "RGB":
+        img = img.convert(mode)
+    img.save(path)
+    return path
+
+
+def make_json_dataset(root: Path, key: str, *, n_classes: int = 3, per_class: int = 3, seed: int = 0,
+                      layout: int = 0, class_names: Sequence[str] | None = None, shuffle: bool = True,
+                      ext: str = ".png") -> dict:
+    """Write a CoOp-style JSON split dataset for registry entry `key` in its `layout`-th layout.
+
+    Returns the split dict written (its "test" list is the canonical order).
+    """
+    from extract.datasets import get_dataset
+
+    spec = get_dataset(key)
+    lay = spec.layouts[layout]
+    ddir = Path(root) / lay.dataset_dir
+    img_root = ddir / lay.image_dir if lay.image_dir else ddir
+    rng = np.random.default_rng(seed)
+    names = list(class_names) if class_names is not None else [f"class_{c}" for c in range(n_classes)]
+    test = []
+    for c, name in enumerate(names):
+        for i in range(per_class):
+            rel = f"{name.replace(' ', '_')}/img_{c}_{i}{ext}"
+            write_image(img_root / rel, rng, mode="L" if (c + i) % 4 == 0 else "RGB")
+            test.append([rel, c, name])
+    if shuffle:
+        order = rng.permutation(len(test))
+        test = [test[i] for i in order]
+    split = {"train": [test[0]], "val": [], "test": test}
+    (ddir / lay.split_file).parent.mkdir(parents=True, exist_ok=True)
+    (ddir / lay.split_file).write_text(json.dumps(split))
+    return split
+
+
+def make_aircraft(root: Path, *, variants: Sequence[str] = ("707-320", "A300B4", "Cessna 172"), per_class: int = 2,
+                  seed: int = 0, layout: int = 0) -> list[tuple[str, str]]:
+    """FGVC-Aircraft layout: variants.txt, images_variant_test.txt ('<id> <variant>'), images/<id>.jpg."""
+    from extract.datasets import get_dataset
+
+    lay = get_dataset("fgvc_aircraft").layouts[layout]
+    ddir = Path(root) / lay.dataset_dir
+    list_path = ddir / lay.split_file
+    list_path.parent.mkdir(parents=True, exist_ok=True)
+    (list_path.parent / "variants.txt").write_text("\n".join(variants) + "\n")
+    rng = np.random.default_rng(seed)
+    entries = []
+    for v in variants:
+        for i in range(per_class):
+            img_id = f"{int(rng.integers(1000000, 9999999))}"
+            write_image(ddir / lay.image_dir / f"{img_id}.jpg", rng)
+            entries.append((img_id, v))
+    list_path.write_text("".join(f"{i} {v}\n" for i, v in entries))
+    return entries
+
+
+def make_imagenet_folders(root: Path, key: str, classes: Sequence[str], *, per_class: int = 2, seed: int = 0,
+                          layout: int = 0, names: Sequence[str] | None = None) -> Path:
+    """ImageNet-style class folders (wnids, or V2's numbers) for `key`; returns the image root."""
+    from extract.datasets import get_dataset
+
+    lay = get_dataset(key).layouts[layout]
+    img_root = Path(root) / lay.dataset_dir / lay.image_dir if lay.image_dir else Path(root) / lay.dataset_dir
+    rng = np.random.default_rng(seed)
+    for c in classes:
+        for i in range(per_class):
+            fname = names[i] if names is not None else f"img_{i}.JPEG"
+            write_image(img_root / str(c) / fname, rng)
+    return img_root
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# pytest fixtures (a plugin of tests/conftest.py: a test names them as arguments, never imports them)
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A `local-dir:` model folder with a tiny random CLIP (32 px, logit scale 37.5)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    """The tiny model loaded on the CPU through `extract.models.load_model`."""
+    from extract.models import load_model
+
+    return load_model(None, f"local-dir:{tiny_model_dir}", "cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module: its tensors are tiny, and thread hand-offs cost more than the work on a
+    shared 2-core machine. A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def interrupt_nth_write(monkeypatch, n: int):
+    """Make the run's n-th part write raise KeyboardInterrupt (an interrupted run); returns the real writer,
+    which `monkeypatch.setattr(extract.run.writer, "write_shard", real)` puts back."""
+    from extract.run import writer
+
+    real_write, count = writer.write_shard, {"n": 0}
+
+    def failing(*a, **k):
+        count["n"] += 1
+        if count["n"] == n:
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(writer, "write_shard", failing)
+    return real_write
