@@ -1,7 +1,7 @@
 """The method registry's keys, in its order, for text that must not import torch (command-line help): outside
 the `extract.methods` package, whose import loads every method and torch.
 
-`extract.methods.REGISTRY` is the source of truth; tests/test_extract_methods.py checks that this tuple equals its
+`extract.methods.REGISTRY` is the source of truth; tests/extract/test_methods.py checks that this tuple equals its
 keys, so a method added to the registry without its key here fails the tests.
 """
 

@@ -85,7 +85,7 @@ def test_finite_deterministic_and_chunk_invariant(key, v, encoder):
         m = build(cls, v, dtype=torch.float32, encoder=encoder)
         parts = torch.cat([m.adapt(x[i:i + chunk]) for i in range(0, len(x), chunk)])
         # a tuner taking several steps per sample carries each step's rounding into the next (RLCF: 5 steps;
-        # tests/test_extract_tpt.py `tuned_tol`)
+        # tests/support/tpt.py `tuned_tol`)
         tol = LOGIT_TOL32 * max(1, getattr(m.config, "tta_steps", 1))
         torch.testing.assert_close(parts, whole, rtol=0, atol=tol)
 

@@ -175,7 +175,7 @@ def test_zero_lr_or_zero_steps_reproduce_zero_shot(tiny_model, key):
         m = make(key, tiny_model, **changes)
         out = m.adapt(x)
         if type(m)._predict is not EpisodicTuner._predict:  # R-TPT: its own prediction (tested against a slow
-            # reference in tests/test_extract_methods_rtpt.py), from the frozen zero-shot prototypes
+            # reference in tests/extract/methods/test_rtpt.py), from the frozen zero-shot prototypes
             with torch.no_grad():
                 zs = m._predict(x, zs_text(tiny_model).expand(len(x), -1, -1))
         # cosine logits: feature error FEAT_TOL plus a width-16 dot product, times the logit scale

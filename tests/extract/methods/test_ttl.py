@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import make_json_dataset, one_thread, tiny_model  # noqa: F401  (pytest fixtures)
-from extract_fixtures import tiny_model_dir  # noqa: F401
 
 from extract.methods.ttl import TTL
+
+from tests.support.extract import make_json_dataset
 
 K = 5
 DEPTH = 4  # one frozen block before the 3 LoRA blocks
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tuned_tol(scale: float, updates: int) -> float:
-    """fp32 logit tolerance after `updates` AdamW steps (tests/test_extract_tpt.py `tuned_tol`: the prediction's
+    """fp32 logit tolerance after `updates` AdamW steps (tests/support/tpt.py `tuned_tol`: the prediction's
     2 FEAT_TOL·scale plus at most 2 FEAT_TOL·scale per step)."""
     return (2 + 2 * updates) * FEAT_TOL * scale
 
@@ -181,7 +181,7 @@ def test_resnet_backbone_is_refused_in_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_runner_views_are_the_encoding_pass_views(tmp_path, tiny_model):  # noqa: F811
+def test_runner_views_are_the_encoding_pass_views(tmp_path, tiny_model):
     """The pixels TTL reads give, through the frozen encoder, the features the encoding pass cached."""
     import numpy as np
 

@@ -16,7 +16,6 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import one_thread, tiny_model, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 from extract.methods import REGISTRY, get_method
 from extract.methods.base import HPARAMS_KEYS, IMAGENET_FAMILY
@@ -169,7 +168,7 @@ def test_small_view_counts_and_degenerate_rows():
 # ------------------------------------------------------------------------------------------ the method
 
 @pytest.mark.parametrize("shortcuts", [True, False])
-def test_rtpt_matches_the_official_loop(tiny_model, shortcuts):  # noqa: F811
+def test_rtpt_matches_the_official_loop(tiny_model, shortcuts):
     x = sign_stream(tiny_model, 4, seed=1)
     m = make(tiny_model, text_shortcuts=shortcuts)
     out = m.adapt(x)
@@ -182,7 +181,7 @@ def test_rtpt_matches_the_official_loop(tiny_model, shortcuts):  # noqa: F811
         torch.testing.assert_close(out[i], expect, rtol=0, atol=tol)
 
 
-def test_prediction_is_the_weighted_ensemble_not_view_zero(tiny_model):  # noqa: F811
+def test_prediction_is_the_weighted_ensemble_not_view_zero(tiny_model):
     """With lr 0 the prediction is the zero-shot ensemble weighted by the view scores: not the original view's
     logits, and not their plain mean."""
     x = sign_stream(tiny_model, 3, seed=2)
@@ -198,7 +197,7 @@ def test_prediction_is_the_weighted_ensemble_not_view_zero(tiny_model):  # noqa:
         assert (out[i] - scale * (x[i] @ text.T).mean(0)).abs().max() > 1e-3
 
 
-def test_batched_equals_one_at_a_time(tiny_model):  # noqa: F811
+def test_batched_equals_one_at_a_time(tiny_model):
     x = F.normalize(sign_stream(tiny_model, 7, seed=4) + 0.05 * torch.randn(7, 64, 16), dim=-1)
     whole = make(tiny_model).adapt(x)
     one = make(tiny_model, pass_budget=K)  # one sample per tuning pass, the official loop's shape
@@ -221,7 +220,7 @@ def test_default_configs():
         dataclasses.replace(RTPT.default_config("dtd", "RN50"), temperature=0.0)
 
 
-def test_autocast_option_emulated_on_cpu(tiny_model, monkeypatch):  # noqa: F811
+def test_autocast_option_emulated_on_cpu(tiny_model, monkeypatch):
     """`amp=true` (TTA-VLM's reading: autocast + loss scale on CUDA) runs without dtype mismatches: emulated with
     CPU bfloat16 autocast; the weights stay fp32, the rows finite float32 and mostly the fp32 argmax."""
     x = F.normalize(sign_stream(tiny_model, 6, seed=6) + 0.05 * torch.randn(6, 64, 16), dim=-1)

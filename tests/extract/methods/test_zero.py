@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract_fixtures import one_thread  # noqa: F401  (pytest fixture)
 
 from extract.methods.zero import Zero
 

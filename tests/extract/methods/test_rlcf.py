@@ -10,28 +10,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import (  # noqa: F401  (pytest fixtures)
-    make_json_dataset,
-    make_tiny_model_dir,
-    one_thread,
-    tiny_model,
-    tiny_model_dir,
-)
 
 from extract.methods import get_method
 from extract.methods.rlcf import RLCF, load_context, rlcf_loss
+
+from tests.support.extract import make_json_dataset, make_tiny_model_dir
 
 NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
 K = len(NAMES)
 DR = 24  # the reward model's feature width in the synthetic tests (not the policy's 16)
 EPS32 = torch.finfo(torch.float32).eps
-FEAT_TOL = 32 * EPS32  # a unit feature through the width-32 tiny tower (tests/test_extract_tpt.py)
+FEAT_TOL = 32 * EPS32  # a unit feature through the width-32 tiny tower (tests/support/tpt.py)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tuned_tol(scale: float, steps: int) -> float:
-    """fp32 logit tolerance after `steps` AdamW steps (the argument of tests/test_extract_tpt.py `tuned_tol`: the
+    """fp32 logit tolerance after `steps` AdamW steps (the argument of tests/support/tpt.py `tuned_tol`: the
     prediction's 2 FEAT_TOL·scale plus at most 2 FEAT_TOL·scale per step)."""
     return (2 + 2 * steps) * FEAT_TOL * scale
 
@@ -110,7 +105,7 @@ def ref_rlcf_sample(model, feats, rfeats, rtext, ctx0, *, steps: int, lr: float 
 # ------------------------------------------------------------------------------------------ tests
 
 @pytest.mark.parametrize("dataset,k", [("dtd", 3), ("imagenet_a", 3), ("dtd", 1)])
-def test_matches_official_loop(tiny_model, dataset, k):  # noqa: F811
+def test_matches_official_loop(tiny_model, dataset, k):
     x, r = stream(tiny_model, 3, seed=1)
     rt = reward_text()
     m = make(tiny_model, dataset, reward=(r, rt), sample_k=k, lr=1e-3)
@@ -124,7 +119,7 @@ def test_matches_official_loop(tiny_model, dataset, k):  # noqa: F811
     assert (out - zs).abs().max() > 1e-3  # the steps moved the prompt
 
 
-def test_batched_and_chunked_equal_one_at_a_time(tiny_model):  # noqa: F811
+def test_batched_and_chunked_equal_one_at_a_time(tiny_model):
     """The reward features are read at the method's stream position: any split of the stream reads the same rows."""
     x, r = stream(tiny_model, 7, seed=2)
     rt = reward_text()
@@ -143,7 +138,7 @@ def test_batched_and_chunked_equal_one_at_a_time(tiny_model):  # noqa: F811
     torch.testing.assert_close(torch.cat([head, second.adapt(x[4:])]), whole, rtol=0, atol=tol)
 
 
-def test_policy_as_its_own_reward_model(tiny_model):  # noqa: F811
+def test_policy_as_its_own_reward_model(tiny_model):
     """reward_backbone=policy (TTA-VLM): the reward is the policy's own view features and prompt features."""
     x, _ = stream(tiny_model, 3, seed=3)
     own = make(tiny_model, reward_backbone="policy").adapt(x)
@@ -169,7 +164,7 @@ def test_loss_by_hand():
                                atol=4 * EPS32)
 
 
-def test_context_file_formats_and_errors(tiny_model, tmp_path):  # noqa: F811
+def test_context_file_formats_and_errors(tiny_model, tmp_path):
     from safetensors.torch import save_file
 
     ctx = 0.02 * torch.randn(4, 32, generator=torch.Generator().manual_seed(4))
@@ -203,7 +198,7 @@ def test_registered_with_official_defaults():
 
 # ------------------------------------------------------------------------------------------ through the runner
 
-def test_runner_encodes_the_reward_model_into_its_own_cache(tmp_path, tiny_model, tiny_model_dir):  # noqa: F811
+def test_runner_encodes_the_reward_model_into_its_own_cache(tmp_path, tiny_model, tiny_model_dir):
     from extract.models import load_model
     from extract.runner import run_extraction
     from schemas import read_shard
@@ -225,7 +220,7 @@ def test_runner_encodes_the_reward_model_into_its_own_cache(tmp_path, tiny_model
     assert v0.shape == (3, 16) and np.allclose(np.linalg.norm(v0, axis=1), 1, atol=1e-5)
 
 
-def test_missing_reward_model_fails_before_any_image(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_missing_reward_model_fails_before_any_image(tmp_path, tiny_model, monkeypatch):
     from extract.run import encode
     from extract.runner import RunError, run_extraction
 

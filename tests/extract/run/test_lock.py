@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from extract_fixtures import make_json_dataset, make_tiny_model_dir
 
 from extract.run import lock as run_lock
 from extract.run.lock import OWNER_FILE, RunLock
@@ -21,7 +20,9 @@ from extract.run.options import RunError
 from extract.run.rundir import RunDir
 from schemas import RunKey
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.extract import make_json_dataset, make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[3]
 KEY = RunKey("tiny-clip", "dtd", "tda", 1)
 
 

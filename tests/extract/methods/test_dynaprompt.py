@@ -12,17 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from extract_fixtures import (  # noqa: F401  (pytest fixtures)
-    interrupt_nth_write,
-    make_json_dataset,
-    one_thread,
-    tiny_model,
-    tiny_model_dir,
-)
 
 from extract.methods import REGISTRY, get_method
 from extract.methods.base import HPARAMS_KEYS, IMAGENET_FAMILY
 from extract.methods.dynaprompt import DynaPrompt, select_prompts
+
+from tests.support.extract import interrupt_nth_write, make_json_dataset
 
 NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
 K = len(NAMES)
@@ -141,7 +136,7 @@ def test_select_prompts_against_the_official_lines():
 
 
 @pytest.mark.parametrize("n_prompts,n", [(12, 16), (3, 12)])
-def test_matches_the_official_loop(tiny_model, monkeypatch, n_prompts, n):  # noqa: F811
+def test_matches_the_official_loop(tiny_model, monkeypatch, n_prompts, n):
     """Rows, prompt order and use counts over a stream (3 prompts: the buffer fills after a few samples and the
     least recently used prompt is reset at every sample after that)."""
     import extract.methods.dynaprompt as module
@@ -167,7 +162,7 @@ def test_matches_the_official_loop(tiny_model, monkeypatch, n_prompts, n):  # no
     assert m.summary() == {"skipped_steps": 0, "loss_scale": None}
 
 
-def test_chunked_equals_one_at_a_time_and_resume(tiny_model, tmp_path):  # noqa: F811
+def test_chunked_equals_one_at_a_time_and_resume(tiny_model, tmp_path):
     """Samples run one at a time inside `adapt`, so any chunking gives the same rows bit for bit; the state after
     a prefix, saved and loaded into a fresh instance, continues exactly."""
     x = stream(tiny_model, 14, seed=5)
@@ -185,7 +180,7 @@ def test_chunked_equals_one_at_a_time_and_resume(tiny_model, tmp_path):  # noqa:
         make(tiny_model, num_prompts=5).load_state_dict(first.state_dict())
 
 
-def test_loss_scale_skips_non_finite_steps(tiny_model, monkeypatch):  # noqa: F811
+def test_loss_scale_skips_non_finite_steps(tiny_model, monkeypatch):
     """The CUDA GradScaler bookkeeping, emulated on the CPU: a non-finite step is skipped (no update, no weight
     decay), halves the scale and is counted; the selection bookkeeping of that sample still happens."""
     x = stream(tiny_model, 4, seed=7)
@@ -214,7 +209,7 @@ def test_loss_scale_skips_non_finite_steps(tiny_model, monkeypatch):  # noqa: F8
     assert m.summary() == {"skipped_steps": 1, "loss_scale": 500.0}
 
 
-def test_default_configs_and_errors(tiny_model):  # noqa: F811
+def test_default_configs_and_errors(tiny_model):
     for ds in HPARAMS_KEYS:
         cfg = get_method("dynaprompt").default_config(ds, "RN50")
         assert (cfg.n_views, cfg.num_prompts, cfg.lr, cfg.weight_decay, cfg.tta_steps, cfg.selection_p) == (
@@ -228,7 +223,7 @@ def test_default_configs_and_errors(tiny_model):  # noqa: F811
                    dataset="dtd", text_encoder=tiny_model)
 
 
-def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeypatch):
     """An interrupted run of the online buffer resumes by replaying the kept prefix (the runner's rule for online
     methods) and gives the uninterrupted rows bit for bit; the shards validate."""
     from extract import runner
@@ -255,7 +250,7 @@ def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeyp
     assert not np.allclose(full, zs)
 
 
-def test_autocast_code_path_emulated_on_cpu(tiny_model, monkeypatch):  # noqa: F811
+def test_autocast_code_path_emulated_on_cpu(tiny_model, monkeypatch):
     """The CUDA path (autocast + loss scale) has no dtype mismatches: emulated with CPU bfloat16 autocast. Rows
     stay finite float32, every step is finite, and the predictions mostly agree with fp32 (bf16 is coarse)."""
     x = stream(tiny_model, 10, seed=11)

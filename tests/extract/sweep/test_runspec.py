@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from extract_fixtures import make_json_dataset, tiny_model_dir  # noqa: F401  (pytest fixture)
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -32,6 +31,8 @@ from extract.sweep.runspec import (
     sweep_exec_fields,
     sweep_run_fields,
 )
+
+from tests.support.extract import make_json_dataset
 
 runner = CliRunner()
 
@@ -160,7 +161,7 @@ def test_spec_round_trip(tmp_path):
 # the finished-run check is the extractor's: a finished run that differs in what the extractor compares is refused
 
 @pytest.fixture()
-def finished(tmp_path, tiny_model_dir):  # noqa: F811
+def finished(tmp_path, tiny_model_dir):
     """A sweep over dtd (6 images) whose zero-shot run finished through the sweep's own job function."""
     from extract.sweep.job import run_group
 
@@ -184,7 +185,7 @@ def _rename_a_class(root: Path) -> None:
 
 @pytest.mark.parametrize("change, field", [("pretrained", "pretrained"), ("sh_filter", "sh_filter"),
                                            ("samples", "samples")])
-def test_a_finished_run_with_other_settings_is_refused(change, field, finished, tmp_path, tiny_model_dir):  # noqa: F811
+def test_a_finished_run_with_other_settings_is_refused(change, field, finished, tmp_path, tiny_model_dir):
     runs, kw = finished
     assert finished_mismatches(runs) == []  # the same sweep: the recorded pretrained string is the sweep's
     check_finished_settings(runs)

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from extract_fixtures import make_json_dataset, make_tiny_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.extract import make_json_dataset, make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.7])

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract_fixtures import one_thread  # noqa: F401  (pytest fixture)
 
 from extract.methods.mta import MTA
 
