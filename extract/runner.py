@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 from extract.cache import TextCache, resolve_cache_dir
-from extract.datasets import load_testset, open_image  # noqa: F401  (re-exported)
+from extract.datasets import check_outside_dataset, load_testset, open_image  # noqa: F401  (re-exported)
 from extract.models import LoadedModel, load_model
 from extract.prompts import build_prompt_set  # noqa: F401  (re-exported)
 from extract.run.encode import (  # noqa: F401  (re-exported)
@@ -182,6 +182,8 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         options = dataclasses.replace(options, backbone=model.backbone, pretrained=model.pretrained)
     planned = plan(options)
     data = load_run_data(planned)
+    for folder, option in ((execution.out, "--out"), (resolve_cache_dir(execution.cache_dir), "--cache-dir")):
+        check_outside_dataset(data.testset, folder, option)  # files written inside a folder: set change its listing
     prompts = build_prompts(planned, data)  # a bad prompt file stops the run before the model loads
     run_dir = RunDir(Path(execution.out), planned.key)
     with run_dir.lock(execution.wait_lock, on_wait=lambda line: note(line, log)) as lock:

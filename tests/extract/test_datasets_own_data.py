@@ -590,3 +590,19 @@ def test_one_class_dataset_is_one_line(tmp_path, tiny_model_dir, method):
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "needs at least two classes" in lines[0], r.output
+
+
+@pytest.mark.parametrize("where", ["out", "cache"])
+def test_outputs_inside_a_folder_dataset_are_refused(tmp_path, tiny_model_dir, where):
+    # issue 21: an --out or --cache-dir inside a folder: dataset broke the next run (its files became "classes")
+    root = make_folder(tmp_path / "scans", {"benign": ["a.png", "b.png"], "malignant": ["c.png"]})
+    inside = root / "zaec-output"
+    out = inside if where == "out" else tmp_path / "out"
+    cache = inside if where == "cache" else tmp_path / "cache"
+    r = cli.invoke(app, ["--method", "zero-shot", "--dataset", f"folder:{root}", "--out", str(out), "--cache-dir",
+                         str(cache), "--pretrained", f"local-dir:{tiny_model_dir}", "--device", "cpu", "--quiet"])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    option = "--out" if where == "out" else "--cache-dir"
+    assert f"{option} {inside}" in lines[0] and str(root) in lines[0]
+    assert not inside.exists()  # nothing was written there
