@@ -274,18 +274,17 @@ def check_labels(path: str | os.PathLike, meta: "ShardMeta", label: np.ndarray, 
     k = meta.num_classes
     if not len(label):
         return
-    n_ood_rows = int((label == OOD_LABEL).sum())
-    if n_ood_rows and meta.ood_for is None:
-        raise ShardError(f"{path}: column 'label' has {n_ood_rows} value(s) of {OOD_LABEL} (out-of-distribution, "
-                         "\"no class\") but the file metadata has no 'zaec:ood_for' naming the in-distribution "
-                         "dataset (docs/contract.md, \"Out-of-distribution runs\")")
-    bad = int(((label < meta.min_label) | (label >= k)).sum())
-    if bad:
+    is_ood, outside = label == OOD_LABEL, (label < 0) | (label >= k)
+    if (outside & ~is_ood).any():
+        bad = int((outside & ~(is_ood & (meta.ood_for is not None))).sum())
         allowed = f"[0, {k})" + (f" or {OOD_LABEL}" if meta.ood_for is not None else "")
         raise ShardError(f"{path}: column 'label' has {bad} value(s) outside {allowed}")
+    if is_ood.any() and meta.ood_for is None:
+        raise ShardError(f"{path}: column 'label' has {int(is_ood.sum())} value(s) of {OOD_LABEL} (out-of-"
+                         "distribution, \"no class\") but the file metadata has no 'zaec:ood_for' naming the "
+                         "in-distribution dataset (docs/contract.md, \"Out-of-distribution runs\")")
     if "zaec:ood_n_id" in meta.extra and "zaec:ood_n_ood" in meta.extra:
         n_id, n_ood = int(meta.extra["zaec:ood_n_id"]), int(meta.extra["zaec:ood_n_ood"])
-        is_ood = label == OOD_LABEL
         off = int((~is_ood & ((sample_id < 0) | (sample_id >= n_id))).sum()
                   + (is_ood & ((sample_id < n_id) | (sample_id >= n_id + n_ood))).sum())
         if off:
