@@ -377,7 +377,7 @@ def build_table(
             raise ValueError(f"{name} must have shape ({n}, {k}) to match sample_id and class_names; got {shape}")
     if label.shape != (n,):
         raise ValueError(f"label must have shape ({n},), got {label.shape}")
-    if n and (label.min() < 0 or label.max() >= k) and not (label == OOD_LABEL).any():
+    if n and meta.ood_for is None and (label.min() < 0 or label.max() >= k) and not (label == OOD_LABEL).any():
         raise ValueError(f"label values must lie in [0, {k}); got range [{label.min()}, {label.max()}]")
     try:
         check_labels("<new shard>", meta, label, sample_id)
