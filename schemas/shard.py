@@ -500,8 +500,8 @@ def read_shard(path: str | os.PathLike, *, columns: Iterable[str] = ()) -> Shard
     """Read and validate one shard.
 
     Validation: metadata (version, keys, K), column presence and types, both logit widths equal K,
-    labels in [0, K) (or -1 in an OOD run: `check_labels`), sample_id unique within the shard. Non-finite logits are NOT rejected here
-    (callers decide: see `Shard.nonfinite_rows`).
+    labels in [0, K) (or -1 in an OOD run: `check_labels`), sample_id unique within the shard. Non-finite logits
+    are NOT rejected here (callers decide: see `Shard.nonfinite_rows`).
 
     Args:
         path: the Parquet file.
