@@ -8,7 +8,7 @@ score counts (at most N) that the tie-exact selective metrics need (`calibrate.t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
+from calibrate.ood import NOT_OOD, OOD_NAMES, OODStats, missing_ood
 from calibrate.trust import TRUST_NAMES, TrustStats, describe_missing
 from schemas.atomic import atomic_path, write_json_atomic
 from schemas import (
@@ -40,7 +41,7 @@ KEY_COLUMNS = ("backbone", "dataset", "method", "seed")
 #: the test set a row covers (`check_complete`)
 COUNT_COLUMNS = ("n_total", "limit")
 METRIC_COLUMNS = (*KEY_COLUMNS, "calibrator", "n", *COUNT_COLUMNS, *(m for m in METRIC_NAMES if m != "n"),
-                  *TRUST_NAMES)
+                  *TRUST_NAMES, *OOD_NAMES)
 SAMPLE_COLUMNS = (
     *KEY_COLUMNS, "sample_id", "label", "calibrator", "temperature", "prediction", "confidence", "entropy",
 )
@@ -175,6 +176,8 @@ def _batches(members: Members, drop_nonfinite: bool) -> Callable[[], Iterator[tu
             return
         for p, _ in members:
             shard, _ = _clean(read_shard(p), drop_nonfinite)
+            if shard.meta.ood_for is not None:  # an OOD run as the source: its labelled rows only
+                shard = shard.select(shard.label >= 0)
             item = (shard.tta_logits, shard.label)
             if not state["over"]:
                 state["bytes"] += shard.tta_logits.nbytes + shard.label.nbytes
@@ -325,6 +328,9 @@ def calibrate_paths(
     for c in ts_cals:
         if c.T is not None:
             report.notes.append(f"temperature scaling fixed: T = {c.T:g}")
+    plain = [k for k in groups if groups[k][0][1].ood_for is None]
+    if plain:  # one line for all of them (docs/calibrate.md, "Out-of-distribution detection")
+        report.notes.append(f"{len(plain)} run(s) without out-of-distribution rows: ood_* columns missing ({NOT_OOD})")
     report.metrics = pl.DataFrame(rows, schema=_metric_schema(), orient="row") if rows else pl.DataFrame(
         schema=_metric_schema()
     )
@@ -352,6 +358,8 @@ def _calibrate_run(
     names = [ZERO_SHOT] + [c.spec for c in cals]
     stats = {name: CalibrationStats(n_bins, binning) for name in names}
     trust = {name: TrustStats() for name in names}
+    # an OOD run: calibration and trust metrics on its in-distribution rows, detection on all (calibrate/ood.py)
+    ood = {name: OODStats() for name in names} if members[0][1].ood_for is not None else None
     capped = {c.spec: 0 for c in cals if isinstance(c, ZAEC)}
     log_probs = members[0][1].output_kind == "log_probs"
     one_hot = 0  # log-probability rows whose softmax is one-hot in float64 at T = 1 (docs/calibrate.md)
@@ -365,11 +373,11 @@ def _calibrate_run(
             dropped += n_bad
             dup.add(p, raw.sample_id)
             y = shard.label
-            zs_stats = softmax_stats(shard.zs_logits, 1.0, y)
-            stats[ZERO_SHOT].update(zs_stats.confidence, zs_stats.prediction == y, zs_stats.nll, zs_stats.brier,
-                                    zs_stats.entropy)
-            trust[ZERO_SHOT].update(shard.zs_logits, 1.0, y, zs_stats.prediction, zs_stats.confidence,
-                                    zs_stats.entropy)
+            ind = y >= 0  # every row of a plain run; the in-distribution rows of an OOD run
+            y_id = np.maximum(y, 0)  # an OOD row's NLL/Brier against class 0 is computed, never used
+            zs_stats = softmax_stats(shard.zs_logits, 1.0, y_id)
+            _update(stats[ZERO_SHOT], trust[ZERO_SHOT], ood and ood[ZERO_SHOT], shard.zs_logits, 1.0, y, ind,
+                    zs_stats)
             if writer is not None:
                 writer.write(ZERO_SHOT, shard.sample_id, y, np.ones(len(shard)), zs_stats)
             if log_probs:
@@ -378,9 +386,8 @@ def _calibrate_run(
                 t = c.temperatures(shard.zs_logits, shard.tta_logits)
                 if isinstance(c, ZAEC):
                     capped[c.spec] += int(c.capped_.sum())
-                s = softmax_stats(shard.tta_logits, t, y)
-                stats[c.spec].update(s.confidence, s.prediction == y, s.nll, s.brier, s.entropy)
-                trust[c.spec].update(shard.tta_logits, t, y, s.prediction, s.confidence, s.entropy)
+                s = softmax_stats(shard.tta_logits, t, y_id)
+                _update(stats[c.spec], trust[c.spec], ood and ood[c.spec], shard.tta_logits, t, y, ind, s)
                 if writer is not None:
                     writer.write(c.spec, shard.sample_id, y, t, s)
             if progress is not None:
@@ -405,11 +412,26 @@ def _calibrate_run(
                 "a uniform zero-shot prediction)"
             )
     for name in names:
-        why = trust[name].reasons()
+        why = {**trust[name].reasons(), **(ood[name].reasons() if ood else {})}
         if why:
             report.missing[f"{key}|{name}"] = why
             report.notes.append(f"{key}: '{name}': {describe_missing(why)}")
-    return [{**key.as_dict(), "calibrator": name, **stats[name].compute(), **trust[name].compute()} for name in names]
+    return [{**key.as_dict(), "calibrator": name, **stats[name].compute(), **trust[name].compute(),
+             **(ood[name].compute() if ood else missing_ood())} for name in names]
+
+
+def _update(stats: CalibrationStats, trust: TrustStats, ood: OODStats | None, logits: np.ndarray, t: Any,
+            y: np.ndarray, ind: np.ndarray, s: Any) -> None:
+    """Fold one shard's prediction `s` (softmax_stats of logits / t, every row) into the run's statistics: the
+    calibration and trust metrics over the in-distribution rows `ind`, the OOD detection (if any) over all rows."""
+    if ood is not None:
+        ood.update(s.confidence, s.entropy, ind)
+    if not ind.all():
+        logits, y = logits[ind], y[ind]
+        t = t[ind] if np.ndim(t) else t
+        s = replace(s, **{f.name: getattr(s, f.name)[ind] for f in fields(s) if getattr(s, f.name) is not None})
+    stats.update(s.confidence, s.prediction == y, s.nll, s.brier, s.entropy)
+    trust.update(logits, t, y, s.prediction, s.confidence, s.entropy)
 
 
 def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import numpy as np
 
@@ -301,9 +301,31 @@ def selective_replicates(
         {metric: (C, B) float64} for `SELECTIVE_METRICS`; NaN in a resample where the metric is undefined (no wrong
         or no correct sample drawn), which `interval` leaves out.
     """
+    return count_replicates(scores, correct, counts, selective_from_counts)
+
+
+def count_replicates(
+    scores: Any, positive: Any, counts: Iterable[np.ndarray],
+    from_counts: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    """Bootstrap replicates of any metric of per-group (positive, negative) counts, for C scores of N samples.
+
+    Each resample's tied groups are the distinct scores of the run (a sample drawn m times is m tied copies), their
+    counts the multiplicity sums, so `from_counts` (e.g. `selective_from_counts`, `calibrate.ood.ood_from_counts`)
+    sees exactly what it would see for the resampled run.
+
+    Args:
+        scores: (C, N) scores, higher = more confident.
+        positive: (C, N) or (N,) bool (correct, or in-distribution).
+        counts: chunks of (b, N) multiplicities, summing to B resamples.
+        from_counts: (b, G) positive and negative counts in descending score order -> {metric: (b,) float64}.
+
+    Returns:
+        {metric: (C, B) float64}.
+    """
     s = np.atleast_2d(np.asarray(scores, dtype=np.float64))
     c, n = s.shape
-    y = np.broadcast_to(np.asarray(correct).astype(bool), (c, n))
+    y = np.broadcast_to(np.asarray(positive).astype(bool), (c, n))
     # per prediction: descending order and the start of each tied group in it
     plans = []
     for j in range(c):
@@ -312,21 +334,23 @@ def selective_replicates(
         ss = s[j][order]
         starts = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]]) if n else np.zeros(0, np.int64)
         plans.append((order, starts, y[j][order].astype(np.float64)))
-    chunks: dict[str, list[np.ndarray]] = {m: [] for m in SELECTIVE_METRICS}
     if n == 0:
-        raise ValueError("selective_replicates needs at least one sample")
+        raise ValueError("bootstrap replicates need at least one sample")
+    chunks: dict[str, list[np.ndarray]] = {}
     for w in counts:
         w = np.asarray(w, dtype=np.float64)
-        per_c = {m: [] for m in SELECTIVE_METRICS}
+        per_c: dict[str, list[np.ndarray]] = {}
         for order, starts, ys in plans:
             ws = w[:, order]  # (b, N) in selection order
             ok = np.add.reduceat(ws * ys, starts, axis=1)
             err = np.add.reduceat(ws, starts, axis=1) - ok
-            for m, v in selective_from_counts(ok, err).items():
-                per_c[m].append(v)
-        for m in SELECTIVE_METRICS:
-            chunks[m].append(np.stack(per_c[m]))
-    return {m: np.concatenate(v, axis=1) if v else np.zeros((c, 0)) for m, v in chunks.items()}
+            for m, v in from_counts(ok, err).items():
+                per_c.setdefault(m, []).append(v)
+        for m, v in per_c.items():
+            chunks.setdefault(m, []).append(np.stack(v))
+    if not chunks:  # no resample: the metric names from an empty problem
+        return {m: np.zeros((c, 0)) for m in from_counts(np.zeros((1, 1)), np.zeros((1, 1)))}
+    return {m: np.concatenate(v, axis=1) for m, v in chunks.items()}
 
 
 def interval(estimate: Any, replicates: Any, level: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

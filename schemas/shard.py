@@ -4,7 +4,8 @@ A shard is a Parquet file holding one slice of one run (backbone, dataset, metho
 
 Required columns:
     sample_id   int64                        index in the dataset's canonical test order
-    label       int32                        ground-truth class index in [0, K)
+    label       int32                        ground-truth class index in [0, K); -1 (`OOD_LABEL`, "no class") on
+                                             the out-of-distribution rows of an OOD run (`zaec:ood_for`) only
     zs_logits   fixed_size_list<float32>[K]  paired zero-shot logits (logit scale included)
     tta_logits  fixed_size_list<float32>[K]  adapted logits of the same sample
 Optional columns:
@@ -56,7 +57,18 @@ OPTIONAL_META_KEYS: dict[str, str] = {
                              "sha256)",
     "zaec:output_kind": 'what the tta_logits rows are: "logits" (default when the key is absent) or "log_probs" '
                         "(finite natural-log probabilities; see docs/contract.md)",
+    "zaec:ood_for": "OOD runs only: the in-distribution dataset's key; the run's class names are that dataset's and "
+                    "its out-of-distribution rows carry label -1 (docs/contract.md, \"Out-of-distribution runs\")",
+    "zaec:ood_dataset": "OOD runs only: the out-of-distribution set's name; the run's dataset key is "
+                        "`<ood_dataset>@<ood_for>` (`ood_run_dataset`)",
+    "zaec:ood_n_id": "OOD runs, optional: in-distribution samples in the whole mixed stream (integer as a string)",
+    "zaec:ood_n_ood": "OOD runs, optional: out-of-distribution samples in the whole mixed stream (integer as a "
+                      "string); with zaec:ood_n_id it sums to zaec:n_total when that is present",
 }
+#: the label of an out-of-distribution row ("no class"), valid only in a shard whose metadata has `zaec:ood_for`
+OOD_LABEL = -1
+#: separates the OOD set's name from the in-distribution key in an OOD run's dataset key; never in a dataset name
+OOD_SEPARATOR = "@"
 #: values of `zaec:output_kind`; a shard without the key holds logits
 OUTPUT_KINDS: tuple[str, ...] = ("logits", "log_probs")
 #: the file a writer puts next to the parts of a finished run (JSON: n_samples, n_total, limit, parts, ...)
@@ -68,6 +80,16 @@ PART_TEMPLATE = "part-{:05d}.parquet"
 
 class ShardError(ValueError):
     """A shard violates the contract. The message names the file and, where relevant, the column."""
+
+
+def ood_run_dataset(ood_dataset: str, ood_for: str) -> str:
+    """The dataset key of an OOD run: `<ood_dataset>@<ood_for>`, apart from every plain run's key.
+
+    Example:
+        >>> ood_run_dataset("inaturalist", "imagenet")
+        'inaturalist@imagenet'
+    """
+    return f"{ood_dataset}{OOD_SEPARATOR}{ood_for}"
 
 
 class PartialRunError(ShardError):
@@ -113,6 +135,21 @@ class ShardMeta:
     @property
     def key(self) -> RunKey:
         return RunKey(self.backbone, self.dataset, self.method, int(self.seed))
+
+    @property
+    def ood_for(self) -> str | None:
+        """The in-distribution dataset of an OOD run (`zaec:ood_for`); None for a plain run."""
+        return self.extra.get("zaec:ood_for")
+
+    @property
+    def ood_dataset(self) -> str | None:
+        """The out-of-distribution set of an OOD run (`zaec:ood_dataset`); None for a plain run."""
+        return self.extra.get("zaec:ood_dataset")
+
+    @property
+    def min_label(self) -> int:
+        """The smallest valid label: `OOD_LABEL` in an OOD run, else 0."""
+        return OOD_LABEL if self.ood_for is not None else 0
 
     @property
     def output_kind(self) -> str:
@@ -179,6 +216,7 @@ class ShardMeta:
         if kind not in OUTPUT_KINDS:
             raise ShardError(f"{path}: metadata 'zaec:output_kind' must be one of {', '.join(OUTPUT_KINDS)}, "
                              f"got {kind!r}")
+        _check_ood_meta(meta, path)
         return cls(
             backbone=meta["zaec:backbone"],
             pretrained=meta["zaec:pretrained"],
@@ -190,6 +228,68 @@ class ShardMeta:
             zs_prompts=_json("zaec:zs_prompts"),
             extra=extra,
         )
+
+
+def _check_ood_meta(meta: Mapping[str, str], path: str | os.PathLike) -> None:
+    """The OOD keys of one shard's metadata: both or neither of zaec:ood_for / zaec:ood_dataset, the dataset key
+    `<ood_dataset>@<ood_for>`, counts that are non-negative integers summing to zaec:n_total."""
+    ood_for, ood_ds = meta.get("zaec:ood_for"), meta.get("zaec:ood_dataset")
+    counts = [k for k in ("zaec:ood_n_id", "zaec:ood_n_ood") if k in meta]
+    if ood_for is None and ood_ds is None:
+        if counts:
+            raise ShardError(f"{path}: metadata {counts[0]!r} is set but 'zaec:ood_for' is not (OOD runs only)")
+        return
+    if not ood_for or not ood_ds:
+        have, lack = ("zaec:ood_for", "zaec:ood_dataset") if ood_for else ("zaec:ood_dataset", "zaec:ood_for")
+        raise ShardError(f"{path}: metadata {have!r} needs a non-empty {lack!r} (an OOD run names both sets)")
+    if OOD_SEPARATOR in ood_for or OOD_SEPARATOR in ood_ds or ood_for == ood_ds:
+        raise ShardError(f"{path}: metadata 'zaec:ood_for' ({ood_for!r}) and 'zaec:ood_dataset' ({ood_ds!r}) must "
+                         f"be two different dataset names without {OOD_SEPARATOR!r}")
+    want = ood_run_dataset(ood_ds, ood_for)
+    if meta["zaec:dataset"] != want:
+        raise ShardError(f"{path}: metadata 'zaec:dataset' of an OOD run must be {want!r} "
+                         f"('<zaec:ood_dataset>@<zaec:ood_for>'), got {meta['zaec:dataset']!r}")
+    values = []
+    for key in counts:
+        try:
+            values.append(int(meta[key]))
+        except ValueError:
+            values.append(-1)
+        if values[-1] < 0:
+            raise ShardError(f"{path}: metadata {key!r} must be a non-negative integer, got {meta[key]!r}")
+    total = meta.get("zaec:n_total")
+    if len(values) == 2 and total is not None and total.lstrip("-").isdigit() and sum(values) != int(total):
+        raise ShardError(f"{path}: metadata 'zaec:ood_n_id' + 'zaec:ood_n_ood' = {sum(values)} but "
+                         f"'zaec:n_total' is {total}")
+
+
+def check_labels(path: str | os.PathLike, meta: "ShardMeta", label: np.ndarray, sample_id: np.ndarray) -> None:
+    """Labels of one shard against its metadata: [0, K) in a plain run; [0, K) or `OOD_LABEL` in an OOD run; with
+    `zaec:ood_n_id` / `zaec:ood_n_ood`, in-distribution rows have sample_id in [0, n_id) and OOD rows in
+    [n_id, n_id + n_ood) (docs/contract.md, "Out-of-distribution runs").
+
+    Raises:
+        ShardError: one line naming the file and the column.
+    """
+    k = meta.num_classes
+    if not len(label):
+        return
+    is_ood, outside = label == OOD_LABEL, (label < 0) | (label >= k)
+    if (outside & ~is_ood).any():
+        bad = int((outside & ~(is_ood & (meta.ood_for is not None))).sum())
+        allowed = f"[0, {k})" + (f" or {OOD_LABEL}" if meta.ood_for is not None else "")
+        raise ShardError(f"{path}: column 'label' has {bad} value(s) outside {allowed}")
+    if is_ood.any() and meta.ood_for is None:
+        raise ShardError(f"{path}: column 'label' has {int(is_ood.sum())} value(s) of {OOD_LABEL} (out-of-"
+                         "distribution, \"no class\") but the file metadata has no 'zaec:ood_for' naming the "
+                         "in-distribution dataset (docs/contract.md, \"Out-of-distribution runs\")")
+    if "zaec:ood_n_id" in meta.extra and "zaec:ood_n_ood" in meta.extra:
+        n_id, n_ood = int(meta.extra["zaec:ood_n_id"]), int(meta.extra["zaec:ood_n_ood"])
+        off = int((~is_ood & ((sample_id < 0) | (sample_id >= n_id))).sum()
+                  + (is_ood & ((sample_id < n_id) | (sample_id >= n_id + n_ood))).sum())
+        if off:
+            raise ShardError(f"{path}: column 'sample_id' has {off} value(s) outside their kind's range "
+                             f"(in-distribution: [0, {n_id}), out-of-distribution: [{n_id}, {n_id + n_ood}))")
 
 
 @dataclass
@@ -277,8 +377,12 @@ def build_table(
             raise ValueError(f"{name} must have shape ({n}, {k}) to match sample_id and class_names; got {shape}")
     if label.shape != (n,):
         raise ValueError(f"label must have shape ({n},), got {label.shape}")
-    if n and (label.min() < 0 or label.max() >= k):
+    if n and meta.ood_for is None and (label.min() < 0 or label.max() >= k) and not (label == OOD_LABEL).any():
         raise ValueError(f"label values must lie in [0, {k}); got range [{label.min()}, {label.max()}]")
+    try:
+        check_labels("<new shard>", meta, label, sample_id)
+    except ShardError as e:
+        raise ValueError(str(e)) from None
     cols: dict[str, pa.Array] = {
         "sample_id": pa.array(sample_id, type=pa.int64()),
         "label": pa.array(label, type=pa.int32()),
@@ -396,8 +500,8 @@ def read_shard(path: str | os.PathLike, *, columns: Iterable[str] = ()) -> Shard
     """Read and validate one shard.
 
     Validation: metadata (version, keys, K), column presence and types, both logit widths equal K,
-    labels in [0, K), sample_id unique within the shard. Non-finite logits are NOT rejected here
-    (callers decide: see `Shard.nonfinite_rows`).
+    labels in [0, K) (or -1 in an OOD run: `check_labels`), sample_id unique within the shard. Non-finite logits
+    are NOT rejected here (callers decide: see `Shard.nonfinite_rows`).
 
     Args:
         path: the Parquet file.
@@ -426,9 +530,7 @@ def read_shard(path: str | os.PathLike, *, columns: Iterable[str] = ()) -> Shard
             raise ShardError(f"{path}: column {col!r} has {table.column(col).null_count} null value(s)")
     sample_id = table.column("sample_id").to_numpy().astype(np.int64, copy=False)
     label = table.column("label").to_numpy().astype(np.int64, copy=False)
-    if len(label) and (label.min() < 0 or label.max() >= k):
-        bad = int(((label < 0) | (label >= k)).sum())
-        raise ShardError(f"{path}: column 'label' has {bad} value(s) outside [0, {k})")
+    check_labels(path, meta, label, sample_id)
     if len(np.unique(sample_id)) != len(sample_id):
         dup = len(sample_id) - len(np.unique(sample_id))
         raise ShardError(f"{path}: column 'sample_id' has {dup} duplicate value(s) within the shard")
@@ -486,7 +588,8 @@ def find_shards(paths: Iterable[str | os.PathLike]) -> list[Path]:
 def group_shards(paths: Iterable[Path]) -> dict[RunKey, list[tuple[Path, ShardMeta]]]:
     """Group shard files by run from their metadata (footers only).
 
-    Shards of one run must agree on every metadata value; a disagreement is a ShardError naming both files.
+    Shards of one run must agree on every metadata value; a disagreement is a ShardError naming both files. An OOD
+    run's class names must equal those of its in-distribution dataset's runs among the inputs (`check_ood_runs`).
     """
     groups: dict[RunKey, list[tuple[Path, ShardMeta]]] = {}
     for p in paths:
@@ -494,13 +597,38 @@ def group_shards(paths: Iterable[Path]) -> dict[RunKey, list[tuple[Path, ShardMe
         members = groups.setdefault(meta.key, [])
         if members:
             first_path, first = members[0]
-            for name in ("pretrained", "class_names", "method_config", "zs_prompts"):
+            for name in ("pretrained", "class_names", "method_config", "zs_prompts", "ood_for", "ood_dataset"):
                 if getattr(first, name) != getattr(meta, name):
                     raise ShardError(
                         f"{p}: metadata {name!r} disagrees with {first_path} although both belong to run {meta.key}"
                     )
         members.append((p, meta))
+    check_ood_runs(groups)
     return groups
+
+
+def check_ood_runs(groups: Mapping[RunKey, Sequence[tuple[Path, ShardMeta]]]) -> None:
+    """An OOD run is classified with its in-distribution dataset's class names: compare them with every run of that
+    dataset among `groups` (any backbone, method, seed). Runs whose in-distribution set is absent pass.
+
+    Raises:
+        ShardError: one line naming the OOD run's file and the in-distribution run's file.
+    """
+    by_dataset: dict[str, tuple[Path, ShardMeta]] = {}
+    for key in sorted(groups, key=str):
+        by_dataset.setdefault(key.dataset, groups[key][0])
+    for key in sorted(groups, key=str):
+        path, meta = groups[key][0]
+        if meta.ood_for is None or meta.ood_for not in by_dataset:
+            continue
+        id_path, id_meta = by_dataset[meta.ood_for]
+        if id_meta.class_names != meta.class_names:
+            diff = next((i for i, (a, b) in enumerate(zip(meta.class_names, id_meta.class_names)) if a != b),
+                        min(meta.num_classes, id_meta.num_classes))
+            raise ShardError(
+                f"{path}: OOD run {key} must use the class names of its in-distribution set {meta.ood_for!r}, but "
+                f"they differ from {id_path}'s ({meta.num_classes} vs {id_meta.num_classes} names, first difference "
+                f"at index {diff})")
 
 
 def iter_run(members: Sequence[tuple[Path, ShardMeta]]) -> Iterator[Shard]:

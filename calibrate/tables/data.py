@@ -8,7 +8,7 @@ the subset ablation, the strength sweep). The pieces of one run are concatenated
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -61,6 +61,9 @@ class RunSummary:
     calibrated: Mapping[str, CalibratedStats]
     #: "zero-shot" or a spec of `CLASSWISE_SPECS` -> classwise/top-label ECE statistics (need (n, K) probabilities)
     classwise: Mapping[str, ClasswiseStats] = field(default_factory=dict)
+    #: an OOD run's in-distribution dataset (`zaec:ood_for`): its label -1 rows are out-of-distribution, and the
+    #: tables keep it out of every paper item (calibrate/tables/ood_tables.py); None for a plain run
+    ood_for: str | None = None
 
     def __len__(self) -> int:
         return int(self.sample_id.shape[0])
@@ -107,19 +110,22 @@ def summarise_arrays(
     label = np.asarray(label, dtype=np.int64)
     n, k = np.shape(tta_logits)
     zs = np.asarray(zs_logits)
-    zs_stats = softmax_stats(zs, 1.0, label)
+    # an OOD run's label -1 rows: NLL against class 0 (never used), classwise statistics of the labelled rows only
+    ind = label >= 0
+    y_nll = np.maximum(label, 0)
+    zs_stats = softmax_stats(zs, 1.0, y_nll)
     cal: dict[str, CalibratedStats] = {}
-    cw = {"zero-shot": ClasswiseStats().update_logits(zs, 1.0, label)}
+    cw = {"zero-shot": ClasswiseStats().update_logits(zs[ind], 1.0, label[ind])}
     fns = dict(calibrators)
     fns.setdefault("none", lambda z, t: np.ones(z.shape[0]))
     for spec, fn in fns.items():
         t = np.asarray(fn(zs_logits, tta_logits), dtype=np.float64).reshape(-1)
         if t.shape != (n,):
             t = np.broadcast_to(t, (n,)).copy()
-        st = softmax_stats(tta_logits, t, label)
+        st = softmax_stats(tta_logits, t, y_nll)
         cal[spec] = CalibratedStats(t, st.confidence, st.entropy, st.nll)
         if spec in CLASSWISE_SPECS:
-            cw[spec] = ClasswiseStats().update_logits(tta_logits, t, label)
+            cw[spec] = ClasswiseStats().update_logits(np.asarray(tta_logits)[ind], t[ind], label[ind])
     tta = np.asarray(tta_logits)
     return RunSummary(
         key=key,
@@ -176,6 +182,7 @@ def merge_summaries(parts: Sequence[RunSummary], where: str = "") -> RunSummary:
         num_classes=first.num_classes,
         calibrated=cal,
         classwise=classwise,
+        ood_for=first.ood_for,
         **{name: cat[name][order] for name in _ARRAYS},
     )
 
@@ -211,7 +218,7 @@ def summarise_run(
             summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators))
         if on_shard is not None:
             on_shard(shard)
-    return merge_summaries(parts, str(members[0][0].parent))
+    return replace(merge_summaries(parts, str(members[0][0].parent)), ood_for=members[0][1].ood_for)
 
 
 def load_labelled_logits(
@@ -329,6 +336,7 @@ def load_summaries(
                 def batches(members=members):
                     for shard in iter_run(members):
                         shard = _checked(shard, drop_nonfinite, [])
+                        shard = shard.select(shard.label >= 0)  # an OOD run as the source: its labelled rows
                         yield shard.tta_logits, shard.label
 
                 ts = TemperatureScaling().fit(batches=batches)

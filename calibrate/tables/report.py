@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import polars as pl
 
-from calibrate.tables import builders, figures, layout, render, trust_tables
+from calibrate.tables import builders, figures, layout, ood_tables, render, trust_tables
 from calibrate.tables.bootstrap import BootstrapResult
 from calibrate.tables.data import RunSummary, Summaries
 
@@ -145,6 +145,8 @@ class Context:
     #: the cells of TTA methods (no zero-shot) and those methods, in the paper's order
     tta: pl.DataFrame
     tta_methods: list[str]
+    #: the OOD runs (`RunSummary.ood_for`), kept out of `summaries`, `runs` and every item but the OOD table
+    ood_runs: list[RunSummary] = field(default_factory=list)
 
     @property
     def ts_in_sample(self) -> str | None:
@@ -156,12 +158,16 @@ def prepare(summaries: Summaries, out: Path, boot: BootstrapResult | None, opts:
     """Create `out` and compute what several builders share: per-run metrics, cells, bootstrap replicates."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    ood_runs = [s for s in summaries.runs.values() if s.ood_for]
+    if ood_runs:  # their label -1 rows are no class: the paper's items and the trust table never see them
+        summaries = Summaries({k: s for k, s in summaries.runs.items() if not s.ood_for}, summaries.temperatures,
+                              summaries.notes)
     runs = list(summaries.runs.values())
     run_df = builders.run_metrics(runs, opts.n_bins)
     cells = builders.cell_metrics(run_df)
     tta = cells.filter(pl.col("method") != layout.ZERO_SHOT)
     return Context(summaries, out, boot, opts, runs, run_df, cells, builders.CellReplicates(boot),
-                   summaries.backbones(), tta, layout.order_methods(tta["method"].unique().to_list()))
+                   summaries.backbones(), tta, layout.order_methods(tta["method"].unique().to_list()), ood_runs)
 
 
 def _reference(present: Sequence[str], opts: ReportOptions) -> str | None:
@@ -662,13 +668,55 @@ def risk_coverage_figure(ctx: Context) -> Item:
                    beyond_paper=True)
 
 
+OOD_NAME = "Out-of-distribution detection"
+OOD_CAPTION = (
+    "Percent; one table per in-distribution set and confidence score, a column group per OOD set it was mixed with "
+    "and their unweighted average (Avg.). Zero-shot on top, then per method raw TTA (None), SaLS, ZAEC and "
+    "temperature scaling. In-distribution is the positive class and the score is the confidence (as MCM): MSP (max "
+    "softmax probability) or −H (negative entropy). AUROC: probability that an in-distribution image is more "
+    "confident than an OOD one (ties 1/2), higher is better; FPR95: share of the OOD images accepted at the highest "
+    "threshold accepting 95% of the in-distribution ones, lower is better; AUPR: average precision with "
+    "in-distribution positive, higher is better. Each run is one mixed stream adapted online; accuracy and ECE of "
+    "its in-distribution rows are in per_run_metrics of `zaec-calibrate`, not here. Intervals: paired basic "
+    "bootstrap over the run's images; differences are ZAEC minus None and minus Temp. Scal., † where the interval "
+    "contains zero. – : undefined (a run holding one kind of image only), the reason in the index's notes.")
+
+
+def ood_table(ctx: Context) -> Item:
+    """Beyond the paper: in- vs out-of-distribution detection (AUROC, FPR95, AUPR; MSP and −H) per method and
+    calibrator on the OOD runs, with paired intervals and ZAEC minus raw / minus temperature scaling."""
+    what = ("in- vs out-of-distribution AUROC, FPR95 and AUPR (scores MSP and negative entropy) per method, "
+            "raw / SaLS / ZAEC / temperature scaling, on the OOD runs")
+    if not ctx.ood_runs:
+        return skipped(OOD_NAME, what, "no OOD runs (shards with 'zaec:ood_for'; docs/contract.md)",
+                       beyond_paper=True)
+    cells = ood_tables.ood_cells(ctx.ood_runs, ctx.boot)
+    groups = ood_tables.ood_groups(ctx.ood_runs)
+    level = ctx.boot.level if ctx.boot is not None else 0.95
+    paths, notes = [], []
+    for bb in layout.order_backbones({s.key.backbone for s in ctx.ood_runs}):
+        table = ood_tables.ood_table(cells, groups, bb, level, ts_in_sample=ctx.ts_in_sample)
+        diffs = ood_tables.ood_differences(cells, groups, bb, level)
+        sections = ood_tables.ood_sections(table, diffs)
+        legend = " ".join(render.marks_legend(table))
+        paths += render.write_item(
+            ctx.out, f"ood_{slug(bb)}", table,
+            render.trust_markdown(sections, f"{OOD_NAME}, {bb} (beyond the paper)", " ".join([OOD_CAPTION, legend])),
+            render.trust_latex(sections, f"{OOD_NAME}, {bb}. {OOD_CAPTION} {legend}".strip()))
+        paths.append(render.write_csv(diffs, ctx.out / f"ood_{slug(bb)}_diff.csv"))
+        notes += trust_tables.missing_notes(table)
+    if ctx.boot is None:
+        notes.append("no intervals: bootstrap disabled (--bootstrap 0)")
+    return written(OOD_NAME, what, paths, notes, OOD_CAPTION, beyond_paper=True)
+
+
 Builder = Callable[[Context], "Item | None"]
 
 #: every item of the report, in the order of the index (the paper's order). A new table or figure is one builder
 #: function `(Context) -> Item | None` plus one entry here; `write_report` runs them in this order.
 BUILDERS: list[Builder] = [
     figure_1, table_1, figure_2a, figure_2b, figures_2cd, figure_3, tables_2_3, tables_2_3_intervals, figure_4,
-    figure_5, table_4, figure_6, per_run_metrics, trust_table, risk_coverage_figure,
+    figure_5, table_4, figure_6, per_run_metrics, trust_table, risk_coverage_figure, ood_table,
 ]
 
 

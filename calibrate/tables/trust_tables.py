@@ -20,7 +20,7 @@ probabilities) stay null, with the reason in `TrustCell.reasons`; averages are o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import polars as pl
@@ -124,7 +124,7 @@ def run_trust(
 def _mean_cells(cells: Sequence[TrustCell], names: Sequence[str]) -> TrustCell:
     """Several runs averaged (seeds, or methods' zero-shot): values and replicates (a NaN in any stays NaN);
     reasons name the run (`names`) when several."""
-    values = {c: float(np.mean([x.values[c] for x in cells])) for c in TRUST_NAMES}
+    values = {c: float(np.mean([x.values[c] for x in cells])) for c in cells[0].values}
     reasons: dict[str, str] = {}
     for name, x in zip(names, cells):
         for col, why in x.reasons.items():
@@ -135,16 +135,20 @@ def _mean_cells(cells: Sequence[TrustCell], names: Sequence[str]) -> TrustCell:
 
 
 def trust_cells(
-    runs: Iterable[RunSummary], boot: BootstrapResult | None = None, calibrators: Sequence[str] = TRUST_CALIBRATORS
+    runs: Iterable[RunSummary], boot: BootstrapResult | None = None, calibrators: Sequence[str] = TRUST_CALIBRATORS,
+    per_run: Callable[..., dict[str, TrustCell]] | None = None,
 ) -> dict[tuple[str, str, str, str], TrustCell]:
     """(backbone, dataset, method, prediction) -> seeds averaged `TrustCell`, prediction "zero-shot" or a calibrator.
 
     Zero-shot per (backbone, dataset) is stored under method "zero-shot": the `zero-shot` method's run where
     present, else the mean of the paired zero-shot predictions stored with every method (as the main table).
+    `per_run(summary, calibrators, boot)` gives one run's cells (default `run_trust`; the OOD table passes
+    `calibrate.tables.ood_tables.run_ood`).
     """
+    per_run = per_run or run_trust
     by_cell: dict[tuple[str, str, str, str], list[tuple[int, TrustCell]]] = {}
     for s in runs:
-        for name, cell in run_trust(s, calibrators, boot).items():
+        for name, cell in per_run(s, calibrators, boot).items():
             k = s.key
             by_cell.setdefault((k.backbone, k.dataset, k.method, name), []).append((k.seed, cell))
     out = {key: _mean_cells([c for _, c in v], [f"seed {sd}" for sd, _ in v]) for key, v in by_cell.items()}

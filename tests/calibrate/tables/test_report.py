@@ -40,7 +40,8 @@ def test_a_registered_builder_adds_its_item_last(summaries, tmp_path, monkeypatc
     # the paper's items keep their order (no bootstrap: no intervals item), the new one comes after them
     assert items == ["Figure 1", "Table 1", "Figure 2a", "Figure 2b", "Figures 2c/2d", "Figure 3", "Tables 2 and 3",
                      "Figure 4", "Figure 5", "Table 4", "Figure 6", "Per-run metrics",
-                     "Selective prediction and classwise calibration", "Risk-coverage figure", "Figure 7"]
+                     "Selective prediction and classwise calibration", "Risk-coverage figure",
+                     "Out-of-distribution detection", "Figure 7"]
     assert "- **Figure 7**: mean ECE per calibrator. Files: [fig7_dummy.csv](fig7_dummy.csv)" in readme
     assert "\n  The dummy's caption." in readme and "  - note: a note of the dummy" in readme
     assert rep.items[-1].name == "Figure 7" and "Figure 7: a note of the dummy" in rep.notes
