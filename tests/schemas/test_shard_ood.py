@@ -1,4 +1,4 @@
-"""schemas/shard.py: the out-of-distribution rows of the contract (docs/contract.md, "Out-of-distribution runs")."""
+"""`schemas.shard`: out-of-distribution runs in the contract (label -1 only with `zaec:ood_for`, the `<ood>@<id>`
 dataset key, counts, class names against the in-distribution runs) and old shards unchanged."""
 
 from __future__ import annotations
