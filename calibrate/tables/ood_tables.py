@@ -39,6 +39,7 @@ from calibrate.tables.trust_tables import (
     _interval,
     _predictions,
     _rows_of,
+    paired_difference,
     trust_cells,
 )
 
@@ -178,17 +179,12 @@ def ood_differences(
                 for metric in OOD_NAMES:
                     parts = []
                     for d in datasets:
-                        ca, cb = cells.get((backbone, d, m, a)), cells.get((backbone, d, m, b))
-                        if ca is None or cb is None:
+                        diff = paired_difference(cells, (backbone, d, m), a, b, metric)
+                        if diff is None:
                             continue
-                        va, vb = ca.values[metric], cb.values[metric]
-                        if not (np.isfinite(va) and np.isfinite(vb)):
-                            continue
-                        ra, rb = ca.reps.get(metric), cb.reps.get(metric)
-                        rep = None if ra is None or rb is None else ra - rb
-                        parts.append(((va - vb) * 100.0, rep))
+                        parts.append(diff)
                         out.append(_diff(backbone, m, id_set, d, layout.dataset_label(groups[d][1]), metric, a, b,
-                                         (va - vb) * 100.0, rep, level, 1))
+                                         *diff, level, 1))
                     if parts:
                         v, rep, n = _average(parts)
                         out.append(_diff(backbone, m, id_set, "avg", "Avg.", metric, a, b, v, rep, level, n))

@@ -20,7 +20,7 @@ probabilities) stay null, with the reason in `TrustCell.reasons`; averages are o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -265,6 +265,20 @@ _DIFF_SCHEMA = {
 }
 
 
+def paired_difference(cells: Mapping[tuple, Any], run: tuple, a: str, b: str, metric: str
+                      ) -> tuple[float, np.ndarray | None] | None:
+    """Calibrator `a` minus `b` on one run's cell, in points, with its paired bootstrap replicates (None when either
+    side has none); None when either cell is absent or the metric is undefined (NaN) on either side."""
+    ca, cb = cells.get((*run, a)), cells.get((*run, b))
+    if ca is None or cb is None:
+        return None
+    va, vb = ca.values[metric], cb.values[metric]
+    if not (np.isfinite(va) and np.isfinite(vb)):
+        return None
+    ra, rb = ca.reps.get(metric), cb.reps.get(metric)
+    return (va - vb) * 100.0, None if ra is None or rb is None else ra - rb
+
+
 def trust_differences(
     cells: dict[tuple[str, str, str, str], TrustCell],
     backbone: str,
@@ -287,16 +301,11 @@ def trust_differences(
                 for metric in TRUST_NAMES:
                     parts = []
                     for d in datasets:
-                        ca, cb = cells.get((backbone, d, m, a)), cells.get((backbone, d, m, b))
-                        if ca is None or cb is None:
+                        diff = paired_difference(cells, (backbone, d, m), a, b, metric)
+                        if diff is None:
                             continue
-                        va, vb = ca.values[metric], cb.values[metric]
-                        if not (np.isfinite(va) and np.isfinite(vb)):
-                            continue
-                        ra, rb = ca.reps.get(metric), cb.reps.get(metric)
-                        rep = None if ra is None or rb is None else ra - rb
-                        parts.append((d, (va - vb) * 100.0, rep))
-                        out.append(_diff_row(backbone, m, group, d, metric, a, b, (va - vb) * 100.0, rep, level, 1))
+                        parts.append((d, *diff))
+                        out.append(_diff_row(backbone, m, group, d, metric, a, b, *diff, level, 1))
                     if parts:
                         v, rep, n = _average([(v, r) for _, v, r in parts])
                         out.append(_diff_row(backbone, m, group, "avg", metric, a, b, v, rep, level, n))
