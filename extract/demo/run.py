@@ -174,6 +174,18 @@ def summarise(
         The per-(backbone, method) table and the findings; a claim that the table cannot decide (no TTA runs, a
         calibrator missing) has ``holds=None`` and says why.
     """
+    wide, runs, table, shifted_sets = _shifted_table(metrics, source=source, anchor_method=anchor_method)
+    findings = _shift_findings(table, shifted_sets, source=source, anchor_method=anchor_method)
+    findings.append(_accuracy_preserved(wide, runs))
+    return DemoSummary(table=table, findings=tuple(findings), shifted_sets=shifted_sets,
+                       selective=selective_sentence(metrics, source=source, anchor_method=anchor_method))
+
+
+def _shifted_table(
+    metrics: pl.DataFrame, *, source: str, anchor_method: str
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, tuple[str, ...]]:
+    """The metrics table pivoted wide, its TTA runs, their per-(backbone, method) macro-averages over the shifted
+    sets (`DemoSummary.table`) and the shifted sets' names."""
     needed = {"backbone", "dataset", "method", "seed", "calibrator", "accuracy", "ece"}
     missing = needed - set(metrics.columns)
     if missing:
@@ -195,87 +207,102 @@ def summarise(
     aggs += [pl.col(f"ece_{c}").mean().alias(f"ece_{c}") for c in CALIBRATORS if c in present]
     table = (shifted.group_by(["backbone", "method"], maintain_order=True).agg(aggs).sort(["backbone", "method"])
              if shifted.height else pl.DataFrame())
+    return wide, runs, table, shifted_sets
 
-    findings: list[Finding] = []
+
+#: the findings decided on the shifted sets' table, in the order the summary lists them
+_SHIFT_FINDINGS = ("tta_accuracy", "tta_ece", "zaec_vs_none", "zaec_vs_sals", "zaec_vs_temperature", "zaec_best")
+#: how the summary names the baselines ZAEC is compared with one by one
+_BASELINES = (("sals", "SaLS"), ("temperature", "temperature scaling (fitted on the clean set)"))
+
+
+def _shift_findings(table: pl.DataFrame, shifted_sets: tuple[str, ...], *, source: str,
+                    anchor_method: str) -> list[Finding]:
+    """The paper's claims checked on the per-(backbone, method) table, in `_SHIFT_FINDINGS` order."""
     n_pairs = table.height
+    if not n_pairs:
+        why = f"no TTA runs on shifted sets in the table (only {source!r} or {anchor_method!r})"
+        return [Finding(key, None, why) for key in _SHIFT_FINDINGS]
     where = (f"macro-averaged over the {len(shifted_sets)} shifted set(s), for {n_pairs} (backbone, TTA method) "
              f"pair(s)")
+    return [_tta_accuracy(table, where), _tta_ece(table), _zaec_vs_none(table),
+            *(_zaec_vs(table, other, label) for other, label in _BASELINES), _zaec_best(table)]
 
-    def undecided(key: str, why: str) -> None:
-        findings.append(Finding(key, None, why))
 
-    if not n_pairs:
-        for key in ("tta_accuracy", "tta_ece", "zaec_vs_none", "zaec_vs_sals", "zaec_vs_temperature", "zaec_best"):
-            undecided(key, f"no TTA runs on shifted sets in the table (only {source!r} or {anchor_method!r})")
-    else:
-        cols = set(table.columns)
-        if {"zs_accuracy", "accuracy"} <= cols:
-            up = (table["accuracy"] > table["zs_accuracy"]).to_list()
-            diff = float((table["accuracy"] - table["zs_accuracy"]).mean())
-            holds = sum(up) > n_pairs / 2
-            findings.append(Finding("tta_accuracy", holds, (
-                f"Adaptation {'raises' if holds else 'does not raise'} accuracy over zero-shot here: higher in "
-                f"{_count(up)} pairs, {diff * 100:+.1f} points on average ({where}).")))
-        else:
-            undecided("tta_accuracy", "the zero-shot or uncalibrated rows are missing")
-        if {"zs_ece", "ece_none"} <= cols:
-            up = (table["ece_none"] > table["zs_ece"]).to_list()
-            holds = sum(up) > n_pairs / 2
-            findings.append(Finding("tta_ece", holds, (
-                f"Adaptation {'raises' if holds else 'does not raise'} ECE over zero-shot here (the paper says it "
-                f"does): higher in {_count(up)} pairs; mean ECE {_pct(float(table['zs_ece'].mean()))} zero-shot -> "
-                f"{_pct(float(table['ece_none'].mean()))} adapted.")))
-        else:
-            undecided("tta_ece", "the zero-shot or uncalibrated rows are missing")
-        if {"ece_zaec", "ece_none"} <= cols:
-            down = (table["ece_zaec"] < table["ece_none"]).to_list()
-            holds = sum(down) > n_pairs / 2
-            findings.append(Finding("zaec_vs_none", holds, (
-                f"ZAEC {'lowers' if holds else 'does not lower'} ECE of the adapted predictions: lower in "
-                f"{_count(down)} pairs; mean ECE {_pct(float(table['ece_none'].mean()))} -> "
-                f"{_pct(float(table['ece_zaec'].mean()))}.")))
-        else:
-            undecided("zaec_vs_none", "the zaec or none rows are missing")
-        for other, label in (("sals", "SaLS"), ("temperature", "temperature scaling (fitted on the clean set)")):
-            key = f"zaec_vs_{other}"
-            if {"ece_zaec", f"ece_{other}"} <= cols:
-                better = (table["ece_zaec"] < table[f"ece_{other}"]).to_list()
-                holds = sum(better) > n_pairs / 2
-                findings.append(Finding(key, holds, (
-                    f"ZAEC {'beats' if holds else 'does not beat'} {label}: lower ECE in {_count(better)} pairs "
-                    f"(mean {_pct(float(table['ece_zaec'].mean()))} vs {_pct(float(table[f'ece_{other}'].mean()))}).")))
-            else:
-                undecided(key, f"the {other} rows are missing (calibrator skipped?)")
-        ece_cols = [f"ece_{c}" for c in CALIBRATORS if f"ece_{c}" in cols]
-        if "ece_zaec" in ece_cols and len(ece_cols) > 1:
-            best = table.select(pl.min_horizontal(ece_cols)).to_series()
-            is_best = (table["ece_zaec"] <= best).to_list()
-            means = {c[4:]: float(table[c].mean()) for c in ece_cols}
-            ranked = ", ".join(f"{k} {_pct(v)}" for k, v in sorted(means.items(), key=lambda kv: kv[1]))
-            holds = sum(is_best) > n_pairs / 2
-            findings.append(Finding("zaec_best", holds, (
-                f"ZAEC {'has' if holds else 'does not have'} the lowest ECE of the post-hoc options in "
-                f"{_count(is_best)} pairs (the paper reports the lowest macro-average on ViT-B/16); mean ECE: "
-                f"{ranked}.")))
-        else:
-            undecided("zaec_best", "the zaec rows or every baseline are missing")
+def _tta_accuracy(table: pl.DataFrame, where: str) -> Finding:
+    if not {"zs_accuracy", "accuracy"} <= set(table.columns):
+        return Finding("tta_accuracy", None, "the zero-shot or uncalibrated rows are missing")
+    up = (table["accuracy"] > table["zs_accuracy"]).to_list()
+    diff = float((table["accuracy"] - table["zs_accuracy"]).mean())
+    holds = sum(up) > table.height / 2
+    return Finding("tta_accuracy", holds, (
+        f"Adaptation {'raises' if holds else 'does not raise'} accuracy over zero-shot here: higher in "
+        f"{_count(up)} pairs, {diff * 100:+.1f} points on average ({where})."))
 
-    if {"accuracy_zaec", "accuracy_none"} <= set(wide.columns) and runs.height:
-        gap = (runs["accuracy_zaec"] - runs["accuracy_none"]).abs()
-        worst = float(gap.max())
-        holds = worst == 0.0
-        text = ("By construction, not measured here: ZAEC divides each sample's logits by a temperature T >= 1, "
-                "which never moves the top-1 class, and zaec-calibrate scores every calibrator on the adapted "
-                "logits' arg-max, so accuracy under ZAEC is the adapted accuracy.")
-        if not holds:  # the table contradicts the property: a bug, said as such
-            changed = int((gap > 0.0).sum())
-            text += (f" Yet this table differs in {changed} of {gap.len()} runs (up to {worst * 100:.2f} points): "
-                     "the metrics table is inconsistent.")
-        findings.append(Finding("accuracy_preserved", holds, text, measured=False))
-    else:
-        undecided("accuracy_preserved", "the zaec or none rows are missing")
-    return DemoSummary(table=table, findings=tuple(findings), shifted_sets=shifted_sets,
-                       selective=selective_sentence(metrics, source=source, anchor_method=anchor_method))
+
+def _tta_ece(table: pl.DataFrame) -> Finding:
+    if not {"zs_ece", "ece_none"} <= set(table.columns):
+        return Finding("tta_ece", None, "the zero-shot or uncalibrated rows are missing")
+    up = (table["ece_none"] > table["zs_ece"]).to_list()
+    holds = sum(up) > table.height / 2
+    return Finding("tta_ece", holds, (
+        f"Adaptation {'raises' if holds else 'does not raise'} ECE over zero-shot here (the paper says it "
+        f"does): higher in {_count(up)} pairs; mean ECE {_pct(float(table['zs_ece'].mean()))} zero-shot -> "
+        f"{_pct(float(table['ece_none'].mean()))} adapted."))
+
+
+def _zaec_vs_none(table: pl.DataFrame) -> Finding:
+    if not {"ece_zaec", "ece_none"} <= set(table.columns):
+        return Finding("zaec_vs_none", None, "the zaec or none rows are missing")
+    down = (table["ece_zaec"] < table["ece_none"]).to_list()
+    holds = sum(down) > table.height / 2
+    return Finding("zaec_vs_none", holds, (
+        f"ZAEC {'lowers' if holds else 'does not lower'} ECE of the adapted predictions: lower in "
+        f"{_count(down)} pairs; mean ECE {_pct(float(table['ece_none'].mean()))} -> "
+        f"{_pct(float(table['ece_zaec'].mean()))}."))
+
+
+def _zaec_vs(table: pl.DataFrame, other: str, label: str) -> Finding:
+    key = f"zaec_vs_{other}"
+    if not {"ece_zaec", f"ece_{other}"} <= set(table.columns):
+        return Finding(key, None, f"the {other} rows are missing (calibrator skipped?)")
+    better = (table["ece_zaec"] < table[f"ece_{other}"]).to_list()
+    holds = sum(better) > table.height / 2
+    return Finding(key, holds, (
+        f"ZAEC {'beats' if holds else 'does not beat'} {label}: lower ECE in {_count(better)} pairs "
+        f"(mean {_pct(float(table['ece_zaec'].mean()))} vs {_pct(float(table[f'ece_{other}'].mean()))})."))
+
+
+def _zaec_best(table: pl.DataFrame) -> Finding:
+    ece_cols = [f"ece_{c}" for c in CALIBRATORS if f"ece_{c}" in table.columns]
+    if not ("ece_zaec" in ece_cols and len(ece_cols) > 1):
+        return Finding("zaec_best", None, "the zaec rows or every baseline are missing")
+    best = table.select(pl.min_horizontal(ece_cols)).to_series()
+    is_best = (table["ece_zaec"] <= best).to_list()
+    means = {c[4:]: float(table[c].mean()) for c in ece_cols}
+    ranked = ", ".join(f"{k} {_pct(v)}" for k, v in sorted(means.items(), key=lambda kv: kv[1]))
+    holds = sum(is_best) > table.height / 2
+    return Finding("zaec_best", holds, (
+        f"ZAEC {'has' if holds else 'does not have'} the lowest ECE of the post-hoc options in "
+        f"{_count(is_best)} pairs (the paper reports the lowest macro-average on ViT-B/16); mean ECE: "
+        f"{ranked}."))
+
+
+def _accuracy_preserved(wide: pl.DataFrame, runs: pl.DataFrame) -> Finding:
+    """The by-construction property, checked for consistency on every TTA run (all sets included)."""
+    if not ({"accuracy_zaec", "accuracy_none"} <= set(wide.columns) and runs.height):
+        return Finding("accuracy_preserved", None, "the zaec or none rows are missing")
+    gap = (runs["accuracy_zaec"] - runs["accuracy_none"]).abs()
+    worst = float(gap.max())
+    holds = worst == 0.0
+    text = ("By construction, not measured here: ZAEC divides each sample's logits by a temperature T >= 1, "
+            "which never moves the top-1 class, and zaec-calibrate scores every calibrator on the adapted "
+            "logits' arg-max, so accuracy under ZAEC is the adapted accuracy.")
+    if not holds:  # the table contradicts the property: a bug, said as such
+        changed = int((gap > 0.0).sum())
+        text += (f" Yet this table differs in {changed} of {gap.len()} runs (up to {worst * 100:.2f} points): "
+                 "the metrics table is inconsistent.")
+    return Finding("accuracy_preserved", holds, text, measured=False)
 
 
 def selective_sentence(
