@@ -474,16 +474,22 @@ def _accuracy(paths: Sequence[Path]) -> tuple[float, float]:
     return hit_tta / max(n, 1), hit_zs / max(n, 1)
 
 
+#: zaec-calibrate's metrics and the fingerprint of the shards they came from, under DemoConfig.metrics_dir
+_METRICS_FILE = "metrics.parquet"
+_METRICS_STAMP = "inputs.sha256"
+
+
 def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     """Run the whole demo (each step skips finished work) and return the metrics and their summary."""
-    import torch
+    # every stage is imported before any work, so that a missing dependency stops the demo at once; the steps
+    # below import what they use again (a lookup in sys.modules)
+    import torch  # noqa: F401
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from calibrate.run import calibrate_paths, write_metrics
-    from extract.models import load_model
-    from extract.runner import run_extraction
-    from schemas import find_shards
+    from calibrate.run import calibrate_paths, write_metrics  # noqa: F401
+    from extract.models import load_model  # noqa: F401
+    from extract.runner import run_extraction  # noqa: F401
+    from schemas import find_shards  # noqa: F401
 
     console = console or Console(emoji=False)
     say = console.print
@@ -491,7 +497,53 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     timings: dict[str, float] = {}
     notes: list[str] = []
 
-    # resolve every name before any work
+    methods, sets, datasets, specs = _plan(cfg, say)
+
+    t = time.perf_counter()
+    model_dirs = _train_models(cfg, specs, console)
+    timings["train"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _write_sets(cfg, sets, datasets, say)
+    timings["sets"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _extract(cfg, specs, model_dirs, datasets, methods, console, notes)
+    timings["extract"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    fingerprint, fresh = _calibrate(cfg, say)
+    metrics = pl.read_parquet(cfg.metrics_dir / _METRICS_FILE)
+    timings["calibrate"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _tables(cfg, datasets, fingerprint, say)
+    if not fresh:  # stamped only once the tables are written too: a failed tables step redoes both next time
+        (cfg.metrics_dir / _METRICS_STAMP).write_text(fingerprint + "\n")
+    timings["tables"] = time.perf_counter() - t
+
+    summary = summarise(metrics)
+    cfg.results.mkdir(parents=True, exist_ok=True)
+    (cfg.results / SUMMARY_FILE).write_text(summary_markdown(summary), encoding="utf-8")
+    outputs = {
+        "models": cfg.models_dir,
+        "sets": cfg.data_root / shifts_mod.SET_DIR,
+        "shards": cfg.shards,
+        "metrics": cfg.metrics_dir / _METRICS_FILE,
+        "tables": cfg.results,
+        "summary": cfg.results / SUMMARY_FILE,
+    }
+    timings["total"] = time.perf_counter() - started
+    _print_outputs(cfg, outputs, summary, timings, console)
+    return DemoResult(metrics=metrics, summary=summary, outputs=outputs, timings=timings, notes=notes)
+
+
+def _plan(
+    cfg: DemoConfig, say
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[train_mod.DemoModel, ...]]:
+    """Resolve every name before any work and announce the run: (methods, sets, dataset keys, model specs)."""
+    import torch
+
     check_dir(cfg.fmnist_dir)
     methods = _resolve_methods(cfg.methods)
     sets = _resolve_sets(cfg.sets)
@@ -504,9 +556,12 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     say(f"Sets: {', '.join(datasets)}, each holding {size} Fashion-MNIST test images"
         f"{' (subsampled to keep the demo short on a CPU)' if cfg.n_images else ''}; methods: {', '.join(methods)}; "
         f"backbones: {', '.join(s.name for s in specs)}.", highlight=False)
+    return methods, sets, datasets, specs
 
-    # 1. train the two models
-    t = time.perf_counter()
+
+def _train_models(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], console) -> dict[str, Path]:
+    """Step 1: train the two models (or find them trained); their local-dir folders by name."""
+    say = console.print
     say("[bold]\\[1/5] models[/]")
     model_dirs: dict[str, Path] = {}
     for spec in specs:
@@ -525,10 +580,11 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
                      f"{rec.get('final_logit_scale', nan):.1f}, clean accuracy "
                      f"{_pct(rec.get('clean_test_accuracy_first_2000', nan))} (first 2,000 test images, one prompt)")
         say(f"  {spec.name}: {done}{facts}", highlight=False)
-    timings["train"] = time.perf_counter() - t
+    return model_dirs
 
-    # 2. write the sets
-    t = time.perf_counter()
+
+def _write_sets(cfg: DemoConfig, sets: Sequence[str], datasets: Sequence[str], say) -> None:
+    """Step 2: write the test sets that are not written yet (dropping the shards of a rewritten one)."""
     say("[bold]\\[2/5] test sets[/]")
     for name, key in zip(sets, datasets):
         if shifts_mod.is_written(cfg.data_root, name, n=cfg.n_images, cfg=shifts_mod.ShiftConfig()):
@@ -538,10 +594,17 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         say(f"  wrote {key} ({shifts_mod.describe(name)}) to {shifts_mod.set_dir(cfg.data_root, name)}",
             highlight=False)
     say(f"  {len(sets)} sets under {cfg.data_root / shifts_mod.SET_DIR}", highlight=False)
-    timings["sets"] = time.perf_counter() - t
 
-    # 3. extraction: every method x set x backbone
-    t = time.perf_counter()
+
+def _extract(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], model_dirs: dict[str, Path],
+             datasets: Sequence[str], methods: Sequence[str], console, notes: list[str]) -> None:
+    """Step 3: extraction, every method x set x backbone; appends the runner's messages (once each) to ``notes``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from extract.models import load_model
+    from extract.runner import run_extraction
+
+    say = console.print
     say("[bold]\\[3/5] extraction[/] (zaec-extract's run_extraction; finished runs are skipped)")
     total = len(specs) * len(datasets) * len(methods)
     logged: set[str] = set()
@@ -586,15 +649,21 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         + ", ".join(f"{m} {v:.0f} s" for m, v in method_seconds.items()), highlight=False)
     for n in notes:
         say(f"  note: {n}", markup=False, highlight=False)
-    timings["extract"] = time.perf_counter() - t
 
-    # 4. calibration (zaec-calibrate), skipped when the shards did not change
-    t = time.perf_counter()
+
+def _calibrate(cfg: DemoConfig, say) -> tuple[str, bool]:
+    """Step 4: zaec-calibrate, skipped when the shards did not change: (the shards' fingerprint, whether skipped).
+
+    The caller stamps the fingerprint once the tables are written too.
+    """
+    from calibrate.run import calibrate_paths, write_metrics
+    from schemas import find_shards
+
     say("[bold]\\[4/5] calibration[/] (zaec-calibrate: none, temperature fitted on fmnist, SaLS, ZAEC)")
     shard_files = [Path(p) for p in find_shards([cfg.shards])]
     fingerprint = _inputs_fingerprint(shard_files)
-    stamp = cfg.metrics_dir / "inputs.sha256"
-    metrics_path = cfg.metrics_dir / "metrics.parquet"
+    stamp = cfg.metrics_dir / _METRICS_STAMP
+    metrics_path = cfg.metrics_dir / _METRICS_FILE
     fresh = stamp.is_file() and stamp.read_text().strip() == fingerprint and metrics_path.is_file()
     if fresh:
         say(f"  {metrics_path} is up to date (skipped)", highlight=False)
@@ -603,42 +672,31 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         write_metrics(report, cfg.metrics_dir)
         for line in _calibration_notes(report.notes, report.temperatures, report.capped):
             say(f"  {line}", markup=False, highlight=False)
-    metrics = pl.read_parquet(metrics_path)
-    timings["calibrate"] = time.perf_counter() - t
+    return fingerprint, fresh
 
-    # 5. the paper's tables and figures (zaec-calibrate tables, as `make tables` runs it)
-    t = time.perf_counter()
+
+def _tables(cfg: DemoConfig, datasets: Sequence[str], fingerprint: str, say) -> None:
+    """Step 5: the paper's tables and figures (zaec-calibrate tables, as `make tables` runs it), unless up to date."""
     say("[bold]\\[5/5] tables and figures[/] (zaec-calibrate tables)")
     tables_stamp = cfg.results / ".inputs.sha256"
     tables_fresh = tables_stamp.is_file() and tables_stamp.read_text().strip() == fingerprint
     if tables_fresh and (cfg.results / "README.md").is_file():
         say(f"  {cfg.results} is up to date (skipped)", highlight=False)
-    else:
-        cmd = [sys.executable, "-m", "calibrate.cli", "tables", str(cfg.shards), "--out", str(cfg.results),
-               "--ts-source", SOURCE_DATASET, "--reference-dataset", REFERENCE_DATASET if REFERENCE_DATASET in
-               datasets else datasets[-1], "--bootstrap", str(cfg.bootstrap), "--quiet"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise DemoError(f"zaec-calibrate tables failed (exit {proc.returncode}): "
-                            f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['no output']}")
-        tables_stamp.write_text(fingerprint + "\n")
-    if not fresh:
-        stamp.write_text(fingerprint + "\n")
-    timings["tables"] = time.perf_counter() - t
+        return
+    cmd = [sys.executable, "-m", "calibrate.cli", "tables", str(cfg.shards), "--out", str(cfg.results),
+           "--ts-source", SOURCE_DATASET, "--reference-dataset", REFERENCE_DATASET if REFERENCE_DATASET in
+           datasets else datasets[-1], "--bootstrap", str(cfg.bootstrap), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DemoError(f"zaec-calibrate tables failed (exit {proc.returncode}): "
+                        f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['no output']}")
+    tables_stamp.write_text(fingerprint + "\n")
 
-    summary = summarise(metrics)
-    cfg.results.mkdir(parents=True, exist_ok=True)
-    (cfg.results / SUMMARY_FILE).write_text(summary_markdown(summary), encoding="utf-8")
-    outputs = {
-        "models": cfg.models_dir,
-        "sets": cfg.data_root / shifts_mod.SET_DIR,
-        "shards": cfg.shards,
-        "metrics": metrics_path,
-        "tables": cfg.results,
-        "summary": cfg.results / SUMMARY_FILE,
-    }
-    timings["total"] = time.perf_counter() - started
 
+def _print_outputs(cfg: DemoConfig, outputs: dict[str, Path], summary: DemoSummary, timings: dict[str, float],
+                   console) -> None:
+    """The closing report: where the outputs are, the summary, and each step's time."""
+    say = console.print
     say("")
     say("[bold]Outputs[/]")
     for k, v in (("models (local-dir)", outputs["models"]), ("test sets", outputs["sets"]),
@@ -651,7 +709,6 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     say("Steps: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), highlight=False)
     say("Run the same pipeline on real CLIP weights and the paper's datasets: see the README "
         "(zaec-extract --pretrained openai --backbone ViT-B-16 ...).", highlight=False)
-    return DemoResult(metrics=metrics, summary=summary, outputs=outputs, timings=timings, notes=notes)
 
 
 class DemoError(RuntimeError):
