@@ -359,6 +359,38 @@ def _table(results: dict[str, Any], console: Any) -> None:
                   "encoder's time for a sample's 64 views / the adaptation's time per sample.")
 
 
+def _check_options(device: str, tiny: bool, ks: str, pass_budgets: str) -> tuple[list[int], list[int]]:
+    """Refuse a device this run cannot use; parse `--ks` and `--pass-budgets` (a user error exits with one line)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise _fail("bench-gpu needs a CUDA device and torch.cuda.is_available() is False here; "
+                    "for a smoke run on the CPU use --device cpu --tiny")
+    if not device.startswith("cuda") and not tiny:
+        raise _fail(f"--device {device} runs the full-size models on the CPU for hours; add --tiny for a smoke run")
+    try:
+        k_list = [int(k) for k in ks.split(",") if k.strip()]
+        budgets = [int(b) for b in pass_budgets.split(",") if b.strip()]
+    except ValueError:
+        raise _fail(f"--ks and --pass-budgets expect comma-separated integers, got {ks!r} and {pass_budgets!r}") \
+            from None
+    return k_list, budgets
+
+
+def _print_loader(results: dict[str, Any], nw: int, console: Any) -> None:
+    """One loader thread's view rates, and how well `nw` loader processes scaled against them."""
+    per_core = results["views_per_core"]
+    console.print(f"one loader thread (its share of the views): {per_core['crop_flip']:,.0f} crop+flip views/s, "
+                  f"{per_core['augmix']:,.0f} AugMix views/s; {nw} loader processes; "
+                  f"whole run {results['seconds']:.0f} s")
+    for bb, r in results["backbones"].items():
+        if "loader_efficiency" in r["ratios"]:
+            eff = r["ratios"]["loader_efficiency"]
+            console.print(f"{bb}: 64-view rate / ({nw} x one thread): crop+flip {eff['crop_flip']:.2f}, AugMix "
+                          f"{eff['augmix']:.2f} (1.0 = the processes scale perfectly; below it, the GPU or the "
+                          "transfer sets the pace)")
+
+
 @app.command("run")
 def run(
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write every figure to this JSON file"),
@@ -379,17 +411,7 @@ def run(
     import torch
     from rich.console import Console
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise _fail("bench-gpu needs a CUDA device and torch.cuda.is_available() is False here; "
-                    "for a smoke run on the CPU use --device cpu --tiny")
-    if not device.startswith("cuda") and not tiny:
-        raise _fail(f"--device {device} runs the full-size models on the CPU for hours; add --tiny for a smoke run")
-    try:
-        k_list = [int(k) for k in ks.split(",") if k.strip()]
-        budgets = [int(b) for b in pass_budgets.split(",") if b.strip()]
-    except ValueError:
-        raise _fail(f"--ks and --pass-budgets expect comma-separated integers, got {ks!r} and {pass_budgets!r}") \
-            from None
+    k_list, budgets = _check_options(device, tiny, ks, pass_budgets)
     bbs = [b.strip() for b in backbones.split(",") if b.strip()]
     n_single = images if images is not None else (8 if tiny else 4096)
     n_multi = multi_view_images if multi_view_images is not None else (2 if tiny else 96)
@@ -425,16 +447,7 @@ def run(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _table(results, console)
-    per_core = results["views_per_core"]
-    console.print(f"one loader thread (its share of the views): {per_core['crop_flip']:,.0f} crop+flip views/s, "
-                  f"{per_core['augmix']:,.0f} AugMix views/s; {nw} loader processes; "
-                  f"whole run {results['seconds']:.0f} s")
-    for bb, r in results["backbones"].items():
-        if "loader_efficiency" in r["ratios"]:
-            eff = r["ratios"]["loader_efficiency"]
-            console.print(f"{bb}: 64-view rate / ({nw} x one thread): crop+flip {eff['crop_flip']:.2f}, AugMix "
-                          f"{eff['augmix']:.2f} (1.0 = the processes scale perfectly; below it, the GPU or the "
-                          "transfer sets the pace)")
+    _print_loader(results, nw, console)
     if json_out is not None:
         from schemas.atomic import atomic_path
         with atomic_path(json_out) as tmp:

@@ -40,6 +40,26 @@ def method_list(text: str, option: str) -> tuple[str, ...]:
     return items
 
 
+def _check_numbers(*, bootstrap: int, level: float, bins: int, reliability_bins: int, gap_bins: int) -> None:
+    """Raise ValueError naming the option when a count or the interval level is out of range."""
+    if bootstrap < 0:
+        raise ValueError(f"--bootstrap must be >= 0, got {bootstrap}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"--level must lie in (0, 1), got {level}")
+    for name, v in (("--bins", bins), ("--reliability-bins", reliability_bins), ("--gap-bins", gap_bins)):
+        if v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v}")
+
+
+def _print_main_tables(backbones: List[str], out: Path) -> None:
+    """Print each backbone's main table (accuracy and ECE) that the report wrote under ``out``."""
+    console = Console(emoji=False, width=None if Console(emoji=False).is_terminal else 200)
+    for bb in backbones:
+        main = pl.read_csv(out / f"main_{slug(bb)}.csv") if (out / f"main_{slug(bb)}.csv").exists() else None
+        if main is not None:
+            console.print(main_rich(main, f"{bb}: accuracy and ECE (%)"))
+
+
 @app.command()
 def tables(
     shards: List[Path] = typer.Argument(..., help="shard files or directories (searched recursively)"),
@@ -74,13 +94,8 @@ def tables(
     err = Console(stderr=True, emoji=False)
     say = (lambda s: None) if quiet else (lambda s: err.print(s, markup=False, highlight=False))
     try:
-        if bootstrap < 0:
-            raise ValueError(f"--bootstrap must be >= 0, got {bootstrap}")
-        if not 0.0 < level < 1.0:
-            raise ValueError(f"--level must lie in (0, 1), got {level}")
-        for name, v in (("--bins", bins), ("--reliability-bins", reliability_bins), ("--gap-bins", gap_bins)):
-            if v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v}")
+        _check_numbers(bootstrap=bootstrap, level=level, bins=bins, reliability_bins=reliability_bins,
+                      gap_bins=gap_bins)
         opts = ReportOptions(n_bins=bins, reliability_bins=reliability_bins, gap_bins=gap_bins,
                              reference_dataset=reference_dataset, ts_source=ts_source,
                              temperature_fixed=temperature is not None,
@@ -113,11 +128,7 @@ def tables(
     except USER_ERRORS as e:
         fail("zaec-calibrate tables", e, err)
     if not quiet:
-        console = Console(emoji=False, width=None if Console(emoji=False).is_terminal else 200)
-        for bb in summaries.backbones():
-            main = pl.read_csv(out / f"main_{slug(bb)}.csv") if (out / f"main_{slug(bb)}.csv").exists() else None
-            if main is not None:
-                console.print(main_rich(main, f"{bb}: accuracy and ECE (%)"))
+        _print_main_tables(summaries.backbones(), out)
     for note in report.notes:
         say(f"note: {note}")
     n_files = sum(len(p) for _, p in report.outputs)

@@ -174,6 +174,18 @@ def summarise(
         The per-(backbone, method) table and the findings; a claim that the table cannot decide (no TTA runs, a
         calibrator missing) has ``holds=None`` and says why.
     """
+    wide, runs, table, shifted_sets = _shifted_table(metrics, source=source, anchor_method=anchor_method)
+    findings = _shift_findings(table, shifted_sets, source=source, anchor_method=anchor_method)
+    findings.append(_accuracy_preserved(wide, runs))
+    return DemoSummary(table=table, findings=tuple(findings), shifted_sets=shifted_sets,
+                       selective=selective_sentence(metrics, source=source, anchor_method=anchor_method))
+
+
+def _shifted_table(
+    metrics: pl.DataFrame, *, source: str, anchor_method: str
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, tuple[str, ...]]:
+    """The metrics table pivoted wide, its TTA runs, their per-(backbone, method) macro-averages over the shifted
+    sets (`DemoSummary.table`) and the shifted sets' names."""
     needed = {"backbone", "dataset", "method", "seed", "calibrator", "accuracy", "ece"}
     missing = needed - set(metrics.columns)
     if missing:
@@ -195,87 +207,102 @@ def summarise(
     aggs += [pl.col(f"ece_{c}").mean().alias(f"ece_{c}") for c in CALIBRATORS if c in present]
     table = (shifted.group_by(["backbone", "method"], maintain_order=True).agg(aggs).sort(["backbone", "method"])
              if shifted.height else pl.DataFrame())
+    return wide, runs, table, shifted_sets
 
-    findings: list[Finding] = []
+
+#: the findings decided on the shifted sets' table, in the order the summary lists them
+_SHIFT_FINDINGS = ("tta_accuracy", "tta_ece", "zaec_vs_none", "zaec_vs_sals", "zaec_vs_temperature", "zaec_best")
+#: how the summary names the baselines ZAEC is compared with one by one
+_BASELINES = (("sals", "SaLS"), ("temperature", "temperature scaling (fitted on the clean set)"))
+
+
+def _shift_findings(table: pl.DataFrame, shifted_sets: tuple[str, ...], *, source: str,
+                    anchor_method: str) -> list[Finding]:
+    """The paper's claims checked on the per-(backbone, method) table, in `_SHIFT_FINDINGS` order."""
     n_pairs = table.height
+    if not n_pairs:
+        why = f"no TTA runs on shifted sets in the table (only {source!r} or {anchor_method!r})"
+        return [Finding(key, None, why) for key in _SHIFT_FINDINGS]
     where = (f"macro-averaged over the {len(shifted_sets)} shifted set(s), for {n_pairs} (backbone, TTA method) "
              f"pair(s)")
+    return [_tta_accuracy(table, where), _tta_ece(table), _zaec_vs_none(table),
+            *(_zaec_vs(table, other, label) for other, label in _BASELINES), _zaec_best(table)]
 
-    def undecided(key: str, why: str) -> None:
-        findings.append(Finding(key, None, why))
 
-    if not n_pairs:
-        for key in ("tta_accuracy", "tta_ece", "zaec_vs_none", "zaec_vs_sals", "zaec_vs_temperature", "zaec_best"):
-            undecided(key, f"no TTA runs on shifted sets in the table (only {source!r} or {anchor_method!r})")
-    else:
-        cols = set(table.columns)
-        if {"zs_accuracy", "accuracy"} <= cols:
-            up = (table["accuracy"] > table["zs_accuracy"]).to_list()
-            diff = float((table["accuracy"] - table["zs_accuracy"]).mean())
-            holds = sum(up) > n_pairs / 2
-            findings.append(Finding("tta_accuracy", holds, (
-                f"Adaptation {'raises' if holds else 'does not raise'} accuracy over zero-shot here: higher in "
-                f"{_count(up)} pairs, {diff * 100:+.1f} points on average ({where}).")))
-        else:
-            undecided("tta_accuracy", "the zero-shot or uncalibrated rows are missing")
-        if {"zs_ece", "ece_none"} <= cols:
-            up = (table["ece_none"] > table["zs_ece"]).to_list()
-            holds = sum(up) > n_pairs / 2
-            findings.append(Finding("tta_ece", holds, (
-                f"Adaptation {'raises' if holds else 'does not raise'} ECE over zero-shot here (the paper says it "
-                f"does): higher in {_count(up)} pairs; mean ECE {_pct(float(table['zs_ece'].mean()))} zero-shot -> "
-                f"{_pct(float(table['ece_none'].mean()))} adapted.")))
-        else:
-            undecided("tta_ece", "the zero-shot or uncalibrated rows are missing")
-        if {"ece_zaec", "ece_none"} <= cols:
-            down = (table["ece_zaec"] < table["ece_none"]).to_list()
-            holds = sum(down) > n_pairs / 2
-            findings.append(Finding("zaec_vs_none", holds, (
-                f"ZAEC {'lowers' if holds else 'does not lower'} ECE of the adapted predictions: lower in "
-                f"{_count(down)} pairs; mean ECE {_pct(float(table['ece_none'].mean()))} -> "
-                f"{_pct(float(table['ece_zaec'].mean()))}.")))
-        else:
-            undecided("zaec_vs_none", "the zaec or none rows are missing")
-        for other, label in (("sals", "SaLS"), ("temperature", "temperature scaling (fitted on the clean set)")):
-            key = f"zaec_vs_{other}"
-            if {"ece_zaec", f"ece_{other}"} <= cols:
-                better = (table["ece_zaec"] < table[f"ece_{other}"]).to_list()
-                holds = sum(better) > n_pairs / 2
-                findings.append(Finding(key, holds, (
-                    f"ZAEC {'beats' if holds else 'does not beat'} {label}: lower ECE in {_count(better)} pairs "
-                    f"(mean {_pct(float(table['ece_zaec'].mean()))} vs {_pct(float(table[f'ece_{other}'].mean()))}).")))
-            else:
-                undecided(key, f"the {other} rows are missing (calibrator skipped?)")
-        ece_cols = [f"ece_{c}" for c in CALIBRATORS if f"ece_{c}" in cols]
-        if "ece_zaec" in ece_cols and len(ece_cols) > 1:
-            best = table.select(pl.min_horizontal(ece_cols)).to_series()
-            is_best = (table["ece_zaec"] <= best).to_list()
-            means = {c[4:]: float(table[c].mean()) for c in ece_cols}
-            ranked = ", ".join(f"{k} {_pct(v)}" for k, v in sorted(means.items(), key=lambda kv: kv[1]))
-            holds = sum(is_best) > n_pairs / 2
-            findings.append(Finding("zaec_best", holds, (
-                f"ZAEC {'has' if holds else 'does not have'} the lowest ECE of the post-hoc options in "
-                f"{_count(is_best)} pairs (the paper reports the lowest macro-average on ViT-B/16); mean ECE: "
-                f"{ranked}.")))
-        else:
-            undecided("zaec_best", "the zaec rows or every baseline are missing")
+def _tta_accuracy(table: pl.DataFrame, where: str) -> Finding:
+    if not {"zs_accuracy", "accuracy"} <= set(table.columns):
+        return Finding("tta_accuracy", None, "the zero-shot or uncalibrated rows are missing")
+    up = (table["accuracy"] > table["zs_accuracy"]).to_list()
+    diff = float((table["accuracy"] - table["zs_accuracy"]).mean())
+    holds = sum(up) > table.height / 2
+    return Finding("tta_accuracy", holds, (
+        f"Adaptation {'raises' if holds else 'does not raise'} accuracy over zero-shot here: higher in "
+        f"{_count(up)} pairs, {diff * 100:+.1f} points on average ({where})."))
 
-    if {"accuracy_zaec", "accuracy_none"} <= set(wide.columns) and runs.height:
-        gap = (runs["accuracy_zaec"] - runs["accuracy_none"]).abs()
-        worst = float(gap.max())
-        holds = worst == 0.0
-        text = ("By construction, not measured here: ZAEC divides each sample's logits by a temperature T >= 1, "
-                "which never moves the top-1 class, and zaec-calibrate scores every calibrator on the adapted "
-                "logits' arg-max, so accuracy under ZAEC is the adapted accuracy.")
-        if not holds:  # the table contradicts the property: a bug, said as such
-            changed = int((gap > 0.0).sum())
-            text += (f" Yet this table differs in {changed} of {gap.len()} runs (up to {worst * 100:.2f} points): "
-                     "the metrics table is inconsistent.")
-        findings.append(Finding("accuracy_preserved", holds, text, measured=False))
-    else:
-        undecided("accuracy_preserved", "the zaec or none rows are missing")
-    return DemoSummary(table=table, findings=tuple(findings), shifted_sets=shifted_sets,
-                       selective=selective_sentence(metrics, source=source, anchor_method=anchor_method))
+
+def _tta_ece(table: pl.DataFrame) -> Finding:
+    if not {"zs_ece", "ece_none"} <= set(table.columns):
+        return Finding("tta_ece", None, "the zero-shot or uncalibrated rows are missing")
+    up = (table["ece_none"] > table["zs_ece"]).to_list()
+    holds = sum(up) > table.height / 2
+    return Finding("tta_ece", holds, (
+        f"Adaptation {'raises' if holds else 'does not raise'} ECE over zero-shot here (the paper says it "
+        f"does): higher in {_count(up)} pairs; mean ECE {_pct(float(table['zs_ece'].mean()))} zero-shot -> "
+        f"{_pct(float(table['ece_none'].mean()))} adapted."))
+
+
+def _zaec_vs_none(table: pl.DataFrame) -> Finding:
+    if not {"ece_zaec", "ece_none"} <= set(table.columns):
+        return Finding("zaec_vs_none", None, "the zaec or none rows are missing")
+    down = (table["ece_zaec"] < table["ece_none"]).to_list()
+    holds = sum(down) > table.height / 2
+    return Finding("zaec_vs_none", holds, (
+        f"ZAEC {'lowers' if holds else 'does not lower'} ECE of the adapted predictions: lower in "
+        f"{_count(down)} pairs; mean ECE {_pct(float(table['ece_none'].mean()))} -> "
+        f"{_pct(float(table['ece_zaec'].mean()))}."))
+
+
+def _zaec_vs(table: pl.DataFrame, other: str, label: str) -> Finding:
+    key = f"zaec_vs_{other}"
+    if not {"ece_zaec", f"ece_{other}"} <= set(table.columns):
+        return Finding(key, None, f"the {other} rows are missing (calibrator skipped?)")
+    better = (table["ece_zaec"] < table[f"ece_{other}"]).to_list()
+    holds = sum(better) > table.height / 2
+    return Finding(key, holds, (
+        f"ZAEC {'beats' if holds else 'does not beat'} {label}: lower ECE in {_count(better)} pairs "
+        f"(mean {_pct(float(table['ece_zaec'].mean()))} vs {_pct(float(table[f'ece_{other}'].mean()))})."))
+
+
+def _zaec_best(table: pl.DataFrame) -> Finding:
+    ece_cols = [f"ece_{c}" for c in CALIBRATORS if f"ece_{c}" in table.columns]
+    if not ("ece_zaec" in ece_cols and len(ece_cols) > 1):
+        return Finding("zaec_best", None, "the zaec rows or every baseline are missing")
+    best = table.select(pl.min_horizontal(ece_cols)).to_series()
+    is_best = (table["ece_zaec"] <= best).to_list()
+    means = {c[4:]: float(table[c].mean()) for c in ece_cols}
+    ranked = ", ".join(f"{k} {_pct(v)}" for k, v in sorted(means.items(), key=lambda kv: kv[1]))
+    holds = sum(is_best) > table.height / 2
+    return Finding("zaec_best", holds, (
+        f"ZAEC {'has' if holds else 'does not have'} the lowest ECE of the post-hoc options in "
+        f"{_count(is_best)} pairs (the paper reports the lowest macro-average on ViT-B/16); mean ECE: "
+        f"{ranked}."))
+
+
+def _accuracy_preserved(wide: pl.DataFrame, runs: pl.DataFrame) -> Finding:
+    """The by-construction property, checked for consistency on every TTA run (all sets included)."""
+    if not ({"accuracy_zaec", "accuracy_none"} <= set(wide.columns) and runs.height):
+        return Finding("accuracy_preserved", None, "the zaec or none rows are missing")
+    gap = (runs["accuracy_zaec"] - runs["accuracy_none"]).abs()
+    worst = float(gap.max())
+    holds = worst == 0.0
+    text = ("By construction, not measured here: ZAEC divides each sample's logits by a temperature T >= 1, "
+            "which never moves the top-1 class, and zaec-calibrate scores every calibrator on the adapted "
+            "logits' arg-max, so accuracy under ZAEC is the adapted accuracy.")
+    if not holds:  # the table contradicts the property: a bug, said as such
+        changed = int((gap > 0.0).sum())
+        text += (f" Yet this table differs in {changed} of {gap.len()} runs (up to {worst * 100:.2f} points): "
+                 "the metrics table is inconsistent.")
+    return Finding("accuracy_preserved", holds, text, measured=False)
 
 
 def selective_sentence(
@@ -447,16 +474,22 @@ def _accuracy(paths: Sequence[Path]) -> tuple[float, float]:
     return hit_tta / max(n, 1), hit_zs / max(n, 1)
 
 
+#: zaec-calibrate's metrics and the fingerprint of the shards they came from, under DemoConfig.metrics_dir
+_METRICS_FILE = "metrics.parquet"
+_METRICS_STAMP = "inputs.sha256"
+
+
 def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     """Run the whole demo (each step skips finished work) and return the metrics and their summary."""
-    import torch
+    # every stage is imported before any work, so that a missing dependency stops the demo at once; the steps
+    # below import what they use again (a lookup in sys.modules)
+    import torch  # noqa: F401
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from calibrate.run import calibrate_paths, write_metrics
-    from extract.models import load_model
-    from extract.runner import run_extraction
-    from schemas import find_shards
+    from calibrate.run import calibrate_paths, write_metrics  # noqa: F401
+    from extract.models import load_model  # noqa: F401
+    from extract.runner import run_extraction  # noqa: F401
+    from schemas import find_shards  # noqa: F401
 
     console = console or Console(emoji=False)
     say = console.print
@@ -464,7 +497,53 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     timings: dict[str, float] = {}
     notes: list[str] = []
 
-    # resolve every name before any work
+    methods, sets, datasets, specs = _plan(cfg, say)
+
+    t = time.perf_counter()
+    model_dirs = _train_models(cfg, specs, console)
+    timings["train"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _write_sets(cfg, sets, datasets, say)
+    timings["sets"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _extract(cfg, specs, model_dirs, datasets, methods, console, notes)
+    timings["extract"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    fingerprint, fresh = _calibrate(cfg, say)
+    metrics = pl.read_parquet(cfg.metrics_dir / _METRICS_FILE)
+    timings["calibrate"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _tables(cfg, datasets, fingerprint, say)
+    if not fresh:  # stamped only once the tables are written too: a failed tables step redoes both next time
+        (cfg.metrics_dir / _METRICS_STAMP).write_text(fingerprint + "\n")
+    timings["tables"] = time.perf_counter() - t
+
+    summary = summarise(metrics)
+    cfg.results.mkdir(parents=True, exist_ok=True)
+    (cfg.results / SUMMARY_FILE).write_text(summary_markdown(summary), encoding="utf-8")
+    outputs = {
+        "models": cfg.models_dir,
+        "sets": cfg.data_root / shifts_mod.SET_DIR,
+        "shards": cfg.shards,
+        "metrics": cfg.metrics_dir / _METRICS_FILE,
+        "tables": cfg.results,
+        "summary": cfg.results / SUMMARY_FILE,
+    }
+    timings["total"] = time.perf_counter() - started
+    _print_outputs(cfg, outputs, summary, timings, console)
+    return DemoResult(metrics=metrics, summary=summary, outputs=outputs, timings=timings, notes=notes)
+
+
+def _plan(
+    cfg: DemoConfig, say
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[train_mod.DemoModel, ...]]:
+    """Resolve every name before any work and announce the run: (methods, sets, dataset keys, model specs)."""
+    import torch
+
     check_dir(cfg.fmnist_dir)
     methods = _resolve_methods(cfg.methods)
     sets = _resolve_sets(cfg.sets)
@@ -477,9 +556,12 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     say(f"Sets: {', '.join(datasets)}, each holding {size} Fashion-MNIST test images"
         f"{' (subsampled to keep the demo short on a CPU)' if cfg.n_images else ''}; methods: {', '.join(methods)}; "
         f"backbones: {', '.join(s.name for s in specs)}.", highlight=False)
+    return methods, sets, datasets, specs
 
-    # 1. train the two models
-    t = time.perf_counter()
+
+def _train_models(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], console) -> dict[str, Path]:
+    """Step 1: train the two models (or find them trained); their local-dir folders by name."""
+    say = console.print
     say("[bold]\\[1/5] models[/]")
     model_dirs: dict[str, Path] = {}
     for spec in specs:
@@ -498,10 +580,11 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
                      f"{rec.get('final_logit_scale', nan):.1f}, clean accuracy "
                      f"{_pct(rec.get('clean_test_accuracy_first_2000', nan))} (first 2,000 test images, one prompt)")
         say(f"  {spec.name}: {done}{facts}", highlight=False)
-    timings["train"] = time.perf_counter() - t
+    return model_dirs
 
-    # 2. write the sets
-    t = time.perf_counter()
+
+def _write_sets(cfg: DemoConfig, sets: Sequence[str], datasets: Sequence[str], say) -> None:
+    """Step 2: write the test sets that are not written yet (dropping the shards of a rewritten one)."""
     say("[bold]\\[2/5] test sets[/]")
     for name, key in zip(sets, datasets):
         if shifts_mod.is_written(cfg.data_root, name, n=cfg.n_images, cfg=shifts_mod.ShiftConfig()):
@@ -511,10 +594,17 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         say(f"  wrote {key} ({shifts_mod.describe(name)}) to {shifts_mod.set_dir(cfg.data_root, name)}",
             highlight=False)
     say(f"  {len(sets)} sets under {cfg.data_root / shifts_mod.SET_DIR}", highlight=False)
-    timings["sets"] = time.perf_counter() - t
 
-    # 3. extraction: every method x set x backbone
-    t = time.perf_counter()
+
+def _extract(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], model_dirs: dict[str, Path],
+             datasets: Sequence[str], methods: Sequence[str], console, notes: list[str]) -> None:
+    """Step 3: extraction, every method x set x backbone; appends the runner's messages (once each) to ``notes``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from extract.models import load_model
+    from extract.runner import run_extraction
+
+    say = console.print
     say("[bold]\\[3/5] extraction[/] (zaec-extract's run_extraction; finished runs are skipped)")
     total = len(specs) * len(datasets) * len(methods)
     logged: set[str] = set()
@@ -559,15 +649,21 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         + ", ".join(f"{m} {v:.0f} s" for m, v in method_seconds.items()), highlight=False)
     for n in notes:
         say(f"  note: {n}", markup=False, highlight=False)
-    timings["extract"] = time.perf_counter() - t
 
-    # 4. calibration (zaec-calibrate), skipped when the shards did not change
-    t = time.perf_counter()
+
+def _calibrate(cfg: DemoConfig, say) -> tuple[str, bool]:
+    """Step 4: zaec-calibrate, skipped when the shards did not change: (the shards' fingerprint, whether skipped).
+
+    The caller stamps the fingerprint once the tables are written too.
+    """
+    from calibrate.run import calibrate_paths, write_metrics
+    from schemas import find_shards
+
     say("[bold]\\[4/5] calibration[/] (zaec-calibrate: none, temperature fitted on fmnist, SaLS, ZAEC)")
     shard_files = [Path(p) for p in find_shards([cfg.shards])]
     fingerprint = _inputs_fingerprint(shard_files)
-    stamp = cfg.metrics_dir / "inputs.sha256"
-    metrics_path = cfg.metrics_dir / "metrics.parquet"
+    stamp = cfg.metrics_dir / _METRICS_STAMP
+    metrics_path = cfg.metrics_dir / _METRICS_FILE
     fresh = stamp.is_file() and stamp.read_text().strip() == fingerprint and metrics_path.is_file()
     if fresh:
         say(f"  {metrics_path} is up to date (skipped)", highlight=False)
@@ -576,42 +672,31 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         write_metrics(report, cfg.metrics_dir)
         for line in _calibration_notes(report.notes, report.temperatures, report.capped):
             say(f"  {line}", markup=False, highlight=False)
-    metrics = pl.read_parquet(metrics_path)
-    timings["calibrate"] = time.perf_counter() - t
+    return fingerprint, fresh
 
-    # 5. the paper's tables and figures (zaec-calibrate tables, as `make tables` runs it)
-    t = time.perf_counter()
+
+def _tables(cfg: DemoConfig, datasets: Sequence[str], fingerprint: str, say) -> None:
+    """Step 5: the paper's tables and figures (zaec-calibrate tables, as `make tables` runs it), unless up to date."""
     say("[bold]\\[5/5] tables and figures[/] (zaec-calibrate tables)")
     tables_stamp = cfg.results / ".inputs.sha256"
     tables_fresh = tables_stamp.is_file() and tables_stamp.read_text().strip() == fingerprint
     if tables_fresh and (cfg.results / "README.md").is_file():
         say(f"  {cfg.results} is up to date (skipped)", highlight=False)
-    else:
-        cmd = [sys.executable, "-m", "calibrate.cli", "tables", str(cfg.shards), "--out", str(cfg.results),
-               "--ts-source", SOURCE_DATASET, "--reference-dataset", REFERENCE_DATASET if REFERENCE_DATASET in
-               datasets else datasets[-1], "--bootstrap", str(cfg.bootstrap), "--quiet"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise DemoError(f"zaec-calibrate tables failed (exit {proc.returncode}): "
-                            f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['no output']}")
-        tables_stamp.write_text(fingerprint + "\n")
-    if not fresh:
-        stamp.write_text(fingerprint + "\n")
-    timings["tables"] = time.perf_counter() - t
+        return
+    cmd = [sys.executable, "-m", "calibrate.cli", "tables", str(cfg.shards), "--out", str(cfg.results),
+           "--ts-source", SOURCE_DATASET, "--reference-dataset", REFERENCE_DATASET if REFERENCE_DATASET in
+           datasets else datasets[-1], "--bootstrap", str(cfg.bootstrap), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DemoError(f"zaec-calibrate tables failed (exit {proc.returncode}): "
+                        f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['no output']}")
+    tables_stamp.write_text(fingerprint + "\n")
 
-    summary = summarise(metrics)
-    cfg.results.mkdir(parents=True, exist_ok=True)
-    (cfg.results / SUMMARY_FILE).write_text(summary_markdown(summary), encoding="utf-8")
-    outputs = {
-        "models": cfg.models_dir,
-        "sets": cfg.data_root / shifts_mod.SET_DIR,
-        "shards": cfg.shards,
-        "metrics": metrics_path,
-        "tables": cfg.results,
-        "summary": cfg.results / SUMMARY_FILE,
-    }
-    timings["total"] = time.perf_counter() - started
 
+def _print_outputs(cfg: DemoConfig, outputs: dict[str, Path], summary: DemoSummary, timings: dict[str, float],
+                   console) -> None:
+    """The closing report: where the outputs are, the summary, and each step's time."""
+    say = console.print
     say("")
     say("[bold]Outputs[/]")
     for k, v in (("models (local-dir)", outputs["models"]), ("test sets", outputs["sets"]),
@@ -624,7 +709,6 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     say("Steps: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), highlight=False)
     say("Run the same pipeline on real CLIP weights and the paper's datasets: see the README "
         "(zaec-extract --pretrained openai --backbone ViT-B-16 ...).", highlight=False)
-    return DemoResult(metrics=metrics, summary=summary, outputs=outputs, timings=timings, notes=notes)
 
 
 class DemoError(RuntimeError):
