@@ -269,20 +269,11 @@ def calibrate_paths(
         ShardError, ValueError: bad input; the message names the file/column or lists the valid choices.
         PartialRunError: an incomplete run without `allow_partial`.
 
-    Longer than 80 lines on purpose for now: new metrics are being hooked into this loop, so it stays whole
-    until they are; the per-run temperature-scaling resolution is the part to move into its own function then.
     """
     # resolve every name before reading any logit
-    cals = parse_calibrators(calibrators)
+    cals = _resolve_calibrators(calibrators, temperature)
     n_bins = _check_bins(n_bins)
     _check_binning(binning)
-    if temperature is not None:
-        if not (np.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"--temperature must be finite and > 0, got {temperature}")
-        for c in cals:
-            if isinstance(c, TemperatureScaling) and c.T is None:
-                c.T = c.temperature_ = float(temperature)
-                c.n_iter_ = 0
     files = find_shards(paths)
     groups = group_shards(files)
     if on_total is not None:
@@ -296,32 +287,7 @@ def calibrate_paths(
     rows: list[dict[str, Any]] = []
     for key in sorted(groups, key=lambda k: (k.backbone, k.dataset, k.method, k.seed)):
         members = groups[key]
-        # temperature scaling for this run: fixed, fitted on the source runs, or skipped with a note
-        active: list[Calibrator] = []
-        for c in cals:
-            if isinstance(c, TemperatureScaling) and c.T is None:
-                if key not in sources:
-                    report.notes.append(
-                        f"{key}: skipped '{c.spec}': no '{ts_source}' shards of backbone {key.backbone} and method "
-                        f"{key.method} among the inputs (add them, pick another with --ts-source, or fix --temperature)"
-                    )
-                    continue
-                src_keys, desc = sources[key]
-                cache_key = (key.backbone + "\0" + key.method, src_keys)
-                if cache_key not in fitted:
-                    src_members = [m for k in src_keys for m in groups[k]]
-                    ts = TemperatureScaling().fit(batches=_batches(src_members, drop_nonfinite))
-                    fitted[cache_key] = t = float(ts.temperature_)
-                    report.temperatures[desc] = t
-                    report.notes.append(ts.describe_fit(desc))
-                fc = TemperatureScaling(T=fitted[cache_key])
-                fc.spec = c.spec
-                active.append(fc)
-                if key in src_keys:  # the tables mark such cells ‡ and never bold them (docs/tables.md)
-                    report.notes.append(f"{key}: '{c.spec}' is scored on the labelled logits its T was fitted on "
-                                        f"(in-sample: --ts-source {ts_source})")
-            else:
-                active.append(c)
+        active = _active_calibrators(key, cals, groups, sources, fitted, ts_source, drop_nonfinite, report)
         announced = {"n_total": counts[key].n_total, "limit": counts[key].limit}
         rows += [{**r, **announced} for r in _calibrate_run(key, members, active, n_bins, binning, drop_nonfinite,
                                                             samples_dir, report, progress)]
@@ -335,6 +301,53 @@ def calibrate_paths(
         schema=_metric_schema()
     )
     return report
+
+
+def _resolve_calibrators(calibrators: str | Iterable[str], temperature: float | None) -> list[Calibrator]:
+    """Parse the specs; a fixed `temperature` sets every temperature-scaling calibrator without its own T."""
+    cals = parse_calibrators(calibrators)
+    if temperature is not None:
+        if not (np.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"--temperature must be finite and > 0, got {temperature}")
+        for c in cals:
+            if isinstance(c, TemperatureScaling) and c.T is None:
+                c.T = c.temperature_ = float(temperature)
+                c.n_iter_ = 0
+    return cals
+
+
+def _active_calibrators(key: RunKey, cals: Sequence[Calibrator], groups: dict[RunKey, Members],
+                        sources: dict[RunKey, tuple[tuple[RunKey, ...], str]],
+                        fitted: dict[tuple[str, tuple[RunKey, ...]], float], ts_source: str, drop_nonfinite: bool,
+                        report: RunReport) -> list[Calibrator]:
+    """The calibrators of one run: temperature scaling fixed, fitted on the source runs (once per backbone, method
+    and source; `fitted` caches it), or skipped with a note; the others as given."""
+    active: list[Calibrator] = []
+    for c in cals:
+        if not (isinstance(c, TemperatureScaling) and c.T is None):
+            active.append(c)
+            continue
+        if key not in sources:
+            report.notes.append(
+                f"{key}: skipped '{c.spec}': no '{ts_source}' shards of backbone {key.backbone} and method "
+                f"{key.method} among the inputs (add them, pick another with --ts-source, or fix --temperature)"
+            )
+            continue
+        src_keys, desc = sources[key]
+        cache_key = (key.backbone + "\0" + key.method, src_keys)
+        if cache_key not in fitted:
+            src_members = [m for k in src_keys for m in groups[k]]
+            ts = TemperatureScaling().fit(batches=_batches(src_members, drop_nonfinite))
+            fitted[cache_key] = t = float(ts.temperature_)
+            report.temperatures[desc] = t
+            report.notes.append(ts.describe_fit(desc))
+        fc = TemperatureScaling(T=fitted[cache_key])
+        fc.spec = c.spec
+        active.append(fc)
+        if key in src_keys:  # the tables mark such cells ‡ and never bold them (docs/tables.md)
+            report.notes.append(f"{key}: '{c.spec}' is scored on the labelled logits its T was fitted on "
+                                f"(in-sample: --ts-source {ts_source})")
+    return active
 
 
 def _metric_schema() -> dict[str, Any]:
