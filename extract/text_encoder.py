@@ -59,8 +59,8 @@ def _text_tower(model: Any) -> SimpleNamespace:
     needed = ("token_embedding", "positional_embedding", "transformer", "ln_final", "attn_mask")
     if src is None or not all(hasattr(src, n) for n in needed):
         raise TextEncoderError(
-            f"{type(model).__name__}: prompt tuning needs an open_clip text tower (token_embedding, "
-            "positional_embedding, transformer, ln_final); Hugging Face text towers are not supported")
+            f"{type(model).__name__}: prompt tuning needs an open_clip CLIP-style text tower (token_embedding, "
+            "positional_embedding, transformer, ln_final; causal or not); Hugging Face text towers are not supported")
     pool = getattr(src, "text_pool_type", None) or getattr(src, "pool_type", "argmax")
     eos_id = getattr(src, "text_eos_id", None) if src is model else getattr(src, "eos_id", None)
     if getattr(src, "cls_emb", None) is not None or getattr(src, "use_pad_mask", False):
