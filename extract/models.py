@@ -238,7 +238,7 @@ def skip_random_init() -> Iterator[None]:
 
 def hf_tokenizer_source(model_name: str) -> str | None:
     """The Hugging Face tokenizer open_clip builds for `model_name` (`text_cfg.hf_tokenizer_name`; for `local-dir:`
-    the directory itself, where open_clip looks for the tokenizer files), or None for open_clip's own tokenizer.
+    open_clip reads its files from the directory itself), or None for open_clip's own tokenizer.
 
     >>> hf_tokenizer_source("ViT-B-16-SigLIP"), hf_tokenizer_source("ViT-B-16")
     ('timm/ViT-B-16-SigLIP', None)
@@ -246,10 +246,10 @@ def hf_tokenizer_source(model_name: str) -> str | None:
     import open_clip
 
     if model_name.startswith(LOCAL_DIR):
-        ddir = model_name[len(LOCAL_DIR):]
-        text_cfg = _local_dir_config(Path(ddir)).get("model_cfg", {}).get("text_cfg", {})
-        return ddir if text_cfg.get("hf_tokenizer_name") else None
-    return (open_clip.get_model_config(model_name) or {}).get("text_cfg", {}).get("hf_tokenizer_name") or None
+        text_cfg = _local_dir_config(Path(model_name[len(LOCAL_DIR):])).get("model_cfg", {}).get("text_cfg", {})
+    else:
+        text_cfg = (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
+    return text_cfg.get("hf_tokenizer_name") or None
 
 
 def build_tokenizer(model_name: str) -> "LazyTokenizer":
@@ -270,7 +270,7 @@ def build_tokenizer(model_name: str) -> "LazyTokenizer":
                          f"not installed ({e}); pip install transformers sentencepiece") from None
     except (OSError, ValueError) as e:  # the hub client's errors for absent files are OSErrors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        where = (f"in {source}" if model_name.startswith(LOCAL_DIR) else
+        where = (f"in {model_name[len(LOCAL_DIR):]}" if model_name.startswith(LOCAL_DIR) else
                  f"in the Hugging Face cache: download them once with network access (huggingface-cli download "
                  f"{source})")
         raise ModelError(f"{model_name}: cannot load its Hugging Face tokenizer {source} ({first}); its files "
