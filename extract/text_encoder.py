@@ -129,7 +129,7 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     @staticmethod
@@ -142,13 +142,28 @@ class _Attention(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for fp16/bf16 inputs
         qf, kf, vf, do = q.to(acc), k.to(acc), v.to(acc), d_out.to(acc)
-        p = torch.softmax(qf @ kf.transpose(-1, -2) * scale + mask.to(acc), dim=-1)  # (..., L_q, L_k)
+        s = qf @ kf.transpose(-1, -2) * scale
+        p = torch.softmax(s if mask is None else s + mask.to(acc), dim=-1)  # (..., L_q, L_k)
         dp = do @ vf.transpose(-1, -2)
         ds = p * (dp - (dp * p).sum(-1, keepdim=True))
         dq = (ds @ kf) * scale
         dk = (ds.transpose(-1, -2) @ qf) * scale
         dv = p.transpose(-1, -2) @ do
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _block(blk: Any, x: torch.Tensor) -> torch.Tensor:
+    """open_clip's `ResidualAttentionBlock.forward` without a mask (batch-first, packed `nn.MultiheadAttention`),
+    the attention through `_Attention`, whose backward has a vmap rule (the fused kernels' have none, so the shared
+    first forward of the TPT tuners would run their backward once per sample). (N, L, W) -> (N, L, W)."""
+    attn = blk.attn
+    n, length, w = x.shape
+    h = attn.num_heads
+    q, k, v = F.linear(blk.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).unflatten(-1, (3, h, w // h)).permute(
+        2, 0, 3, 1, 4)  # each (N, H, L, hd)
+    o = _Attention.apply(q, k, v, None)
+    x = x + blk.ls_1(F.linear(o.transpose(1, 2).reshape(n, length, w), attn.out_proj.weight, attn.out_proj.bias))
+    return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
 
 
 def class_prompt(ctx_init: str, name: str) -> str:
@@ -209,6 +224,8 @@ class PromptTextEncoder:
         # run the full context.
         truncate = bool(truncate) and t.causal and t.pool in ("argmax", "eos")
         self.shared_prefix = bool(share_prefix) and truncate and start == 1 and _plain_blocks(t.transformer)
+        # bidirectional plain blocks run written out (`_block`): their attention's backward then batches under vmap
+        self._written_out = not t.causal and _plain_blocks(t.transformer)
         self.buckets = self._group(pool_idx.tolist(), tokens.shape[1], truncate, max(1, min_bucket))
         self.length = max(n for _, n in self.buckets)
         with torch.no_grad():
@@ -271,7 +288,11 @@ class PromptTextEncoder:
             suffix[None].expand(b, -1, -1, -1),
         ], dim=2).reshape(b * k, length, self.width).to(cast)  # as token_embedding(text).to(cast_dtype)
         x = x + t.positional_embedding[:length].to(cast)
-        x = t.transformer(x, attn_mask=None if t.attn_mask is None else t.attn_mask[:length, :length])
+        if self._written_out:
+            for blk in t.transformer.resblocks:
+                x = _block(blk, x)
+        else:
+            x = t.transformer(x, attn_mask=None if t.attn_mask is None else t.attn_mask[:length, :length])
         x = t.ln_final(x)
         x = x[torch.arange(b * k, device=x.device), pool.repeat(b)]  # (B*K_b, W) at end-of-text
         if t.text_projection is not None:
