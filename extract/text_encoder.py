@@ -8,6 +8,11 @@ tensor shared by all classes, and the sequence goes through the frozen tower exa
 `CLIP.encode_text` / `TextTransformer.forward` do: add the positional embedding, run the transformer with the
 causal mask, `ln_final`, pool at the end-of-text token (`text_pool_type` "argmax" or "eos"), project.
 
+SigLIP (docs/methods.md, "SigLIP"): a bidirectional tower (no causal mask) pooled at the last position, and a
+tokenizer without a start token, so the context starts after however many leading special tokens the tokenizer
+writes (`context_span`), the pooled position follows the tower's pool type, and the shortcuts below (which rest on
+the causal mask) are off.
+
 Speed: under the causal mask a position only attends to earlier ones, so everything after a prompt's end-of-text
 token can be dropped without changing its pooled feature. With `truncate=True` the prompts are grouped by the
 position of their end-of-text token and each group runs only that far (ImageNet's prompts end at token 9 on
