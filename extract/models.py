@@ -70,6 +70,9 @@ class LoadedModel:
         quick_gelu: whether the activation is QuickGELU.
         preprocess: image size, mean/std, interpolation of this model.
         logit_scale: the model's own exp(logit_scale) (100 for OpenAI CLIP).
+        logit_bias: the model's learned logit bias (SigLIP: logits = logit_scale * cos + logit_bias); 0.0 for
+            models without one (CLIP). One scalar for every class: it cancels in every softmax over classes, so the
+            project's logits leave it out (docs/methods.md, "SigLIP").
         fingerprint: hex digest identifying weights + architecture + precision (keys the feature cache).
         precision: "amp" = autocast fp16 on CUDA; "fp32" otherwise.
     """
@@ -87,6 +90,7 @@ class LoadedModel:
     fingerprint: str
     weights_file: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
+    logit_bias: float = 0.0
 
     @property
     def cache_dtype(self) -> np.dtype:
@@ -237,6 +241,49 @@ def skip_random_init() -> Iterator[None]:
     finally:
         for n, f in saved.items():
             setattr(torch.nn.init, n, f)
+
+
+def hf_tokenizer_source(model_name: str) -> str | None:
+    """The Hugging Face tokenizer open_clip builds for `model_name` (`text_cfg.hf_tokenizer_name`; for `local-dir:`
+    open_clip reads its files from the directory itself), or None for open_clip's own tokenizer.
+
+    >>> hf_tokenizer_source("ViT-B-16-SigLIP"), hf_tokenizer_source("ViT-B-16")
+    ('timm/ViT-B-16-SigLIP', None)
+    """
+    import open_clip
+
+    if model_name.startswith(LOCAL_DIR):
+        text_cfg = _local_dir_config(Path(model_name[len(LOCAL_DIR):])).get("model_cfg", {}).get("text_cfg", {})
+    else:
+        text_cfg = (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
+    return text_cfg.get("hf_tokenizer_name") or None
+
+
+def build_tokenizer(model_name: str) -> "LazyTokenizer":
+    """open_clip's tokenizer for `model_name`: lazy for open_clip's own BPE; a Hugging Face tokenizer (SigLIP's) is
+    built at once, so that missing files or a missing `transformers` fail before any image is read.
+
+    Raises:
+        ModelError: the Hugging Face tokenizer cannot be built (one line naming the package or the files).
+    """
+    tok = LazyTokenizer(model_name)
+    source = hf_tokenizer_source(model_name)
+    if source is None:
+        return tok
+    try:
+        tok._get()
+    except ImportError as e:
+        raise ModelError(f"{model_name}: its tokenizer is Hugging Face's {source}, which needs a package that is "
+                         f"not installed ({e}); pip install transformers sentencepiece") from None
+    except (OSError, ValueError) as e:  # the hub client's errors for absent files are OSErrors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = (f"in {model_name[len(LOCAL_DIR):]}" if model_name.startswith(LOCAL_DIR) else
+                 f"in the Hugging Face cache: download them once with network access (huggingface-cli download "
+                 f"{source})")
+        raise ModelError(f"{model_name}: cannot load its Hugging Face tokenizer {source} ({first}); its files "
+                         f"(tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...) must be {where}"
+                         ) from None
+    return tok
 
 
 class LazyTokenizer:
@@ -613,10 +660,12 @@ def load_model(
     pre = Preprocess(size=size, mean=tuple(float(x) for x in pcfg["mean"]), std=tuple(float(x) for x in pcfg["std"]),
                      interpolation=str(pcfg.get("interpolation", "bicubic")),
                      resize_mode=str(pcfg.get("resize_mode", "shortest")))
-    tokenizer = LazyTokenizer(create["model_name"])
+    tokenizer = build_tokenizer(create["model_name"])
+    bias = getattr(model, "logit_bias", None)
     digest_parts += [arch if not arch.startswith(LOCAL_DIR) else "local-dir", f"quick_gelu={qg}",
                      f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
     fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]
     return LoadedModel(model=model, tokenizer=tokenizer, backbone=name, pretrained=pretrained, arch=arch,
                        quick_gelu=qg, preprocess=pre, logit_scale=float(model.logit_scale.exp().item()),
-                       device=dev, precision=precision, fingerprint=fp, weights_file=weights_file)
+                       device=dev, precision=precision, fingerprint=fp, weights_file=weights_file,
+                       logit_bias=0.0 if bias is None else float(bias.float().mean().item()))

@@ -8,6 +8,11 @@ tensor shared by all classes, and the sequence goes through the frozen tower exa
 `CLIP.encode_text` / `TextTransformer.forward` do: add the positional embedding, run the transformer with the
 causal mask, `ln_final`, pool at the end-of-text token (`text_pool_type` "argmax" or "eos"), project.
 
+SigLIP (docs/methods.md, "SigLIP"): a bidirectional tower (no causal mask) pooled at the last position, and a
+tokenizer without a start token, so the context starts after however many leading special tokens the tokenizer
+writes (`context_span`), the pooled position follows the tower's pool type, and the shortcuts below (which rest on
+the causal mask) are off.
+
 Speed: under the causal mask a position only attends to earlier ones, so everything after a prompt's end-of-text
 token can be dropped without changing its pooled feature. With `truncate=True` the prompts are grouped by the
 position of their end-of-text token and each group runs only that far (ImageNet's prompts end at token 9 on
@@ -40,34 +45,65 @@ import torch
 import torch.nn.functional as F
 
 
+#: open_clip `text_global_pool` types a prompt can be pooled with ("none" returns every token: no class feature)
+POOL_TYPES = ("argmax", "eos", "first", "last")
+
+
 class TextEncoderError(ValueError):
     """The model's text tower is not one a prompt can be learned in (e.g. a Hugging Face text tower)."""
 
 
 def _text_tower(model: Any) -> SimpleNamespace:
-    """The pieces of `encode_text` for open_clip's CLIP (attributes on the model) or CustomTextCLIP (`model.text`)."""
+    """The pieces of `encode_text` for open_clip's CLIP (attributes on the model) or CustomTextCLIP (`model.text`).
+
+    Causal towers (CLIP) and bidirectional ones (SigLIP: `no_causal_mask`, `attn_mask` None) are both supported, with
+    open_clip's pool types `argmax`, `eos`, `first` and `last` (`text_global_pool`). A class token or a padding mask
+    (CoCa, `use_pad_mask`) is refused: the prompt learner builds the token embeddings itself.
+    """
     src = model if hasattr(model, "token_embedding") else getattr(model, "text", None)
     needed = ("token_embedding", "positional_embedding", "transformer", "ln_final", "attn_mask")
     if src is None or not all(hasattr(src, n) for n in needed):
         raise TextEncoderError(
             f"{type(model).__name__}: prompt tuning needs an open_clip CLIP-style text tower (token_embedding, "
-            "positional_embedding, transformer with a causal mask, ln_final); Hugging Face text towers are not "
-            "supported")
+            "positional_embedding, transformer, ln_final; causal or not); Hugging Face text towers are not supported")
     pool = getattr(src, "text_pool_type", None) or getattr(src, "pool_type", "argmax")
     eos_id = getattr(src, "text_eos_id", None) if src is model else getattr(src, "eos_id", None)
     if getattr(src, "cls_emb", None) is not None or getattr(src, "use_pad_mask", False):
         raise TextEncoderError(f"{type(model).__name__}: text towers with a class token or a padding mask are not "
                                "supported by the prompt learner")
-    if src.attn_mask is None:
-        raise TextEncoderError(f"{type(model).__name__}: the text tower has no causal mask; the context tokens "
-                               "cannot be learned as TPT does")
-    if pool not in ("argmax", "eos"):
-        raise TextEncoderError(f"{type(model).__name__}: text_pool_type {pool!r} is not supported (expected "
-                               "'argmax' or 'eos')")
+    if pool not in POOL_TYPES:
+        raise TextEncoderError(f"{type(model).__name__}: text pool type {pool!r} is not supported (expected one of "
+                               f"{', '.join(POOL_TYPES)})")
     return SimpleNamespace(token_embedding=src.token_embedding, positional_embedding=src.positional_embedding,
                            transformer=src.transformer, ln_final=src.ln_final,
                            text_projection=getattr(src, "text_projection", None), attn_mask=src.attn_mask,
-                           pool=pool, eos_id=eos_id)
+                           causal=src.attn_mask is not None, pool=pool, eos_id=eos_id)
+
+
+def context_span(tokens_init: torch.Tensor, tokens_empty: torch.Tensor) -> tuple[int, int]:
+    """Where a context's tokens sit in a tokenised prompt: (start, n_ctx).
+
+    A tokenizer turns "" into its special tokens and padding (CLIP: start, end, 0...; SigLIP's: end, padding...) and
+    `ctx_init` into the same with the context's tokens inserted after the leading specials. `start` is the length of
+    the common prefix of the two, and `n_ctx` the shift that makes the rest of `ctx_init`'s tokens equal those of "".
+
+    Args:
+        tokens_init: (L,) token ids of `ctx_init`; tokens_empty: (L,) token ids of "".
+
+    Returns:
+        (start, n_ctx); n_ctx is 0 when no shift matches.
+
+    >>> context_span(torch.tensor([7, 1, 2, 3, 9, 0, 0]), torch.tensor([7, 9, 0, 0, 0, 0, 0]))
+    (1, 3)
+    >>> context_span(torch.tensor([1, 2, 9, 9]), torch.tensor([9, 9, 9, 9]))
+    (0, 2)
+    """
+    a, e = tokens_init.tolist(), tokens_empty.tolist()
+    start = next((i for i, (x, y) in enumerate(zip(a, e)) if x != y), len(a))
+    for n in range(1, len(a) - start):
+        if a[start + n:] == e[start:len(e) - n]:
+            return start, n
+    return start, 0
 
 
 def _plain_blocks(transformer: Any) -> bool:
@@ -98,7 +134,7 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     @staticmethod
@@ -111,13 +147,28 @@ class _Attention(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for fp16/bf16 inputs
         qf, kf, vf, do = q.to(acc), k.to(acc), v.to(acc), d_out.to(acc)
-        p = torch.softmax(qf @ kf.transpose(-1, -2) * scale + mask.to(acc), dim=-1)  # (..., L_q, L_k)
+        s = qf @ kf.transpose(-1, -2) * scale
+        p = torch.softmax(s if mask is None else s + mask.to(acc), dim=-1)  # (..., L_q, L_k)
         dp = do @ vf.transpose(-1, -2)
         ds = p * (dp - (dp * p).sum(-1, keepdim=True))
         dq = (ds @ kf) * scale
         dk = (ds.transpose(-1, -2) @ qf) * scale
         dv = p.transpose(-1, -2) @ do
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _block(blk: Any, x: torch.Tensor) -> torch.Tensor:
+    """open_clip's `ResidualAttentionBlock.forward` without a mask (batch-first, packed `nn.MultiheadAttention`),
+    the attention through `_Attention`, whose backward has a vmap rule (the fused kernels' have none, so the shared
+    first forward of the TPT tuners would run their backward once per sample). (N, L, W) -> (N, L, W)."""
+    attn = blk.attn
+    n, length, w = x.shape
+    h = attn.num_heads
+    q, k, v = F.linear(blk.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).unflatten(-1, (3, h, w // h)).permute(
+        2, 0, 3, 1, 4)  # each (N, H, L, hd)
+    o = _Attention.apply(q, k, v, None)
+    x = x + blk.ls_1(F.linear(o.transpose(1, 2).reshape(n, length, w), attn.out_proj.weight, attn.out_proj.bias))
+    return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
 
 
 def class_prompt(ctx_init: str, name: str) -> str:
@@ -159,32 +210,40 @@ class PromptTextEncoder:
         t = _text_tower(model)
         self._t = t
         device = t.token_embedding.weight.device
-        tokens = tokenizer([class_prompt(ctx_init, n) for n in class_names]).to(device)  # (K, 77)
+        tokens = tokenizer([class_prompt(ctx_init, n) for n in class_names]).to(device)  # (K, L)
         init = tokenizer([ctx_init]).to(device)[0]
-        pool_idx = self._pool_index(tokens, t)  # (K,) position of end-of-text
-        init_end = int(self._pool_index(init[None], t)[0])
-        self.n_ctx = init_end - 1  # tokens strictly between the start token and end-of-text
+        start, self.n_ctx = context_span(init, tokenizer([""]).to(device)[0])
         if self.n_ctx < 1:
             raise ValueError(f"ctx_init {ctx_init!r} tokenises to no context tokens")
-        # CLIP's BPE works word by word, so the prefix tokenises the same inside every prompt; check it anyway.
-        if not torch.equal(tokens[:, 1:1 + self.n_ctx], init[1:1 + self.n_ctx].expand(len(class_names), -1)):
+        self.start = start  # leading special tokens before the context (CLIP: the start token; SigLIP's: none)
+        end = start + self.n_ctx
+        # CLIP's BPE and SigLIP's SentencePiece split at spaces, so the prefix tokenises the same inside every
+        # prompt; check it anyway.
+        if not torch.equal(tokens[:, start:end], init[start:end].expand(len(class_names), -1)):
             raise ValueError(f"the tokens of {ctx_init!r} change inside the class prompts; cannot share a context")
+        pool_idx = self._pool_index(tokens, t)  # (K,) the pooled position
         self.tokens = tokens
         self.n_classes = len(class_names)
-        self.shared_prefix = bool(share_prefix) and truncate and _plain_blocks(t.transformer)
+        # Dropping the positions after the pooled one is exact only when no earlier position attends to them (the
+        # causal mask) and the pooled position is not the last one by definition; bidirectional towers (SigLIP)
+        # run the full context.
+        truncate = bool(truncate) and t.causal and t.pool in ("argmax", "eos")
+        self.shared_prefix = bool(share_prefix) and truncate and start == 1 and _plain_blocks(t.transformer)
+        # bidirectional plain blocks run written out (`_block`): their attention's backward then batches under vmap
+        self._written_out = not t.causal and _plain_blocks(t.transformer)
         self.buckets = self._group(pool_idx.tolist(), tokens.shape[1], truncate, max(1, min_bucket))
         self.length = max(n for _, n in self.buckets)
         with torch.no_grad():
-            emb = t.token_embedding(tokens)  # (K, 77, W)
-            ctx0 = t.token_embedding(init[None])[0, 1:1 + self.n_ctx]
+            emb = t.token_embedding(tokens)  # (K, L, W)
+            ctx0 = t.token_embedding(init[None])[0, start:end]
         self.width = emb.shape[-1]
         self.ctx_init = ctx0.detach().float().clone()  # (n_ctx, W)
-        # per group: start token (K_b, 1, W); class name, ".", end-of-text, padding (K_b, L_b - 1 - n_ctx, W);
-        # the end-of-text positions (K_b,)
+        # per group: leading specials (K_b, start, W); class name, ".", end-of-text, padding (K_b, L_b - end, W);
+        # the pooled positions (K_b,)
         self._parts = []
         for idx, n in self.buckets:
             ix = torch.tensor(idx, device=device)
-            self._parts.append((emb[ix, :1].detach(), emb[ix, 1 + self.n_ctx:n].detach(), pool_idx[ix], n))
+            self._parts.append((emb[ix, :start].detach(), emb[ix, end:n].detach(), pool_idx[ix], n))
         order = [c for idx, _ in self.buckets for c in idx]
         # group-concatenated order -> class order (None when the groups already list the classes in order)
         self._inverse = (None if order == list(range(self.n_classes))
@@ -210,10 +269,13 @@ class PromptTextEncoder:
 
     @staticmethod
     def _pool_index(tokens: torch.Tensor, t: SimpleNamespace) -> torch.Tensor:
-        # open_clip `text_global_pool`: argmax of the token ids (end-of-text has the largest id), or the first eos
+        # open_clip `text_global_pool`: argmax of the token ids (end-of-text has the largest id), the first eos, or
+        # the first / last position of the context
         if t.pool == "argmax":
             return tokens.argmax(dim=-1)
-        return (tokens == t.eos_id).int().argmax(dim=-1)
+        if t.pool == "eos":
+            return (tokens == t.eos_id).int().argmax(dim=-1)
+        return torch.full_like(tokens[:, 0], 0 if t.pool == "first" else tokens.shape[1] - 1)
 
     @property
     def device(self) -> torch.device:
@@ -231,7 +293,11 @@ class PromptTextEncoder:
             suffix[None].expand(b, -1, -1, -1),
         ], dim=2).reshape(b * k, length, self.width).to(cast)  # as token_embedding(text).to(cast_dtype)
         x = x + t.positional_embedding[:length].to(cast)
-        x = t.transformer(x, attn_mask=t.attn_mask[:length, :length])
+        if self._written_out:
+            for blk in t.transformer.resblocks:
+                x = _block(blk, x)
+        else:
+            x = t.transformer(x, attn_mask=None if t.attn_mask is None else t.attn_mask[:length, :length])
         x = t.ln_final(x)
         x = x[torch.arange(b * k, device=x.device), pool.repeat(b)]  # (B*K_b, W) at end-of-text
         if t.text_projection is not None:

@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from extract.cli import app
+from extract.methods import REGISTRY
 from schemas import find_shards, read_shard
 
 from tests.support.extract import make_json_dataset
@@ -74,3 +75,32 @@ def test_cli_help_lists_options():
     for opt in ("--method", "--dataset", "--backbone", "--pretrained", "--data-root", "--out", "--seed", "--device",
                 "--limit", "--set", "--resume", "--force", "--anchor"):
         assert opt in r.output
+
+
+#: methods that cannot run on a SigLIP model -> the reason their one-line error names (docs/methods.md, "SigLIP");
+#: every other registered method must run end to end on the tiny SigLIP-style model
+SIGLIP_CANNOT_RUN: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def siglip_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("siglip-cache")  # shared: the images are encoded once for all methods
+
+
+@pytest.mark.parametrize("key", sorted(REGISTRY))
+def test_every_method_runs_on_a_siglip_model_or_says_why(key, tmp_path, data_root, tiny_siglip_dir,
+                                                         siglip_cache):
+    """`zaec-extract` on a SigLIP-style model (bidirectional text tower pooled at the last token, logit bias,
+    context length 64) loaded through local-dir:, for every registered method."""
+    args = ["--method", key, "--dataset", "dtd", "--limit", "3"] + _base(tmp_path, data_root, tiny_siglip_dir)
+    args[args.index("--cache-dir") + 1] = str(siglip_cache)
+    r = _invoke(args)
+    if key in SIGLIP_CANNOT_RUN:
+        assert r.exit_code == 2 and SIGLIP_CANNOT_RUN[key] in r.output and "Traceback" not in r.output
+        assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+        return
+    assert r.exit_code == 0, r.output
+    (path,) = find_shards([tmp_path / "out"])
+    s = read_shard(path)
+    assert len(s) == 3 and s.meta.backbone == "tiny-siglip" and s.meta.method == key
+    assert s.zs_logits.shape == s.tta_logits.shape == (3, 2)

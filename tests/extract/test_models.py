@@ -253,3 +253,60 @@ def test_torchscript_load_does_not_claim_random_init(tmp_path, caplog, capfd):
         import logging
         logging.getLogger().warning("Model x initialized randomly.")
     assert "initialized randomly" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------ SigLIP (docs/methods.md)
+
+def test_siglip_local_dir_loads_with_its_logit_bias(tiny_siglip, tiny_model):
+    """The tiny SigLIP-style model loads through local-dir:; scale and bias reproduce open_clip's own logits
+    (`get_logits`: scale·cos + bias), and the bias, one scalar for all classes, leaves every softmax unchanged."""
+    from tests.support.extract import TINY_SIGLIP_BIAS
+
+    m = tiny_siglip
+    assert type(m.model).__name__ == "CustomTextCLIP" and m.backbone == "tiny-siglip"
+    assert m.logit_bias == TINY_SIGLIP_BIAS and tiny_model.logit_bias == 0.0  # -2.5 is exact in float32
+    assert m.tokenizer(["a photo of a cat."]).shape == (1, 64)  # SigLIP's context length, from the config
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(3, 3, 32, 32, generator=g)
+    texts = ["a photo of a cat.", "a photo of a dog.", "a photo of a sea lion.", "a photo of a x."]
+    with torch.no_grad():
+        ref, _ = m.model.get_logits(images, m.tokenizer(texts))
+    ours = m.logit_scale * m.encode_images(images) @ m.encode_texts(texts).T  # (3, 4) what the project computes
+    # |logit| <= scale; a width-16 dot product of unit vectors, float32
+    tol = 4 * 16 * EPS32 * m.logit_scale
+    torch.testing.assert_close(ours + m.logit_bias, ref, rtol=0, atol=tol)
+    torch.testing.assert_close(ours.softmax(-1), ref.softmax(-1), rtol=0, atol=tol)
+
+
+def test_siglip_tag_resolves_its_hf_tokenizer_and_fails_offline_with_one_line():
+    from extract.models import hf_tokenizer_source
+
+    assert hf_tokenizer_source("ViT-B-16-SigLIP") == "timm/ViT-B-16-SigLIP"
+    assert hf_tokenizer_source("ViT-B-16") is None
+    with pytest.raises(ModelError, match="weights for ViT-B-16-SigLIP/webli are not on this machine"):
+        load_model("ViT-B-16-SigLIP", "webli", "cpu")  # the real loading path; HF_HUB_OFFLINE=1 in tests
+
+
+@pytest.mark.parametrize("failure,needle", [
+    ("import", "pip install transformers sentencepiece"),
+    ("files", "its files (tokenizer.json"),
+])
+def test_hf_tokenizer_that_cannot_be_built_fails_at_load(tmp_path, monkeypatch, failure, needle):
+    """A model whose config names a Hugging Face tokenizer (SigLIP's) builds it at load time, before any image is
+    read: no `transformers`, or its files absent, is one ModelError line."""
+    import extract.models as models
+    from tests.support.extract import make_tiny_siglip_dir
+
+    d = make_tiny_siglip_dir(tmp_path / "m")
+    doc = json.loads((d / "open_clip_config.json").read_text())
+    doc["model_cfg"]["text_cfg"]["hf_tokenizer_name"] = "timm/ViT-B-16-SigLIP"
+    (d / "open_clip_config.json").write_text(json.dumps(doc))
+    if failure == "import":
+        monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    else:
+        def absent(self):
+            raise OSError("Can't load tokenizer for '...'. Make sure the files are there\nmore detail")
+        monkeypatch.setattr(models.LazyTokenizer, "_get", absent)
+    with pytest.raises(ModelError) as e:
+        load_model(None, f"local-dir:{d}", "cpu")
+    assert needle in str(e.value) and "\n" not in str(e.value) and "timm/ViT-B-16-SigLIP" in str(e.value)

@@ -66,6 +66,49 @@ def make_tiny_model_dir(path: Path, *, seed: int = 0, model_name: str | None = "
     return path
 
 
+#: the tiny SigLIP's logit bias and scale (neither 0 nor CLIP's, so tests catch a dropped or hard-coded one)
+TINY_SIGLIP_BIAS = -2.5
+TINY_SIGLIP_SCALE = 10.0
+
+
+def tiny_siglip_cfg(image_size: int = TINY_IMAGE_SIZE) -> dict:
+    """open_clip config with ViT-B-16-SigLIP's text-tower options (open_clip `model_configs/ViT-B-16-SigLIP.json`):
+    a custom text tower without causal mask, pooled at the last position, a projection with bias, LayerNorm eps
+    1e-6, a logit bias. Its tokenizer is open_clip's BPE (offline) with SigLIP's context length 64 and
+    "canonicalize" cleaning; the vision tower is the tiny CLIP's (SigLIP's is a timm ViT, irrelevant to the text
+    side). Two text layers, so that bidirectional attention matters."""
+    return {
+        "embed_dim": 16,
+        "init_logit_bias": TINY_SIGLIP_BIAS,
+        "custom_text": True,
+        "vision_cfg": {"image_size": image_size, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+        "text_cfg": {"context_length": 64, "vocab_size": 49408, "tokenizer_kwargs": {"clean": "canonicalize"},
+                     "width": 32, "heads": 2, "layers": 2, "no_causal_mask": True, "proj_bias": True,
+                     "pool_type": "last", "norm_kwargs": {"eps": 1e-6}},
+    }
+
+
+def make_tiny_siglip_dir(path: Path, *, seed: int = 0, model_name: str | None = "tiny-siglip") -> Path:
+    """Write `open_clip_config.json` + `open_clip_model.safetensors` of a tiny random SigLIP-style model."""
+    import open_clip
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_siglip_cfg()
+    doc = {"model_cfg": cfg, "preprocess_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bicubic",
+                                                 "resize_mode": "squash"}}
+    if model_name:
+        doc["model_name"] = model_name
+    (path / "open_clip_config.json").write_text(json.dumps(doc))
+    torch.manual_seed(seed)
+    kwargs = {k: v for k, v in cfg.items() if k != "custom_text"}
+    model = open_clip.CustomTextCLIP(**kwargs, init_logit_scale=float(np.log(TINY_SIGLIP_SCALE)))
+    save_file(_state_dict(model), str(path / "open_clip_model.safetensors"))
+    return path
+
+
 def register_tiny_arch() -> str:
     """Register TINY_ARCH as an open_clip built-in model name (so a bare checkpoint file can be loaded)."""
     import open_clip
@@ -203,6 +246,20 @@ def tiny_model(tiny_model_dir):
     from extract.models import load_model
 
     return load_model(None, f"local-dir:{tiny_model_dir}", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_siglip_dir(tmp_path_factory) -> Path:
+    """A `local-dir:` model folder with a tiny random SigLIP-style model (`tiny_siglip_cfg`)."""
+    return make_tiny_siglip_dir(tmp_path_factory.mktemp("tiny-siglip"))
+
+
+@pytest.fixture(scope="session")
+def tiny_siglip(tiny_siglip_dir):
+    """The tiny SigLIP-style model loaded on the CPU through `extract.models.load_model`."""
+    from extract.models import load_model
+
+    return load_model(None, f"local-dir:{tiny_siglip_dir}", "cpu")
 
 
 @pytest.fixture(scope="module")
