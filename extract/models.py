@@ -536,90 +536,138 @@ def load_model(
         >>> m.logit_scale  # doctest: +SKIP
         100.0
     """
-    import open_clip
-    from open_clip.pretrained import get_pretrained_cfg, list_pretrained_tags_by_model
+    import open_clip  # noqa: F401  (a missing extra fails here, before any check)
 
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     if precision is None:
         precision = "amp" if dev.type == "cuda" else "fp32"
     if precision not in ("amp", "fp32"):
         raise ModelError(f"precision must be 'amp' or 'fp32', got {precision!r}")
-    kwargs: dict[str, Any] = {}
-    digest_parts: list[str] = []
-    weights_file: str | None = None
-
     if pretrained.startswith(LOCAL_DIR):
-        ddir = Path(pretrained[len(LOCAL_DIR):]).expanduser()
-        cfg = _local_dir_config(ddir)
-        weights = next((ddir / n for n in LOCAL_DIR_WEIGHTS if (ddir / n).is_file()), None)
-        if weights is None:
-            raise ModelError(f"--pretrained local-dir:{ddir}: no weights file; expected one of "
-                             f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
-        name = local_dir_name(ddir, backbone)
-        arch = f"{LOCAL_DIR}{ddir}"
-        qg = bool(cfg["model_cfg"].get("quick_gelu", False))
-        if quick_gelu is not None and quick_gelu != qg:
-            kwargs["force_quick_gelu"] = quick_gelu
-            qg = quick_gelu
-        digest_parts += [json.dumps(cfg, sort_keys=True), _file_digest(weights)]
-        weights_file = str(weights)
-        create = dict(model_name=arch, pretrained=None)
+        src = _local_dir_source(backbone, pretrained, quick_gelu)
     else:
-        name = backbone or DEFAULT_BACKBONE
-        if name not in open_clip.list_models():
-            raise ModelError(f"unknown backbone {name!r}; open_clip models include: "
-                             f"{', '.join(m for m in open_clip.list_models() if m in OPENAI_ARCHS)}, ... "
-                             "(see open_clip.list_models())")
-        looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
-        if Path(pretrained).expanduser().is_dir() and (looks_like_path or not get_pretrained_cfg(name, pretrained)):
-            raise ModelError(f"--pretrained {pretrained} is a folder; for a folder holding open_clip_config.json "
-                             f"and the weights pass --pretrained local-dir:{pretrained}")
-        if looks_like_path or Path(pretrained).is_file():
-            path = Path(pretrained).expanduser()
-            if not path.is_file():
-                raise ModelError(f"checkpoint file {path} does not exist (--pretrained takes a tag such as "
-                                 f"'openai', a checkpoint file, or local-dir:DIR)")
-            qg = name in OPENAI_ARCHS if quick_gelu is None else quick_gelu
-            weights_file = str(path)
-            digest_parts.append(_file_digest(path))
-            pre_force = None
-        else:
-            tag_cfg = get_pretrained_cfg(name, pretrained)
-            if not tag_cfg:
-                tags = list_pretrained_tags_by_model(name)
-                raise ModelError(f"unknown pretrained tag {pretrained!r} for {name}; available: "
-                                 f"{', '.join(tags) or '(none)'}; or pass a checkpoint file or local-dir:DIR")
-            found, looked = _cached_tag_file(tag_cfg)
-            if found is None:
-                if _hub_offline():
-                    raise ModelError(
-                        f"weights for {name}/{pretrained} are not on this machine and the hub is offline "
-                        f"(HF_HUB_OFFLINE=1); looked for: {'; '.join(looked)}. Provide them with --pretrained "
-                        f"/path/to/checkpoint or --pretrained local-dir:DIR, or download them once with network "
-                        f"access (unset HF_HUB_OFFLINE)")
-                host = _unreachable_host(tag_cfg)
-                if host is not None:
-                    raise ModelError(
-                        f"weights for {name}/{pretrained} are not on this machine and {host} cannot be reached; "
-                        f"looked for: {'; '.join(looked)}. Provide them with --pretrained /path/to/checkpoint or "
-                        f"--pretrained local-dir:DIR, or download them once on a machine with network access")
-                from open_clip.pretrained import download_pretrained
-                try:
-                    found = download_pretrained(tag_cfg)
-                except Exception as e:  # network errors come in many types
-                    raise ModelError(f"could not download weights for {name}/{pretrained}: {e}; looked for: "
-                                     f"{'; '.join(looked)}") from None
-            qg = bool(tag_cfg.get("quick_gelu", False)) if quick_gelu is None else quick_gelu
-            weights_file = str(found)
-            digest_parts.append(_file_digest(Path(found)))
-            pre_force = {k: tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
-        if qg:
-            kwargs["force_quick_gelu"] = True
-        if pre_force:
-            kwargs["force_preprocess_cfg"] = pre_force
-        arch = name
-        create = dict(model_name=name, pretrained=weights_file)
+        src = _named_source(backbone, pretrained, quick_gelu)
+    model = _build_model(src, pretrained).to(dev).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    pre = _preprocess_of(model)
+    tokenizer = build_tokenizer(src.create["model_name"])
+    bias = getattr(model, "logit_bias", None)
+    digest_parts = [*src.digest_parts, src.arch if not src.arch.startswith(LOCAL_DIR) else "local-dir",
+                    f"quick_gelu={src.quick_gelu}", f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
+    fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]
+    return LoadedModel(model=model, tokenizer=tokenizer, backbone=src.name, pretrained=pretrained, arch=src.arch,
+                       quick_gelu=src.quick_gelu, preprocess=pre, logit_scale=float(model.logit_scale.exp().item()),
+                       device=dev, precision=precision, fingerprint=fp, weights_file=src.weights_file,
+                       logit_bias=0.0 if bias is None else float(bias.float().mean().item()))
 
+
+@dataclass
+class _WeightSource:
+    """Where a model's architecture and weights come from, resolved before anything is built."""
+
+    name: str  # the backbone name the shards record
+    arch: str  # open_clip model name, or `local-dir:DIR`
+    quick_gelu: bool
+    create: dict[str, Any]  # open_clip.create_model's model_name and pretrained
+    weights_file: str | None
+    digest_parts: list[str] = field(default_factory=list)  # what the model's fingerprint hashes
+    kwargs: dict[str, Any] = field(default_factory=dict)  # force_quick_gelu, force_preprocess_cfg
+
+
+def _local_dir_source(backbone: str | None, pretrained: str, quick_gelu: bool | None) -> _WeightSource:
+    """A `local-dir:DIR` folder: its config decides the architecture and (with `local_dir_name`) the name."""
+    ddir = Path(pretrained[len(LOCAL_DIR):]).expanduser()
+    cfg = _local_dir_config(ddir)
+    weights = next((ddir / n for n in LOCAL_DIR_WEIGHTS if (ddir / n).is_file()), None)
+    if weights is None:
+        raise ModelError(f"--pretrained local-dir:{ddir}: no weights file; expected one of "
+                         f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
+    name = local_dir_name(ddir, backbone)
+    arch = f"{LOCAL_DIR}{ddir}"
+    kwargs: dict[str, Any] = {}
+    qg = bool(cfg["model_cfg"].get("quick_gelu", False))
+    if quick_gelu is not None and quick_gelu != qg:
+        kwargs["force_quick_gelu"] = quick_gelu
+        qg = quick_gelu
+    return _WeightSource(name, arch, qg, dict(model_name=arch, pretrained=None), str(weights),
+                         [json.dumps(cfg, sort_keys=True), _file_digest(weights)], kwargs)
+
+
+def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None) -> _WeightSource:
+    """An open_clip architecture with a checkpoint file or a pretrained tag (from the caches, else downloaded)."""
+    import open_clip
+    from open_clip.pretrained import get_pretrained_cfg
+
+    name = backbone or DEFAULT_BACKBONE
+    if name not in open_clip.list_models():
+        raise ModelError(f"unknown backbone {name!r}; open_clip models include: "
+                         f"{', '.join(m for m in open_clip.list_models() if m in OPENAI_ARCHS)}, ... "
+                         "(see open_clip.list_models())")
+    looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
+    if Path(pretrained).expanduser().is_dir() and (looks_like_path or not get_pretrained_cfg(name, pretrained)):
+        raise ModelError(f"--pretrained {pretrained} is a folder; for a folder holding open_clip_config.json "
+                         f"and the weights pass --pretrained local-dir:{pretrained}")
+    if looks_like_path or Path(pretrained).is_file():
+        path = Path(pretrained).expanduser()
+        if not path.is_file():
+            raise ModelError(f"checkpoint file {path} does not exist (--pretrained takes a tag such as "
+                             f"'openai', a checkpoint file, or local-dir:DIR)")
+        qg = name in OPENAI_ARCHS if quick_gelu is None else quick_gelu
+        weights_file, pre_force = str(path), None
+    else:
+        tag_cfg = get_pretrained_cfg(name, pretrained)
+        found = _tag_weights(name, pretrained, tag_cfg)
+        qg = bool(tag_cfg.get("quick_gelu", False)) if quick_gelu is None else quick_gelu
+        weights_file = str(found)
+        pre_force = {k: tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
+    kwargs: dict[str, Any] = {}
+    if qg:
+        kwargs["force_quick_gelu"] = True
+    if pre_force:
+        kwargs["force_preprocess_cfg"] = pre_force
+    return _WeightSource(name, name, qg, dict(model_name=name, pretrained=weights_file), weights_file,
+                         [_file_digest(Path(weights_file))], kwargs)
+
+
+def _tag_weights(name: str, pretrained: str, tag_cfg: dict[str, Any]) -> Any:
+    """The weights file of a pretrained tag: from the caches, else downloaded unless the hub is offline or its
+    host cannot be reached (one line each, naming where it looked)."""
+    from open_clip.pretrained import list_pretrained_tags_by_model
+
+    if not tag_cfg:
+        tags = list_pretrained_tags_by_model(name)
+        raise ModelError(f"unknown pretrained tag {pretrained!r} for {name}; available: "
+                         f"{', '.join(tags) or '(none)'}; or pass a checkpoint file or local-dir:DIR")
+    found, looked = _cached_tag_file(tag_cfg)
+    if found is not None:
+        return found
+    if _hub_offline():
+        raise ModelError(
+            f"weights for {name}/{pretrained} are not on this machine and the hub is offline "
+            f"(HF_HUB_OFFLINE=1); looked for: {'; '.join(looked)}. Provide them with --pretrained "
+            f"/path/to/checkpoint or --pretrained local-dir:DIR, or download them once with network "
+            f"access (unset HF_HUB_OFFLINE)")
+    host = _unreachable_host(tag_cfg)
+    if host is not None:
+        raise ModelError(
+            f"weights for {name}/{pretrained} are not on this machine and {host} cannot be reached; "
+            f"looked for: {'; '.join(looked)}. Provide them with --pretrained /path/to/checkpoint or "
+            f"--pretrained local-dir:DIR, or download them once on a machine with network access")
+    from open_clip.pretrained import download_pretrained
+    try:
+        return download_pretrained(tag_cfg)
+    except Exception as e:  # network errors come in many types
+        raise ModelError(f"could not download weights for {name}/{pretrained}: {e}; looked for: "
+                         f"{'; '.join(looked)}") from None
+
+
+def _build_model(src: _WeightSource, pretrained: str) -> torch.nn.Module:
+    """open_clip.create_model with the source's weights (weights-only loading; TorchScript archives by their own
+    loader); every loading failure is one ModelError line."""
+    import open_clip
+
+    create, name, weights_file = dict(src.create), src.name, src.weights_file
     jit_state = None
     if weights_file is not None and not pretrained.startswith(LOCAL_DIR) and is_torchscript(Path(weights_file)):
         # OpenAI's original archives (~/.cache/clip/ViT-B-16.pt) are TorchScript, which torch.load refuses with
@@ -634,7 +682,7 @@ def load_model(
         quiet = _without_random_init_warning() if jit_state is not None else contextlib.nullcontext()
         with quiet, skip_random_init():
             model = open_clip.create_model(**create, device="cpu", weights_only=True,
-                                           require_pretrained=jit_state is None, **kwargs)
+                                           require_pretrained=jit_state is None, **src.kwargs)
         if jit_state is not None:
             # non-persistent buffers (attn_mask) are in a TorchScript state dict but not in the model's
             expected = set(model.state_dict())
@@ -651,21 +699,17 @@ def load_model(
     except (ValueError, KeyError, OSError, pickle.UnpicklingError) as e:
         # UnpicklingError: a .pt holding Python objects beyond tensors, refused by weights_only loading
         raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
-    model = model.to(dev).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    return model
+
+
+def _preprocess_of(model: torch.nn.Module) -> Preprocess:
+    """The model's own image preprocessing (size, mean, std, interpolation, resize mode) from open_clip."""
+    import open_clip
+
     pcfg = open_clip.get_model_preprocess_cfg(model)
     size = pcfg.get("size", 224)
     size = (int(size), int(size)) if isinstance(size, (int, float)) else (int(size[0]), int(size[1]))
-    pre = Preprocess(size=size, mean=tuple(float(x) for x in pcfg["mean"]), std=tuple(float(x) for x in pcfg["std"]),
-                     interpolation=str(pcfg.get("interpolation", "bicubic")),
-                     resize_mode=str(pcfg.get("resize_mode", "shortest")))
-    tokenizer = build_tokenizer(create["model_name"])
-    bias = getattr(model, "logit_bias", None)
-    digest_parts += [arch if not arch.startswith(LOCAL_DIR) else "local-dir", f"quick_gelu={qg}",
-                     f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
-    fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]
-    return LoadedModel(model=model, tokenizer=tokenizer, backbone=name, pretrained=pretrained, arch=arch,
-                       quick_gelu=qg, preprocess=pre, logit_scale=float(model.logit_scale.exp().item()),
-                       device=dev, precision=precision, fingerprint=fp, weights_file=weights_file,
-                       logit_bias=0.0 if bias is None else float(bias.float().mean().item()))
+    return Preprocess(size=size, mean=tuple(float(x) for x in pcfg["mean"]),
+                      std=tuple(float(x) for x in pcfg["std"]),
+                      interpolation=str(pcfg.get("interpolation", "bicubic")),
+                      resize_mode=str(pcfg.get("resize_mode", "shortest")))
