@@ -406,7 +406,12 @@ def summary_markdown(summary: DemoSummary) -> str:
 
 #: what a first `make demo` runs: the paper's methods plus the TTA-VLM methods that fit its 10-minute budget on an
 #: idle 2-core machine (docs/demo.md, "Which methods"); `--methods all` runs every registered one
-DEMO_METHODS: tuple[str, ...] = ("zero-shot", "tda", "dpe", "dlae", "tpt", "ctpt", "otpt", "atpt", "tps")
+DEMO_METHODS: tuple[str, ...] = ("zero-shot", "tda", "dpe", "dlae", "tpt", "ctpt", "otpt", "atpt", "tps",
+                                  "onzeta", "dmn-weak")
+#: settings the demo's offline models need: RLCF's default reward model (OpenAI ViT-L-14) cannot be had here, so
+#: the demo uses the policy as its own reward model, TTA-VLM's setting
+#: (docs/methods.md, "RLCF: prompt tuning with a CLIP reward")
+DEMO_OVERRIDES: dict[str, dict[str, str]] = {"rlcf": {"reward_backbone": "policy"}}
 
 
 def _resolve_methods(methods: Sequence[str] | None) -> tuple[str, ...]:
@@ -635,7 +640,8 @@ def _extract(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], model_dirs: 
                     paths = run_extraction(
                         method, key, backbone=None, pretrained=pretrained, data_root=cfg.data_root, out=cfg.shards,
                         seed=cfg.seed, device=cfg.device, cache_dir=cfg.cache, workers=cfg.workers, model=model,
-                        progress=False, log=log, on_changed="recompute")  # the demo owns its shards
+                        progress=False, log=log, on_changed="recompute",  # the demo owns its shards
+                        overrides=DEMO_OVERRIDES.get(method))
                     method_seconds[method] += time.perf_counter() - t_run
                     acc, zs_acc = _accuracy(paths)
                     if method == ZERO_SHOT_METHOD:
