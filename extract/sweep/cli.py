@@ -1,5 +1,6 @@
 """`zaec-sweep`: run the grid methods x datasets x backbones x seeds as jobs (SLURM or one machine) via submitit.
 
+\b
     zaec-sweep --methods zero-shot,tda,dpe,dlae --datasets all --backbones ViT-B-16,RN50 --seeds 1
                [--executor local|slurm] [--partition P --gpus-per-job 1 --timeout-min N ...] [--dry-run]
     zaec-sweep --config grid.toml [any option above overrides the file]

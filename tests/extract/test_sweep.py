@@ -701,3 +701,14 @@ def test_a_failure_is_recorded_and_retry_fixes_it(tmp_path, tiny_model_dir, data
                                             "single").key)
     nothing = _cli("retry", "--out", str(out))
     assert nothing.exit_code == 0 and "nothing to retry" in nothing.output
+
+
+def test_help_keeps_the_example_block_as_written(capsys):
+    # issue 21: click re-wrapped the usage examples into one paragraph
+    from extract.sweep.cli import main as sweep_main
+
+    with pytest.raises(SystemExit):
+        sweep_main(["--help"])
+    out = capsys.readouterr().out
+    assert "      zaec-sweep --config grid.toml [any option above overrides the file]\n" in out
+    assert "      zaec-sweep retry  [--out DIR]         resubmit the failed runs only\n" in out
