@@ -74,6 +74,9 @@ def extract(
     fingerprint: str = typer.Option(DEFAULT_FINGERPRINT, help="how image files are fingerprinted for the feature cache and the "
                                                  "finished-run check: 'stat' (size and modification time, cheap) "
                                                  "or 'content' (sha256 of every file)"),
+    exif_transpose: bool = typer.Option(False, "--exif-transpose",
+                                        help="turn photos as their EXIF orientation tag says (off by default: the "
+                                             "official code and torchvision ignore EXIF)"),
     batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="images per encoder call"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to "
                                                            f"{MAX_CUDA_WORKERS} on CUDA, 0 on CPU)"),
@@ -100,7 +103,7 @@ def extract(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
-            batch_size=batch_size, workers=workers, progress=not quiet, wait_lock=wait_lock)
+            exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet, wait_lock=wait_lock)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 

@@ -118,6 +118,7 @@ class TestSet:
         class_names: K names.
         imagenet_indices: for ImageNet-family sets, the ImageNet class index of each of the K classes.
         notes: facts to record in the shard metadata (e.g. how many files the "sh" filter dropped).
+        exif_transpose: images are turned as their EXIF orientation says when read (`open_image`); a run option.
     """
 
     key: str
@@ -128,6 +129,7 @@ class TestSet:
     class_names: tuple[str, ...]
     imagenet_indices: tuple[int, ...] | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
+    exif_transpose: bool = False
 
     def __len__(self) -> int:
         return len(self.paths)

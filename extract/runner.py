@@ -138,6 +138,7 @@ def run_extraction(
     cupl_dir: str | os.PathLike | None = None,
     sh_filter: bool = False,
     fingerprint: str = DEFAULT_FINGERPRINT,
+    exif_transpose: bool = False,
     batch_size: int = DEFAULT_BATCH_SIZE,
     workers: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -160,8 +161,8 @@ def run_extraction(
     """
     options = RunOptions.make(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, limit=limit,
                               overrides=overrides, anchor=anchor, data_root=data_root, cupl_dir=cupl_dir,
-                              sh_filter=sh_filter, fingerprint=fingerprint, adapt_batch=adapt_batch,
-                              part_size=part_size)
+                              sh_filter=sh_filter, fingerprint=fingerprint, exif_transpose=exif_transpose,
+                              adapt_batch=adapt_batch, part_size=part_size)
     execution = ExecOptions(out=out, cache_dir=cache_dir, device=device, batch_size=batch_size, workers=workers,
                             chunk_size=chunk_size, resume=resume, force=force, on_changed=on_changed,
                             progress=progress, wait_lock=wait_lock)
@@ -219,8 +220,9 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
                               dataset=planned.dataset, class_names=prompts.method_names)
         # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
-        attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
-                      testset_key=data.cache_key(), seed=options.seed, perm=perm, chunk_size=execution.chunk_size)
+        reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
+                               testset_key=data.cache_key(), seed=options.seed, perm=perm,
+                               chunk_size=execution.chunk_size)
         # [view pixels] TTL adapts the image encoder: it reads the views themselves (extract/run/pixels.py)
         attach_views(method, model, data.testset, perm, planned.policy, options.seed)
         n_run = planned.n_run(data.n_total)

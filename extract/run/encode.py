@@ -42,7 +42,7 @@ class _ViewData(torch.utils.data.Dataset):
         pos, need0, need_aug = self.jobs[i]
         sid = int(self.perm[pos])
         try:
-            img = open_image(self.testset.paths[sid])
+            img = open_image(self.testset.paths[sid], exif_transpose=self.testset.exif_transpose)
         except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
             return pos, str(e), None, None, None
         # None, not empty tensors, for what is not needed: each tensor between processes costs the receiver time

@@ -108,6 +108,8 @@ class RunOptions:
         sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2, off by default
             (docs/methods.md, "TDA's file-listing quirk (sh_filter)").
         fingerprint: how image files are fingerprinted: "stat" (size and modification time) or "content" (sha256).
+        exif_transpose: turn each image as its EXIF orientation tag says before the views are made. Off by
+            default: the official code and torchvision's ImageFolder ignore EXIF (docs/extract.md, "Your own data").
         adapt_batch: samples per `method.adapt` call (an online method's result depends on it).
         part_size: rows per shard (a multiple of `adapt_batch`).
         dataset_ref: for a user's dataset, the `folder:PATH` / `split:FILE.json` it was registered from, so that
@@ -127,6 +129,7 @@ class RunOptions:
     cupl_dir: str | None = None
     sh_filter: bool = False
     fingerprint: str = DEFAULT_FINGERPRINT
+    exif_transpose: bool = False
     adapt_batch: int = DEFAULT_ADAPT_BATCH
     part_size: int = DEFAULT_PART_SIZE
     dataset_ref: str | None = None

@@ -9,6 +9,7 @@ asks the same function before it submits anything, so the two checks cannot drif
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -47,7 +48,10 @@ class RunData:
 
     def cache_key(self) -> str:
         """The test-set part of the feature cache key: sample list, data root and data fingerprint (16 hex)."""
-        raw = "\n".join((self.testset.fingerprint(), self.identity["data_root"], self.identity["data_fingerprint"]))
+        parts = [self.testset.fingerprint(), self.identity["data_root"], self.identity["data_fingerprint"]]
+        if self.testset.exif_transpose:
+            parts.append("exif_transpose")
+        raw = "\n".join(parts)
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -70,7 +74,11 @@ def load_run_data(planned: PlannedRun) -> RunData:
     o = planned.options
     check_mode(o.fingerprint)
     testset = load_testset(planned.dataset, o.data_root, sh_filter=o.sh_filter)
-    return RunData(testset, _identity(testset, o.data_root, o.fingerprint))
+    identity = _identity(testset, o.data_root, o.fingerprint)
+    if o.exif_transpose:  # other pixels: its own cache entry and settings (absent when off: older runs still match)
+        testset = dataclasses.replace(testset, exif_transpose=True)
+        identity["exif_transpose"] = "true"
+    return RunData(testset, identity)
 
 
 def data_identity(dataset: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False,

@@ -112,6 +112,8 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
         extra[f"zaec:{k}"] = v
     if planned.settings_note:
         extra["zaec:method_settings"] = planned.settings_note
+    if ts.exif_transpose:  # written only when on: the default's shards keep their bytes
+        extra["zaec:exif_transpose"] = "true"
     if planned.method_cls.output_kind != "logits":  # absent means logits (docs/contract.md): older shards stay valid
         extra["zaec:output_kind"] = planned.method_cls.output_kind
     return ShardMeta(backbone=planned.backbone, pretrained=model.pretrained, dataset=planned.dataset,

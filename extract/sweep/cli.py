@@ -345,6 +345,8 @@ def run(
                                                       "(drops file names containing 'sh') [default: off]"),
     fingerprint: Optional[str] = typer.Option(None, help="how image files are fingerprinted: stat or content "
                                                          f"[default: {DEFAULT_FINGERPRINT}]"),
+    exif_transpose: Optional[bool] = typer.Option(None, "--exif-transpose/--no-exif-transpose",
+                                                  help="turn photos as their EXIF orientation says [default: off]"),
     adapt_batch: Optional[int] = typer.Option(None, help="samples per adapt call (an online method's result depends "
                                                          f"on it) [default: {DEFAULT_ADAPT_BATCH}]"),
     part_size: Optional[int] = typer.Option(None, help="rows per shard, a multiple of --adapt-batch "

@@ -606,3 +606,30 @@ def test_outputs_inside_a_folder_dataset_are_refused(tmp_path, tiny_model_dir, w
     option = "--out" if where == "out" else "--cache-dir"
     assert f"{option} {inside}" in lines[0] and str(root) in lines[0]
     assert not inside.exists()  # nothing was written there
+
+
+def test_exif_transpose_option_is_its_own_run(tmp_path, tiny_model_dir):
+    # issue 21: EXIF orientation is ignored by default (as the official code and torchvision do); --exif-transpose
+    # turns photos, is recorded, has its own feature-cache entry and is part of the finished-run check
+    from PIL import Image
+
+    root = make_folder(tmp_path / "photos", {"cat": ["a.png"], "dog": ["b.png"]})
+    rng = np.random.default_rng(3)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways: a viewer turns it 90 degrees
+    Image.fromarray(rng.integers(0, 256, (12, 20, 3), dtype=np.uint8)).save(root / "cat" / "c.jpg", exif=exif)
+    base = ["--method", "zero-shot", "--dataset", f"folder:{root}", "--cache-dir", str(tmp_path / "cache"),
+            "--pretrained", f"local-dir:{tiny_model_dir}", "--device", "cpu", "--quiet"]
+    plain = cli.invoke(app, base + ["--out", str(tmp_path / "a")])
+    turned = cli.invoke(app, base + ["--out", str(tmp_path / "b"), "--exif-transpose"])
+    assert plain.exit_code == 0 and turned.exit_code == 0, plain.output + turned.output
+    (pa_,), (pb,) = find_shards([tmp_path / "a"]), find_shards([tmp_path / "b"])
+    a, b = read_shard(pa_), read_shard(pb)
+    assert "zaec:exif_transpose" not in a.meta.extra and b.meta.extra["zaec:exif_transpose"] == "true"
+    c = [i for i, p in enumerate(sorted(["cat/a.png", "cat/c.jpg", "dog/b.png"])) if p == "cat/c.jpg"][0]
+    row_a, row_b = a.zs_logits[a.sample_id == c], b.zs_logits[b.sample_id == c]
+    assert not np.array_equal(row_a, row_b)  # other pixels: not served from the first run's feature cache
+    others = a.sample_id != c
+    np.testing.assert_array_equal(a.zs_logits[others], b.zs_logits[b.sample_id != c])  # untagged images unchanged
+    again = cli.invoke(app, base + ["--out", str(tmp_path / "a"), "--exif-transpose"])  # the finished run differs
+    assert again.exit_code == 2 and "exif_transpose" in again.output, again.output
