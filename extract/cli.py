@@ -71,9 +71,10 @@ def extract(
     tda_sh_filter: bool = typer.Option(False, "--tda-sh-filter",
                                        help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 (drops file "
                                             "names containing 'sh'); off by default"),
-    fingerprint: str = typer.Option(DEFAULT_FINGERPRINT, help="how image files are fingerprinted for the feature cache and the "
-                                                 "finished-run check: 'stat' (size and modification time, cheap) "
-                                                 "or 'content' (sha256 of every file)"),
+    fingerprint: str = typer.Option(DEFAULT_FINGERPRINT,
+                                    help="how image files are fingerprinted for the feature cache and the "
+                                         "finished-run check: 'stat' (size and modification time, cheap) "
+                                         "or 'content' (sha256 of every file)"),
     exif_transpose: bool = typer.Option(False, "--exif-transpose",
                                         help="turn photos as their EXIF orientation tag says (off by default: the "
                                              "official code and torchvision ignore EXIF)"),
@@ -103,7 +104,8 @@ def extract(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
-            exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet, wait_lock=wait_lock)
+            exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet,
+            wait_lock=wait_lock)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 

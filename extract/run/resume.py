@@ -117,7 +117,8 @@ def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
             return _ends_at(point, path, f"was written with other settings ({', '.join(diff)})")
         if diff:
             return dataclasses.replace(point, refusal=f"{path} was written by a run with different settings "
-                                       f"({', '.join(diff)}); use --force to overwrite it or write elsewhere with --out")
+                                       f"({', '.join(diff)}); use --force to overwrite it or write elsewhere "
+                                       "with --out")
         lo, hi = p * scope.part_size, min((p + 1) * scope.part_size, scope.n_run)
         if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
             return _ends_at(point, path, f"does not hold stream positions {lo}..{hi - 1} (another --limit or part "

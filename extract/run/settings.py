@@ -136,7 +136,8 @@ class FinishedRun:
     def _mode_hint(self, old: Mapping[str, Any]) -> dict[str, str]:
         """A data fingerprint taken in another `--fingerprint` mode (`stat:...` against `content:...`) says nothing
         about the files: name the modes instead of blaming the files."""
-        was, now = (str(v).partition(":")[0] for v in (old.get("data_fingerprint"), self.wanted.get("data_fingerprint")))
+        was, now = (str(v).partition(":")[0]
+                    for v in (old.get("data_fingerprint"), self.wanted.get("data_fingerprint")))
         if was == now or was not in _FINGERPRINT_MODES or now not in _FINGERPRINT_MODES:
             return {}
         return {"data_fingerprint": f"the finished run fingerprinted its files with --fingerprint {was}, this run "
