@@ -153,6 +153,13 @@ def _coerce(cls: type, name: str, option: str, value: Any) -> Any:
             return int(value)
         except ValueError:
             raise SweepError(f"{flag}: expected an integer, got {value!r}") from None
+    if kind == "float":
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except ValueError:
+            raise SweepError(f"{flag}: expected a number, got {value!r}") from None
     return str(value)
 
 
