@@ -220,7 +220,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
                               dataset=planned.dataset, class_names=prompts.method_names)
         # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
         reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
-                      testset_key=data.cache_key(), seed=options.seed, perm=perm, chunk_size=execution.chunk_size)
+                               testset_key=data.cache_key(), seed=options.seed, perm=perm, chunk_size=execution.chunk_size)
         # [view pixels] TTL adapts the image encoder: it reads the views themselves (extract/run/pixels.py)
         attach_views(method, model, data.testset, perm, planned.policy, options.seed)
         n_run = planned.n_run(data.n_total)
