@@ -271,6 +271,10 @@ _REGISTRY_LIST.append(DatasetSpec(
     "ninco", "ood_images", "ood", None,
     (Layout("NINCO", "NINCO", "NINCO_OOD_classes"), Layout("plain", "NINCO_OOD_classes", "")),
     description="NINCO's OOD classes (64 classes, none in ImageNet-1k), out-of-distribution for ImageNet"))
+# The embedded demo's OOD set: synthetic geometric shapes, written by extract/demo/ood.py (docs/demo.md).
+_REGISTRY_LIST.append(DatasetSpec(
+    "demo_shapes", "ood_images", "ood", None, (Layout("demo", "demo-ood/shapes", "images"),),
+    description="synthetic geometric shapes (32 px), out-of-distribution for the demo's fmnist; written by the demo"))
 
 REGISTRY: dict[str, DatasetSpec] = {s.key: s for s in _REGISTRY_LIST}
 #: the 15 datasets of the paper (excludes the demo sets and ImageNet-C)

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import polars as pl
 
+from extract.demo import ood as ood_mod  # [OOD pair]
 from extract.demo import shifts as shifts_mod
 from extract.demo import train as train_mod
 from extract.demo.fmnist import check_dir
@@ -599,9 +600,16 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         stamp.write_text(fingerprint + "\n")
     timings["tables"] = time.perf_counter() - t
 
+    # [OOD pair] issue 24: fmnist against synthetic shapes, zero-shot and TDA only (extract/demo/ood.py)
+    t = time.perf_counter()
+    say("[bold]OOD pair[/] (beyond the paper: fmnist against synthetic shapes, zero-shot and TDA)")
+    ood_line = ood_mod.run_ood_pair(cfg, model_dirs, say=say, log=log)
+    timings["ood"] = time.perf_counter() - t
+
     summary = summarise(metrics)
     cfg.results.mkdir(parents=True, exist_ok=True)
     (cfg.results / SUMMARY_FILE).write_text(summary_markdown(summary), encoding="utf-8")
+    ood_mod.append_to_summary(cfg.results / SUMMARY_FILE, ood_line)  # [OOD pair]
     outputs = {
         "models": cfg.models_dir,
         "sets": cfg.data_root / shifts_mod.SET_DIR,
@@ -620,6 +628,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         say(f"  {k:<26} {v}", highlight=False)
     say("")
     render_summary(summary, console, n_images=cfg.n_images)
+    say(ood_line, highlight=False)  # [OOD pair]
     say("")
     say("Steps: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), highlight=False)
     say("Run the same pipeline on real CLIP weights and the paper's datasets: see the README "
