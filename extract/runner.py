@@ -4,7 +4,8 @@
 a run"):
     1. `plan`: resolve every name (method, dataset, config overrides, anchor, model name) before any image is read;
     2. `load_run_data`: list the test set (split files only) and fingerprint its files; the stream is a permutation
-       of sample_id per (dataset, seed);
+       of sample_id per (dataset, seed) (an OOD run, `RunOptions.ood_for`: both sets in one mixed list,
+       `extract.run.ood`, its dataset key `<ood>@<id>`);
     3. `build_prompts` (before the model: a bad prompt file stops the run at once); then, under the run folder's
        lock (`RunDir.lock`, held to the marker), `finished_run`: reuse a finished run with the same settings (unless
        `force`), saying so; otherwise load the model, build the text prototypes (cached), the method and the shard
