@@ -3,6 +3,7 @@
     zaec-extract --method dpe --dataset dtd [--backbone ViT-B-16] [--pretrained openai|FILE|local-dir:DIR]
                  [--data-root DIR] [--out DIR] [--seed S] [--device D] [--limit N] [--set key=value ...]
     zaec-extract --method tda --dataset folder:PATH [--dataset-name NAME] [--class-names FILE] ...
+    zaec-extract --method tda --dataset inaturalist|folder:PATH --ood-for imagenet ...   (out-of-distribution run)
 
 User errors (unknown names, missing data or weights, bad `--set`) end in one line on stderr and exit status 2.
 """
@@ -52,6 +53,10 @@ def extract(
                                                           "(default: the folder's name)"),
     class_names: Optional[Path] = typer.Option(None, help="class names of a folder:/split: dataset, label order: "
                                                           "one per line or a JSON list"),
+    ood_for: Optional[str] = typer.Option(None, "--ood-for", metavar="KEY",
+                                          help="an out-of-distribution run: DATASET's images (label -1) mixed into "
+                                               "the stream of the in-distribution set KEY (e.g. imagenet), all "
+                                               "classified with KEY's classes, prompts and settings"),
     backbone: Optional[str] = typer.Option(
         None, help=f"open_clip model name (ViT-B-16, RN50); default {DEFAULT_BACKBONE}, or the local-dir's model"),
     pretrained: str = typer.Option(DEFAULT_PRETRAINED, help="pretrained tag, checkpoint file, or local-dir:DIR"),
@@ -97,15 +102,17 @@ def extract(
 
         overrides = parse_overrides(set_)
         dataset = resolve_dataset(dataset, name=dataset_name, class_names=class_names)
+        if ood_for is not None and ood_for.startswith(("folder:", "split:")):
+            ood_for = resolve_dataset(ood_for)  # a user's in-distribution set: registered under its folder's name
         # resolve every name before any file is read (run_extraction repeats it; it is cheap)
         plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
-                 anchor=anchor, limit=limit)
+                 anchor=anchor, limit=limit, ood_for=ood_for)
         paths = run_extraction(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
             exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet,
-            wait_lock=wait_lock)
+            wait_lock=wait_lock, ood_for=ood_for)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 

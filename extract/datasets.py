@@ -50,8 +50,8 @@ FASHION_MNIST_CLASSES: tuple[str, ...] = (
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
-Kind = Literal["json", "aircraft", "folders", "image_folder", "split_file"]
-Group = Literal["natural", "fine_grained", "demo", "corruption", "user"]
+Kind = Literal["json", "aircraft", "folders", "image_folder", "split_file", "ood_images"]
+Group = Literal["natural", "fine_grained", "demo", "corruption", "user", "ood"]
 #: how class folders map to labels: ImageNet wnids (all 1000), the 200-class A/R subsets, V2's numbered folders
 FolderScheme = Literal["wnid1000", "wnid_a", "wnid_r", "v2_numeric"]
 
@@ -249,9 +249,40 @@ for _corr in IMAGENET_C_CORRUPTIONS:
             cupl_file="CuPL_prompts_imagenet.json", folder_scheme="wnid1000",
             description=f"ImageNet-C, {_corr.replace('_', ' ')}, severity {_sev}"))
 
+# Out-of-distribution sets (kind "ood_images", group "ood"): images without classes, run only against an
+# in-distribution set (`zaec-extract --ood-for KEY`, docs/extract.md "Out-of-distribution runs"). Every image below
+# the set's folder counts, at any depth, in the order of relative paths sorted as strings (sub-folder names are no
+# classes). Layouts: MCM's (deeplearning-wisc/MCM, README.md and utils/detection_util.py
+# `set_ood_loader_ImageNet`: `ImageNet_OOD_dataset/{iNaturalist,SUN,Places}` and, for Textures, the whole of DTD
+# under `dtd/images`, each read as an ImageFolder), the same folders directly under the data root, and NINCO's
+# release (`NINCO/NINCO_OOD_classes/<class>/`, its main OOD split). No settings of their own (`hparams_from=None`):
+# an OOD run takes every setting from its in-distribution set.
+_MCM = "ImageNet_OOD_dataset"
+for _key, _folder, _what in (("inaturalist", "iNaturalist", "iNaturalist plants, 10,000 images (MCM's OOD set)"),
+                             ("sun", "SUN", "SUN scenes, 10,000 images (MCM's OOD set; not the sun397 split)"),
+                             ("places", "Places", "Places365 scenes, 10,000 images (MCM's OOD set)")):
+    _REGISTRY_LIST.append(DatasetSpec(
+        _key, "ood_images", "ood", None,
+        (Layout("MCM", f"{_MCM}/{_folder}", ""), Layout("plain", _folder, "")),
+        description=f"{_what}, out-of-distribution for ImageNet"))
+_REGISTRY_LIST.append(DatasetSpec(
+    "textures", "ood_images", "ood", None,
+    (Layout("MCM", f"{_MCM}/dtd", "images"), Layout("CoOp/TDA", "dtd", "images"), Layout("TPT", "DTD", "images")),
+    description="Textures: all 5,640 DTD images (MCM's OOD set), out-of-distribution for ImageNet"))
+_REGISTRY_LIST.append(DatasetSpec(
+    "ninco", "ood_images", "ood", None,
+    (Layout("NINCO", "NINCO", "NINCO_OOD_classes"), Layout("plain", "NINCO_OOD_classes", "")),
+    description="NINCO's OOD classes (64 classes, none in ImageNet-1k), out-of-distribution for ImageNet"))
+# The embedded demo's OOD set: synthetic geometric shapes, written by extract/demo/ood.py (docs/demo.md).
+_REGISTRY_LIST.append(DatasetSpec(
+    "demo_shapes", "ood_images", "ood", None, (Layout("demo", "demo-ood/shapes", "images"),),
+    description="synthetic geometric shapes (32 px), out-of-distribution for the demo's fmnist; written by the demo"))
+
 REGISTRY: dict[str, DatasetSpec] = {s.key: s for s in _REGISTRY_LIST}
 #: the 15 datasets of the paper (excludes the demo sets and ImageNet-C)
 PAPER_DATASETS: tuple[str, ...] = tuple(s.key for s in _REGISTRY_LIST if s.group in ("natural", "fine_grained"))
+#: the registered out-of-distribution sets (`--ood-for`)
+OOD_DATASETS: tuple[str, ...] = tuple(s.key for s in _REGISTRY_LIST if s.group == "ood")
 #: the 75 ImageNet-C keys, corruption-major
 IMAGENET_C_DATASETS: tuple[str, ...] = tuple(s.key for s in _REGISTRY_LIST if s.group == "corruption")
 
@@ -451,6 +482,8 @@ def expected_layout(spec: DatasetSpec, root: Path) -> str:
             lines.append(f"  [{lay.name}] {base}/{posixpath.dirname(lay.split_file) or '.'}/variants.txt, "
                          f"{base}/{lay.split_file}  (lines '<image id> <variant>')")
             lines.append(f"  {' ' * (len(lay.name) + 2)} {img}/<image id>.jpg")
+        elif spec.kind == "ood_images":
+            lines.append(f"  [{lay.name}] {img}/<any sub-folders>/<image>  (every image below it; no classes)")
         else:
             sub = {"v2_numeric": "<0..999>", "wnid_a": "<wnid, 200 classes>",
                    "wnid_r": "<wnid, 200 classes>"}.get(spec.folder_scheme or "", "<wnid>")
@@ -470,7 +503,7 @@ def _find_layout(spec: DatasetSpec, root: Path) -> Layout:
     found: list[Layout] = []
     for lay in spec.layouts:
         ddir = root / lay.dataset_dir
-        if spec.kind == "folders":
+        if spec.kind in ("folders", "ood_images"):
             if (ddir / lay.image_dir).is_dir() if lay.image_dir else ddir.is_dir():
                 return lay
         elif (ddir / lay.split_file).is_file():
@@ -797,6 +830,9 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
             file listed more than once (`_check_no_duplicates`); a set of fewer than two classes.
     """
     spec = get_dataset(key)
+    if spec.kind == "ood_images":
+        raise DatasetError(f"dataset {key!r} is an out-of-distribution set (images without classes); run it against "
+                           f"an in-distribution set: --dataset {key} --ood-for KEY (e.g. imagenet)")
     if spec.ref is not None:  # a user's folder or split file: its own path, no data root
         return _at_least_two_classes(_load_user(spec))  # _load_user checks for duplicates
     root = resolve_data_root(data_root)
@@ -816,6 +852,56 @@ def load_testset(key: str, data_root: str | os.PathLike | None = None, *, sh_fil
                  labels=np.asarray(labels, dtype=np.int64), class_names=tuple(names), imagenet_indices=inet,
                  notes=notes)
     return _at_least_two_classes(_check_no_duplicates(ts, listing))
+
+
+def load_ood_images(key: str, data_root: str | os.PathLike | None = None, *, sh_filter: bool = False) -> TestSet:
+    """List the images of an out-of-distribution set (no image is opened); their labels are all -1 (no class).
+
+    Args:
+        key: a registered OOD set (`OOD_DATASETS`: every image below its folder), a user's `folder:` dataset's name
+            (every image below the folder, at any depth: its sub-folders are no classes), or any other dataset
+            key or user `split:` name (its test list; its labels are dropped).
+        data_root: as for `load_testset` (not used by user datasets).
+        sh_filter: as for `load_testset` (only a labelled set's listing uses it).
+
+    Returns:
+        TestSet with `class_names=()`, labels (N,) int64 of -1, paths in canonical order: relative paths sorted as
+        strings for a folder, the test list's order otherwise.
+
+    Raises:
+        DatasetError: a missing folder (with the expected layout), a folder without images, an image listed twice.
+
+    Example:
+        >>> load_ood_images("inaturalist", "/data").labels[:3].tolist()  # doctest: +SKIP
+        [-1, -1, -1]
+    """
+    spec = get_dataset(key)
+    if spec.kind == "image_folder":
+        assert spec.ref is not None
+        img_root, layout = Path(spec.ref.partition(":")[2]), spec.layouts[0].name
+        if not img_root.is_dir():
+            raise DatasetError(f"dataset {spec.key!r}: {img_root} is not a folder")
+    elif spec.kind == "ood_images":
+        root = resolve_data_root(data_root)
+        lay = _find_layout(spec, root)
+        img_root, layout = root / lay.dataset_dir / lay.image_dir if lay.image_dir else root / lay.dataset_dir, lay.name
+    else:
+        ts = load_testset(spec.key, data_root, sh_filter=sh_filter)
+        return dataclasses.replace(ts, labels=np.full(len(ts), -1, np.int64), class_names=(), imagenet_indices=None)
+    found, cycles = _images_below(img_root, ".")
+    if not found:
+        raise DatasetError(f"{img_root}: no images ({', '.join(IMAGE_EXTENSIONS)}) below the folder of "
+                           f"out-of-distribution set {spec.key!r}")
+    rels = sorted(posixpath.normpath(r) for r in found)
+    notes = {"symlink_cycles": f"not followed: {', '.join(sorted(cycles)[:5])}"} if cycles else {}
+    ts = TestSet(key=spec.key, dataset_dir=img_root, layout=layout, paths=tuple(img_root / r for r in rels),
+                 labels=np.full(len(rels), -1, np.int64), class_names=(), notes=notes)
+    return _check_no_duplicates(ts, img_root)
+
+
+def check_no_duplicates(ts: TestSet, listing: Path) -> TestSet:
+    """`_check_no_duplicates` for callers outside this module (an OOD run's mixed list: a file in both sets)."""
+    return _check_no_duplicates(ts, listing)
 
 
 class _FileKeys:
@@ -901,7 +987,7 @@ def check_outside_dataset(testset: TestSet, path: str | os.PathLike, option: str
         DatasetError: --out /data/pets/out is inside the folder /data/pets of dataset 'pets' ...
     """
     spec = get_dataset(testset.key)
-    if spec.kind == "image_folder":
+    if spec.kind in ("image_folder", "ood_images"):
         listed = testset.dataset_dir
     elif spec.kind == "folders":
         lay = next(lay for lay in spec.layouts if lay.name == testset.layout)

@@ -4,7 +4,8 @@
 a run"):
     1. `plan`: resolve every name (method, dataset, config overrides, anchor, model name) before any image is read;
     2. `load_run_data`: list the test set (split files only) and fingerprint its files; the stream is a permutation
-       of sample_id per (dataset, seed);
+       of sample_id per (dataset, seed) (an OOD run, `RunOptions.ood_for`: both sets in one mixed list,
+       `extract.run.ood`, its dataset key `<ood>@<id>`);
     3. `build_prompts` (before the model: a bad prompt file stops the run at once); then, under the run folder's
        lock (`RunDir.lock`, held to the marker), `finished_run`: reuse a finished run with the same settings (unless
        `force`), saying so; otherwise load the model, build the text prototypes (cached), the method and the shard
@@ -104,6 +105,7 @@ from extract.run.stream import (  # noqa: F401  (re-exported)
     StreamInputs,
     adapt_stream,
     check_finite_logits,
+    labelled_counts,
     replay,
     stream_permutation,
 )
@@ -112,10 +114,11 @@ from schemas import COMPLETE_MARKER, write_shard  # noqa: F401  (re-exported)
 
 
 def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str, seed: int,
-             overrides: Mapping[str, Any] | None, anchor: str, limit: int | None) -> PlannedRun:
+             overrides: Mapping[str, Any] | None, anchor: str, limit: int | None,
+             ood_for: str | None = None) -> PlannedRun:
     """`plan(RunOptions(...))` in the keyword style of `run_extraction` (resolves names; raises on any bad one)."""
     return plan(RunOptions.make(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed,
-                                overrides=overrides, anchor=anchor, limit=limit))
+                                overrides=overrides, anchor=anchor, limit=limit, ood_for=ood_for))
 
 
 def run_extraction(
@@ -148,6 +151,7 @@ def run_extraction(
     wait_lock: float | None = None,
     model: LoadedModel | None = None,
     log: Callable[[str], None] | None = None,
+    ood_for: str | None = None,
 ) -> list[Path]:
     """Run one TTA method over one dataset and write its shards; returns the shard paths in part order.
 
@@ -162,7 +166,7 @@ def run_extraction(
     options = RunOptions.make(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, limit=limit,
                               overrides=overrides, anchor=anchor, data_root=data_root, cupl_dir=cupl_dir,
                               sh_filter=sh_filter, fingerprint=fingerprint, exif_transpose=exif_transpose,
-                              adapt_batch=adapt_batch, part_size=part_size)
+                              adapt_batch=adapt_batch, part_size=part_size, ood_for=ood_for)
     execution = ExecOptions(out=out, cache_dir=cache_dir, device=device, batch_size=batch_size, workers=workers,
                             chunk_size=chunk_size, resume=resume, force=force, on_changed=on_changed,
                             progress=progress, wait_lock=wait_lock)
@@ -184,7 +188,8 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
     planned = plan(options)
     data = load_run_data(planned)
     for folder, option in ((execution.out, "--out"), (resolve_cache_dir(execution.cache_dir), "--cache-dir")):
-        check_outside_dataset(data.testset, folder, option)  # files written inside a folder: set change its listing
+        for testset in data.listed_sets():  # files written inside a folder set change its listing
+            check_outside_dataset(testset, folder, option)
     prompts = build_prompts(planned, data)  # a bad prompt file stops the run before the model loads
     run_dir = RunDir(Path(execution.out), planned.key)
     with run_dir.lock(execution.wait_lock, on_wait=lambda line: note(line, log)) as lock:
@@ -218,7 +223,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         cache = open_feature_cache(cache_root, model, planned.dataset, data.cache_key(), options.seed, perm,
                                    method_text.shape[1], execution.chunk_size)
         method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
-                              dataset=planned.dataset, class_names=prompts.method_names)
+                              dataset=planned.class_dataset, class_names=prompts.method_names)
         # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
         reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
                                testset_key=data.cache_key(), seed=options.seed, perm=perm,
@@ -242,7 +247,8 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
                               model.logit_scale, model.device, perm, data.testset.labels, options.adapt_batch)
         writer = PartWriter(run_dir, meta, method, episodic=planned.episodic, part_size=options.part_size,
                             n_run=n_run, kept=[run_dir.part(p) for p in range(point.start_part)])
-        state = RunState(point.start_pos(scope), point.correct_tta, point.correct_zs)
+        state = RunState(point.start_pos(scope), point.correct_tta, point.correct_zs,
+                         labelled=labelled_counts(perm, data.testset.labels) if data.n_id is not None else None)
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import polars as pl
 
+from extract.demo import ood as ood_mod  # [OOD pair]
 from extract.demo import shifts as shifts_mod
 from extract.demo import train as train_mod
 from extract.demo.fmnist import check_dir
@@ -527,9 +528,16 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         (cfg.metrics_dir / _METRICS_STAMP).write_text(fingerprint + "\n")
     timings["tables"] = time.perf_counter() - t
 
+    # [OOD pair] issue 24: fmnist against synthetic shapes, zero-shot and TDA only (extract/demo/ood.py)
+    t = time.perf_counter()
+    say("[bold]OOD pair[/] (beyond the paper: fmnist against synthetic shapes, zero-shot and TDA)")
+    ood_line = ood_mod.run_ood_pair(cfg, model_dirs, say=say, log=notes.append)
+    timings["ood"] = time.perf_counter() - t
+
     summary = summarise(metrics)
     cfg.results.mkdir(parents=True, exist_ok=True)
     (cfg.results / SUMMARY_FILE).write_text(summary_markdown(summary), encoding="utf-8")
+    ood_mod.append_to_summary(cfg.results / SUMMARY_FILE, ood_line)  # [OOD pair]
     outputs = {
         "models": cfg.models_dir,
         "sets": cfg.data_root / shifts_mod.SET_DIR,
@@ -539,7 +547,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         "summary": cfg.results / SUMMARY_FILE,
     }
     timings["total"] = time.perf_counter() - started
-    _print_outputs(cfg, outputs, summary, timings, console)
+    _print_outputs(cfg, outputs, summary, timings, console, ood_line)
     return DemoResult(metrics=metrics, summary=summary, outputs=outputs, timings=timings, notes=notes)
 
 
@@ -700,7 +708,7 @@ def _tables(cfg: DemoConfig, datasets: Sequence[str], fingerprint: str, say) -> 
 
 
 def _print_outputs(cfg: DemoConfig, outputs: dict[str, Path], summary: DemoSummary, timings: dict[str, float],
-                   console) -> None:
+                   console, ood_line: str) -> None:
     """The closing report: where the outputs are, the summary, and each step's time."""
     say = console.print
     say("")
@@ -711,6 +719,7 @@ def _print_outputs(cfg: DemoConfig, outputs: dict[str, Path], summary: DemoSumma
         say(f"  {k:<26} {v}", highlight=False)
     say("")
     render_summary(summary, console, n_images=cfg.n_images)
+    say(ood_line, highlight=False)  # [OOD pair]
     say("")
     say("Steps: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), highlight=False)
     say("Run the same pipeline on real CLIP weights and the paper's datasets: see the README "

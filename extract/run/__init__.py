@@ -3,6 +3,7 @@
     options.py   RunOptions (what decides the result), ExecOptions (how it executes), plan() -> PlannedRun,
                  and the one place where defaults live (backbone, seed, folders and their environment fallbacks)
     settings.py  RunData (the listed test set and its identity), run_settings, the finished-run check
+    ood.py       an out-of-distribution run's data: the mixed list of both sets, its identity, its shard keys
     rundir.py    RunDir: where a run's parts and marker live
     lock.py      RunLock: one process per run folder (flock + an owner file with a heartbeat)
     resume.py    scan_resume (read-only) -> ResumePoint, then apply_resume (the rewrites it calls for)

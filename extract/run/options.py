@@ -115,6 +115,9 @@ class RunOptions:
         dataset_ref: for a user's dataset, the `folder:PATH` / `split:FILE.json` it was registered from, so that
             another process registers the same dataset (`register_dataset`); None for a registered key.
         class_names_file: the class-names file of a user's dataset (with `dataset_ref`).
+        ood_for: an out-of-distribution run: the in-distribution dataset's key; `dataset` is then the OOD set, the
+            stream mixes both sets' images and every image is classified with the in-distribution set's class
+            names, prompts and method settings (docs/extract.md, "Out-of-distribution runs"). None: a plain run.
     """
 
     method: str
@@ -134,6 +137,7 @@ class RunOptions:
     part_size: int = DEFAULT_PART_SIZE
     dataset_ref: str | None = None
     class_names_file: str | None = None
+    ood_for: str | None = None
 
     @classmethod
     def make(cls, method: str, dataset: str, *, overrides: Mapping[str, Any] | None = None,
@@ -166,6 +170,15 @@ class RunOptions:
         kw = dict(doc)
         kw["overrides"] = tuple((str(k), v) for k, v in kw.get("overrides", ()))
         return cls(**kw)
+
+    def run_dataset(self) -> str:
+        """The dataset key the run's shards record: `dataset`, or for an OOD run `<dataset>@<ood_for>`
+        (`schemas.ood_run_dataset`)."""
+        if self.ood_for is None:
+            return self.dataset
+        from schemas import ood_run_dataset
+
+        return ood_run_dataset(self.dataset, self.ood_for)
 
     def register_dataset(self) -> str:
         """Register a user's dataset in this process (from `dataset_ref`); returns the dataset key."""
@@ -223,6 +236,8 @@ class PlannedRun:
         dataset: the dataset's canonical key; backbone: the model name the shards record.
         policy: the view policy ("single", "crop_flip", "augmix"); key: RunKey(backbone, dataset, method, seed).
         settings_note: for a dataset without official settings: which settings apply (printed, kept in shards).
+        ood_for: an OOD run's in-distribution key (None: a plain run); ood_dataset: its OOD set's key. `dataset` is
+            then `<ood_dataset>@<ood_for>`.
     """
 
     options: RunOptions
@@ -233,6 +248,14 @@ class PlannedRun:
     policy: str
     key: "RunKey"
     settings_note: str = ""
+    ood_for: str | None = None
+    ood_dataset: str | None = None
+
+    @property
+    def class_dataset(self) -> str:
+        """The dataset whose class names, prompts and method settings the run uses (the in-distribution set of an
+        OOD run)."""
+        return self.ood_for or self.dataset
 
     @property
     def spec_key(self) -> str:
@@ -278,6 +301,12 @@ def plan(options: RunOptions) -> PlannedRun:
     o = options
     cls = get_method(o.method)
     spec = get_dataset(o.dataset)
+    ood = None
+    if o.ood_for is not None:
+        ood, spec = spec, _in_distribution(o.ood_for, spec.key)
+    elif spec.group == "ood":
+        raise RunError(f"dataset {spec.key!r} is an out-of-distribution set (images without classes); run it "
+                       f"against an in-distribution set with --ood-for KEY (e.g. imagenet)")
     if o.anchor not in ANCHORS:
         raise RunError(f"unknown anchor {o.anchor!r}; available: {', '.join(ANCHORS)}")
     if o.limit is not None and o.limit < 1:
@@ -295,7 +324,34 @@ def plan(options: RunOptions) -> PlannedRun:
     except ValueError as e:
         raise RunError(f"{o.method}: {e}") from None
     note = _unseen_note(o.method, cls, spec.key, config, overrides) if unseen else ""
-    return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note)
+    if ood is None:
+        return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note)
+    from schemas import ood_run_dataset
+
+    key = ood_run_dataset(ood.key, spec.key)
+    return PlannedRun(o, cls, config, key, name, policy, RunKey(name, key, o.method, int(o.seed)), note,
+                      ood_for=spec.key, ood_dataset=ood.key)
+
+
+def _in_distribution(ood_for: str, ood_key: str) -> Any:
+    """The in-distribution set of an OOD run (its registry entry); RunError for one that cannot be.
+
+    Every registered method takes a mixed stream: none reads labels, and an online method's state over the mixed
+    stream is what the run measures (docs/extract.md, "Out-of-distribution runs").
+    """
+    from extract.datasets import DatasetError, get_dataset
+
+    try:
+        spec = get_dataset(ood_for)
+    except DatasetError as e:
+        raise RunError(f"--ood-for: {e}") from None
+    if spec.group == "ood":
+        raise RunError(f"--ood-for {ood_for!r} is an out-of-distribution set (no classes); --ood-for names the "
+                       "in-distribution set whose classes the run predicts (e.g. imagenet)")
+    if spec.key == ood_key:
+        raise RunError(f"--dataset {ood_key!r} is the in-distribution set itself (--ood-for {ood_for!r}); the "
+                       "out-of-distribution set must be another set")
+    return spec
 
 
 def _unseen_note(method: str, cls: type, dataset: str, config: Any, overrides: Mapping[str, Any]) -> str:

@@ -34,12 +34,21 @@ class RunData:
     """A run's listed test set (split files only, no image opened) and the identity of its data.
 
     Attributes:
-        testset: the listed test set.
-        identity: {"data_root": resolved folder, "data_fingerprint": fingerprint of the image files}.
+        testset: the listed test set (an OOD run's: the mixed list, in-distribution images first, `extract.run.ood`).
+        identity: {"data_root": resolved folder, "data_fingerprint": fingerprint of the image files}; an OOD run
+            adds "ood_data_root", the OOD set's folder.
+        n_id: an OOD run's in-distribution images (sample ids [0, n_id)); None for a plain run.
+        sources: an OOD run's two listed sets (in-distribution, OOD); () for a plain run.
     """
 
     testset: "TestSet"
     identity: Mapping[str, str]
+    n_id: int | None = None
+    sources: tuple["TestSet", ...] = ()
+
+    def listed_sets(self) -> tuple["TestSet", ...]:
+        """The registered or user sets whose listings the run reads (for `check_outside_dataset`)."""
+        return self.sources or (self.testset,)
 
     @property
     def n_total(self) -> int:
@@ -55,15 +64,21 @@ class RunData:
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def _identity(testset: "TestSet", data_root: str | os.PathLike | None, mode: str) -> dict[str, str]:
-    """The resolved data root (for a user's `folder:`/`split:` dataset, which needs none: its own folder) and the
-    data fingerprint of the test set's image files (`extract.fingerprint`)."""
+def resolved_root(testset: "TestSet", data_root: str | os.PathLike | None) -> str:
+    """The data root a run records for `testset`: for a user's `folder:`/`split:` dataset, which needs none, its own
+    folder; otherwise the resolved data root."""
     from extract.datasets import get_dataset, resolve_data_root
-    from extract.fingerprint import fingerprint
 
     own = get_dataset(testset.key).ref is not None
-    root = testset.dataset_dir if own else resolve_data_root(data_root)
-    return {"data_root": str(Path(root).resolve()), "data_fingerprint": fingerprint(testset, mode)}
+    return str(Path(testset.dataset_dir if own else resolve_data_root(data_root)).resolve())
+
+
+def set_identity(testset: "TestSet", data_root: str | os.PathLike | None, mode: str) -> dict[str, str]:
+    """The resolved data root (`resolved_root`) and the data fingerprint of the test set's image files
+    (`extract.fingerprint`)."""
+    from extract.fingerprint import fingerprint
+
+    return {"data_root": resolved_root(testset, data_root), "data_fingerprint": fingerprint(testset, mode)}
 
 
 def load_run_data(planned: PlannedRun) -> RunData:
@@ -73,8 +88,12 @@ def load_run_data(planned: PlannedRun) -> RunData:
 
     o = planned.options
     check_mode(o.fingerprint)
+    if planned.ood_for is not None:
+        from extract.run.ood import load_mixed_data
+
+        return load_mixed_data(planned)
     testset = load_testset(planned.dataset, o.data_root, sh_filter=o.sh_filter)
-    identity = _identity(testset, o.data_root, o.fingerprint)
+    identity = set_identity(testset, o.data_root, o.fingerprint)
     if o.exif_transpose:  # other pixels: its own cache entry and settings (absent when off: older runs still match)
         testset = dataclasses.replace(testset, exif_transpose=True)
         identity["exif_transpose"] = "true"
@@ -88,7 +107,7 @@ def data_identity(dataset: str, data_root: str | os.PathLike | None = None, *, s
     from extract.datasets import load_testset
 
     testset = load_testset(dataset, data_root, sh_filter=sh_filter)
-    return {"samples": testset.fingerprint(), **_identity(testset, data_root, mode)}
+    return {"samples": testset.fingerprint(), **set_identity(testset, data_root, mode)}
 
 
 def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
@@ -180,4 +199,4 @@ def finished_run_mismatch(planned: PlannedRun, run_dir: RunDir, data: RunData | 
 
 def data_key(options: RunOptions) -> tuple[Any, ...]:
     """The options `load_run_data` depends on: runs with equal keys share one `RunData`."""
-    return (options.dataset, options.data_root, options.sh_filter, options.fingerprint)
+    return (options.dataset, options.data_root, options.sh_filter, options.fingerprint, options.ood_for)

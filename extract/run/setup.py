@@ -13,6 +13,7 @@ import torch
 from extract.cache import TextCache
 from extract.models import LoadedModel
 from extract.prompts import PromptSet, build_prompt_set
+from extract.run.ood import ood_meta
 from extract.run.options import PlannedRun
 from extract.run.progress import Progress
 from extract.run.settings import RunData
@@ -65,13 +66,13 @@ class RunPrompts:
 
 def build_prompts(planned: PlannedRun, data: RunData) -> RunPrompts:
     """The method's prompts (its policy, CuPL sentences when asked) and the anchor's ("a photo of a {}.")."""
-    ts, config = data.testset, planned.config
-    names = planned.method_cls.method_class_names(planned.dataset, ts.class_names,  # type: ignore[attr-defined]
+    ts, config, key = data.testset, planned.config, planned.class_dataset  # an OOD run: the in-distribution set's
+    names = planned.method_cls.method_class_names(key, ts.class_names,  # type: ignore[attr-defined]
                                                    ts.imagenet_indices)
-    method = build_prompt_set(planned.dataset, names, policy=config.prompts, cupl=bool(config.cupl),
+    method = build_prompt_set(key, names, policy=config.prompts, cupl=bool(config.cupl),
                               cupl_dir=planned.options.cupl_dir)
     if planned.options.anchor == "single":
-        anchor = build_prompt_set(planned.dataset, ts.class_names, policy="single")
+        anchor = build_prompt_set(key, ts.class_names, policy="single")
     else:
         anchor = method
     return RunPrompts(names, method, anchor)
@@ -114,6 +115,7 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
         extra["zaec:method_settings"] = planned.settings_note
     if ts.exif_transpose:  # written only when on: the default's shards keep their bytes
         extra["zaec:exif_transpose"] = "true"
+    extra.update(ood_meta(planned, data))  # an OOD run's keys (docs/contract.md, "Out-of-distribution runs")
     if planned.method_cls.output_kind != "logits":  # absent means logits (docs/contract.md): older shards stay valid
         extra["zaec:output_kind"] = planned.method_cls.output_kind
     return ShardMeta(backbone=planned.backbone, pretrained=model.pretrained, dataset=planned.dataset,

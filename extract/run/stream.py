@@ -55,23 +55,37 @@ def check_finite_logits(method: str, tta: np.ndarray, zs: np.ndarray, sample_ids
                        f"row(s) in this batch); the run is not marked complete; {hint}")
 
 
+def labelled_counts(perm: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """(N + 1,) int64: how many of stream positions [0, p) hold a labelled (in-distribution) image, for each p.
+
+    An OOD run's accuracy counts its in-distribution rows only: an OOD row (label -1) is never correct.
+    """
+    return np.concatenate([[0], np.cumsum(labels[perm] >= 0)]).astype(np.int64)
+
+
 @dataclass
 class RunState:
     """Where the adapt loop stands: the next stream position and the correct predictions so far (kept parts
-    included), adapted and zero-shot."""
+    included), adapted and zero-shot; `labelled`: an OOD run's `labelled_counts` (None: every row is labelled)."""
 
     position: int = 0
     correct_tta: int = 0
     correct_zs: int = 0
+    labelled: np.ndarray | None = None
+
+    def _seen(self, stop: int) -> int:
+        """Labelled rows among positions [0, stop) (at least 1: an accuracy over none reads 0)."""
+        return max(stop if self.labelled is None else int(self.labelled[stop]), 1)
 
     def accuracy_note(self) -> str:
         """`acc 81.2% (zero-shot 78.0%)` over the positions done (for the progress bar)."""
-        e = self.position
+        e = self._seen(self.position)
         return f"acc {100 * self.correct_tta / e:5.1f}% (zero-shot {100 * self.correct_zs / e:5.1f}%)"
 
     def accuracies(self, n_run: int) -> dict[str, float]:
-        """The marker's accuracy fields over a run of `n_run` positions."""
-        return {"accuracy": self.correct_tta / max(n_run, 1), "zero_shot_accuracy": self.correct_zs / max(n_run, 1)}
+        """The marker's accuracy fields over a run of `n_run` positions (an OOD run: over its labelled rows)."""
+        e = self._seen(n_run)
+        return {"accuracy": self.correct_tta / e, "zero_shot_accuracy": self.correct_zs / e}
 
 
 @dataclass(frozen=True)

@@ -338,6 +338,9 @@ def run(
                                                         f"{DEFAULT_CACHE_DIR}]; must be visible to every job"),
     cupl_dir: Optional[Path] = typer.Option(None, help=f"CuPL prompt files [default: ${CUPL_DIR_ENV}]"),
     limit: Optional[int] = typer.Option(None, help="only the first N samples of each stream (quick looks)"),
+    ood_for: Optional[str] = typer.Option(None, "--ood-for", metavar="KEY",
+                                          help="out-of-distribution runs: every dataset of --datasets is mixed into "
+                                               "the stream of the registered in-distribution set KEY (e.g. imagenet)"),
     anchor: Optional[str] = typer.Option(None, help=f"zero-shot anchor: {' or '.join(ANCHORS)} "
                                                     f"[default: {DEFAULT_ANCHOR}]"),
     tda_sh_filter: Optional[bool] = typer.Option(None, "--tda-sh-filter/--no-tda-sh-filter",
@@ -360,6 +363,10 @@ def run(
     batch_size: Optional[int] = typer.Option(None, help=f"images per encoder call [default: {DEFAULT_BATCH_SIZE}]"),
     chunk_size: Optional[int] = typer.Option(None, help=f"samples per feature-cache chunk [default: "
                                                         f"{DEFAULT_CHUNK_SIZE}]"),
+    wait_lock: Optional[float] = typer.Option(None, metavar="SECONDS",
+                                              help="while another process writes one of the runs: a job waits at "
+                                                   "most SECONDS, then fails that run (0: at once) [default: waits "
+                                                   "until it finishes]"),
     executor: Optional[str] = typer.Option(None, help="local (this machine) or slurm [default: local]"),
     partition: Optional[str] = typer.Option(None, help="SLURM partition"),
     account: Optional[str] = typer.Option(None, help="SLURM account"),

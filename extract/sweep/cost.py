@@ -208,7 +208,19 @@ def _listing(dataset: str, source: tuple[str, str | None]) -> tuple[int, int]:
     return len(ts), ts.num_classes
 
 
+#: Images of the registered out-of-distribution sets (docs/extract.md, "Out-of-distribution runs"): MCM's 10,000
+#: sampled iNaturalist, SUN and Places images, all 5,640 DTD images, NINCO's 5,879 OOD-class images.
+OOD_SIZES: dict[str, int] = {"inaturalist": 10000, "sun": 10000, "places": 10000, "textures": 5640, "ninco": 5879}
+
+
 def _table_size(dataset: str) -> tuple[int, int] | None:
+    from schemas import OOD_SEPARATOR
+
+    if OOD_SEPARATOR in dataset:  # an OOD run: both sets' images, the in-distribution set's classes
+        ood, _, ind = dataset.partition(OOD_SEPARATOR)
+        inner = _table_size(ind)
+        extra = OOD_SIZES.get(ood) or (_table_size(ood) or (None, None))[0]
+        return None if inner is None or extra is None else (inner[0] + extra, inner[1])
     # ImageNet-C: every corruption and severity holds the 50,000 validation images of the 1000 classes
     base = "imagenet" if dataset.startswith("imagenet_c:") else dataset
     if base in TEST_SIZES:

@@ -74,7 +74,8 @@ class RunSpec:
 
     # read-only views of the options: what grouping, the manifest and the cost model read
     method = property(lambda self: self.options.method)
-    dataset = property(lambda self: self.options.dataset)
+    #: the dataset key the shards record (an OOD run's `<ood>@<id>`, `RunOptions.run_dataset`)
+    dataset = property(lambda self: self.options.run_dataset())
     backbone = property(lambda self: str(self.options.backbone))
     pretrained = property(lambda self: self.options.pretrained)
     seed = property(lambda self: int(self.options.seed))
@@ -153,7 +154,7 @@ def _coerce(cls: type, name: str, option: str, value: Any) -> Any:
             return int(value)
         except ValueError:
             raise SweepError(f"{flag}: expected an integer, got {value!r}") from None
-    if kind == "float":
+    if kind == "float":  # wait_lock
         try:
             if isinstance(value, bool):
                 raise ValueError
@@ -255,14 +256,19 @@ def extract_run(run: RunSpec, model: Any, log: Callable[[str], None]) -> list[Pa
 def check_data(runs: Sequence[RunSpec]) -> None:
     """List every test set of the sweep once (split files and folders only, no image is opened), so a missing or
     misnamed folder fails before submission with the extractor's expected-layout message."""
-    from extract.datasets import load_testset
+    from extract.datasets import load_ood_images, load_testset
     from extract.run.settings import data_key
 
     seen = set()
     for r in runs:
         if data_key(r.options) not in seen:
             seen.add(data_key(r.options))
-            load_testset(r.dataset, r.options.data_root, sh_filter=r.options.sh_filter)
+            o = r.options
+            if o.ood_for is None:
+                load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
+            else:  # an OOD run: both of its sets
+                load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
+                load_ood_images(o.dataset, o.data_root, sh_filter=o.sh_filter)
 
 
 def is_complete(run: RunSpec) -> bool:

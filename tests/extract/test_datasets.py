@@ -12,6 +12,7 @@ import pytest
 from extract import datasets as ds
 from extract.datasets import (
     FASHION_MNIST_CLASSES,
+    OOD_DATASETS,
     PAPER_DATASETS,
     REGISTRY,
     DatasetError,
@@ -19,6 +20,7 @@ from extract.datasets import (
     get_dataset,
     imagenet_classnames,
     imagenet_synsets,
+    load_ood_images,
     load_testset,
     open_image,
     resolve_dataset,
@@ -34,6 +36,9 @@ def test_registry_shape():
     assert len(PAPER_DATASETS) == 15
     for key, spec in REGISTRY.items():
         assert spec.key == key
+        if key in OOD_DATASETS:  # images without classes and without settings of their own (--ood-for)
+            assert spec.group == "ood" and spec.kind == "ood_images" and spec.hparams_from is None
+            continue
         assert spec.group == ("demo" if key.startswith("fmnist") else "corruption" if key.startswith("imagenet_c:")
                               else "natural" if key.startswith("imagenet") else "fine_grained")
         assert spec.hparams_from in PAPER_DATASETS
@@ -409,3 +414,30 @@ def test_unsupported_modes_rejected_by_name(tmp_path):
     Image.fromarray(np.full((4, 4), 70000, np.int32), "I").save(tmp_path / "i.tif")
     with pytest.raises(DatasetError, match=r"i.tif: 32-bit integer image \(mode I\) with values outside 0..65535"):
         open_image(tmp_path / "i.tif")
+
+
+@pytest.mark.parametrize("key", OOD_DATASETS)
+def test_ood_sets_every_layout_and_the_missing_message(key, tmp_path):
+    spec = get_dataset(key)
+    with pytest.raises(DatasetError) as e:
+        load_ood_images(key, tmp_path)
+    for lay in spec.layouts:  # every layout shown, with the folder whose images count
+        img = "/".join(p for p in (lay.dataset_dir, lay.image_dir) if p)
+        assert f"[{lay.name}] {tmp_path}/{img}/<any sub-folders>/<image>" in str(e.value)
+    with pytest.raises(DatasetError, match=f"dataset '{key}' is an out-of-distribution set"):
+        load_testset(key, tmp_path)
+    rng = np.random.default_rng(0)
+    for i, lay in enumerate(spec.layouts):
+        root = tmp_path / f"root{i}"
+        base = root / lay.dataset_dir / lay.image_dir
+        rels = ["b/z.jpg", "a/y/x.png", "top.png", "a/.hidden.png", "a/notes.txt"]
+        for rel in rels:
+            if rel.endswith(".txt"):
+                (base / rel).parent.mkdir(parents=True, exist_ok=True)
+                (base / rel).write_text("x")
+            else:
+                write_image(base / rel, rng, size=(8, 8))
+        ts = load_ood_images(key, root)
+        assert ts.layout == lay.name and ts.dataset_dir == base
+        assert [p.relative_to(base).as_posix() for p in ts.paths] == ["a/y/x.png", "b/z.jpg", "top.png"]
+        assert ts.labels.tolist() == [-1, -1, -1] and ts.class_names == ()

@@ -123,7 +123,25 @@ def test_summary_and_outputs(demo_run):
         assert f.text in printed.replace("\n", " ") or f.text[:40] in printed
     assert (cfg.results / "demo_summary.md").read_text().startswith("# Demo summary")
     assert (cfg.results / "README.md").is_file()  # zaec-calibrate tables ran
-    assert set(result.timings) == {"train", "sets", "extract", "calibrate", "tables", "total"}
+    assert set(result.timings) == {"train", "sets", "extract", "calibrate", "tables", "ood", "total"}
+
+
+def test_ood_pair(demo_run):
+    """The OOD pair: valid OOD shards for zero-shot and TDA on both backbones, and the printed sentence is the one
+    `ood_sentence` computes from its metrics."""
+    from extract.demo.ood import OOD_METHODS, ood_sentence
+    from schemas import find_shards, read_shard
+
+    cfg, _, printed = demo_run
+    runs = {}
+    for path in find_shards([cfg.work_dir / "ood-shards"]):
+        sh = read_shard(path)
+        runs[(sh.meta.backbone, sh.meta.dataset, sh.meta.method)] = int((sh.label == -1).sum()), len(sh.label)
+    assert set(runs) == {(b, "demo_shapes@fmnist", m) for b in ("fmnist-ViT", "fmnist-RN") for m in OOD_METHODS}
+    assert all(v == (N_IMAGES, 2 * N_IMAGES) for v in runs.values())
+    sentence = ood_sentence(pl.read_parquet(cfg.work_dir / "ood-calibrate" / "metrics.parquet"))
+    assert "ZAEC" in sentence and " ".join(sentence.split()) in " ".join(printed.split())
+    assert sentence in (cfg.results / "demo_summary.md").read_text()
 
 
 def test_second_run_skips_finished_work(demo_run):

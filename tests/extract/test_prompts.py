@@ -31,8 +31,9 @@ def test_tables():
         templates_for("dtd", "many")
 
 
-@pytest.mark.parametrize("key", list(REGISTRY))
+@pytest.mark.parametrize("key", [k for k, s in REGISTRY.items() if s.group != "ood"])
 def test_every_dataset_has_templates(key):
+    # the out-of-distribution sets have no classes: an OOD run builds the in-distribution set's prompts
     for policy in ("single", "dataset", "imagenet80"):
         ts = templates_for(key, policy)
         assert ts and all(t.format("x") != t for t in ts)

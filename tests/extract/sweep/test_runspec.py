@@ -51,7 +51,7 @@ def _values(tmp_path: Path) -> dict[str, object]:
     return {"limit": 3, "anchor": "method", "data_root": tmp_path / "root", "cupl_dir": tmp_path / "cupl",
             "sh_filter": True, "fingerprint": "content", "adapt_batch": 2, "part_size": 4,
             "out": tmp_path / "out", "cache_dir": tmp_path / "cache", "device": "cpu", "batch_size": 7,
-            "workers": 3, "chunk_size": 9, "exif_transpose": True, "wait_lock": 30.0}
+            "workers": 3, "chunk_size": 9, "exif_transpose": True, "ood_for": "imagenet", "wait_lock": 30.0}
 
 
 def test_the_sweep_options_are_the_fields_of_the_run_options():
@@ -117,6 +117,31 @@ def test_defaults_are_the_extractors(tmp_path, monkeypatch):
 def test_both_commands_state_the_extractors_loader_default(cli):
     text = " ".join(inspect.signature(cli).parameters["workers"].default.help.split())
     assert f"up to {MAX_CUDA_WORKERS} on CUDA, 0 on CPU" in text
+
+
+def test_ood_runs_in_a_sweep(tmp_path, monkeypatch):
+    """`zaec-sweep run --ood-for dtd`: each dataset becomes the OOD set of a mixed run keyed `<ood>@dtd` (its shard
+    folder, group and cost count both sets); the data check lists both sets and shows a missing one's layout."""
+    from extract.sweep.cost import n_images
+    from extract.sweep.runspec import check_data
+
+    captured: list[RunSpec] = []
+    monkeypatch.setattr(sweep_cli, "sweep_run", lambda runs, *a, **k: captured.extend(runs) or 0)
+    res = runner.invoke(sweep_cli.app, ["run", "--dry-run", "--methods", "tda,zero-shot", "--datasets", "ninco,sun",
+                                        "--ood-for", "dtd", "--out", str(tmp_path / "o"),
+                                        "--data-root", str(tmp_path)])
+    assert res.exit_code == 0, res.output + res.stderr
+    assert sorted({r.dataset for r in captured}) == ["ninco@dtd", "sun@dtd"] and len(captured) == 4
+    assert all(r.options.ood_for == "dtd" and "dataset=" + r.dataset in str(r.shard_dir) for r in captured)
+    assert n_images("ninco@dtd") == 1692 + 5879
+    with pytest.raises(Exception, match="dataset 'dtd' not found"):
+        check_data(captured)
+    make_json_dataset(tmp_path, "dtd", n_classes=2, per_class=1)
+    with pytest.raises(Exception, match=r"NINCO/NINCO_OOD_classes/<any sub-folders>/<image>"):
+        check_data(captured)
+    res = runner.invoke(sweep_cli.app, ["run", "--dry-run", "--methods", "tda", "--datasets", "ninco",
+                                        "--ood-for", "ninco", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "is an out-of-distribution set (no classes)" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("args, message", [
