@@ -268,7 +268,7 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
         keys = parse_methods(methods, list(REGISTRY))
         stream_ns, step_ns = _int_list(ecalp_stream, "--ecalp-stream"), _int_list(ecalp_n, "--ecalp-n")
     except ValueError as e:
-        console.print(f"error: {e}")
+        typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     if only_methods:
         methods_section(console, keys, image_size=image_size, n_classes=method_classes,

@@ -286,30 +286,37 @@ def ecalp_stream(points: Sequence[int], *, n_classes: int = 1000, dim: int = 512
     return out
 
 
-def ecalp_step_at(n_seen: int, *, n_classes: int = 1000, dim: int = 512, steps: int = 2) \
-        -> tuple[float, int]:
-    """(CPU seconds of one ECALP sample at stream position `n_seen`, bytes the process's resident set grew by over
-    those samples at most) on a graph of `n_seen` random samples built directly in ECALP's layout (random
-    neighbour lists: the work of a step depends on the sizes only), so that a large N needs no quadratic stream.
-    Relies on ECALP's graph layout (extract/methods/ecalp.py, `_grow`); a changed layout fails here loudly."""
+def ecalp_built_graph(n_seen: int, n_classes: int, dim: int, config: Any, generator: Any) -> dict[str, Any]:
+    """ECALP's graph after `n_seen` samples in its layout (extract/methods/ecalp.py, `_grow`: N = n_seen + 1 node
+    rows, the feature buffer doubled from 1024 rows), filled with random features and random sorted neighbour lists:
+    the work of the next sample depends on the sizes only, so a large N needs no quadratic stream."""
+    import torch
+    import torch.nn.functional as F
+
+    n, cap = n_seen + 1, max(1024, 1 << max(0, n_seen - 1).bit_length())
+    feats = torch.zeros(cap, dim)
+    feats[:n_seen] = F.normalize(torch.randn(n_seen, dim, generator=generator), dim=-1)
+
+    def lists(width: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sim = torch.rand(n, width, generator=generator).sort(dim=1, descending=True).values * 0.5 + 0.5
+        return sim, torch.randint(0, high, (n, width), generator=generator)
+
+    store = lists(config.k_image + 2, n)
+    return {"feats": feats, "store_sim": store[0], "store_idx": store[1],
+            "cur_sim": store[0][:, :config.k_image].clone(), "cur_idx": store[1][:, :config.k_image].clone(),
+            **dict(zip(("text_sim", "text_idx"), lists(config.k_text, n_classes))),
+            "y0_val": torch.rand(n, generator=generator) / 5,
+            "y0_idx": torch.randint(0, n_classes, (n,), generator=generator)}
+
+
+def ecalp_step_at(n_seen: int, *, n_classes: int = 1000, dim: int = 512, steps: int = 2) -> tuple[float, int]:
+    """(CPU seconds per sample of ECALP's next `steps` samples after `n_seen`, one thread; bytes the resident set
+    grew by during them, 0 when the process's peak was set earlier) on `ecalp_built_graph`."""
     import torch
     import torch.nn.functional as F
 
     method, g = _ecalp(n_classes, dim)
-    cfg = method.config
-    n, cap = n_seen + 1, max(1024, 1 << max(0, n_seen - 1).bit_length())
-    feats = torch.zeros(cap, dim)
-    feats[:n_seen] = F.normalize(torch.randn(n_seen, dim, generator=g), dim=-1)
-
-    def lists(width: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sim = torch.rand(n, width, generator=g).sort(dim=1, descending=True).values * 0.5 + 0.5
-        return sim, torch.randint(0, high, (n, width), generator=g)
-
-    store = lists(cfg.k_image + 2, n)
-    graph = {"feats": feats, "store_sim": store[0], "store_idx": store[1],
-             "cur_sim": store[0][:, :cfg.k_image].clone(), "cur_idx": store[1][:, :cfg.k_image].clone(),
-             **dict(zip(("text_sim", "text_idx"), lists(cfg.k_text, n_classes))),
-             "y0_val": torch.rand(n, generator=g) / 5, "y0_idx": torch.randint(0, n_classes, (n,), generator=g)}
+    graph = ecalp_built_graph(n_seen, n_classes, dim, method.config, g)
     method.load_state_dict({"key": "ecalp", "n_seen": n_seen, "graph": graph})
     with one_torch_thread():
         rss0, peak0 = _rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -318,7 +325,7 @@ def ecalp_step_at(n_seen: int, *, n_classes: int = 1000, dim: int = 512, steps: 
             method.adapt(F.normalize(torch.randn(1, 1, dim, generator=g), dim=-1))
         sec = (time.thread_time() - t) / steps
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return sec, peak - rss0 if peak > peak0 else 0  # 0: the process's peak was set before (not measured)
+    return sec, peak - rss0 if peak > peak0 else 0
 
 
 def ecalp_report(console: Any, stream_points: Sequence[int], step_points: Sequence[int], *, n_classes: int = 1000,
