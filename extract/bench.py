@@ -7,9 +7,13 @@ Measured in one process, one run each (ratios, not absolute speeds, are the poin
     * view generation alone: `ViewGenerator.augmented` on a 500x375 image to 63 views of 224 px, CPU time of one
       thread, the fast path against the obvious code (`views.reference_augmented`), crop+flip and AugMix;
     * the loader: views/s of `--loader-workers` processes from JPEGs against that many times one thread's rate;
-    * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample).
+    * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample);
+    * every registered method's adaptation cost per sample through the runner, as ratios to TDA's and TPT's, and
+      ECALP's growth with the stream and its graph's bytes (`extract.bench_methods`).
 
     python -m extract.bench [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
+                            [--methods all|none|KEY,...] [--only-methods] [--method-classes 100]
+                            [--ecalp-stream 64,128,256] [--ecalp-n 2000,8000]
 """
 
 from __future__ import annotations
@@ -240,7 +244,7 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
                                                  "the references, are always timed)"),
          only_methods: bool = typer.Option(False, "--only-methods", help="only the method and ECALP lines"),
          method_classes: int = typer.Option(100, min=2, help="classes K of the methods' synthetic set"),
-         method_positions: int = typer.Option(256, help="stream positions cached for 1-view methods"),
+         method_positions: int = typer.Option(512, help="stream positions cached for 1-view methods"),
          multi_view_positions: int = typer.Option(24, help="stream positions cached for 64-view methods"),
          method_batch: int = typer.Option(8, min=1, help="samples per adapt call in the method lines (the first "
                                                          "call of each run is the untimed warm-up)"),
@@ -253,12 +257,6 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
     """Print timings and ratios measured in this one run."""
     import torch
     from rich.console import Console
-    from rich.table import Table
-
-    from extract.cache import FeatureCache
-    from extract.datasets import load_testset
-    from extract.models import load_model
-    from extract.runner import encode_pass, run_extraction, stream_permutation
 
     from extract.methods import REGISTRY
 
@@ -270,15 +268,30 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    if only_methods:
-        methods_section(console, keys, image_size=image_size, n_classes=method_classes,
-                        single_positions=method_positions, multi_positions=multi_view_positions,
-                        adapt_batch=method_batch, budget_s=method_budget)
-        ecalp_report(console, stream_ns, step_ns)
-        return
-    views_table(console, loader_workers, loader_images)
-    if only_views:
-        return
+    if not only_methods:
+        views_table(console, loader_workers, loader_images)
+        if only_views:
+            return
+        extraction_section(console, images=images, multi_view_images=multi_view_images, image_size=image_size,
+                           batch_size=batch_size, tpt_samples=tpt_samples)
+    methods_section(console, keys, image_size=image_size, n_classes=method_classes,
+                    single_positions=method_positions, multi_positions=multi_view_positions,
+                    adapt_batch=method_batch, budget_s=method_budget)
+    ecalp_report(console, stream_ns, step_ns)
+
+
+def extraction_section(console: Any, *, images: int, multi_view_images: int, image_size: int, batch_size: int,
+                       tpt_samples: int) -> None:
+    """The encoding pass vs a whole zero-shot run, TDA from an empty vs a filled cache (1 view, 64 AugMix views),
+    and TPT / A-TPT samples/s at K = 10, 100 and 1000."""
+    import torch
+    from rich.table import Table
+
+    from extract.cache import FeatureCache
+    from extract.datasets import load_testset
+    from extract.models import load_model
+    from extract.runner import encode_pass, run_extraction, stream_permutation
+
     tmp = Path(tempfile.mkdtemp(prefix="zaec-bench-"))
     try:
         model = load_model(None, f"local-dir:{_model_dir(tmp / 'model', image_size)}", "cpu")
@@ -333,10 +346,6 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
         console.print(f"TPT samples/s (CPU, small model): {rate:.2f} (K = 1000 ImageNet class names, 64 views)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    methods_section(console, keys, image_size=image_size, n_classes=method_classes,
-                    single_positions=method_positions, multi_positions=multi_view_positions,
-                    adapt_batch=method_batch, budget_s=method_budget)
-    ecalp_report(console, stream_ns, step_ns)
 
 
 def _int_list(raw: str, option: str) -> list[int]:
