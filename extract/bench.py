@@ -7,9 +7,13 @@ Measured in one process, one run each (ratios, not absolute speeds, are the poin
     * view generation alone: `ViewGenerator.augmented` on a 500x375 image to 63 views of 224 px, CPU time of one
       thread, the fast path against the obvious code (`views.reference_augmented`), crop+flip and AugMix;
     * the loader: views/s of `--loader-workers` processes from JPEGs against that many times one thread's rate;
-    * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample).
+    * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample);
+    * every registered method's adaptation cost per sample through the runner, as ratios to TDA's and TPT's, and
+      ECALP's growth with the stream and its graph's bytes (`extract.bench_methods`).
 
     python -m extract.bench [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
+                            [--methods all|none|KEY,...] [--only-methods] [--method-classes 100]
+                            [--ecalp-stream 64,128,256] [--ecalp-n 2000,8000]
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any, Iterator
 
 import numpy as np
 import typer
+
+from extract.bench_methods import MethodCost, costs_table, ecalp_report, method_costs, parse_methods
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -232,11 +238,53 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
          tpt_samples: int = typer.Option(64, help="samples for the TPT / A-TPT throughput line"),
          loader_workers: int = typer.Option(2, min=1, help="loader processes of the loader-efficiency line"),
          loader_images: int = typer.Option(12, help="JPEGs of the loader-efficiency line"),
-         only_views: bool = typer.Option(False, "--only-views", help="only the view-generation and loader lines"))\
+         only_views: bool = typer.Option(False, "--only-views", help="only the view-generation and loader lines"),
+         methods: str = typer.Option("all", help="methods whose adaptation cost per sample is timed: 'all' (every "
+                                                 "registered one), 'none', or comma-separated keys (TDA and TPT, "
+                                                 "the references, are always timed)"),
+         only_methods: bool = typer.Option(False, "--only-methods", help="only the method and ECALP lines"),
+         method_classes: int = typer.Option(100, min=2, help="classes K of the methods' synthetic set"),
+         method_positions: int = typer.Option(512, help="stream positions cached for 1-view methods"),
+         multi_view_positions: int = typer.Option(24, help="stream positions cached for 64-view methods"),
+         method_batch: int = typer.Option(8, min=1, help="samples per adapt call in the method lines (the first "
+                                                         "call of each run is the untimed warm-up)"),
+         method_budget: float = typer.Option(1.0, help="CPU seconds of timed adapt calls per method"),
+         ecalp_stream: str = typer.Option("64,128,256", help="stream lengths at which ECALP (K = 1000, D = 512) is "
+                                                             "timed on a real stream ('' = none)"),
+         ecalp_n: str = typer.Option("2000,8000", help="stream lengths at which ECALP is timed on a graph built "
+                                                       "directly ('' = none)"))\
         -> None:
     """Print timings and ratios measured in this one run."""
     import torch
     from rich.console import Console
+
+    from extract.methods import REGISTRY
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    console = Console(emoji=False)
+    try:
+        keys = parse_methods(methods, list(REGISTRY))
+        stream_ns, step_ns = _int_list(ecalp_stream, "--ecalp-stream"), _int_list(ecalp_n, "--ecalp-n")
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if not only_methods:
+        views_table(console, loader_workers, loader_images)
+        if only_views:
+            return
+        extraction_section(console, images=images, multi_view_images=multi_view_images, image_size=image_size,
+                           batch_size=batch_size, tpt_samples=tpt_samples)
+    methods_section(console, keys, image_size=image_size, n_classes=method_classes,
+                    single_positions=method_positions, multi_positions=multi_view_positions,
+                    adapt_batch=method_batch, budget_s=method_budget)
+    ecalp_report(console, stream_ns, step_ns)
+
+
+def extraction_section(console: Any, *, images: int, multi_view_images: int, image_size: int, batch_size: int,
+                       tpt_samples: int) -> None:
+    """The encoding pass vs a whole zero-shot run, TDA from an empty vs a filled cache (1 view, 64 AugMix views),
+    and TPT / A-TPT samples/s at K = 10, 100 and 1000."""
+    import torch
     from rich.table import Table
 
     from extract.cache import FeatureCache
@@ -244,11 +292,6 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
     from extract.models import load_model
     from extract.runner import encode_pass, run_extraction, stream_permutation
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    console = Console(emoji=False)
-    views_table(console, loader_workers, loader_images)
-    if only_views:
-        return
     tmp = Path(tempfile.mkdtemp(prefix="zaec-bench-"))
     try:
         model = load_model(None, f"local-dir:{_model_dir(tmp / 'model', image_size)}", "cpu")
@@ -303,6 +346,36 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
         console.print(f"TPT samples/s (CPU, small model): {rate:.2f} (K = 1000 ImageNet class names, 64 views)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _int_list(raw: str, option: str) -> list[int]:
+    try:
+        out = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option}: expected comma-separated integers, got {raw!r}") from None
+    if any(n < 1 for n in out):
+        raise ValueError(f"{option}: stream lengths must be >= 1, got {raw!r}")
+    return out
+
+
+def methods_section(console: Any, keys: list[str], *, image_size: int, n_classes: int, single_positions: int,
+                    multi_positions: int, adapt_batch: int, budget_s: float) -> list[MethodCost]:
+    """Time `keys` (plus the references) with `method_costs` on a fresh bench model and a synthetic set of
+    `max(single_positions, n_classes)` images of `n_classes` classes, print the table, return the lines."""
+    from extract.models import load_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="zaec-bench-methods-"))
+    try:
+        model_dir = _model_dir(tmp / "model", image_size)
+        model = load_model(None, f"local-dir:{model_dir}", "cpu")
+        root = write_image_set(tmp / "data", max(single_positions, n_classes), n_classes=n_classes)
+        costs = method_costs(model, model_dir, root, tmp, keys, single_positions=single_positions,
+                             multi_positions=multi_positions, adapt_batch=adapt_batch, budget_s=budget_s,
+                             log=lambda s: console.print(s, style="dim"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    costs_table(console, costs, n_classes)
+    return costs
 
 
 if __name__ == "__main__":

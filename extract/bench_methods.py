@@ -1,0 +1,354 @@
+"""The method lines of `make bench-extract`: the adaptation cost per sample of every registered method, and ECALP's
+growth with the stream (docs/benchmarks.md, "TTA-VLM methods: cost per sample").
+
+Every method of `extract.methods.REGISTRY` runs through `run_extraction` on the bench's small CLIP and synthetic set,
+as `zaec-extract` runs it, from a feature cache filled beforehand (so no run encodes). The cost counted is the CPU
+time of the main thread inside `method.adapt` (one torch thread, so all of the method's work), after its first call
+(warm-up: lazy set-up, first allocations), until a time budget is spent or the cached positions end. Reward models,
+pixel readers and any other input a method takes from the runner are therefore included exactly as a run builds
+them. A method that cannot run in this setting is listed with the reason, never left out.
+
+ECALP's cost per sample grows with the samples seen (its graph holds every past sample): `ecalp_growth` times it
+on random features at several stream lengths, and `ecalp_graph_bytes` states its memory from its data structures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+#: the view policies and the zero-shot overrides that fill their feature caches
+POLICY_OVERRIDES: dict[str, dict[str, str] | None] = {
+    "single": None, "crop_flip": {"n_views": "64", "augmix": "false"}, "augmix": {"n_views": "64", "augmix": "true"}}
+#: the reference methods every ratio is taken against (always measured)
+REFERENCES: tuple[str, ...] = ("tda", "tpt")
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """One method's line: `samples` timed after the warm-up call, `seconds` of CPU time in `adapt` over them;
+    `skipped` the reason when it could not run (then the numbers are 0)."""
+
+    key: str
+    policy: str = ""
+    samples: int = 0
+    seconds: float = 0.0
+    skipped: str = ""
+
+    @property
+    def per_sample(self) -> float:
+        """CPU seconds per sample (nan when nothing was timed)."""
+        return self.seconds / self.samples if self.samples else math.nan
+
+
+def bench_overrides(cls: type, model_dir: Path) -> dict[str, str]:
+    """The `--set` values a method needs to run in the bench: a method with a reward model (RLCF) gets the bench's
+    own small model as its reward model (a second load of the same weights; its features come from the same cache)."""
+    if getattr(cls, "needs_reward_model", False):
+        return {"reward_backbone": "", "reward_pretrained": f"local-dir:{model_dir}"}
+    return {}
+
+
+class _Enough(BaseException):
+    """Raised from inside `adapt` once the budget is spent: ends the run (a BaseException, so that no `except
+    Exception` of the runner takes it for a failure of the method)."""
+
+
+@contextlib.contextmanager
+def _adapt_timer(cls: type, budget_s: float) -> Iterator[list[tuple[int, float]]]:
+    """Wrap `cls.adapt` for the duration: each call appends (samples, CPU seconds of this thread); after the first
+    call, once the timed calls passed `budget_s`, the next call ends the run with `_Enough`."""
+    calls: list[tuple[int, float]] = []
+    had_own = "adapt" in cls.__dict__
+    original = cls.adapt
+
+    def adapt(self: Any, view_feats: Any) -> Any:
+        if len(calls) > 1 and sum(s for _, s in calls[1:]) >= budget_s:
+            raise _Enough
+        t = time.thread_time()
+        out = original(self, view_feats)
+        calls.append((int(view_feats.shape[0]), time.thread_time() - t))
+        return out
+
+    cls.adapt = adapt
+    try:
+        yield calls
+    finally:
+        if had_own:
+            cls.adapt = original
+        else:
+            del cls.adapt
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict[str, int], *,
+                budget_s: float) -> MethodCost:
+    """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
+    bench's model, set, caches and adapt batch bound in).
+
+    Args:
+        key: registry key.
+        run: the bound run function; its out folder is the caller's business.
+        model_dir: the bench model's folder (for `bench_overrides`).
+        limits: view policy -> stream positions cached for it (the run's `limit`).
+        budget_s: CPU seconds of timed `adapt` calls after which the run is ended.
+    """
+    from extract.methods import get_method
+    from extract.run.options import RunOptions, plan
+
+    cls = get_method(key)
+    overrides = bench_overrides(cls, model_dir)
+    try:
+        policy = plan(RunOptions.make(key, "dtd", overrides=overrides)).policy
+    except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
+        return MethodCost(key, skipped=_one_line(e))
+    with _adapt_timer(cls, budget_s) as calls:
+        try:
+            run(key, overrides=overrides, limit=limits[policy])
+        except _Enough:
+            pass
+        except Exception as e:  # noqa: BLE001
+            return MethodCost(key, policy, skipped=_one_line(e))
+    if len(calls) < 2:
+        return MethodCost(key, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
+    return MethodCost(key, policy, sum(n for n, _ in calls[1:]), sum(s for _, s in calls[1:]))
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the duration (so that the calling thread's CPU time is all of the work)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequence[str], *,
+                 single_positions: int, multi_positions: int, adapt_batch: int, budget_s: float,
+                 log: Callable[[str], None] = lambda s: None) -> list[MethodCost]:
+    """Every method of `keys` (the references `REFERENCES` added first), timed by `method_cost` on the dtd-layout
+    set under `root`; the feature caches of the three view policies are filled first by zero-shot runs
+    (`single_positions` / `multi_positions` stream positions), so the timed runs never encode.
+
+    Args:
+        model: the loaded bench model; model_dir: its folder.
+        root: data root holding the synthetic set; work: a scratch folder (caches and outputs).
+        keys: registry keys to time.
+        single_positions, multi_positions: positions cached (and run) for 1-view and 64-view methods.
+        adapt_batch: samples per `adapt` call (the first call of each run is the untimed warm-up).
+        budget_s: CPU seconds of timed `adapt` calls per method.
+        log: progress lines.
+    """
+    from extract.runner import run_extraction
+
+    limits = {"single": single_positions, "crop_flip": multi_positions, "augmix": multi_positions}
+    base = dict(data_root=root, model=model, progress=False, cache_dir=work / "cache", adapt_batch=adapt_batch,
+                part_size=adapt_batch * max(1, 4096 // adapt_batch), log=lambda s: None)
+    for policy, ov in POLICY_OVERRIDES.items():
+        log(f"filling the feature cache: {policy}, {limits[policy]} positions")
+        run_extraction("zero-shot", "dtd", out=work / f"fill-{policy}", overrides=ov, limit=limits[policy], **base)
+    outs = iter(range(1_000_000))
+
+    def run(key: str, *, overrides: dict[str, str], limit: int) -> Any:
+        out = work / f"out-{next(outs)}"
+        try:
+            return run_extraction(key, "dtd", out=out, overrides=overrides, limit=limit, **base)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    results = []
+    with one_torch_thread():
+        for key in dict.fromkeys([*REFERENCES, *keys]):
+            log(f"timing {key}")
+            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s))
+    return results
+
+
+def parse_methods(raw: str, registry: Sequence[str]) -> list[str]:
+    """`--methods`: "all" (every registered method), "none", or comma-separated registry keys.
+
+    Raises:
+        ValueError: an unknown key (the message lists the registered ones).
+    """
+    raw = raw.strip()
+    if raw == "all":
+        return list(registry)
+    if raw in ("", "none"):
+        return []
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in registry]
+    if unknown:
+        raise ValueError(f"--methods: unknown method(s) {', '.join(unknown)}; registered: {', '.join(registry)}")
+    return keys
+
+
+def costs_table(console: Any, costs: Sequence[MethodCost], n_classes: int) -> None:
+    """The method lines as a rich table: ms per sample and the ratios to TDA and TPT of the same run."""
+    from rich.table import Table
+
+    ref = {c.key: c.per_sample for c in costs if c.key in REFERENCES and not c.skipped}
+    table = Table(title=f"adaptation cost per sample, CPU (one thread), bench model, K = {n_classes}")
+    for col in ("method", "views", "samples", "ms / sample", "/ TDA", "/ TPT"):
+        table.add_column(col, justify="right")
+    for c in costs:
+        if c.skipped:
+            table.add_row(c.key, c.policy, "-", f"skipped: {c.skipped}", "", "")
+            continue
+        ratios = [f"{c.per_sample / ref[r]:.2f}" if r in ref else "-" for r in REFERENCES]
+        table.add_row(c.key, c.policy, str(c.samples), f"{1e3 * c.per_sample:.3f}", *ratios)
+    console.print(table)
+    console.print("CPU time of the calling thread inside `method.adapt` (one torch thread), after each run's first "
+                  "call, from cached features (the encoding pass is priced apart); ratios are to TDA's and TPT's "
+                  "time per sample in this run, which a loaded machine moves far less than the absolute times.")
+
+
+def ecalp_graph_bytes(n_nodes: int, n_classes: int, dim: int, *, k_image: int = 8, k_text: int = 3,
+                      capacity: int | None = None, float_bytes: int = 4) -> dict[str, int]:
+    """Bytes of ECALP's data structures (extract/methods/ecalp.py) with `n_nodes` image nodes (N = samples + 1):
+    `state` what it keeps between samples; `propagation` the peak of the transients of one propagation step.
+
+    state: the feature buffer (`capacity` rows, doubled from 1024: the next power of two >= N - 1, x D floats), the
+    candidate store (N x (k_image + 2) similarities and int64 indices), the current lists (N x k_image, N x k_text,
+    each a float and an int64) and Y_0 (N floats, N int64).
+    propagation: the edge list (11 N directed edges, each once more reversed, int64 ends and float weights), Y_0
+    densified (N x K), the label matrix (N + K) x K, and per iteration the gathered labels of every edge whose
+    source is an image node (E = N (k_image + k_text) + N k_image rows of K floats), twice (the gather and its
+    product with the edge weights), plus Y_t (N x K).
+    """
+    n, k, i64 = n_nodes, n_classes, 8
+    rows = capacity if capacity is not None else max(1024, 1 << max(0, n - 2).bit_length())
+    state = {"features": rows * dim * float_bytes,
+             "store": n * (k_image + 2) * (float_bytes + i64),
+             "neighbours": n * (k_image + k_text) * (float_bytes + i64),
+             "y0": n * (float_bytes + i64)}
+    directed = n * (k_image + k_text)
+    edges_img = directed + n * k_image  # sources that are image nodes: every directed edge + the reversed image ones
+    trans = {"edge_list": 2 * directed * (2 * i64 + float_bytes),
+             "labels": (n * k + (n + k) * k + n * k) * float_bytes,  # Y_0, Ŷ, Y_t
+             "gathered": 2 * edges_img * k * float_bytes}
+    return {"state": sum(state.values()), "propagation": sum(trans.values()),
+            **{f"state.{a}": b for a, b in state.items()}, **{f"propagation.{a}": b for a, b in trans.items()}}
+
+
+def _ecalp(n_classes: int, dim: int, seed: int = 0) -> tuple[Any, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from extract.methods import get_method
+
+    cls = get_method("ecalp")
+    g = torch.Generator().manual_seed(seed)
+    text = F.normalize(torch.randn(n_classes, dim, generator=g), dim=-1)
+    return cls(cls.default_config("imagenet", "ViT-B-16"), text, 100.0, backbone="ViT-B-16", dataset="imagenet"), g
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def ecalp_stream(points: Sequence[int], *, n_classes: int = 1000, dim: int = 512, window: int = 16) \
+        -> list[tuple[int, float]]:
+    """ECALP on a real stream of random features (K x D): CPU seconds per sample (one thread) over the `window`
+    samples ending at each stream length of `points`; the stream runs to max(points)."""
+    import torch
+    import torch.nn.functional as F
+
+    method, g = _ecalp(n_classes, dim)
+    out, pos = [], 0
+    with one_torch_thread():
+        for p in sorted(points):
+            start = max(pos, p - window)
+            while pos < start:
+                step = min(64, start - pos)
+                method.adapt(F.normalize(torch.randn(step, 1, dim, generator=g), dim=-1))
+                pos += step
+            t = time.thread_time()
+            method.adapt(F.normalize(torch.randn(p - pos, 1, dim, generator=g), dim=-1))
+            out.append((p, (time.thread_time() - t) / (p - pos)))
+            pos = p
+    return out
+
+
+def ecalp_built_graph(n_seen: int, n_classes: int, dim: int, config: Any, generator: Any) -> dict[str, Any]:
+    """ECALP's graph after `n_seen` samples in its layout (extract/methods/ecalp.py, `_grow`: N = n_seen + 1 node
+    rows, the feature buffer doubled from 1024 rows), filled with random features and random sorted neighbour lists:
+    the work of the next sample depends on the sizes only, so a large N needs no quadratic stream."""
+    import torch
+    import torch.nn.functional as F
+
+    n, cap = n_seen + 1, max(1024, 1 << max(0, n_seen - 1).bit_length())
+    feats = torch.zeros(cap, dim)
+    feats[:n_seen] = F.normalize(torch.randn(n_seen, dim, generator=generator), dim=-1)
+
+    def lists(width: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sim = torch.rand(n, width, generator=generator).sort(dim=1, descending=True).values * 0.5 + 0.5
+        return sim, torch.randint(0, high, (n, width), generator=generator)
+
+    store = lists(config.k_image + 2, n)
+    return {"feats": feats, "store_sim": store[0], "store_idx": store[1],
+            "cur_sim": store[0][:, :config.k_image].clone(), "cur_idx": store[1][:, :config.k_image].clone(),
+            **dict(zip(("text_sim", "text_idx"), lists(config.k_text, n_classes))),
+            "y0_val": torch.rand(n, generator=generator) / 5,
+            "y0_idx": torch.randint(0, n_classes, (n,), generator=generator)}
+
+
+def ecalp_step_at(n_seen: int, *, n_classes: int = 1000, dim: int = 512, steps: int = 2) -> tuple[float, int]:
+    """(CPU seconds per sample of ECALP's next `steps` samples after `n_seen`, one thread; bytes the resident set
+    grew by during them, 0 when the process's peak was set earlier) on `ecalp_built_graph`."""
+    import torch
+    import torch.nn.functional as F
+
+    method, g = _ecalp(n_classes, dim)
+    graph = ecalp_built_graph(n_seen, n_classes, dim, method.config, g)
+    method.load_state_dict({"key": "ecalp", "n_seen": n_seen, "graph": graph})
+    with one_torch_thread():
+        rss0, peak0 = _rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t = time.thread_time()
+        for _ in range(steps):
+            method.adapt(F.normalize(torch.randn(1, 1, dim, generator=g), dim=-1))
+        sec = (time.thread_time() - t) / steps
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return sec, peak - rss0 if peak > peak0 else 0
+
+
+def ecalp_report(console: Any, stream_points: Sequence[int], step_points: Sequence[int], *, n_classes: int = 1000,
+                 dim: int = 512) -> None:
+    """ECALP's growth: per-sample CPU time on a real stream and at large N on a built graph, the per-position slope
+    fitted through them, and its memory at each N and at ImageNet's 50,000 samples (`ecalp_graph_bytes`)."""
+    pts = [(n, s, "stream", 0) for n, s in ecalp_stream(stream_points, n_classes=n_classes, dim=dim)] if stream_points \
+        else []
+    for n in step_points:
+        sec, grew = ecalp_step_at(n, n_classes=n_classes, dim=dim)
+        pts.append((n, sec, "built graph", grew))
+    if not pts:
+        return
+    ns, secs = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
+    slope, icpt = np.polyfit(ns, secs, 1) if len(pts) > 1 else (secs[0] / ns[0], 0.0)
+    gb = 1e9
+    for n, s, how, grew in pts:
+        b = ecalp_graph_bytes(n + 1, n_classes, dim)
+        console.print(f"ECALP K = {n_classes}, D = {dim}, at N = {n:,} samples ({how}): {1e3 * s:.1f} ms / sample; "
+                      f"graph {b['state'] / gb:.3f} GB, propagation peak {b['propagation'] / gb:.3f} GB"
+                      + (f" (resident set grew {grew / gb:.3f} GB)" if grew else ""))
+    end = ecalp_graph_bytes(50_001, n_classes, dim)
+    console.print(f"ECALP fit: {1e3 * icpt:.3f} ms + {1e6 * slope:.3f} us x N per sample (CPU, one thread); at "
+                  f"N = 50,000: {slope * 5e4 + icpt:.1f} s per sample, the whole ImageNet stream "
+                  f"{(slope * 5e4 * 5e4 / 2 + icpt * 5e4) / 3600:.0f} CPU-hours; graph at N = 50,000: "
+                  f"{end['state']:,} bytes kept, {end['propagation']:,} bytes of propagation transients")
