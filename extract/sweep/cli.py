@@ -389,7 +389,11 @@ def run(
                                          help="do not list the datasets before submitting"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (runs, groups, GPU-hours); submit nothing"),
 ) -> None:
-    """Run a grid (the default command: `zaec-sweep --methods ...` is `zaec-sweep run --methods ...`)."""
+    """Run a grid (the default command: `zaec-sweep --methods ...` is `zaec-sweep run --methods ...`).
+
+    Length: a typer command declares each of its options as a parameter (one per line, with its help); the body
+    is a few lines handing them to `grid_runs` and `sweep_run`.
+    """
     given = dict(locals())  # every option by its parameter name, None (or []) where not given
     console = _console()
     try:
