@@ -17,9 +17,11 @@ from one row of similarities), with the same `topk` calls on the same candidate 
 Cost at stream position i (N = i + 2 nodes, E ≈ 2N(k_image + k_text) directed edges): one (N × D) similarity row,
 O(N·k) neighbour bookkeeping and three propagations over E edges of K-wide label rows, O(E·K) (the official code
 also densifies the (N+K) × K label matrix every sample). Memory: the features (N × D), the neighbour store
-(N × (k+2) indices and similarities), the compact Y_0 (N values and indices) and the propagation's transient
-(N+K) × K labels: at ImageNet's end (N = 50,000, D = 512, K = 1,000) 100 MB + 4 MB + 0.4 MB + 2 × 204 MB in
-float32. Work over a stream of n samples grows as n²: ImageNet is about 3·10¹⁴ multiply-adds (a GPU's job).
+(N × (k+2) indices and similarities), the compact Y_0 (N values and indices) and the propagation's transients:
+at ImageNet's end (N = 50,000, D = 512, K = 1,000) the graph keeps about 147 MB, and one propagation step peaks at
+about 8.2 GB of float32 temporaries, most of it (7.6 GB) the K-wide label rows gathered along the E edges
+(measured by `python -m extract.bench --ecalp-n`; docs/benchmarks.md, "TTA-VLM methods: cost per sample"). Work over
+a stream of n samples grows as n²: ImageNet is about 3·10¹⁴ multiply-adds (a GPU's job).
 
 Output (`output_kind = "log_probs"`): log softmax(10⁴·pred) where its float32 value is positive, else the exact
 log-softmax (finite, below -103); pred itself is an even better score but the official code ranks with the softmax.
