@@ -350,9 +350,6 @@ def run(
                                                          f"[default: {DEFAULT_FINGERPRINT}]"),
     exif_transpose: Optional[bool] = typer.Option(None, "--exif-transpose/--no-exif-transpose",
                                                   help="turn photos as their EXIF orientation says [default: off]"),
-    wait_lock: Optional[float] = typer.Option(None, metavar="SECONDS",
-                                              help="a job finding its run written by another process waits at most "
-                                                   "SECONDS, then fails that run [default: wait until it finishes]"),
     adapt_batch: Optional[int] = typer.Option(None, help="samples per adapt call (an online method's result depends "
                                                          f"on it) [default: {DEFAULT_ADAPT_BATCH}]"),
     part_size: Optional[int] = typer.Option(None, help="rows per shard, a multiple of --adapt-batch "

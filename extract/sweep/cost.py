@@ -94,13 +94,15 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "dmn": AdaptCost(10 * TDA_S),  # ~10x TDA's cache work: 64 views encoded, 32 read out of the memory
     "dmn-weak": AdaptCost(TDA_S),  # one view through DMN's read-out, priced as TDA's cache read-out
     "boostadapter": AdaptCost(TDA_S + 0.001, multi_view=TDA_S_64_VIEWS + 0.001),  # TDA + its boosting samples
-    # provisional, for the prompt-tuning methods still being written (they apply once their keys are registered):
-    "rtpt": AdaptCost(**TPT, provisional=True),  # TPT's passes
-    "dynaprompt": AdaptCost(**TPT, provisional=True),  # TPT's passes over its prompt buffer
-    # 3-5x TPT, plus the 64 views through the reward model once more (at the encoder's planning rate, 1 ms a view)
-    "rlcf": AdaptCost(4 * TPT["per_sample"] + 0.064, per_class=4 * TPT["per_class"], provisional=True),
-    # backprop through 3 of ViT-B-16's 12 vision blocks for 64 views (~3/12 x 3 x 64 ms)
-    "ttl": AdaptCost(0.05, provisional=True),
+    # the prompt-tuning methods of TTA-VLM, as ratios to TPT measured in one bench-extract run (docs/benchmarks.md,
+    # "TTA-VLM methods: cost per sample"): R-TPT 0.9-1.1x, DynaPrompt 6-8x (no batching across samples)
+    "rtpt": AdaptCost(**TPT),
+    "dynaprompt": AdaptCost(7 * TPT["per_sample"], per_class=7 * TPT["per_class"]),
+    # 3.5-4.8x TPT measured (5 steps on the fine-grained sets), plus the 64 views through the reward model once more
+    # (ViT-L-14, about 4.6x ViT-B-16's FLOPs a view, at the encoder's planning rate)
+    "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
+    # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
+    "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)
@@ -115,9 +117,9 @@ NUM_CLASSES: dict[str, int] = {
 DEMO_NUM_CLASSES = 10
 
 
-#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT (and R-TPT, DynaPrompt) tune the same
+#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT (and R-TPT) tune the same
 #: prompts with the same text-encoder passes per sample as TPT (their extra terms cost little next to them).
-RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt": "tpt", "dynaprompt": "tpt"}
+RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt": "tpt"}
 
 
 @dataclass(frozen=True)
