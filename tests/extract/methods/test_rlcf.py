@@ -208,8 +208,9 @@ def test_runner_encodes_the_reward_model_into_its_own_cache(tmp_path, tiny_model
     reward = load_model(None, f"local-dir:{other}", "cpu")
     kw = dict(data_root=tmp_path / "data", cache_dir=tmp_path / "cache", model=tiny_model, limit=3, part_size=2,
               adapt_batch=2, chunk_size=4, batch_size=64, progress=False)
-    paths = run_extraction("rlcf", "dtd", out=tmp_path / "out", overrides={"reward_pretrained": f"local-dir:{other}"},
-                           **kw)
+    # reward_backbone empty: the folder's model names itself (a name that disagrees with it is refused)
+    paths = run_extraction("rlcf", "dtd", out=tmp_path / "out",
+                           overrides={"reward_pretrained": f"local-dir:{other}", "reward_backbone": ""}, **kw)
     assert read_shard(paths[0]).meta.method_config["reward_pretrained"] == f"local-dir:{other}"
     rdir = tmp_path / "cache" / reward.fingerprint
     assert reward.fingerprint != tiny_model.fingerprint
