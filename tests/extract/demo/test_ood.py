@@ -25,11 +25,16 @@ def _metrics(pairs):
 
 def test_sentence_helps_hurts_neither_and_undecided():
     helps = ood_sentence(_metrics([("V", "tda", 0.6, 0.7, 0.8, 0.5), ("R", "tda", 0.5, 0.9, 0.9, 0.4),
-                                   ("V", "zero-shot", 0.7, 0.6, 0.5, 0.6)]))
+                                   ("V", "dpe", 0.7, 0.6, 0.5, 0.6),
+                                   ("V", "zero-shot", 0.1, 0.9, 0.9, 0.1)]))  # zero-shot: left out of the verdict
     # means: AUROC (0.6 + 0.5 + 0.7) / 3 = 60.0% -> (0.7 + 0.9 + 0.6) / 3 = 73.3%; FPR95 73.3% -> 50.0%
-    assert "ZAEC helps OOD detection here (tda, zero-shot; 3 backbone-method pairs)" in helps
+    assert "ZAEC helps OOD detection here (dpe, tda; 3 backbone-method pairs)" in helps
     assert "AUROC 60.0% raw -> 73.3% with ZAEC" in helps and "higher in 2 of 3" in helps
     assert "FPR at 95% TPR 73.3% -> 50.0%" in helps and "lower in 2 of 3" in helps
+    # the demo's own case: zero-shot ties (ZAEC leaves it unchanged) must not turn TDA's loss into "neither"
+    tied = ood_sentence(_metrics([("V", "tda", 0.6, 0.55, 0.9, 0.92), ("R", "tda", 0.6, 0.57, 0.9, 0.93),
+                                  ("V", "zero-shot", 0.6, 0.6, 0.9, 0.9), ("R", "zero-shot", 0.6, 0.6, 0.9, 0.9)]))
+    assert "ZAEC hurts OOD detection here (tda; 2 backbone-method pairs)" in tied
     hurts = ood_sentence(_metrics([("V", "tda", 0.7, 0.6, 0.5, 0.6), ("R", "tda", 0.8, 0.7, 0.4, 0.5)]))
     assert "ZAEC hurts OOD detection" in hurts and "higher in 0 of 2" in hurts
     # AUROC up but FPR95 up too: no clear verdict
