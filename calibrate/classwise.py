@@ -46,11 +46,13 @@ def _row_chunks(n: int, k: int) -> Iterable[slice]:
 
 def softmax_probs(logits: Any, temperatures: Any = 1.0) -> np.ndarray:
     """softmax(logits / T) in float64, rows summing to 1: (N, K) logits, scalar or (N,) T > 0."""
-    z = np.asarray(logits, dtype=np.float64)
+    z = np.array(logits, dtype=np.float64)  # a fresh array: the steps below work in place (the same operations)
     t = np.broadcast_to(np.asarray(temperatures, dtype=np.float64), (z.shape[0],))
-    z = (z - z.max(axis=1, keepdims=True)) / t[:, None]
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
+    z -= z.max(axis=1, keepdims=True)
+    z /= t[:, None]
+    np.exp(z, out=z)
+    z /= z.sum(axis=1, keepdims=True)
+    return z
 
 
 @dataclass
