@@ -18,19 +18,19 @@ Measured in one process, one run each (ratios, not absolute speeds, are the poin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import typer
 
-from extract.bench_methods import MethodCost, costs_table, ecalp_report, method_costs, parse_methods
+from extract.bench_methods import (MethodCost, costs_table, ecalp_report, method_costs, one_torch_thread,
+                                   parse_methods)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -83,19 +83,6 @@ VIEW_IMAGE = (500, 375)
 VIEW_SIZE = 224
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch on one thread for the duration (view generation runs single-threaded in each loader process)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def _clip_preprocess(size: int) -> Any:
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
@@ -124,7 +111,7 @@ def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False, par
     if part not in parts:
         raise ValueError(f"part must be one of {', '.join(parts)}, got {part!r}")
     fn = partial(reference_augmented, gen, img) if reference else partial(parts[part], img)
-    with _one_thread():
+    with one_torch_thread():
         fn(0)
         n, t0 = 0, time.thread_time()
         while n == 0 or time.thread_time() - t0 < seconds:
@@ -151,7 +138,7 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
         data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(i, True, True) for i in range(len(ts))], gen,
                          device_chains=device_chains)
         views = gen.n_views
-        with _one_thread():
+        with one_torch_thread():
             data[0]
             t0 = time.thread_time()
             for i in range(1, len(data)):

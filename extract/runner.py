@@ -42,13 +42,11 @@ from extract.prompts import build_prompt_set  # noqa: F401  (re-exported)
 from extract.run.encode import (  # noqa: F401  (re-exported)
     DEVICE_CHAINS_ENV,
     FeatureReader,
-    _Batcher,
     _ViewData,
     encode_pass,
     open_feature_cache,
 )
 from extract.run.options import (  # noqa: F401  (re-exported)
-    ANCHORS,
     DEFAULT_ADAPT_BATCH,
     DEFAULT_BATCH_SIZE,
     DEFAULT_CHUNK_SIZE,
@@ -64,15 +62,11 @@ from extract.run.options import (  # noqa: F401  (re-exported)
     RunError,
     RunOptions,
     check_options,
-    check_output_dir,
     parse_overrides,
     plan,
-    resolve_backbone_name,
 )
 from extract.run.progress import Progress, warn
-from extract.run.progress import Progress as _Progress  # noqa: F401  (re-exported: tests of the console)
 from extract.run.resume import (  # noqa: F401  (re-exported)
-    PART_STATE_KEYS,
     ResumePoint,
     ResumeScope,
     apply_resume,
@@ -85,9 +79,7 @@ from extract.run.rundir import RunDir, run_is_complete  # noqa: F401  (re-export
 from extract.run.settings import (  # noqa: F401  (re-exported)
     FinishedRun,
     RunData,
-    data_identity,
     finished_run,
-    finished_run_mismatch,
     load_run_data,
     run_settings,
 )
@@ -97,20 +89,16 @@ from extract.run.setup import (  # noqa: F401  (re-exported)
     build_prompts,
     prompt_features,
     shard_meta,
-    text_prototypes,
 )
 from extract.run.stream import (  # noqa: F401  (re-exported)
-    STREAM_RULE,
     RunState,
     StreamInputs,
     adapt_stream,
-    check_finite_logits,
     labelled_counts,
     replay,
     stream_permutation,
 )
 from extract.run.writer import PartWriter, marker_doc
-from schemas import COMPLETE_MARKER, write_shard  # noqa: F401  (re-exported)
 
 
 def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str, seed: int,

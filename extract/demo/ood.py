@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import polars as pl
 
+from extract.demo.verdict import raw_vs_zaec
 from extract.demo.images import IMAGE_SIZE, to_rgb_uint8
 from schemas.atomic import atomic_dir
 
@@ -101,31 +102,15 @@ def ood_sentence(metrics: pl.DataFrame) -> str:
     # can say whether ZAEC helps or hurts (their ties would only dilute the count)
     rows = metrics.filter(pl.col("dataset").str.contains("@", literal=True) & (pl.col("method") != "zero-shot")
                           & pl.col("calibrator").is_in(["none", "zaec"]))
-    per = (rows.with_columns(pl.col("ood_auroc_msp", "ood_fpr95_msp").cast(pl.Float64).fill_nan(None))
-           .group_by(["backbone", "method", "calibrator"]).agg(pl.col("ood_auroc_msp", "ood_fpr95_msp").mean())
-           .pivot(on="calibrator", index=["backbone", "method"], values=["ood_auroc_msp", "ood_fpr95_msp"]))
-    need = ["ood_auroc_msp_none", "ood_auroc_msp_zaec", "ood_fpr95_msp_none", "ood_fpr95_msp_zaec"]
-    per = per.drop_nulls(need) if set(need) <= set(per.columns) else per.clear()
-    if not per.height:
+    c = raw_vs_zaec(rows, ("ood_auroc_msp", "ood_fpr95_msp"), higher_is_better=(True, False))
+    if c is None:
         return head + "undecided, no OOD run has raw and ZAEC rows with defined metrics."
-    n = per.height
-    au_up = int((per["ood_auroc_msp_zaec"] > per["ood_auroc_msp_none"]).sum())
-    au_down = int((per["ood_auroc_msp_zaec"] < per["ood_auroc_msp_none"]).sum())
-    fpr_down = int((per["ood_fpr95_msp_zaec"] < per["ood_fpr95_msp_none"]).sum())
-    fpr_up = int((per["ood_fpr95_msp_zaec"] > per["ood_fpr95_msp_none"]).sum())
-    if au_up > n / 2 and fpr_down > n / 2:
-        verdict = "helps"
-    elif au_down > n / 2 and fpr_up > n / 2:
-        verdict = "hurts"
-    else:
-        verdict = "neither clearly helps nor hurts"
-    m = {c: float(per[c].mean()) for c in need}
-    methods = ", ".join(sorted(set(per["method"].to_list())))
+    (au0, au1), (fpr0, fpr1) = c.means["ood_auroc_msp"], c.means["ood_fpr95_msp"]
     return head + (
-        f"ZAEC {verdict} OOD detection here ({methods}; {n} backbone-method pairs): AUROC "
-        f"{100 * m['ood_auroc_msp_none']:.1f}% raw -> {100 * m['ood_auroc_msp_zaec']:.1f}% with ZAEC (higher is "
-        f"better; higher in {au_up} of {n}), FPR at 95% TPR {100 * m['ood_fpr95_msp_none']:.1f}% -> "
-        f"{100 * m['ood_fpr95_msp_zaec']:.1f}% (lower is better; lower in {fpr_down} of {n}), both from the max "
+        f"ZAEC {c.verdict} OOD detection here ({', '.join(c.methods)}; {c.n} backbone-method pairs): AUROC "
+        f"{100 * au0:.1f}% raw -> {100 * au1:.1f}% with ZAEC (higher is "
+        f"better; higher in {c.better['ood_auroc_msp']} of {c.n}), FPR at 95% TPR {100 * fpr0:.1f}% -> "
+        f"{100 * fpr1:.1f}% (lower is better; lower in {c.better['ood_fpr95_msp']} of {c.n}), both from the max "
         "softmax probability.")
 
 

@@ -27,6 +27,7 @@ from typing import Sequence
 import polars as pl
 
 from extract.demo import ood as ood_mod  # [OOD pair]
+from extract.demo.verdict import raw_vs_zaec
 from extract.demo import shifts as shifts_mod
 from extract.demo import train as train_mod
 from extract.demo.fmnist import check_dir
@@ -322,31 +323,16 @@ def selective_sentence(
                        "zaec-calibrate).")
     rows = metrics.filter((pl.col("method") != anchor_method) & (pl.col("dataset") != source)
                           & pl.col("calibrator").is_in(["none", "zaec"]))
-    per = (rows.with_columns(pl.col("aurc_msp", "auroc_msp").cast(pl.Float64).fill_nan(None))
-           .group_by(["backbone", "method", "calibrator"]).agg(pl.col("aurc_msp", "auroc_msp").mean())
-           .pivot(on="calibrator", index=["backbone", "method"], values=["aurc_msp", "auroc_msp"]))
-    need = ["aurc_msp_none", "aurc_msp_zaec", "auroc_msp_none", "auroc_msp_zaec"]
-    per = per.drop_nulls(need) if set(need) <= set(per.columns) else per.clear()
-    if not per.height:
+    c = raw_vs_zaec(rows, ("aurc_msp", "auroc_msp"), higher_is_better=(False, True))
+    if c is None:
         return head + ("undecided, no TTA run on the shifted sets has raw and ZAEC rows with a defined AUROC "
                        "(AUROC needs at least one misclassified sample).")
-    n = per.height
-    aurc_down = int((per["aurc_msp_zaec"] < per["aurc_msp_none"]).sum())
-    aurc_up = int((per["aurc_msp_zaec"] > per["aurc_msp_none"]).sum())
-    auroc_up = int((per["auroc_msp_zaec"] > per["auroc_msp_none"]).sum())
-    auroc_down = int((per["auroc_msp_zaec"] < per["auroc_msp_none"]).sum())
-    if aurc_down > n / 2 and auroc_up > n / 2:
-        verdict = "helps"
-    elif aurc_up > n / 2 and auroc_down > n / 2:
-        verdict = "hurts"
-    else:
-        verdict = "neither clearly helps nor hurts"
-    m = {c: float(per[c].mean()) for c in need}
+    (aurc0, aurc1), (auroc0, auroc1) = c.means["aurc_msp"], c.means["auroc_msp"]
     return head + (
-        f"ZAEC {verdict} deciding which predictions to trust here: AURC {_pct(m['aurc_msp_none'])} raw -> "
-        f"{_pct(m['aurc_msp_zaec'])} with ZAEC (lower is better; lower in {aurc_down} of {n} pairs), "
-        f"misclassification AUROC {_pct(m['auroc_msp_none'])} -> {_pct(m['auroc_msp_zaec'])} (higher is better; "
-        f"higher in {auroc_up} of {n}), both from the max softmax probability.")
+        f"ZAEC {c.verdict} deciding which predictions to trust here: AURC {_pct(aurc0)} raw -> "
+        f"{_pct(aurc1)} with ZAEC (lower is better; lower in {c.better['aurc_msp']} of {c.n} pairs), "
+        f"misclassification AUROC {_pct(auroc0)} -> {_pct(auroc1)} (higher is better; "
+        f"higher in {c.better['auroc_msp']} of {c.n}), both from the max softmax probability.")
 
 
 def render_summary(summary: DemoSummary, console, *, n_images: int | None = None) -> None:

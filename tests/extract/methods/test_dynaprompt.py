@@ -226,7 +226,7 @@ def test_default_configs_and_errors(tiny_model):
 def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeypatch):
     """An interrupted run of the online buffer resumes by replaying the kept prefix (the runner's rule for online
     methods) and gives the uninterrupted rows bit for bit; the shards validate."""
-    from extract import runner
+    from extract.run import writer
     from extract.runner import run_extraction
     from schemas import read_shard, validate_shard
 
@@ -242,7 +242,7 @@ def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeyp
     real_write = interrupt_nth_write(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         run_extraction("dynaprompt", "dtd", out=tmp_path / "r", **kw)
-    monkeypatch.setattr(runner, "write_shard", real_write)
+    monkeypatch.setattr(writer, "write_shard", real_write)
     resumed = np.concatenate([read_shard(p).tta_logits for p in run_extraction("dynaprompt", "dtd",
                                                                                 out=tmp_path / "r", **kw)])
     np.testing.assert_array_equal(resumed, full)
