@@ -18,7 +18,7 @@ def test_rich_would_replace_the_key_by_default():
 
 
 def test_extract_progress_keeps_imagenet_c_keys(capsys):
-    from extract.runner import _Progress
+    from extract.run.progress import Progress as _Progress
 
     with _Progress(True) as prog:
         task = prog.task(f"encoding {KEY} (single)", 1)

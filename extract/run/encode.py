@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import zlib
 from typing import Any
 
@@ -171,14 +172,29 @@ def _ignore_sigint(worker_id: int) -> None:
 
 def _start_loader(loader: torch.utils.data.DataLoader) -> Any:
     """`iter(loader)` with SIGINT blocked in this thread while the loader processes start (they inherit the mask
-    until `_ignore_sigint` runs), so none of them can be interrupted before it ignores SIGINT."""
+    until `_ignore_sigint` runs), so none of them can be interrupted before it ignores SIGINT.
+
+    A Ctrl-C in that window is held and raised once they have started: blocking it in this thread is not enough,
+    since another thread of the process (torch's) may take the signal, and Python then raises KeyboardInterrupt
+    in whatever this thread runs next, which during a fork is an at-fork callback (logging's `_releaseLock`) that
+    swallows it ("Exception ignored"), so the run went on to the end as if never interrupted.
+    """
     if not loader.num_workers:
         return iter(loader)
+    held: list[int] = []
+    swap = threading.current_thread() is threading.main_thread()  # signal handlers belong to the main thread
+    old_handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if swap else None
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        return iter(loader)
+        it = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if swap:
+            signal.signal(signal.SIGINT, old_handler)
+    if held:
+        getattr(it, "_shutdown_workers", lambda: None)()
+        raise KeyboardInterrupt
+    return it
 
 
 def _encode_chunk(it: Any, plan: tuple[int, int, int, dict[str, int]], cache: FeatureCache, model: LoadedModel,
