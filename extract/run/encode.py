@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
+import traceback
 import zlib
 from typing import Any
 
@@ -156,11 +158,30 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     try:
         for plan in plans:
             _encode_chunk(it, plan, cache, model, gen, policy, batch_size, task)
+    except KeyboardInterrupt:
+        _quiet_fd_server()
+        raise
     finally:
         # on Ctrl-C or an error, stop the loader processes now, while the interpreter is whole, not when the
         # iterator is collected at exit (the traceback keeps it alive), which printed cut-off tracebacks
         getattr(it, "_shutdown_workers", lambda: None)()
     return len(jobs)
+
+
+def _quiet_fd_server() -> None:
+    """On Ctrl-C, before the loader processes are stopped: drop the traceback that multiprocessing's fd-passing
+    server thread (`resource_sharer`, which hands a batch's shared memory to this process) prints when a process
+    stops in the middle of a hand-over. It reports through `sys.excepthook`, after the clean message; every other
+    exception still reaches the previous hook. The process is ending: the hook stays."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        frames = traceback.extract_tb(tb)
+        if any(f.name == "_serve" and f.filename.endswith("resource_sharer.py") for f in frames):
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def _ignore_sigint(worker_id: int) -> None:
