@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from extract.sweep.errors import SweepError
+from extract.sweep.errors import NotSubmitted, SweepError
 from extract.sweep.runspec import OLD_MANIFEST, RunSpec
 
 SWEEP_DIRNAME = "_sweep"
@@ -118,6 +118,11 @@ class Manifest:
             "spec": run.to_dict(),
         }
 
+    def record_not_submitted(self, run: RunSpec, *, error: str, executor: str) -> None:
+        """A run whose submission was refused: failed, with `error` (the scheduler's answer); no job id."""
+        self.record_submission(run, job_id="", token="", executor=executor)
+        self.rows[run.run_id].update(state="failed", error=f"not submitted: {error}")
+
     def record_done(self, run: RunSpec) -> None:
         """A run found complete at planning time (no submission)."""
         old = self.rows.get(run.run_id, {})
@@ -137,7 +142,8 @@ class Manifest:
 
 @contextlib.contextmanager
 def locked_manifest(out: str | os.PathLike, *, must_exist: bool = False) -> Iterator[Manifest]:
-    """Load, yield and save the manifest under an exclusive lock (`status` and `run` may run at the same time)."""
+    """Load, yield and save the manifest under an exclusive lock (`status` and `run` may run at the same time).
+    The manifest is not saved when the body raises, except for `NotSubmitted` (its rows say what was refused)."""
     d = sweep_dir(out)
     if must_exist and not manifest_path(out).exists():
         raise SweepError(f"no sweep manifest at {manifest_path(out)}; start a sweep with `zaec-sweep --out {out} ...`")
@@ -146,7 +152,11 @@ def locked_manifest(out: str | os.PathLike, *, must_exist: bool = False) -> Iter
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             m = Manifest.load(out, must_exist=must_exist)
-            yield m
+            try:
+                yield m
+            except NotSubmitted:
+                m.save()
+                raise
             m.save()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

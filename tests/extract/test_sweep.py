@@ -311,7 +311,7 @@ def test_config_file_equals_the_options(tmp_path):
     (["run", "--methods", "tda", "--datasets", "dtd", "--set", "tda.nope=1", "--dry-run"], "valid keys: "),
     (["run", "--datasets", "dtd", "--dry-run"], "no methods given"),
     (["run", "--config", "/no/such/grid.toml"], "config file /no/such/grid.toml does not exist"),
-    (["status", "--state", "weird"], "unknown state 'weird'; available: pending, running, done, failed"),
+    (["status", "--state", "weird"], "unknown state 'weird'; available: pending, running, done, failed, lost"),
 ])
 def test_user_errors_are_one_line(args, message, tmp_path):
     res = runner.invoke(sweep.app, args + (["--out", str(tmp_path)] if "--out" not in args else []))
@@ -363,9 +363,11 @@ def test_status_and_retry_without_manifest(command, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # SLURM: the generated submission, without a cluster
 
-def _fake_slurm(bin_dir: Path, capture: Path, job_id: int = 4242, sacct: str | None = None) -> None:
+def _fake_slurm(bin_dir: Path, capture: Path, job_id: int = 4242, sacct: str | None = None,
+                squeue: str | None = None) -> None:
     """`srun` (submitit only checks it exists), an `sbatch` that keeps the script and answers like SLURM, and
-    optionally an `sacct` printing fixed job states."""
+    optionally an `sacct` and a `squeue` printing fixed job states (tests/extract/sweep/test_slurm_real.py meets
+    the real ones)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     scripts = {
         "srun": "#!/bin/sh\nexit 0\n",
@@ -373,6 +375,8 @@ def _fake_slurm(bin_dir: Path, capture: Path, job_id: int = 4242, sacct: str | N
     }
     if sacct is not None:
         scripts["sacct"] = f"#!/bin/sh\ncat <<'EOF'\n{sacct}EOF\n"
+    if squeue is not None:
+        scripts["squeue"] = f"#!/bin/sh\ncat <<'EOF'\n{squeue}EOF\n"
     for name, text in scripts.items():
         p = bin_dir / name
         p.write_text(text)
@@ -405,7 +409,7 @@ def test_slurm_parameters(tmp_path):
 
 def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, monkeypatch):
     capture = tmp_path / "captured.sbatch"
-    _fake_slurm(tmp_path / "bin", capture)
+    _fake_slurm(tmp_path / "bin", capture, squeue="4242_0|PENDING\n4242_1|PENDING\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     out = tmp_path / "out"
     res = _cli(*_grid_args(tiny_model_dir, data_root, out, tmp_path / "cache"), "--executor", "slurm",
@@ -424,17 +428,18 @@ def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, mo
     assert jobs[("dtd", "zero-shot")] == jobs[("dtd", "tda")] != jobs[("eurosat", "tda")]
     assert {jobs[("dtd", "tda")], jobs[("eurosat", "tda")]} == {"4242_0", "4242_1"}
     assert m.executor["executor"] == "slurm" and m.executor["partition"] == "gpu"
-    # a second submission while the array is pending (sacct unknown here) submits nothing
+    # a second submission while squeue lists the array as pending submits nothing
     capture.unlink()
     again = _cli(*_grid_args(tiny_model_dir, data_root, out, tmp_path / "cache"), "--executor", "slurm")
     assert again.exit_code == 0 and not capture.exists()
     assert "0 run(s) submitted" in " ".join(again.output.split())
 
-    # sacct says task 0 timed out and task 1 still runs: status marks the first group failed, leaves the second
+    # squeue lists task 1 running, no longer task 0, which sacct says timed out: status marks the first group
+    # failed, leaves the second
     timed_out = "dtd" if jobs[("dtd", "tda")] == "4242_0" else "eurosat"
     running = "eurosat" if timed_out == "dtd" else "dtd"
-    _fake_slurm(tmp_path / "bin", capture, job_id=5000,
-                sacct="JobID|State|NodeList\n4242_0|TIMEOUT|n1\n4242_1|RUNNING|n2\n")
+    _fake_slurm(tmp_path / "bin", capture, job_id=5000, squeue="4242_1|RUNNING\n",
+                sacct="4242_0|TIMEOUT\n4242_0.batch|CANCELLED\n4242_1|RUNNING\n")
     status = _cli("status", "--out", str(out))
     assert status.exit_code == 0, status.output + status.stderr
     rows = _manifest_states(out)
@@ -711,4 +716,4 @@ def test_help_keeps_the_example_block_as_written(capsys):
         sweep_main(["--help"])
     out = capsys.readouterr().out
     assert "      zaec-sweep --config grid.toml [any option above overrides the file]\n" in out
-    assert "      zaec-sweep retry  [--out DIR]         resubmit the failed runs only\n" in out
+    assert "      zaec-sweep retry  [--out DIR]         resubmit the failed and lost runs only\n" in out
