@@ -8,6 +8,8 @@
 #   tools/slurm_local.sh env                                             `export SLURM_CONF=...` for this shell
 #   tools/slurm_local.sh install [--accounting]                          only install the Debian packages
 #
+# ZAEC_SLURM_NO_INSTALL=1: `up` installs nothing and says which packages are missing (the tests set it).
+#
 # Without --accounting the cluster runs `AccountingStorageType=accounting_storage/none`, as many small clusters do:
 # `sacct` then fails ("Slurm accounting storage is disabled"). SLURM 22.05 has no file-based job accounting any more
 # (accounting_storage/filetxt and `sacct --completion` are gone): only slurmdbd answers `sacct`, so --accounting adds
@@ -55,6 +57,8 @@ install_packages() {
     [[ ${1:-} == accounting ]] && want+=("${ACCOUNTING_PACKAGES[@]}")
     missing=$(missing_packages "${want[@]}" | tr '\n' ' ')
     [[ -z $missing ]] && return 0
+    [[ ${ZAEC_SLURM_NO_INSTALL:-0} == 1 ]] &&
+        cannot "packages missing: ${missing% } (as root: tools/slurm_local.sh install${1:+ --accounting}; make test does it)"
     [[ $(uname -s) == Linux ]] || cannot "not Linux ($(uname -s)); SLURM's Debian packages need Linux"
     [[ $(id -u) == 0 ]] || cannot "not root (installing ${missing% } needs root; run: sudo $0 up)"
     command -v apt-get >/dev/null || cannot "no apt-get on this machine (install ${missing% } yourself)"

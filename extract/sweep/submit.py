@@ -29,6 +29,15 @@ EXECUTORS: tuple[str, ...] = ("local", "slurm")
 SLURM_JOB_NAME = "zaec-sweep"
 #: local jobs run until done unless `--timeout-min` says otherwise (submitit's local default is 2 minutes)
 LOCAL_TIMEOUT_MIN = 30 * 24 * 60
+#: seconds before its time limit SLURM signals a job (USR2) so submitit can checkpoint and requeue it
+REQUEUE_SIGNAL_S = 120
+#: below this limit (minutes) a job is not requeued at its limit but killed there (TIMEOUT; `retry` resumes it):
+#: SLURM may send the signal up to 60 s early, so a short job would be signalled at its start and requeue itself
+#: until submitit gives up, each time paying its start-up again
+REQUEUE_MIN_LIMIT_MIN = 10
+#: the signal those short jobs get instead of USR2: SIGURG, which SLURM accepts and every process ignores by
+#: default (submitit always writes a `--signal` line; this overrides it)
+NO_REQUEUE_SIGNAL = "URG@1"
 
 
 @dataclass(frozen=True)
@@ -106,17 +115,21 @@ def slurm_parameters(opts: ExecOptions, groups: Sequence[Group]) -> dict[str, An
     """Keyword arguments of `submitit.SlurmExecutor.update_parameters` for one job array over `groups`.
 
     One task per job (the groups are the array), `gpus_per_job` GPUs on one node, a `timeout_min` limit (default
-    from the estimate), the USR2 time-out signal 120 s early so submitit can requeue the job (it resumes).
+    from the estimate), the USR2 time-out signal 120 s early so submitit can requeue the job (it resumes); a limit
+    under `REQUEUE_MIN_LIMIT_MIN` minutes gets no such signal (the job ends as TIMEOUT, `retry` resumes it).
     """
+    time_min = opts.timeout_min if opts.timeout_min is not None else default_timeout_min(groups, opts.cost())
     params: dict[str, Any] = {
         "job_name": SLURM_JOB_NAME,
         "nodes": 1,
         "ntasks_per_node": 1,
         "cpus_per_task": opts.cpus_per_job,
-        "time": opts.timeout_min if opts.timeout_min is not None else default_timeout_min(groups, opts.cost()),
+        "time": time_min,
         "array_parallelism": opts.array_parallelism,
-        "signal_delay_s": 120,
+        "signal_delay_s": REQUEUE_SIGNAL_S,
     }
+    if time_min < REQUEUE_MIN_LIMIT_MIN:
+        params["additional_parameters"] = {"signal": NO_REQUEUE_SIGNAL}
     if opts.gpus_per_job:
         params["gpus_per_node"] = opts.gpus_per_job
     if opts.mem_gb is not None:
@@ -232,7 +245,8 @@ def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: 
     except SweepError:
         raise
     except Exception as e:  # sbatch refused, srun missing, ...: one line, not a traceback
-        raise NotSubmitted(f"submission failed ({opts.executor}): {_scheduler_answer(e)}") from None
+        what = "sbatch refused the submission" if opts.executor == "slurm" else "submission failed (local)"
+        raise NotSubmitted(f"{what}: {_scheduler_answer(e)}") from None
 
 
 def submit_and_record(manifest: Manifest, groups: Sequence[Group], opts: ExecOptions) -> dict[str, Any]:
