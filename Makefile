@@ -18,11 +18,11 @@ RESULTS ?= results
 TS_SOURCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist,imagenet)
 REFERENCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist_blur,imagenet_a)
 
-.PHONY: help venv test demo bench bench-extract bench-gpu gpu-wheels gpu-check tables fmnist clean
+.PHONY: help venv test slurm-packages demo bench bench-extract bench-gpu gpu-wheels gpu-check tables fmnist clean
 
 help:
 	@echo "make demo           run the whole pipeline on the embedded default (small CLIP trained on Fashion-MNIST)"
-	@echo "make test           run the test suite (creates $(VENV) first)"
+	@echo "make test           run the test suite (creates $(VENV) first; as root also installs SLURM for its tests)"
 	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS) (TS_SOURCE=$(TS_SOURCE))"
 	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
 	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (view generation per core, every method's adapt cost, ECALP's growth)"
@@ -44,8 +44,14 @@ venv: $(STAMP)
 fmnist:
 	bash data/fetch_fmnist.sh $(FMNIST_DIR)
 
-test: $(STAMP) fmnist
+test: $(STAMP) fmnist slurm-packages
 	FMNIST_DIR=$(FMNIST_DIR) $(PY) -m pytest -q tests
+
+# The SLURM tests (tests/extract/sweep/test_slurm_real.py, marker `slurm`) run a one-machine cluster
+# (tools/slurm_local.sh). As root with apt, this installs Debian's slurm-wlm, munge, slurmdbd and MariaDB when missing
+# (about a minute on a fresh machine); elsewhere it says in one line why not and the tests skip with that reason.
+slurm-packages:
+	@bash tools/slurm_local.sh install --accounting || echo "make: the SLURM tests will skip (see the line above)"
 
 demo: $(STAMP) fmnist
 	$(VENV)/bin/python -m extract.demo --fmnist-dir $(FMNIST_DIR)

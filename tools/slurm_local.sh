@@ -342,9 +342,12 @@ case ${1:-} in
     status) cmd_status ;;
     env) echo "export SLURM_CONF=$CONF" ;;
     install)
+        mkdir -p "$DIR/log" 2>/dev/null || DIR=$(mktemp -d)
         mkdir -p "$DIR/log"
-        ACCOUNTING=0; [[ ${2:-} == --accounting ]] && ACCOUNTING=1
-        [[ $ACCOUNTING == 1 ]] && install_packages accounting || install_packages "" ;;
+        start=$SECONDS
+        install_packages ""  # the cluster first: without accounting's packages the other tests still run
+        [[ ${2:-} == --accounting ]] && install_packages accounting
+        echo "slurm_local: packages present ($((SECONDS - start)) s): ${PACKAGES[*]}${2:+ ${ACCOUNTING_PACKAGES[*]}}" ;;
     *) echo "usage: $0 up [--accounting] [--cpus N] [--min-job-age S] | down | status | env | install [--accounting]" >&2
        exit 2 ;;
 esac
