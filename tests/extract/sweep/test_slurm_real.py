@@ -320,9 +320,10 @@ def _parts(shard_dir: str) -> dict[str, tuple[int, int]]:
 
 
 def _job_python(job_id: str) -> int:
-    """The pid of the Python process running array task `job_id` (its environment names the task)."""
-    array, task = job_id.split("_")
-    want = {f"SLURM_ARRAY_JOB_ID={array}".encode(), f"SLURM_ARRAY_TASK_ID={task}".encode()}
+    """The pid of the Python process running job or array task `job_id` (its environment names it)."""
+    array, _, task = job_id.partition("_")
+    want = ({f"SLURM_ARRAY_JOB_ID={array}".encode(), f"SLURM_ARRAY_TASK_ID={task}".encode()} if task
+            else {f"SLURM_JOB_ID={job_id}".encode()})
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes()
@@ -335,25 +336,35 @@ def _job_python(job_id: str) -> int:
 
 
 def _kill(kind: str, job_id: str) -> None:
-    if kind == "term":  # scancel's default: SIGTERM (submitit ignores it), SIGKILL after KillWait
+    """Kill a task: `scancel` (SIGTERM, which submitit ignores, then SIGKILL after KillWait), `scancel
+    --signal=KILL`, or "oom": SIGKILL to its Python process (the kernel's OOM killer, a crash: SLURM sees only its
+    step fail)."""
+    if kind == "term":
         subprocess.run(["scancel", job_id], check=True, timeout=60)
     elif kind == "kill":
         subprocess.run(["scancel", "--signal=KILL", job_id], check=True, timeout=60)
-    else:  # "oom": the process dies under SLURM's feet (the kernel's OOM killer, a crash); SLURM only sees FAILED
+    else:
         os.kill(_job_python(job_id), signal.SIGKILL)
 
 
 def _kill_mid_run(out: Path, kinds: dict[int, str]) -> dict[int, dict[str, tuple[int, int]]]:
-    """Once each seed's run has a finished part (and is not complete), kill its task as `kinds` says; returns the
-    parts each run had."""
+    """As soon as a seed's run has a finished part, suspend its task (SIGSTOP: mid-run whatever the machine's
+    speed; not for "oom", whose SIGKILL is immediate), note its parts and kill it as `kinds` says; returns the parts
+    each run had."""
     rows = _by_seed(out)
-    before = {}
-    for seed, kind in kinds.items():
-        shard_dir = rows[seed]["shard_dir"]
-        _wait(f"a first part of seed {seed}", lambda: (bool(_parts(shard_dir)), _parts(shard_dir)), every=0.2)
-        assert not (Path(shard_dir) / "_zaec_complete.json").exists(), f"seed {seed} finished before its kill"
-        _kill(kind, rows[seed]["job_id"])
-        before[seed] = _parts(shard_dir)
+    todo, before = dict(kinds), {}
+
+    def probe():
+        for seed in [s for s in todo if _parts(rows[s]["shard_dir"])]:
+            job_id, shard_dir = rows[seed]["job_id"], rows[seed]["shard_dir"]
+            if todo[seed] != "oom":
+                subprocess.run(["scontrol", "suspend", job_id], check=True, timeout=60)
+            assert not (Path(shard_dir) / "_zaec_complete.json").exists(), f"seed {seed} finished before its kill"
+            before[seed] = _parts(shard_dir)
+            _kill(todo.pop(seed), job_id)
+        return (not todo, sorted(todo))
+
+    _wait("a first part of each run to kill", probe, every=0.1)
     return before
 
 
@@ -362,10 +373,14 @@ def _wait_gone(job_ids) -> None:
           timeout=120)
 
 
-def _retry_and_compare(out: Path, before, reference) -> None:
+def _retry(out: Path, n: int) -> None:
     res = _cli("retry", "--out", str(out))
     assert res.exit_code == 0, res.output + res.stderr
-    assert f"{len(before)} failed or lost run(s) resubmitted" in " ".join(res.output.split()), res.output
+    assert f"{n} failed or lost run(s) resubmitted" in " ".join(res.output.split()), res.output
+
+
+def _resumed(out: Path, before, reference) -> None:
+    """The retried runs finished, kept the parts they had before their kill, and equal the uninterrupted runs."""
     _, states = _wait(f"the retried runs of {out.name}", lambda: _all_settled(out))
     assert set(states.values()) == {"done"}, _rows(out)
     ref = reference()
@@ -377,9 +392,8 @@ def _retry_and_compare(out: Path, before, reference) -> None:
         _assert_same_shards(row["shard_dir"], ref[row["run_id"]])
 
 
-#: sacct's state, with slurmstepd's line from the log; without accounting the line alone names the end
-CANCELLED_BY_SACCT = r"job \d+_\d+ ended as CANCELLED \(\*\*\* JOB \d+ ON \S+ CANCELLED AT \S+ \*\*\*\)$"
-CANCELLED_BY_LOG = r"job \d+_\d+ ended as CANCELLED \(its log: \*\*\* JOB \d+ ON \S+ CANCELLED AT \S+ \*\*\*\)$"
+#: the state sacct or squeue gave (slurmstepd writes no line for a task cancelled while suspended)
+CANCELLED = r"job \d+_\d+ ended as CANCELLED$"
 
 
 def test_cancelled_tasks_with_accounting_are_named_by_sacct_and_resumed(with_accounting, tiny_model_dir, data_root,
@@ -393,8 +407,9 @@ def test_cancelled_tasks_with_accounting_are_named_by_sacct_and_resumed(with_acc
     _status(out)  # the first look after SLURM dropped them: sacct names the end
     rows = _by_seed(out)
     for seed in (1, 2):
-        assert rows[seed]["state"] == "failed" and re.match(CANCELLED_BY_SACCT, rows[seed]["error"]), rows[seed]
-    _retry_and_compare(out, before, reference)
+        assert rows[seed]["state"] == "failed" and re.match(CANCELLED, rows[seed]["error"]), rows[seed]
+    _retry(out, 2)
+    _resumed(out, before, reference)
 
 
 def test_killed_tasks_without_accounting_are_named_by_their_logs_or_lost(without_accounting, tiny_model_dir,
@@ -415,22 +430,34 @@ def test_killed_tasks_without_accounting_are_named_by_their_logs_or_lost(without
         assert res.exit_code == 0, res.output + res.stderr
         t_submitted = time.monotonic()
 
-        out = tmp_path / "out"
-        res = _cli(*_run_args(tiny_model_dir, data_root, out, cache, "tpt", SLOW_SET, "--seeds", "1,2,3",
-                              *SLURM_OPTS))
-        assert res.exit_code == 0, res.output + res.stderr
-        before = _kill_mid_run(out, {1: "term", 2: "kill", 3: "oom"})
-        _wait_gone([r["job_id"] for r in _rows(out).values()])
-        # the first look after SLURM dropped them (the console script: every line it prints): the logs name the
-        # end, or nothing does; one plain note on accounting, none of submitit's sacct warnings
-        p = _sweep_subprocess("status", "--out", str(out))
+        # seeds 1 and 2 cancelled; seed 3 (its own sweep: looked at only once SLURM dropped it) SIGKILLed
+        out, out_l = tmp_path / "out", tmp_path / "lost"
+        for o, seeds in ((out, "1,2"), (out_l, "3")):
+            res = _cli(*_run_args(tiny_model_dir, data_root, o, cache, "tpt", SLOW_SET, "--seeds", seeds, *SLURM_OPTS))
+            assert res.exit_code == 0, res.output + res.stderr
+        before = _kill_mid_run(out, {1: "term", 2: "kill"})
+        before_l = _kill_mid_run(out_l, {3: "oom"})
+
+        # while squeue lists the cancelled tasks (MinJobAge), status names them from it
+        def cancelled():
+            rows = _by_seed(out) if _status(out) else {}
+            return (all(rows[s]["state"] == "failed" for s in (1, 2)), rows)
+
+        _, rows = _wait("status naming the cancelled tasks", cancelled, timeout=60, every=0.2)
+        for seed in (1, 2):
+            assert re.match(CANCELLED, rows[seed]["error"]), rows[seed]
+
+        # the first look once SLURM dropped the killed process's task (the console script: every line it prints):
+        # nothing names its end, it is lost; one plain note on accounting, none of submitit's sacct warnings
+        _wait_gone([r["job_id"] for r in _rows(out_l).values()])
+        p = _sweep_subprocess("status", "--out", str(out_l))
         assert p.returncode == 0, p.stderr
         assert (p.stdout + p.stderr).count("SLURM accounting is unavailable here") == 1, p.stdout + p.stderr
         assert "Bypassing" not in p.stdout + p.stderr
-        rows = _by_seed(out)
-        for seed in (1, 2):
-            assert rows[seed]["state"] == "failed" and re.match(CANCELLED_BY_LOG, rows[seed]["error"]), rows[seed]
-        assert rows[3]["state"] == "lost" and "left the queue without a result" in rows[3]["error"], rows[3]
+        row = _by_seed(out_l)[3]
+        assert row["state"] == "lost" and "left the queue without a result" in row["error"], row
+        _retry(out, 2)
+        _retry(out_l, 1)
 
         job_t = _by_seed(out_t)[4]["job_id"]
         _wait("seed 4 ended by its 1-minute limit and dropped from squeue",
@@ -443,8 +470,9 @@ def test_killed_tasks_without_accounting_are_named_by_their_logs_or_lost(without
     assert row["state"] == "failed" and re.match(
         r"job \d+(_\d+)? ended as TIMEOUT \(its log: \*\*\* JOB \d+ ON \S+ CANCELLED AT \S+ DUE TO TIME LIMIT "
         r"\*\*\*\)$", row["error"]), row
-    _retry_and_compare(out, before, reference)
-    _retry_and_compare(out_t, {4: {}}, reference)
+    _retry(out_t, 1)
+    for o, parts in ((out, before), (out_l, before_l), (out_t, {4: {}})):
+        _resumed(o, parts, reference)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -460,7 +488,7 @@ def test_killed_tasks_without_accounting_are_named_by_their_logs_or_lost(without
 def test_a_refused_submission_is_one_line_and_recorded(without_accounting, tiny_model_dir, data_root, tmp_path,
                                                        extra, answer):
     out = tmp_path / "out"
-    queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    queued = set(subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout.split())
     p = _sweep_subprocess(*_run_args(tiny_model_dir, data_root, out, tmp_path / "cache", "zero-shot,tda", "dtd",
                                      *SLURM_OPTS, *extra))
     lines = p.stderr.strip().splitlines()
@@ -472,7 +500,8 @@ def test_a_refused_submission_is_one_line_and_recorded(without_accounting, tiny_
     for r in rows.values():
         assert r["state"] == "failed" and r["job_id"] == "" and r["error"].startswith("not submitted: ")
         assert answer in r["error"]
-    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split() == queued
+    after = set(subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout.split())
+    assert after <= queued, after - queued  # no job was submitted
     # `retry` would resubmit exactly those (here: only its plan)
     plan = _cli("retry", "--out", str(out), "--dry-run")
     assert plan.exit_code == 0 and "2 run(s) to submit in 1 group(s)" in " ".join(plan.output.split()), plan.output
