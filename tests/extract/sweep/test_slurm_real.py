@@ -171,6 +171,11 @@ def _squeue(job_ids) -> dict[str, str]:
     return dict(ln.split("|", 1) for ln in p.stdout.split() if "|" in ln)
 
 
+def _squeue_all() -> dict[str, str]:
+    p = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T"], capture_output=True, text=True, timeout=60)
+    return dict(ln.split("|", 1) for ln in p.stdout.split() if "|" in ln)
+
+
 def _all_settled(out: Path):
     rows = _status(out)
     states = {k: r["state"] for k, r in rows.items()}
@@ -206,7 +211,7 @@ REF_SLOW = ("tpt", SLOW_SET, "1,2,3,4")
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, data_root, tmp_path_factory):
-    """Shard folders by run id of the local executor's runs (waited for on first use of the returned getter)."""
+    """A getter of the local executor's shard folders by run id, waiting until the runs asked for are done."""
     out = tmp_path_factory.mktemp("slurm-reference")
     for methods, sets, *seeds in (REF_GRID, REF_SLOW):
         extra = ("--seeds", seeds[0]) if seeds else ()
@@ -214,8 +219,13 @@ def reference(tiny_model_dir, data_root, tmp_path_factory):
                               "--executor", "local", "--no-wait"))
         assert res.exit_code == 0, res.output + res.stderr
 
-    def shard_dirs() -> dict[str, str]:
-        _, states = _wait("the local executor's reference runs", lambda: _all_settled(out))
+    def shard_dirs(run_ids) -> dict[str, str]:
+        def settled():
+            rows = _status(out)
+            return (all(rows[k]["state"] not in ("pending", "running") for k in run_ids),
+                    {k: rows[k]["state"] for k in run_ids})
+
+        _, states = _wait("the local executor's reference runs", settled)
         assert set(states.values()) == {"done"}, states
         return {k: r["shard_dir"] for k, r in _rows(out).items()}
 
@@ -296,7 +306,7 @@ def test_grid_array_follows_the_queue_and_equals_the_local_executor(with_account
 
     # no run started twice; every shard equals the local executor's, column by column
     assert _started(out) == {k: 1 for k in _rows(out)}
-    ref = reference()
+    ref = reference(list(_rows(out)))
     for run_id, row in _rows(out).items():
         _assert_same_shards(row["shard_dir"], ref[run_id])
 
@@ -383,7 +393,7 @@ def _resumed(out: Path, before, reference) -> None:
     """The retried runs finished, kept the parts they had before their kill, and equal the uninterrupted runs."""
     _, states = _wait(f"the retried runs of {out.name}", lambda: _all_settled(out))
     assert set(states.values()) == {"done"}, _rows(out)
-    ref = reference()
+    ref = reference([r["run_id"] for r in _rows(out).values()])
     for seed, parts in before.items():
         row = _by_seed(out)[seed]
         assert row["attempts"] == 2
@@ -488,7 +498,7 @@ def test_killed_tasks_without_accounting_are_named_by_their_logs_or_lost(without
 def test_a_refused_submission_is_one_line_and_recorded(without_accounting, tiny_model_dir, data_root, tmp_path,
                                                        extra, answer):
     out = tmp_path / "out"
-    queued = set(subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout.split())
+    queued = set(_squeue_all())
     p = _sweep_subprocess(*_run_args(tiny_model_dir, data_root, out, tmp_path / "cache", "zero-shot,tda", "dtd",
                                      *SLURM_OPTS, *extra))
     lines = p.stderr.strip().splitlines()
@@ -500,8 +510,9 @@ def test_a_refused_submission_is_one_line_and_recorded(without_accounting, tiny_
     for r in rows.values():
         assert r["state"] == "failed" and r["job_id"] == "" and r["error"].startswith("not submitted: ")
         assert answer in r["error"]
-    after = set(subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout.split())
-    assert after <= queued, after - queued  # no job was submitted
+    # nothing ran (a request no node can satisfy leaves a FAILED record in the controller)
+    new = {j: st for j, st in _squeue_all().items() if j not in queued}
+    assert set(new.values()) <= {"FAILED"}, new
     # `retry` would resubmit exactly those (here: only its plan)
     plan = _cli("retry", "--out", str(out), "--dry-run")
     assert plan.exit_code == 0 and "2 run(s) to submit in 1 group(s)" in " ".join(plan.output.split()), plan.output
