@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy.optimize import brentq
 
-from calibrate.functional import ZAEC_T_MAX, entropy_from_logits, solve_zaec
+from calibrate.functional.softmax import entropy_from_logits
+from calibrate.functional.zaec import ZAEC_T_MAX, solve_zaec
 from calibrate.synthetic import PAPER_DATASETS, synthetic_logits, write_synthetic_benchmark
 
 
@@ -113,7 +114,7 @@ def bench_solver(n: int, ks: Sequence[int], seed: int = 0, naive_repeat: int = 2
 
 def _child(mode: str, root: str) -> None:
     """Runs in a fresh process so that its peak RSS is its own: prints {seconds, logits, maxrss_mb}."""
-    from schemas import find_shards, read_shard
+    from schemas.shard import find_shards, read_shard
 
     files = find_shards([root])
     t0 = _cpu()

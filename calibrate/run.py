@@ -17,12 +17,13 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
+from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators
+from calibrate.functional.softmax import softmax_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
 from calibrate.ood import NOT_OOD, OOD_NAMES, OODStats, missing_ood
 from calibrate.trust import TRUST_NAMES, TrustStats, describe_missing
 from schemas.atomic import atomic_path, write_json_atomic
-from schemas import (
+from schemas.shard import (
     Completeness,
     PartialRunError,
     RunKey,
@@ -97,7 +98,7 @@ class _DuplicateCheck:
 
 
 def run_counts(groups: dict[RunKey, Members]) -> dict[RunKey, Completeness]:
-    """Rows present and announced (`schemas.run_completeness`) of every run; reads only the Parquet footers."""
+    """Rows present and announced (`schemas.shard.run_completeness`) of every run; reads only the Parquet footers."""
     return {key: run_completeness(members) for key, members in groups.items()}
 
 

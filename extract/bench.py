@@ -128,7 +128,8 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
     import torch
 
     from extract.datasets import load_testset
-    from extract.runner import _ViewData, stream_permutation
+    from extract.run.encode import _ViewData
+    from extract.run.stream import stream_permutation
     from extract.views import ViewGenerator
 
     tmp = Path(tempfile.mkdtemp(prefix="zaec-loader-"))
@@ -277,7 +278,9 @@ def extraction_section(console: Any, *, images: int, multi_view_images: int, ima
     from extract.cache import FeatureCache
     from extract.datasets import load_testset
     from extract.models import load_model
-    from extract.runner import encode_pass, run_extraction, stream_permutation
+    from extract.run.encode import encode_pass
+    from extract.run.stream import stream_permutation
+    from extract.runner import run_extraction
 
     tmp = Path(tempfile.mkdtemp(prefix="zaec-bench-"))
     try:

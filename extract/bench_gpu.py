@@ -121,7 +121,8 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     chains in the loader processes, as before they ran on the device."""
     from extract.cache import FeatureCache
     from extract.datasets import load_testset
-    from extract.runner import encode_pass, stream_permutation
+    from extract.run.encode import encode_pass
+    from extract.run.stream import stream_permutation
 
     ts = load_testset("dtd", root)
     perm = stream_permutation("dtd", 1, len(ts))
@@ -181,7 +182,7 @@ def adapt_rate(model: Any, method: str, k: int, min_seconds: float, pass_budget:
     import torch.nn.functional as F
 
     from extract.methods import get_method
-    from extract.runner import build_method
+    from extract.run.setup import build_method
 
     names = [f"class {c}" for c in range(k)]
     text = model.text_prototypes([[f"a photo of a {n}."] for n in names])
@@ -248,21 +249,26 @@ def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), worke
     t0 = time.perf_counter()
     import torch  # noqa: F401
 
-    from extract import runner
+    import extract.runner  # noqa: F401  (timed: the modules a run imports, the whole run stack)
+    from extract.datasets import load_testset
+    from extract.models import load_model
+    from extract.prompts import build_prompt_set
+    from extract.run.encode import _ViewData
+    from extract.run.stream import stream_permutation
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = runner.load_model(None, f"local-dir:{model_dir}", device)
+    model = load_model(None, f"local-dir:{model_dir}", device)
     t_weights = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ts = runner.load_testset("dtd", root)
-    prompts = runner.build_prompt_set("dtd", ts.class_names, policy="single")
+    ts = load_testset("dtd", root)
+    prompts = build_prompt_set("dtd", ts.class_names, policy="single")
     model.text_prototypes(prompts.per_class)
     _sync(model.device)
     t_protos = time.perf_counter() - t0
     from extract.views import ViewGenerator
     t0 = time.perf_counter()
     gen = ViewGenerator(model.preprocess, "single", seed=1)
-    data = runner._ViewData(ts, runner.stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
+    data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
     next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
     t_loader = time.perf_counter() - t0
     print(json.dumps({"import_s": t_import, "weights_s": t_weights, "prototypes_s": t_protos,

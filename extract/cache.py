@@ -30,8 +30,8 @@ from typing import Literal
 
 import numpy as np
 
-from extract.run.options import CACHE_DIR_ENV as CACHE_ENV, DEFAULT_CACHE_DIR
-from schemas.atomic import atomic_path, write_json_atomic  # noqa: F401  (re-exported for the runner)
+from extract.defaults import CACHE_DIR_ENV as CACHE_ENV, DEFAULT_CACHE_DIR
+from schemas.atomic import atomic_path, write_json_atomic
 
 Part = Literal["view0", "augmix", "crop_flip"]
 PARTS: tuple[str, ...] = ("view0", "augmix", "crop_flip")

@@ -35,7 +35,7 @@ ECE_BINS = 20
 
 def _logits(paths: Sequence[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sample_id, label, adapted logits) of a run's shards, sorted by sample id."""
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     shards = [read_shard(p) for p in paths]
     ids = np.concatenate([s.sample_id for s in shards])

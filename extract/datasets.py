@@ -41,7 +41,7 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
-from extract.run.options import DATA_ROOT_ENV, default_data_root
+from extract.defaults import DATA_ROOT_ENV, default_data_root
 
 #: Class names of the embedded demo (Fashion-MNIST), in label order. Helper modules of the demo import this.
 FASHION_MNIST_CLASSES: tuple[str, ...] = (

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 import numpy as np
 import torch
 
-from extract.run.options import DEFAULT_BACKBONE  # noqa: F401  (re-exported; defaults live there)
+from extract.defaults import DEFAULT_BACKBONE
 
 LOCAL_DIR = "local-dir:"
 #: architectures released by OpenAI with QuickGELU; a checkpoint file for one of these gets QuickGELU forced

@@ -25,7 +25,7 @@ import scipy.sparse as sp
 
 from calibrate.metrics import bin_index
 from calibrate.tables.data import RunSummary
-from schemas import RunKey
+from schemas.shard import RunKey
 
 #: label of the zero-shot prediction among the calibrators of a run
 ZERO_SHOT = "zero-shot"

@@ -16,9 +16,9 @@ import numpy as np
 
 from calibrate.calibrators import TemperatureScaling, parse_calibrator
 from calibrate.classwise import ClasswiseStats
-from calibrate.functional import softmax_stats
+from calibrate.functional.softmax import softmax_stats
 from calibrate.run import Members, check_complete, resolve_ts_sources, run_counts
-from schemas import Completeness, RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
+from schemas.shard import Completeness, RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
 #: (zs_logits (n, K), tta_logits (n, K)) -> per-sample temperatures (n,)
 TemperatureFn = Callable[[np.ndarray, np.ndarray], np.ndarray]

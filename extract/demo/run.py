@@ -455,7 +455,7 @@ def _calibration_notes(notes: Sequence[str], temperatures: dict[str, float], cap
 
 
 def _accuracy(paths: Sequence[Path]) -> tuple[float, float]:
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     hit_tta = hit_zs = n = 0
     for p in paths:
@@ -481,7 +481,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     from calibrate.run import calibrate_paths, write_metrics  # noqa: F401
     from extract.models import load_model  # noqa: F401
     from extract.runner import run_extraction  # noqa: F401
-    from schemas import find_shards  # noqa: F401
+    from schemas.shard import find_shards  # noqa: F401
 
     console = console or Console(emoji=False)
     say = console.print
@@ -667,7 +667,7 @@ def _calibrate(cfg: DemoConfig, say) -> tuple[str, bool]:
     The caller stamps the fingerprint once the tables are written too.
     """
     from calibrate.run import calibrate_paths, write_metrics
-    from schemas import find_shards
+    from schemas.shard import find_shards
 
     say("[bold]\\[4/5] calibration[/] (zaec-calibrate: none, temperature fitted on fmnist, SaLS, ZAEC)")
     shard_files = [Path(p) for p in find_shards([cfg.shards])]

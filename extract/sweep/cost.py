@@ -2,7 +2,8 @@
 
 An estimate, documented as such: fixed guesses per backbone family and method below, replaced by the rates measured
 on one device (`python -m extract.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
-plan table (`plan_frame`), the SLURM time limit and the local executor's packing all price groups with it.
+plan table (`extract.sweep.grid.plan_frame`), the SLURM time limit and the local executor's packing all price groups
+with it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from extract.sweep.errors import SweepError
 
 if TYPE_CHECKING:
-    from extract.sweep.grid import Group
     from extract.sweep.runspec import RunSpec
 
 #: Test-set sizes (images) of the paper's 15 datasets: ImageNet val, the released ImageNet-A/-V2 (matched
@@ -216,7 +216,7 @@ OOD_SIZES: dict[str, int] = {"inaturalist": 10000, "sun": 10000, "places": 10000
 
 
 def _table_size(dataset: str) -> tuple[int, int] | None:
-    from schemas import OOD_SEPARATOR
+    from schemas.shard import OOD_SEPARATOR
 
     if OOD_SEPARATOR in dataset:  # an OOD run: both sets' images, the in-distribution set's classes
         ood, _, ind = dataset.partition(OOD_SEPARATOR)
@@ -311,19 +311,3 @@ def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> flo
     enc = n * views * encode_seconds(r0.backbone, r0.policy, rates)
     adapt = sum(adapt_seconds(r.method, r.dataset, n, r.policy, r.backbone, rates) for r in runs)
     return (overhead_seconds(r0.backbone, rates) + enc + adapt) / 3600.0
-
-
-def plan_frame(groups: Sequence["Group"], rates: Rates | None = None) -> "Any":
-    """One row per group: group, backbone, dataset, policy, seed, methods, runs, images, views, est. GPU-hours."""
-    import polars as pl
-
-    rows = []
-    for g in groups:
-        r0 = g.runs[0]
-        n = n_images(r0.dataset, r0.limit)
-        rows.append({"group": g.group_id, "backbone": r0.backbone, "dataset": r0.dataset, "policy": r0.policy,
-                     "seed": r0.seed, "methods": ",".join(g.methods), "runs": len(g.runs), "images": n,
-                     "views": n * views_per_image(r0.policy), "gpu_hours": g.estimate_hours(rates)})
-    schema = {"group": pl.Utf8, "backbone": pl.Utf8, "dataset": pl.Utf8, "policy": pl.Utf8, "seed": pl.Int64,
-              "methods": pl.Utf8, "runs": pl.Int64, "images": pl.Int64, "views": pl.Int64, "gpu_hours": pl.Float64}
-    return pl.DataFrame(rows, schema=schema)

@@ -15,13 +15,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from calibrate.calibrators import TemperatureScaling
-from calibrate.functional import softmax_stats, zaec_temperature
+from calibrate.functional.softmax import softmax_stats
+from calibrate.functional.zaec import zaec_temperature
 from calibrate.cli import main
 from calibrate.metrics import ece, mce
 from calibrate.ood import OOD_NAMES
 from calibrate.run import COUNT_COLUMNS, METRIC_COLUMNS, SAMPLE_COLUMNS, calibrate_paths
 from calibrate.synthetic import synthetic_logits, write_synthetic_run
-from schemas import RunKey, build_table, shard_path, write_shard
+from schemas.shard import RunKey, build_table, shard_path, write_shard
 
 
 def run_cli(args, capsys):
@@ -292,7 +293,7 @@ def test_tables_subcommand_dispatch(monkeypatch):
 
 
 def test_synthetic_generator_writes_valid_shards(tmp_path):
-    from schemas import find_shards, group_shards, validate_shard
+    from schemas.shard import find_shards, group_shards, validate_shard
 
     paths = write_synthetic_run(tmp_path, "eurosat", 250, 10, rows_per_shard=100)
     assert len(paths) == 3 and all(validate_shard(p) == [] for p in paths)

@@ -16,7 +16,7 @@ import pytest
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from calibrate.cli import main
-from calibrate.functional import softmax_stats
+from calibrate.functional.softmax import softmax_stats
 from calibrate.ood import OOD_NAMES, OODStats, ood_from_counts, ood_metrics, ood_replicates
 from calibrate.run import METRIC_COLUMNS, calibrate_paths, write_metrics
 from calibrate.selective import SCORES, confidence_score

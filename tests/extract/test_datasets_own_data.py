@@ -27,9 +27,10 @@ from extract.datasets import (
 )
 from extract.methods import REGISTRY as METHODS
 from extract.prompts import USER_PROMPT_POLICIES, PromptError, build_prompt_set
-from extract.runner import RunError, plan_run, run_extraction
+from extract.run.options import RunError
+from extract.runner import plan_run, run_extraction
 from extract.views import ViewGenerator
-from schemas import find_shards, read_shard
+from schemas.shard import find_shards, read_shard
 
 from tests.support.extract import make_imagenet_folders, write_image
 

@@ -76,7 +76,7 @@ def test_models_saved_in_local_dir_format(demo_run):
 
 
 def test_shards_valid_for_every_run(demo_run):
-    from schemas import find_shards, read_shard
+    from schemas.shard import find_shards, read_shard
 
     cfg, _, _ = demo_run
     runs = {}
@@ -130,7 +130,7 @@ def test_ood_pair(demo_run):
     """The OOD pair: valid OOD shards for zero-shot and TDA on both backbones, and the printed sentence is the one
     `ood_sentence` computes from its metrics."""
     from extract.demo.ood import OOD_METHODS, ood_sentence
-    from schemas import find_shards, read_shard
+    from schemas.shard import find_shards, read_shard
 
     cfg, _, printed = demo_run
     runs = {}

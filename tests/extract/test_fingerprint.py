@@ -10,8 +10,9 @@ import pytest
 
 from extract.datasets import load_testset
 from extract.fingerprint import fingerprint
-from extract.runner import RunError, run_extraction
-from schemas import read_shard
+from extract.run.options import RunError
+from extract.runner import run_extraction
+from schemas.shard import read_shard
 
 from tests.support.extract import make_json_dataset
 
@@ -97,7 +98,7 @@ def test_changed_image_in_place_recomputes(tmp_path, two_roots, tiny_model):
 
 def test_writer_announces_counts_and_resumed_parts_agree(tmp_path, tiny_model):
     from calibrate.run import check_complete
-    from schemas import PartialRunError, find_shards, group_shards
+    from schemas.shard import PartialRunError, find_shards, group_shards
 
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=3, per_class=6)  # 18 samples; parts of 8 rows
@@ -244,8 +245,9 @@ def test_nonfinite_logits_fail_the_run_naming_the_sample(tmp_path, tiny_model, m
     import torch
     import extract.methods as methods
     from extract.methods.zero_shot import ZeroShot
-    from extract.runner import run_is_complete, stream_permutation
-    from schemas import RunKey
+    from extract.run.rundir import run_is_complete
+    from extract.run.stream import stream_permutation
+    from schemas.shard import RunKey
 
     class Poisoned(ZeroShot):
         """Zero-shot logits, but NaN from stream position 10 on (a method whose state went bad)."""
@@ -343,7 +345,7 @@ def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):
     import dataclasses
     import json as _json
 
-    from schemas import write_shard
+    from schemas.shard import write_shard
     marker = paths[0].parent / "_zaec_complete.json"
     info = _json.loads(marker.read_text())
     for k in ("data_root", "data_fingerprint"):

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 
-from extract.methods import HPARAMS_KEYS, REGISTRY, apply_overrides, get_method
+from extract.methods import REGISTRY, get_method
+from extract.methods.base import HPARAMS_KEYS, apply_overrides
 from extract.methods.common import ClassCache, adamw_first_step, info_nce, marginal_entropy, torch_adamw_step
 from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from extract.sweep import cli as sweep
 from extract.datasets import PAPER_DATASETS, get_dataset
 from extract.methods import REGISTRY, get_method
-from extract.runner import run_is_complete
+from extract.run.rundir import run_is_complete
 from extract.sweep import submit, track
 from extract.run.options import ExecOptions, RunOptions
 from extract.sweep.cost import (
@@ -28,14 +28,14 @@ from extract.sweep.cost import (
     TEST_SIZES,
     adapt_seconds,
     load_rates,
-    plan_frame,
 )
+from extract.sweep.grid import plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import Grid, expand_grid, group_runs, method_overrides, pack_groups
 from extract.sweep.manifest import Manifest, error_line, manifest_frame, manifest_path, result_path, sweep_dir
 from extract.sweep.runspec import RunSpec
 from extract.views import view_policy
-from schemas import read_shard
+from schemas.shard import read_shard
 
 from tests.support.extract import make_json_dataset
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas import ShardError, read_shard
+from schemas.shard import ShardError, read_shard
 from schemas.shard import read_meta
 
 K, N = 4, 6

@@ -10,7 +10,7 @@ from calibrate.metrics import ece
 from calibrate.tables import bootstrap as bs
 from calibrate.tables import builders
 from calibrate.tables.data import summarise_arrays
-from schemas import RunKey
+from schemas.shard import RunKey
 
 
 def test_point_ece_equals_metric_including_edges(rng):

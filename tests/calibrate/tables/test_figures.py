@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from calibrate.tables import builders, figures, render
 from calibrate.tables.data import summarise_arrays
-from schemas import RunKey
+from schemas.shard import RunKey
 
 from tests.support.tables import cells as _cells
 from tests.support.tables import index_items as _items

@@ -21,7 +21,7 @@ from calibrate.tables import ood_tables as ot
 from calibrate.tables import report
 from calibrate.tables.bootstrap import BootstrapResult, dataset_seed, resample_counts
 from calibrate.tables.data import load_summaries, summarise_arrays
-from schemas import RunKey
+from schemas.shard import RunKey
 
 K = 4
 EPS = np.finfo(np.float64).eps

@@ -15,7 +15,7 @@ from calibrate.selective import confidence_score, risk_coverage
 from calibrate.tables import trust_tables as tt
 from calibrate.tables.bootstrap import bootstrap_runs, dataset_seed, resample_counts
 from calibrate.tables.data import summarise_arrays
-from schemas import RunKey
+from schemas.shard import RunKey
 
 K = 4
 M = 15  # the classwise / top-label binning of the column names

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract.methods import REGISTRY, apply_overrides, get_method
+from extract.methods import REGISTRY, get_method
+from extract.methods.base import apply_overrides
 from extract.methods.base import HPARAMS_KEYS
 from extract.methods.tpt import (
     CTPT,
@@ -548,7 +549,7 @@ def test_methods_need_encoder_and_class_names(tiny_model):
 @pytest.mark.parametrize("key", EPISODIC)
 def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key):
     from extract.runner import run_extraction
-    from schemas import read_shard, validate_shard
+    from schemas.shard import read_shard, validate_shard
 
     shared = tmp_path_factory.getbasetemp() / "tpt-e2e"
     root = shared / "data"
@@ -572,7 +573,7 @@ def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):
     tracker and the skip count come back from the last kept part (issue 10)."""
     from extract.run import writer
     from extract.runner import run_extraction
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=6)  # 18 samples
 
@@ -624,7 +625,7 @@ def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):
     # a kept part without its state (an older extractor) is recomputed, not resumed from a guess
     import dataclasses as dc
 
-    from schemas import write_shard
+    from schemas.shard import write_shard
 
     last = sorted((tmp_path / "r").rglob("part-*.parquet"))
     sh = read_shard(last[1])
