@@ -20,8 +20,8 @@ also densifies the (N+K) × K label matrix every sample). Memory: the features (
 (N × (k+2) indices and similarities), the compact Y_0 (N values and indices) and the propagation's transients:
 at ImageNet's end (N = 50,000, D = 512, K = 1,000) the graph keeps about 147 MB, and one propagation step peaks at
 about 8.2 GB of float32 temporaries, most of it (7.6 GB) the K-wide label rows gathered along the E edges
-(measured by `python -m extract.bench --ecalp-n`; docs/benchmarks.md, "TTA-VLM methods: cost per sample"). Work over
-a stream of n samples grows as n²: ImageNet is about 3·10¹⁴ multiply-adds (a GPU's job).
+(measured by `python -m tools.bench_extract --ecalp-n`; docs/benchmarks.md, "TTA-VLM methods: cost per sample").
+Work over a stream of n samples grows as n²: ImageNet is about 3·10¹⁴ multiply-adds (a GPU's job).
 
 Output (`output_kind = "log_probs"`): log softmax(10⁴·pred) where its float32 value is positive, else the exact
 log-softmax (finite, below -103); pred itself is an even better score but the official code ranks with the softmax.

@@ -381,7 +381,7 @@ def run(
     slurm_setup: List[str] = typer.Option([], "--slurm-setup", help="shell line run before each SLURM job, e.g. "
                                                                     "'source .venv/bin/activate' (repeatable)"),
     local_jobs: Optional[int] = typer.Option(None, help="local processes side by side [default: 1]"),
-    rates: Optional[Path] = typer.Option(None, "--rates", help="JSON of `python -m extract.bench_gpu --json` (make "
+    rates: Optional[Path] = typer.Option(None, "--rates", help="JSON of `python -m tools.bench_gpu --json` (make "
                                                                "bench-gpu): price the plan with its measured rates"),
     wait: Optional[bool] = typer.Option(None, "--wait/--no-wait", help="wait for the jobs and show the result "
                                                                        "[default: wait with local, not with slurm]"),

@@ -1,7 +1,7 @@
 """The cost model of `zaec-sweep --dry-run`: images and views per group, GPU-seconds per view and per sample.
 
 An estimate, documented as such: fixed guesses per backbone family and method below, replaced by the rates measured
-on one device (`python -m extract.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
+on one device (`python -m tools.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
 plan table (`extract.sweep.grid.plan_frame`), the SLURM time limit and the local executor's packing all price groups
 with it.
 """
@@ -124,7 +124,7 @@ RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt
 
 @dataclass(frozen=True)
 class Rates:
-    """Rates measured on one device by `python -m extract.bench_gpu --json FILE`, by backbone: what `--rates FILE`
+    """Rates measured on one device by `python -m tools.bench_gpu --json FILE`, by backbone: what `--rates FILE`
     prices a sweep with instead of the fixed guesses above (backbones and methods it did not measure keep those).
 
     Attributes:
@@ -161,7 +161,7 @@ def _positive(doc: Mapping[str, Any], key: str, where: str) -> float:
 
 @functools.lru_cache(maxsize=8)
 def load_rates(path: str) -> Rates:
-    """Read the JSON of `python -m extract.bench_gpu --json` (format version 1). Raises SweepError naming the file
+    """Read the JSON of `python -m tools.bench_gpu --json` (format version 1). Raises SweepError naming the file
     and the key when it is not such a file."""
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -169,7 +169,7 @@ def load_rates(path: str) -> Rates:
         raise SweepError(f"--rates {path}: cannot read a JSON file ({e})") from None
     if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("backbones"), dict) \
             or not doc["backbones"]:
-        raise SweepError(f"--rates {path}: expected the JSON of `python -m extract.bench_gpu --json` (version 1, "
+        raise SweepError(f"--rates {path}: expected the JSON of `python -m tools.bench_gpu --json` (version 1, "
                          "a 'backbones' object)")
     enc: dict[tuple[str, str], float] = {}
     adapt: dict[tuple[str, str], tuple[tuple[int, float], ...]] = {}

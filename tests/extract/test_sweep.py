@@ -208,7 +208,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
-# rates as `python -m extract.bench_gpu --json` writes them (tests/extract/test_bench_gpu.py checks that writer)
+# rates as `python -m tools.bench_gpu --json` writes them (tests/tools/test_bench_gpu.py checks that writer)
 RATES_DOC = {"version": 1, "device": "test", "backbones": {
     "ViT-B-16": {"encoder_images_per_s": 6000.0, "single_view_images_per_s": 4000.0, "crop_flip_views_per_s": 5000.0,
                  "augmix_views_per_s": 2000.0, "fixed_cost": {"process_s": 10.0},
@@ -263,7 +263,7 @@ def test_measured_rates_price_the_plan(tmp_path):
 
 @pytest.mark.parametrize("doc,message", [
     ("not json", "cannot read a JSON file"),
-    (json.dumps({"version": 2, "backbones": {}}), "expected the JSON of `python -m extract.bench_gpu --json`"),
+    (json.dumps({"version": 2, "backbones": {}}), "expected the JSON of `python -m tools.bench_gpu --json`"),
     (json.dumps({"version": 1, "backbones": {"RN50": {"single_view_images_per_s": 0}}}),
      "backbone RN50: expected a positive number at 'single_view_images_per_s', got 0"),
     (json.dumps({"version": 1, "backbones": {"RN50": {**RATES_DOC["backbones"]["ViT-B-16"],

@@ -14,8 +14,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from extract.demo import fmnist
-from extract.demo.run import CALIBRATORS, DemoConfig, run_demo
+from tools.demo import fmnist
+from tools.demo.run import CALIBRATORS, DemoConfig, run_demo
 
 REPO = Path(__file__).resolve().parents[2]
 FMNIST_DIR = Path(os.environ.get("FMNIST_DIR", REPO / "data" / "fashion-mnist"))
@@ -129,7 +129,7 @@ def test_summary_and_outputs(demo_run):
 def test_ood_pair(demo_run):
     """The OOD pair: valid OOD shards for zero-shot and TDA on both backbones, and the printed sentence is the one
     `ood_sentence` computes from its metrics."""
-    from extract.demo.ood import OOD_METHODS, ood_sentence
+    from tools.demo.ood import OOD_METHODS, ood_sentence
     from schemas.shard import find_shards, read_shard
 
     cfg, _, printed = demo_run
@@ -160,7 +160,7 @@ def test_second_run_skips_finished_work(demo_run):
 def test_cli_user_error_is_one_line(tmp_path):
     from typer.testing import CliRunner
 
-    from extract.demo.__main__ import app
+    from tools.demo.__main__ import app
 
     res = CliRunner().invoke(app, ["--fmnist-dir", str(tmp_path / "missing")])
     assert res.exit_code == 2

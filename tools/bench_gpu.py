@@ -21,8 +21,8 @@ encoder's pace), the fixed cost as the images the encoder could have encoded mea
 encoder's time for its 64 views over the adaptation's time (above 1: adapting is faster than encoding). `--json`
 writes every figure; `zaec-sweep --dry-run --rates FILE` prices a sweep with them (docs/sweep.md).
 
-    python -m extract.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
-    python -m extract.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
+    python -m tools.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
+    python -m tools.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
 
 Without CUDA (and without `--device cpu`) it stops with one line and exit status 2.
 """
@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 import typer
 
-from extract.bench import view_rate, write_image_set
+from tools.bench_extract import view_rate, write_image_set
 from extract.run.options import MAX_CUDA_WORKERS
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -148,7 +148,7 @@ def chains_rate(model: Any, min_seconds: float) -> tuple[float, float]:
     import torch
 
     from extract.augmix_device import pack_program, run_packed
-    from extract.bench import VIEW_IMAGE, photo
+    from tools.bench_extract import VIEW_IMAGE, photo
     from extract.views import N_AUG_VIEWS, ViewGenerator
 
     gen = ViewGenerator(model.preprocess, "augmix", seed=0)
@@ -237,7 +237,7 @@ def fixed_cost(model_dir: Path, root: Path, work: Path, device: str, workers: in
         t0 = time.perf_counter()
         subprocess.run(cmd + ["--out", str(work / f"out{i}")], check=True, env=env, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-    probe = subprocess.run([sys.executable, "-m", "extract.bench_gpu", "probe", str(model_dir), str(root),
+    probe = subprocess.run([sys.executable, "-m", "tools.bench_gpu", "probe", str(model_dir), str(root),
                             "--device", device, "--workers", str(workers)],
                            check=True, env=env, capture_output=True, text=True)
     return {"process_s": wall, **json.loads(probe.stdout.strip().splitlines()[-1])}
@@ -464,8 +464,8 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("run", "probe", "--help"):
-        args = ["run"] + args  # `python -m extract.bench_gpu [options]` runs the benchmark
-    app(args=args, prog_name="python -m extract.bench_gpu")
+        args = ["run"] + args  # `python -m tools.bench_gpu [options]` runs the benchmark
+    app(args=args, prog_name="python -m tools.bench_gpu")
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ Measured in one process, one run each (ratios, not absolute speeds, are the poin
     * the loader: views/s of `--loader-workers` processes from JPEGs against that many times one thread's rate;
     * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample);
     * every registered method's adaptation cost per sample through the runner, as ratios to TDA's and TPT's, and
-      ECALP's growth with the stream and its graph's bytes (`extract.bench_methods`).
+      ECALP's growth with the stream and its graph's bytes (`tools.bench_methods`).
 
-    python -m extract.bench [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
-                            [--methods all|none|KEY,...] [--only-methods] [--method-classes 100]
-                            [--ecalp-stream 64,128,256] [--ecalp-n 2000,8000]
+    python -m tools.bench_extract [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
+                                  [--methods all|none|KEY,...] [--only-methods] [--method-classes 100]
+                                  [--ecalp-stream 64,128,256] [--ecalp-n 2000,8000]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import typer
 
-from extract.bench_methods import (MethodCost, costs_table, ecalp_report, method_costs, one_torch_thread,
+from tools.bench_methods import (MethodCost, costs_table, ecalp_report, method_costs, one_torch_thread,
                                    parse_methods)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
