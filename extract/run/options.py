@@ -294,7 +294,7 @@ def plan(options: RunOptions) -> PlannedRun:
         or config key), DatasetError (unknown dataset).
     """
     from extract.datasets import get_dataset
-    from extract.methods import apply_overrides, get_method
+    from extract.methods import get_method
     from extract.views import view_policy
     from schemas import RunKey
 
@@ -317,8 +317,7 @@ def plan(options: RunOptions) -> PlannedRun:
     unseen = spec.hparams_from is None  # a user's dataset: the method's documented settings for unseen data
     config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
     overrides = o.overrides_dict()
-    if overrides:
-        config = apply_overrides(config, dict(overrides))
+    config = _checked_config(o.method, config, overrides, name, o.pretrained)
     try:
         policy = view_policy(int(config.n_views), bool(config.augmix))
     except ValueError as e:
@@ -331,6 +330,28 @@ def plan(options: RunOptions) -> PlannedRun:
     key = ood_run_dataset(ood.key, spec.key)
     return PlannedRun(o, cls, config, key, name, policy, RunKey(name, key, o.method, int(o.seed)), note,
                       ood_for=spec.key, ood_dataset=ood.key)
+
+
+def _checked_config(method: str, config: Any, overrides: Mapping[str, Any], backbone: str, pretrained: str) -> Any:
+    """`config` with the overrides applied, every field within its declared range (`extract.methods.base.setting`),
+    ranges that depend on the model's architecture included where its config can be read without the weights
+    (`extract.models.architecture_facts`; otherwise the method checks them on the loaded model).
+
+    Raises:
+        ConfigRangeError: one line naming the method, the key, the value and the valid range.
+    """
+    from extract.methods.base import ConfigRangeError, apply_overrides, check_ranges, model_fact_names
+
+    try:
+        if overrides:
+            config = apply_overrides(config, dict(overrides))
+        if model_fact_names(type(config)):
+            from extract.models import architecture_facts
+
+            check_ranges(config, method, architecture_facts(backbone, pretrained))
+    except ConfigRangeError as e:
+        raise e.for_method(method) from None
+    return config
 
 
 def _in_distribution(ood_for: str, ood_key: str) -> Any:
