@@ -138,7 +138,7 @@ class TTL(TTAMethod):
         blocks = self.visual.transformer.resblocks
         # the run's plan checked lora_blocks against the architecture's config where it could read one; this is the
         # check for a model whose config it could not (one line, before any image is read)
-        check_ranges(cfg, self.key, {"vision_blocks": len(blocks)})
+        check_ranges(cfg, self.key, {"vision_blocks": len(blocks)})  # as `extract.models.architecture_facts`
         self.first_lora = len(blocks) - cfg.lora_blocks
         width = blocks[0].attn.embed_dim
         g = torch.Generator().manual_seed(cfg.lora_seed)
