@@ -23,7 +23,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 
 import torch
 
@@ -219,6 +219,28 @@ def check_ranges(config: Any, owner: str | None = None, facts: Mapping[str, int]
         if valid is not None and valid.violated(value, config, facts):
             raise ConfigRangeError(owner or type(config).__qualname__, name, value,
                                    valid.describe(name, config, facts))
+
+
+def fit_to_model(config: Any, facts: Mapping[str, int], keep: Collection[str] = ()) -> tuple[Any, list[str]]:
+    """`config` with every field above a bound that depends on a model fact lowered to that bound, except the
+    fields named in `keep` (values the user gave, which `check_ranges` refuses instead); and one note per change.
+
+    Example:
+        >>> from extract.methods.ttl import TTLConfig
+        >>> fit_to_model(TTLConfig(), {"vision_blocks": 2})[1]
+        ["lora_blocks=2 (the default 3 exceeds the model's vision blocks, 2)"]
+    """
+    changes, notes = {}, []
+    for name, valid in field_ranges(type(config)).items():
+        hi = None if valid is None else valid.hi
+        if name in keep or not isinstance(hi, Ref) or not hi.of_model:
+            continue
+        bound = hi.value(config, facts)
+        value = getattr(config, name)
+        if bound is not None and value > bound:
+            changes[name] = type(value)(bound)
+            notes.append(f"{name}={changes[name]} (the default {value} exceeds {hi.text()}, {bound})")
+    return (dataclasses.replace(config, **changes) if changes else config), notes
 
 
 def model_fact_names(config_cls: type) -> set[str]:
