@@ -119,14 +119,18 @@ class Valid:
     text_field: bool = False
     nonempty: bool = False
 
-    def violated(self, value: Any, config: Any, facts: Mapping[str, int]) -> bool:
-        """True when `value` lies outside the range (a bound not known yet is not checked)."""
+    def violated(self, value: Any, config: Any, facts: Mapping[str, int], refs: bool = True) -> bool:
+        """True when `value` lies outside the range (a bound not known yet is not checked; `refs=False`: only the
+        fixed bounds)."""
         if self.text_field:
             return self.nonempty and not str(value).strip()
         if isinstance(value, float) and not math.isfinite(value):
             return True
-        lo = self.lo.value(config, facts) if isinstance(self.lo, Ref) else self.lo
-        hi = self.hi.value(config, facts) if isinstance(self.hi, Ref) else self.hi
+
+        def bound(b: Any) -> Any:
+            return (b.value(config, facts) if refs else None) if isinstance(b, Ref) else b
+
+        lo, hi = bound(self.lo), bound(self.hi)
         return ((lo is not None and (value <= lo if self.lo_open else value < lo))
                 or (hi is not None and (value >= hi if self.hi_open else value > hi)))
 
@@ -214,11 +218,13 @@ def check_ranges(config: Any, owner: str | None = None, facts: Mapping[str, int]
         ConfigRangeError: the first field out of range, naming `owner` (default: the config class).
     """
     facts = facts or {}
-    for name, valid in field_ranges(type(config)).items():
-        value = getattr(config, name)
-        if valid is not None and valid.violated(value, config, facts):
-            raise ConfigRangeError(owner or type(config).__qualname__, name, value,
-                                   valid.describe(name, config, facts))
+    ranges = field_ranges(type(config))
+    for refs in (False, True):  # a value outside its own fixed bounds is named before one that only disagrees
+        for name, valid in ranges.items():  # with another field
+            value = getattr(config, name)
+            if valid is not None and valid.violated(value, config, facts, refs):
+                raise ConfigRangeError(owner or type(config).__qualname__, name, value,
+                                       valid.describe(name, config, facts))
 
 
 def fit_to_model(config: Any, facts: Mapping[str, int], keep: Collection[str] = ()) -> tuple[Any, list[str]]:
