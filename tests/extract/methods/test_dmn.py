@@ -185,3 +185,19 @@ def test_dmn_weak_is_dmn_on_view_0():
     assert events["replaced"] > 0 and events["kept"] > 0
     # the pseudo-label is view 0's own argmax: the memory read-out never sees another view
     assert torch.equal(weak, run(dataclasses.replace(small, n_views=1), text, x, scale=SCALE))
+
+
+def test_dmn_on_unseen_data_reads_its_views():
+    """Issue 32 item 7: DMN's settings for unseen data keep its views, so its logits are not DMN-weak's: the
+    pseudo-label that picks the memory slot comes from the confident views, not from view 0 alone."""
+    dmn, weak = DMN.unseen_config("ViT-B-16"), REGISTRY["dmn-weak"].unseen_config("ViT-B-16")
+    assert (dmn.n_views, dmn.used_views, weak.n_views, weak.used_views) == (64, 32, 1, 1)
+    text = make_text()
+    x = make_stream(40, 64, text, seed=4, noise=1.5)
+    small = {"memory_size": 2}
+    multi = run(dataclasses.replace(dmn, **small), text, x, scale=SCALE)
+    single = run(dataclasses.replace(weak, **small), text, x[:, :1], scale=SCALE)
+    assert (multi - single).abs().max() > 0.1  # far beyond rounding: other memory contents
+    # and DMN on view 0 alone is DMN-weak exactly: the difference is the views
+    assert torch.equal(run(dataclasses.replace(dmn, n_views=1, used_views=1, augmix=False, **small), text,
+                           x[:, :1], scale=SCALE), single)
