@@ -9,9 +9,11 @@ features of consecutive samples in stream order:
     >>> m = method_cls(cfg, text_features, logit_scale, backbone="ViT-B-16", dataset="dtd")  # doctest: +SKIP
     >>> logits = m.adapt(view_feats)  # (B, V, D) -> (B, K) float32   # doctest: +SKIP
 
-Online methods keep their state across `adapt` calls; episodic ones (the TPT family) reset it per sample. A
-method that needs the text encoder (TPT tunes prompt tokens) sets `needs_text_encoder = True` and receives it as
-the `text_encoder` keyword; adding such a method is one file plus one registry entry.
+Each number or text of a config declares its valid range next to its default (`setting(0.04, gt=0)`,
+`text_setting(...)`); `check_ranges` is the one validator (on construction, and in the run's plan with the facts of
+the model's architecture). Online methods keep their state across `adapt` calls; episodic ones (the TPT family)
+reset it per sample. A method that needs the text encoder (TPT tunes prompt tokens) sets `needs_text_encoder = True`
+and receives it as the `text_encoder` keyword; adding such a method is one file plus one registry entry.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -198,7 +201,12 @@ def field_ranges(config_cls: type) -> dict[str, Valid | None]:
         >>> field_ranges(OnZetaConfig)["tau_i"].describe("tau_i")
         'tau_i > 0'
     """
-    out: dict[str, Valid | None] = {}
+    return dict(_field_ranges(config_cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _field_ranges(config_cls: type) -> tuple[tuple[str, Valid | None], ...]:
+    out = []
     for f in dataclasses.fields(config_cls):
         meta: dict[str, Any] = {}
         for klass in reversed(config_cls.__mro__):  # the parent's declaration first, a subclass's on top
@@ -206,8 +214,8 @@ def field_ranges(config_cls: type) -> dict[str, Valid | None]:
             if own is not None:
                 meta.update(own.metadata)
         if not meta.get("fixed"):
-            out[f.name] = meta.get("valid")
-    return out
+            out.append((f.name, meta.get("valid")))
+    return tuple(out)
 
 
 def check_ranges(config: Any, owner: str | None = None, facts: Mapping[str, int] | None = None) -> None:
@@ -257,7 +265,8 @@ def model_fact_names(config_cls: type) -> set[str]:
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Fields the runner reads; every method's `Config` extends this.
+    """Fields the runner reads; every method's `Config` extends this. Construction checks every field: Literal
+    choices, and each number or text against the range it declares (`setting`, `text_setting`; `check_ranges`).
 
     Attributes:
         n_views: views per sample: 1 (the original) or 1 + 63 augmented
@@ -336,7 +345,8 @@ def apply_overrides(config: MethodConfig, overrides: dict[str, Any]) -> MethodCo
         A new config (the result passes the config's own validation).
 
     Raises:
-        ValueError: unknown key (the message lists the valid keys), a fixed field, or a value of the wrong type.
+        ValueError: unknown key (the message lists the valid keys), a fixed field, or a value of the wrong type;
+            ConfigRangeError (a ValueError): a value outside the field's declared range.
 
     Example:
         >>> from extract.methods.tda import TDAConfig
