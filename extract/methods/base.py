@@ -187,6 +187,9 @@ class ConfigRangeError(ValueError):
         super().__init__(f"{owner}: {key}={value!r} is out of range; valid: {valid}")
         self.owner, self.key, self.value, self.valid = owner, key, value, valid
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (a sweep job's error travels back to the manifest)
+        return ConfigRangeError, (self.owner, self.key, self.value, self.valid)
+
     def for_method(self, method: str) -> "ConfigRangeError":
         """The same error naming the method key instead of the config class."""
         return ConfigRangeError(method, self.key, self.value, self.valid)

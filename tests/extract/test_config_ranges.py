@@ -233,3 +233,12 @@ def test_nan_and_infinity_are_out_of_every_float_range():
         with pytest.raises(ConfigRangeError, match=f"dpe: global_threshold={raw} is out of range; valid: "
                                                    "global_threshold: any finite number"):
             plan(RunOptions("dpe", "dtd", overrides=(("global_threshold", raw),)))
+
+
+def test_the_error_pickles():
+    """A sweep job's exception travels back pickled: the range error keeps its fields and its line."""
+    import pickle
+
+    e = ConfigRangeError("ttl", "lora_blocks", 99, "1 <= lora_blocks <= the model's vision blocks = 2")
+    back = pickle.loads(pickle.dumps(e))
+    assert str(back) == str(e) and (back.owner, back.key, back.value) == ("ttl", "lora_blocks", 99)
