@@ -421,7 +421,6 @@ def local_dir_name(path: Path, backbone: str | None) -> str:
     return backbone
 
 
-
 def architecture_facts(backbone: str, pretrained: str) -> dict[str, int]:
     """What a method config's ranges may depend on, read from the architecture's config without building the model
     (`extract.methods.base.Ref` with `of_model=True`): {"vision_blocks": N} for a ViT image tower of N blocks.
@@ -441,6 +440,7 @@ def architecture_facts(backbone: str, pretrained: str) -> dict[str, int]:
         cfg = open_clip.get_model_config(backbone) or {}
     layers = (cfg.get("vision_cfg") or {}).get("layers")
     return {"vision_blocks": layers} if isinstance(layers, int) and not isinstance(layers, bool) else {}
+
 
 @contextlib.contextmanager
 def _without_random_init_warning() -> Iterator[None]:

@@ -109,7 +109,6 @@ class Ref:
         return core if self.floor is None else f"max({self.floor}, {core})"
 
 
-
 @dataclass(frozen=True)
 class Valid:
     """The valid values of one config field: a closed or open interval of numbers (`lo`/`hi`: a number, a `Ref`, or

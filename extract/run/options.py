@@ -354,18 +354,14 @@ def _checked_config(method: str, config: Any, overrides: Mapping[str, Any], back
     from extract.methods.base import ConfigRangeError, apply_overrides, check_ranges, fit_to_model
 
     try:
-        if overrides:
-            try:
-                config = apply_overrides(config, dict(overrides))
-            except ConfigRangeError:
-                raise
-            except ValueError as e:
-                raise RunError(f"{method}: {e}") from None
-        facts = _architecture_facts(type(config), backbone, pretrained)
-        config, notes = fit_to_model(config, facts, keep=overrides)
-        check_ranges(config, method, facts)
+        config = apply_overrides(config, dict(overrides)) if overrides else config
     except ConfigRangeError as e:
         raise e.for_method(method) from None
+    except ValueError as e:  # an unknown key, a value of the wrong type
+        raise RunError(f"{method}: {e}") from None
+    facts = _architecture_facts(type(config), backbone, pretrained)
+    config, notes = fit_to_model(config, facts, keep=overrides)
+    check_ranges(config, method, facts)
     return config, tuple(f"{method} on {backbone}: {n}" for n in notes)
 
 
