@@ -189,7 +189,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         attach_views(method, model, data.testset, perm, planned.policy, options.seed)
         n_run = planned.n_run(data.n_total)
         method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
-        warnings = [*prompts.method.warnings, *method.warnings]
+        warnings = [*planned.model_notes, *prompts.method.warnings, *method.warnings]
         meta = shard_meta(planned, data, model, prompts, warnings)
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
                             _state_keys(method) if planned.episodic else None)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 
-from extract.methods.base import MethodConfig, PromptSet, check_hparams_key
+from extract.methods.base import MethodConfig, PromptSet, check_hparams_key, setting
 from extract.methods.common import ClassCache, ViewSummary, softmax_entropy, summarise_views
 from extract.methods.tda import TDA, TDA_ALPHA_BETA, TDA_IMAGENET80, TDA_MULTI_VIEW, TDAConfig
 
@@ -49,7 +49,7 @@ class BoostAdapterConfig(TDAConfig):
     n_views: int = 1  # ImageNet: the CLIP preprocess alone (`utils.py` `build_test_data_loader`)
     augmix: bool = False  # crop+flip views, never AugMix (`utils.py` `get_ood_preprocess`, `get_cross_dataset_...`)
     prompts: PromptSet = "dataset"  # TDA's per-dataset templates (`datasets/*.py`)
-    delta: int = 0  # extra boosted slots per class (`configs/*.yaml` delta)
+    delta: int = setting(0, ge=0)  # extra boosted slots per class (`configs/*.yaml` delta)
     summary: SampleSummary = "view0"  # "selected" on ImageNet-A/V/R/Sketch (`runner.py` `infer_ori_image`)
 
 

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key, setting
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,14 @@ class ECALPConfig(MethodConfig):
     prompts: PromptSet = "dataset"  # [ASSUMPTION: the text features are pre-extracted; the repository does not say
     #                                 which templates; TDA's per-dataset templates as for the other online methods]
     cupl: bool = False
-    k_text: int = 3  # --k_text
-    k_image: int = 8  # --k_image
-    gamma: float = 10.0  # --gamma: edge weight = similarity ** gamma
-    alpha: float = 1.0  # --alpha: Y_t = α·W̃·Ŷ + (1-α)·Y_0
-    num_iterations: int = 3  # --num_iterations
-    y0_divisor: float = 5.0  # Y_0 = top-1 score / 5 (`iterative_label_propagation`)
-    output_scale: float = 1e4  # softmax(pred * 10000)
-    degree_eps: float = 1e-6  # 1 / (sqrt(W_sum) + 1e-6)
+    k_text: int = setting(3, ge=1)  # --k_text
+    k_image: int = setting(8, ge=1)  # --k_image
+    gamma: float = setting(10.0, gt=0)  # --gamma: edge weight = similarity ** gamma
+    alpha: float = setting(1.0, ge=0, le=1)  # --alpha: Y_t = α·W̃·Ŷ + (1-α)·Y_0
+    num_iterations: int = setting(3, ge=0)  # --num_iterations
+    y0_divisor: float = setting(5.0, gt=0)  # Y_0 = top-1 score / 5 (`iterative_label_propagation`)
+    output_scale: float = setting(1e4, gt=0)  # softmax(pred * 10000)
+    degree_eps: float = setting(1e-6, gt=0)  # 1 / (sqrt(W_sum) + 1e-6)
 
 
 class ECALP(TTAMethod):

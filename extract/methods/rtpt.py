@@ -34,7 +34,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, check_hparams_key
+from extract.methods.base import IMAGENET_FAMILY, MethodConfig, Ref, check_hparams_key, setting
 from extract.methods.common import softmax_entropy
 from extract.methods.tpt import TPT, TPTConfig
 
@@ -108,19 +108,14 @@ class RTPTConfig(TPTConfig):
     # `convert_weights` is commented out in clip/model.py, so the weights are fp32
     amp: bool = False
     # 20 neighbours: `k = 20` hard-coded in `rtpt.py:get_top_sim`
-    top_k: int = 20
+    top_k: int = setting(20, ge=1, le=Ref("n_views", -1, floor=1))
     # softmax(score / 0.01): `rtpt.py:test_time_adapt_eval`
-    temperature: float = 0.01
+    temperature: float = setting(0.01, gt=0)
     # the `sim_matrix >= 1.0` test of `get_top_sim` ("official"), or always the diagonal (a named deviation)
     self_exclusion: SelfExclusion = "official"
     # n_views 64 (`-b 64`, README), lr 5e-3 (`--lr` default), weight decay 0.01 (AdamW default: only the lr is
     # passed), tta_steps 1, selection_p 0.1 (argparse defaults in rtpt.py), ctx_init "a photo of a" (README
     # `--ctx_init a_photo_of_a`): TPTConfig's values
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.top_k < 1 or self.temperature <= 0:
-            raise ValueError(f"{type(self).__qualname__}: top_k must be >= 1 and temperature > 0")
 
 
 class RTPT(TPT):

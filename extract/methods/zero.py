@@ -29,7 +29,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key, setting
 from extract.methods.common import n_confident
 
 TieBreak = Literal["official", "fixed"]
@@ -44,7 +44,7 @@ class ZeroConfig(MethodConfig):
     prompts: PromptSet = "single"  # --ctx_init a_photo_of_a: "a photo of a {}." (`scripts/zero.sh`, `clip/custom_clip.py`)
     cupl: bool = False
     episodic: bool = field(default=True, metadata={"fixed": True})
-    selection_p: float = 0.3  # self.gamma = 0.3 (`ttas/zero.py:24`): 19 of 64 views
+    selection_p: float = setting(0.3, gt=0, le=1)  # self.gamma = 0.3 (`ttas/zero.py:24`): 19 of 64 views
     # l is float16 in the official run (fp16 CLIP weights, `torch.cuda.amp.autocast()` in `run.py`), which also sets
     # the zero temperature eps = finfo(float16).eps = 2^-10
     logits_fp16: bool = True

@@ -216,6 +216,8 @@ class PlannedRun:
         settings_note: for a dataset without official settings: which settings apply (printed, kept in shards).
         ood_for: an OOD run's in-distribution key (None: a plain run); ood_dataset: its OOD set's key. `dataset` is
             then `<ood_dataset>@<ood_for>`.
+        model_notes: defaults lowered to fit the model (TTL's lora_blocks on a model with fewer vision blocks), one
+            line each (printed and kept in the shards' `zaec:warnings`).
     """
 
     options: RunOptions
@@ -228,6 +230,7 @@ class PlannedRun:
     settings_note: str = ""
     ood_for: str | None = None
     ood_dataset: str | None = None
+    model_notes: tuple[str, ...] = ()
 
     @property
     def class_dataset(self) -> str:
@@ -273,7 +276,6 @@ def plan(options: RunOptions) -> PlannedRun:
     """
     from extract.datasets import get_dataset
     from extract.methods import get_method
-    from extract.methods.base import apply_overrides
     from extract.views import view_policy
     from schemas.shard import RunKey
 
@@ -296,20 +298,60 @@ def plan(options: RunOptions) -> PlannedRun:
     unseen = spec.hparams_from is None  # a user's dataset: the method's documented settings for unseen data
     config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
     overrides = o.overrides_dict()
-    if overrides:
-        config = apply_overrides(config, dict(overrides))
+    config, model_notes = _checked_config(o.method, config, overrides, name, o.pretrained)
     try:
         policy = view_policy(int(config.n_views), bool(config.augmix))
     except ValueError as e:
         raise RunError(f"{o.method}: {e}") from None
     note = _unseen_note(o.method, cls, spec.key, config, overrides) if unseen else ""
     if ood is None:
-        return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note)
+        return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note,
+                          model_notes=model_notes)
     from schemas.shard import ood_run_dataset
 
     key = ood_run_dataset(ood.key, spec.key)
     return PlannedRun(o, cls, config, key, name, policy, RunKey(name, key, o.method, int(o.seed)), note,
-                      ood_for=spec.key, ood_dataset=ood.key)
+                      ood_for=spec.key, ood_dataset=ood.key, model_notes=model_notes)
+
+
+def _checked_config(method: str, config: Any, overrides: Mapping[str, Any], backbone: str,
+                    pretrained: str) -> tuple[Any, tuple[str, ...]]:
+    """`config` with the overrides applied, every field within its declared range (`extract.methods.base.setting`),
+    ranges that depend on the model's architecture included where its config can be read without the weights
+    (`extract.models.architecture_facts`; otherwise the method checks them on the loaded model). A default (not a
+    `--set` value) above a bound of the model is lowered to it, with a note: TTL's last 3 of ViT-B/16's 12 blocks
+    on a model of 2 blocks adapts both.
+
+    Returns:
+        (config, notes): one note per default lowered.
+
+    Raises:
+        ConfigRangeError: one line naming the method, the key, the value and the valid range; ValueError (unknown
+            key, a value of the wrong type) naming the method.
+    """
+    from extract.methods.base import ConfigRangeError, apply_overrides, check_ranges, fit_to_model
+
+    try:
+        config = apply_overrides(config, dict(overrides)) if overrides else config
+    except ConfigRangeError as e:
+        raise e.for_method(method) from None
+    except ValueError as e:  # an unknown key, a value of the wrong type
+        raise RunError(f"{method}: {e}") from None
+    facts = _architecture_facts(type(config), backbone, pretrained)
+    config, notes = fit_to_model(config, facts, keep=overrides)
+    check_ranges(config, method, facts)
+    return config, tuple(f"{method} on {backbone}: {n}" for n in notes)
+
+
+def _architecture_facts(config_cls: type, backbone: str, pretrained: str) -> dict[str, int]:
+    """The model facts the config's ranges need (`extract.models.architecture_facts`), {} when they need none."""
+    from extract.methods.base import model_fact_names
+
+    if not model_fact_names(config_cls):
+        return {}
+    from extract.models import architecture_facts
+
+    return architecture_facts(backbone, pretrained)
 
 
 def _in_distribution(ood_for: str, ood_key: str) -> Any:

@@ -23,7 +23,7 @@ from extract.run.stream import stream_permutation
 from extract.runner import run_extraction
 from schemas.shard import RunKey, find_shards, group_shards, read_shard, validate_shard
 
-from tests.support.extract import interrupt_nth_write, make_imagenet_folders, make_json_dataset
+from tests.support.extract import interrupt_nth_write, make_imagenet_folders, make_json_dataset, with_views
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
 
@@ -266,9 +266,15 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
     assert all(validate_shard(p) == [] for p in paths)
-    cfg = apply_overrides(methods.get_method(method).default_config("dtd", "tiny-clip"), overrides)
+    default = apply_overrides(methods.get_method(method).default_config("dtd", "tiny-clip"), overrides)
+    # a default above a bound of the model (TTL's 3 LoRA blocks; the tiny model has 1) is lowered to it, with a note
+    cfg = with_views(default, default.n_views, {"vision_blocks": len(tiny_model.model.visual.transformer.resblocks)})
     meta = read_shard(paths[0]).meta
     assert meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    lowered = [f"{method} on tiny-clip: {k}={v} (the default {getattr(default, k)} exceeds" for k, v in
+               dataclasses.asdict(cfg).items() if v != getattr(default, k)]
+    warnings = json.loads(meta.extra["zaec:warnings"])
+    assert all(any(w.startswith(n) for w in warnings) for n in lowered) and (method != "ttl" or lowered)
     # what the rows are: written only when they are not logits, so shards of the logit methods keep their bytes
     kind = methods.get_method(method).output_kind
     assert meta.output_kind == kind and ("zaec:output_kind" in meta.extra) == (kind != "logits")

@@ -178,7 +178,7 @@ def test_config_errors():
         apply_overrides(cfg, {"sign": "flipped"})
     with pytest.raises(ValueError, match="cannot be overridden"):
         apply_overrides(cfg, {"direction": "contract"})
-    with pytest.raises(ValueError, match=r"tau must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match="tau=1.0 is out of range; valid: 0 < tau < 1"):
         apply_overrides(cfg, {"tau": "1.0"})
     moved = apply_overrides(cfg, {"script": "ds", "sign": "official_head", "lambda_term": "3"})
     assert (moved.direction, moved.lambda_term) == ("expand", 3.0)
