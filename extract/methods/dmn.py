@@ -27,7 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ DMN_MEMORY_WEIGHT: dict[str, float] = {
 }
 
 
+DMNCrops = Literal["official", "shared"]
+
+
 @dataclass(frozen=True)
 class DMNConfig(MethodConfig):
     """DMN's knobs; defaults are the zero-shot ImageNet run of `scripts/run.sh`."""
@@ -64,6 +67,15 @@ class DMNConfig(MethodConfig):
     memory_size: int = 50  # --memory_size 50 (`scripts/run.sh`)
     beta: float = 5.5  # --beta 5.5 (`scripts/run.sh`)
     mem_weight: float = 1.0  # w of p_text + w·p_mem; per dataset `DMN_MEMORY_WEIGHT` (searched on test labels)
+    # "official": DMN's own crop + flip views on the ImageNet family, area U(0.5, 1) (`data/datautils.py`
+    # `get_preaugment`), cached as their own policy ("crop_flip_05"); "shared": the U(0.08, 1) crops every other
+    # crop + flip method uses (TPT's), read from the same cache, so no second encoding pass (zaec before issue 31).
+    # The difference measures DMN on larger, less varied crops. AugMix views (the other sets) keep 0.08-1 either way
+    crops: DMNCrops = "official"
+
+    @property
+    def crop_scale(self) -> tuple[float, float]:
+        return (0.5, 1.0) if self.crops == "official" and not self.augmix else (0.08, 1.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -122,7 +122,8 @@ class RTPTConfig(TPTConfig):
     # once, `clip/custom_clip.py:356-360`, and the `>= 1.0` self-exclusion reads exactly those bits). "twice":
     # re-normalise in the compute dtype first (zaec before issue 31; on once-normalised fp32 features with CLIP-like
     # cosines 39-51 of 64 self-similarities reach 1.0 where the official reaches 34-41, and the weights move by up
-    # to 0.55x the largest weight). Features cached in float16 reproduce neither (docs/methods.md, R-TPT)
+    # to 0.55x the largest weight). Features cached in float16 reproduce neither
+    # (docs/methods.md, "R-TPT (`extract/methods/rtpt.py`)")
     view_normalisation: ViewNormalisation = "once"
     # n_views 64 (`-b 64`, README), lr 5e-3 (`--lr` default), weight decay 0.01 (AdamW default: only the lr is
     # passed), tta_steps 1, selection_p 0.1 (argparse defaults in rtpt.py), ctx_init "a photo of a" (README

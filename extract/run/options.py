@@ -320,7 +320,7 @@ def plan(options: RunOptions) -> PlannedRun:
     if overrides:
         config = apply_overrides(config, dict(overrides))
     try:
-        policy = view_policy(int(config.n_views), bool(config.augmix))
+        policy = view_policy(int(config.n_views), bool(config.augmix), config.crop_scale)
     except ValueError as e:
         raise RunError(f"{o.method}: {e}") from None
     note = _unseen_note(o.method, cls, spec.key, config, overrides) if unseen else ""
