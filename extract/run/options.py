@@ -234,7 +234,8 @@ class PlannedRun:
         options: what was asked for.
         method_cls: the method class; config: its config with the overrides applied.
         dataset: the dataset's canonical key; backbone: the model name the shards record.
-        policy: the view policy ("single", "crop_flip", "augmix"); key: RunKey(backbone, dataset, method, seed).
+        policy: the view policy ("single", "crop_flip", "augmix", "crop_flip_05");
+            key: RunKey(backbone, dataset, method, seed).
         settings_note: for a dataset without official settings: which settings apply (printed, kept in shards).
         ood_for: an OOD run's in-distribution key (None: a plain run); ood_dataset: its OOD set's key. `dataset` is
             then `<ood_dataset>@<ood_for>`.
