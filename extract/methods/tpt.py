@@ -138,7 +138,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr
     """One `torch.optim.AdamW` step (amsgrad off) applied independently to each row of a stacked parameter.
 
     p ← p·(1 − lr·wd); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + eps).
-    Rows with `active` False keep parameter and state unchanged (a step skipped by the gradient scaler).
+    Rows with `active` False keep parameter and state unchanged (a step skipped by the gradient scaler). The
+    operations and their order are torch's (`_single_tensor_adam`), in the parameter's dtype (fp32 or fp16), and
+    the bias corrections are its Python floats (double) rounded once to float32: the result equals AdamW's.
 
     Args:
         param: (G, ...) parameter values (not modified).
