@@ -87,6 +87,16 @@ def test_every_registered_method_expands(method, tmp_path):
         assert Path(r.out).is_absolute()
 
 
+def test_dmn_own_crops_are_priced_as_crop_flip_views():
+    """DMN's `crop_flip_05` views (issue 31 item 4) cost what the measured crop_flip views cost per view."""
+    from extract.sweep.cost import Rates, encode_seconds
+
+    rates = Rates(source="test", encode_s={("ViT-B-16", "crop_flip"): 0.25, ("ViT-B-16", "augmix"): 0.5},
+                  adapt_s={}, overhead_s={})
+    assert encode_seconds("ViT-B-16", "crop_flip_05", rates) == 0.25
+    assert encode_seconds("ViT-B-16", "augmix", rates) == 0.5
+
+
 def test_grouping_puts_the_methods_of_one_cache_key_in_one_group(tmp_path):
     methods = tuple(sorted(REGISTRY))
     runs = expand_grid(Grid(methods, ("dtd", "imagenet_a", "eurosat"), ("ViT-B-16", "RN50"), (1, 2)), out=tmp_path)
@@ -712,13 +722,3 @@ def test_help_keeps_the_example_block_as_written(capsys):
     out = capsys.readouterr().out
     assert "      zaec-sweep --config grid.toml [any option above overrides the file]\n" in out
     assert "      zaec-sweep retry  [--out DIR]         resubmit the failed runs only\n" in out
-
-
-def test_dmn_own_crops_are_priced_as_crop_flip_views():
-    """DMN's `crop_flip_05` views (issue 31 item 4) cost what the measured crop_flip views cost per view."""
-    from extract.sweep.cost import Rates, encode_seconds
-
-    rates = Rates(source="test", encode_s={("ViT-B-16", "crop_flip"): 0.25, ("ViT-B-16", "augmix"): 0.5},
-                  adapt_s={}, overhead_s={})
-    assert encode_seconds("ViT-B-16", "crop_flip_05", rates) == 0.25
-    assert encode_seconds("ViT-B-16", "augmix", rates) == 0.5
