@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
-from calibrate.functional import adapted_stats
+from calibrate.functional.softmax import adapted_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
 from calibrate.ood import NOT_OOD, OOD_NAMES, OODStats, missing_ood
 from calibrate.trust import TRUST_NAMES, TrustStats, describe_missing

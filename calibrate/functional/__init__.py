@@ -2,7 +2,7 @@
 the way torchmetrics keeps `functional/` apart from its stateful classes.
 
 - `softmax`: entropy, prediction, confidence, NLL and Brier of softmax(logits / T) (`softmax_stats`,
-  `entropy_from_logits`), and of stored log-probability rows (`adapted_stats`, `stored_probability_stats`);
+  `entropy_from_logits`);
 - `zaec`: the ZAEC per-sample temperature solver (`solve_zaec`, `zaec_temperature`);
 - `temperature`: the temperature-scaling fit by NLL, streaming (`fit_temperature`, `nll_derivatives`).
 
@@ -10,14 +10,7 @@ A new kernel goes into the submodule of its kind (or a new one) and is listed he
 into `calibrate.calibrators` with its registry entry.
 """
 
-from calibrate.functional.softmax import (
-    CHUNK_ELEMENTS,
-    SoftmaxStats,
-    adapted_stats,
-    entropy_from_logits,
-    softmax_stats,
-    stored_probability_stats,
-)
+from calibrate.functional.softmax import CHUNK_ELEMENTS, SoftmaxStats, entropy_from_logits, softmax_stats
 from calibrate.functional.temperature import TS_BETA_MAX, TS_BETA_MIN, fit_temperature, nll_derivatives
 from calibrate.functional.zaec import (
     SUBSETS,
@@ -33,6 +26,6 @@ from calibrate.functional.zaec import (
 
 __all__ = [
     "CHUNK_ELEMENTS", "SUBSETS", "TS_BETA_MAX", "TS_BETA_MIN", "ZAEC_MAX_ITER", "ZAEC_RTOL", "ZAEC_T_MAX",
-    "ZAEC_T_MIN", "SoftmaxStats", "Subset", "ZaecSolution", "adapted_stats", "entropy_from_logits", "fit_temperature",
-    "nll_derivatives", "softmax_stats", "solve_zaec", "stored_probability_stats", "zaec_temperature",
+    "ZAEC_T_MIN", "SoftmaxStats", "Subset", "ZaecSolution", "entropy_from_logits", "fit_temperature",
+    "nll_derivatives", "softmax_stats", "solve_zaec", "zaec_temperature",
 ]

@@ -16,7 +16,8 @@ import numpy as np
 
 from calibrate.calibrators import TemperatureScaling, parse_calibrator
 from calibrate.classwise import ClasswiseStats
-from calibrate.functional import adapted_stats, softmax_stats
+from calibrate.functional import softmax_stats
+from calibrate.functional.softmax import adapted_stats
 from calibrate.run import Members, check_complete, resolve_ts_sources, run_counts
 from schemas import Completeness, RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from calibrate.functional import adapted_stats
+from calibrate.functional.softmax import adapted_stats
 from calibrate.run import calibrate_paths
 from extract.methods.zero import Zero, log_vote_fractions
 from schemas import write_shard
