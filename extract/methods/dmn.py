@@ -60,13 +60,6 @@ class DMNConfig(MethodConfig):
     # The runner's multi-view policy (original + 63); DMN reads views 0 .. used_views-1 (see `used_views`).
     n_views: int = 64
     augmix: bool = False  # crop+flip on the ImageNet family, AugMix elsewhere (`dmn_main.py`: augmix=len(set_id) > 1)
-    prompts: PromptSet = "dataset"  # dataset templates (`data/imagnet_prompts.py` ID_to_prompts / tip templates)
-    cupl: bool = True  # --text_prompt tip_cupl: templates + CuPL sentences (`scripts/run.sh`, `clip/fix_clip.py`)
-    used_views: int = 32  # -b 32: the original + 31 augmented views (`scripts/run.sh`)
-    selection_p: float = 0.1  # --selection_p 0.1 (`scripts/run.sh`)
-    memory_size: int = 50  # --memory_size 50 (`scripts/run.sh`)
-    beta: float = 5.5  # --beta 5.5 (`scripts/run.sh`)
-    mem_weight: float = 1.0  # w of p_text + w·p_mem; per dataset `DMN_MEMORY_WEIGHT` (searched on test labels)
     # "official": DMN's own crop + flip views on the ImageNet family, area U(0.5, 1) (`data/datautils.py`
     # `get_preaugment`), cached as their own policy ("crop_flip_05"); "shared": the U(0.08, 1) crops every other
     # crop + flip method uses (TPT's), read from the same cache, so no second encoding pass (zaec before issue 31).
@@ -75,7 +68,16 @@ class DMNConfig(MethodConfig):
 
     @property
     def crop_scale(self) -> tuple[float, float]:
+        """The `crops` setting's area range (`extract.views.CROP_SCALE`); AugMix views keep 0.08-1."""
         return (0.5, 1.0) if self.crops == "official" and not self.augmix else (0.08, 1.0)
+
+    prompts: PromptSet = "dataset"  # dataset templates (`data/imagnet_prompts.py` ID_to_prompts / tip templates)
+    cupl: bool = True  # --text_prompt tip_cupl: templates + CuPL sentences (`scripts/run.sh`, `clip/fix_clip.py`)
+    used_views: int = 32  # -b 32: the original + 31 augmented views (`scripts/run.sh`)
+    selection_p: float = 0.1  # --selection_p 0.1 (`scripts/run.sh`)
+    memory_size: int = 50  # --memory_size 50 (`scripts/run.sh`)
+    beta: float = 5.5  # --beta 5.5 (`scripts/run.sh`)
+    mem_weight: float = 1.0  # w of p_text + w·p_mem; per dataset `DMN_MEMORY_WEIGHT` (searched on test labels)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -169,23 +169,6 @@ def test_default_config_tables():
 
 # ---------------------------------------------------------------------------------------------- DMN-weak
 
-def test_dmn_weak_is_dmn_on_view_0():
-    cfg = REGISTRY["dmn-weak"].default_config("flowers102", "ViT-B-16")
-    assert (cfg.n_views, cfg.augmix, cfg.mem_weight) == (1, False, 10.0)
-    assert cfg == dataclasses.replace(DMN.default_config("flowers102", "ViT-B-16"), n_views=1, augmix=False)
-    text = make_text()
-    x = make_stream(50, 1, text, seed=9, noise=1.5)
-    small = dataclasses.replace(cfg, memory_size=2)
-    weak = REGISTRY["dmn-weak"](small, text, SCALE, backbone="ViT-B-16", dataset="flowers102").adapt(x)
-    # the official loop with its single view kept as the pseudo-label source (int(1 * 0.1) = 0 would keep none)
-    want, events = official_dmn(x.clone(), text, SCALE, small)
-    torch.testing.assert_close(weak.double(), torch.log(want / (1 + small.mem_weight)), atol=tol(small),
-                               rtol=torch.finfo(torch.float32).eps)
-    assert events["replaced"] > 0 and events["kept"] > 0
-    # the pseudo-label is view 0's own argmax: the memory read-out never sees another view
-    assert torch.equal(weak, run(dataclasses.replace(small, n_views=1), text, x, scale=SCALE))
-
-
 def test_official_crops_on_the_imagenet_family_are_their_own_policy():
     """Issue 31 item 4: DMN's crop + flip views crop at area 0.5-1 (`data/datautils.py` `get_preaugment`): a view
     policy and cache part of their own by default; `crops="shared"` reads TPT's 0.08-1 crops (no second encoding);
@@ -201,3 +184,20 @@ def test_official_crops_on_the_imagenet_family_are_their_own_policy():
     assert DMN.default_config("imagenet_a", "ViT-B-16").crop_scale == (0.5, 1.0)
     others = [k for k in REGISTRY if k not in ("dmn", "dmn-weak")]  # dmn-weak: one view, no crops
     assert all(REGISTRY[k].default_config("imagenet", "ViT-B-16").crop_scale == (0.08, 1.0) for k in others)
+
+
+def test_dmn_weak_is_dmn_on_view_0():
+    cfg = REGISTRY["dmn-weak"].default_config("flowers102", "ViT-B-16")
+    assert (cfg.n_views, cfg.augmix, cfg.mem_weight) == (1, False, 10.0)
+    assert cfg == dataclasses.replace(DMN.default_config("flowers102", "ViT-B-16"), n_views=1, augmix=False)
+    text = make_text()
+    x = make_stream(50, 1, text, seed=9, noise=1.5)
+    small = dataclasses.replace(cfg, memory_size=2)
+    weak = REGISTRY["dmn-weak"](small, text, SCALE, backbone="ViT-B-16", dataset="flowers102").adapt(x)
+    # the official loop with its single view kept as the pseudo-label source (int(1 * 0.1) = 0 would keep none)
+    want, events = official_dmn(x.clone(), text, SCALE, small)
+    torch.testing.assert_close(weak.double(), torch.log(want / (1 + small.mem_weight)), atol=tol(small),
+                               rtol=torch.finfo(torch.float32).eps)
+    assert events["replaced"] > 0 and events["kept"] > 0
+    # the pseudo-label is view 0's own argmax: the memory read-out never sees another view
+    assert torch.equal(weak, run(dataclasses.replace(small, n_views=1), text, x, scale=SCALE))
