@@ -194,6 +194,22 @@ def test_stored_argmax_is_the_official_prediction_where_float32_logs_collapse():
     assert float(out[0, 4]) == pytest.approx(-200.0 - math.log(float(rows[0].double().sum())), rel=1e-7)
 
 
+def test_stored_argmax_through_the_method_where_the_logs_collapse():
+    """The collapse through ZERO itself: 13 views vote for class 1, 12 for class 0 plus one view whose soft vote
+    gives class 0 all but ~5e-7, so class 0 sums to the float32 just below 13 (no tie: the official prediction is
+    class 1); the float32 logs of the two votes are equal, and the old stored row handed the argmax to class 0."""
+    text = torch.eye(K, D, dtype=torch.float32)
+    split = torch.zeros(D)
+    split[0], split[2] = 0.6, 0.6 - 24 * 2 ** -11
+    views = [text[1]] * 13 + [text[0]] * 12 + [split] + [text[3]] * 4 + [torch.ones(D)] * 70
+    x = torch.stack(views)
+    x = (x / x.norm(dim=-1, keepdim=True))[None]
+    _, p_bar = ref_zero(x[0], text, 100.0, 0.3, True, "official")
+    assert float(p_bar[1]) == 13.0 and float(p_bar[0]) == float(torch.nextafter(torch.tensor(13.0),
+                                                                                  torch.tensor(0.0)))
+    got = build(100, text=text).adapt(x)[0]
+    assert int(got.argmax()) == 1 and float(got[1]) > float(got[0])
+
 def _exact_aurc(conf: list, correct: list[bool]) -> Fraction:
     """AURC with exact ties: the mean over coverages k/N of the expected error rate of the k most confident
     samples, a tied group entered in a uniformly random order (so its j first members hold j/n of its errors)."""
