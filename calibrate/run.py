@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators
-from calibrate.functional.softmax import softmax_stats
+from calibrate.functional.softmax import adapted_stats, softmax_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
 from calibrate.ood import NOT_OOD, OOD_NAMES, OODStats, missing_ood
 from calibrate.trust import TRUST_NAMES, TrustStats, describe_missing
@@ -400,7 +400,7 @@ def _calibrate_run(
                 t = c.temperatures(shard.zs_logits, shard.tta_logits)
                 if isinstance(c, ZAEC):
                     capped[c.spec] += int(c.capped_.sum())
-                s = softmax_stats(shard.tta_logits, t, y_id)
+                s = adapted_stats(shard.tta_logits, t, y_id, members[0][1].output_kind)
                 _update(stats[c.spec], trust[c.spec], ood and ood[c.spec], shard.tta_logits, t, y, ind, s)
                 if writer is not None:
                     writer.write(c.spec, shard.sample_id, y, t, s)

@@ -16,7 +16,7 @@ import numpy as np
 
 from calibrate.calibrators import TemperatureScaling, parse_calibrator
 from calibrate.classwise import ClasswiseStats
-from calibrate.functional.softmax import softmax_stats
+from calibrate.functional.softmax import adapted_stats, softmax_stats
 from calibrate.run import Members, check_complete, resolve_ts_sources, run_counts
 from schemas.shard import Completeness, RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
@@ -98,6 +98,7 @@ def summarise_arrays(
     zs_logits: np.ndarray,
     tta_logits: np.ndarray,
     calibrators: Mapping[str, TemperatureFn],
+    output_kind: str = "logits",
 ) -> RunSummary:
     """Reduce one slice of a run (n samples) to a RunSummary (not yet sorted by sample_id).
 
@@ -106,6 +107,8 @@ def summarise_arrays(
         sample_id, label: (n,) integers.
         zs_logits, tta_logits: (n, K) paired logits.
         calibrators: spec -> function giving per-sample temperatures; "none" is added when missing.
+        output_kind: what `tta_logits` holds (`zaec:output_kind`); log-probability rows at T = 1 keep the
+            confidences they were stored with (`calibrate.functional.adapted_stats`).
     """
     label = np.asarray(label, dtype=np.int64)
     n, k = np.shape(tta_logits)
@@ -122,7 +125,7 @@ def summarise_arrays(
         t = np.asarray(fn(zs_logits, tta_logits), dtype=np.float64).reshape(-1)
         if t.shape != (n,):
             t = np.broadcast_to(t, (n,)).copy()
-        st = softmax_stats(tta_logits, t, y_nll)
+        st = adapted_stats(tta_logits, t, y_nll, output_kind)
         cal[spec] = CalibratedStats(t, st.confidence, st.entropy, st.nll)
         if spec in CLASSWISE_SPECS:
             cw[spec] = ClasswiseStats().update_logits(np.asarray(tta_logits)[ind], t[ind], label[ind])
@@ -215,7 +218,8 @@ def summarise_run(
     for shard in iter_run(members):
         shard = _checked(shard, drop_nonfinite, notes)
         parts.append(
-            summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators))
+            summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators,
+                             members[0][1].output_kind))
         if on_shard is not None:
             on_shard(shard)
     return replace(merge_summaries(parts, str(members[0][0].parent)), ood_for=members[0][1].ood_for)

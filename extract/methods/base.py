@@ -295,6 +295,12 @@ class MethodConfig:
                                  f"{', '.join(map(repr, choices))}, got {value!r}")
         check_ranges(self)
 
+    @property
+    def crop_scale(self) -> tuple[float, float]:
+        """Area range of the random resized crops of views 1.. (`extract.views.CROP_SCALE` picks the policy):
+        torchvision's default, which TPT and its followers use; a method whose official crops differ overrides it."""
+        return (0.08, 1.0)
+
 
 def _literal_choices(tp: Any) -> tuple[Any, ...] | None:
     return typing.get_args(tp) if typing.get_origin(tp) is Literal else None

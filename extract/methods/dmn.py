@@ -27,7 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ DMN_MEMORY_WEIGHT: dict[str, float] = {
 }
 
 
+DMNCrops = Literal["official", "shared"]
+
+
 @dataclass(frozen=True)
 class DMNConfig(MethodConfig):
     """DMN's knobs; defaults are the zero-shot ImageNet run of `scripts/run.sh`."""
@@ -57,6 +60,17 @@ class DMNConfig(MethodConfig):
     # The runner's multi-view policy (original + 63); DMN reads views 0 .. used_views-1 (see `used_views`).
     n_views: int = 64
     augmix: bool = False  # crop+flip on the ImageNet family, AugMix elsewhere (`dmn_main.py`: augmix=len(set_id) > 1)
+    # "official": DMN's own crop + flip views on the ImageNet family, area U(0.5, 1) (`data/datautils.py`
+    # `get_preaugment`), cached as their own policy ("crop_flip_05"); "shared": the U(0.08, 1) crops every other
+    # crop + flip method uses (TPT's), read from the same cache, so no second encoding pass (zaec before issue 31).
+    # The difference measures DMN on larger, less varied crops. AugMix views (the other sets) keep 0.08-1 either way
+    crops: DMNCrops = "official"
+
+    @property
+    def crop_scale(self) -> tuple[float, float]:
+        """The `crops` setting's area range (`extract.views.CROP_SCALE`); AugMix views keep 0.08-1."""
+        return (0.5, 1.0) if self.crops == "official" and not self.augmix else (0.08, 1.0)
+
     prompts: PromptSet = "dataset"  # dataset templates (`data/imagnet_prompts.py` ID_to_prompts / tip templates)
     cupl: bool = True  # --text_prompt tip_cupl: templates + CuPL sentences (`scripts/run.sh`, `clip/fix_clip.py`)
     # -b 32: the original + 31 augmented views (`scripts/run.sh`)

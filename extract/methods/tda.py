@@ -123,8 +123,8 @@ class TDA(TTAMethod):
                 self._update_negative(y, f, s.entropy[i], neg_mask[i])
             out[i] += c.alpha * self._positive_affinity(i, f, extra)
             if len(self.neg):
-                a = self.neg.affinity_weights(f, c.neg_beta)  # (K, cap)
-                out[i] -= c.neg_alpha * torch.einsum("kj,kjc->c", a, self.neg.extras["mask"])
+                a = self._cache_affinity(self.neg, f, c.neg_beta)  # (K, cap)
+                out[i] -= c.neg_alpha * torch.einsum("kj,kjc->c", a, self.neg.extras["mask"].to(a.dtype))
         return out
 
     # Steps a method built on TDA's caches (BoostAdapter) replaces; TDA's own are below.
@@ -145,4 +145,9 @@ class TDA(TTAMethod):
     def _positive_affinity(self, i: int, f: torch.Tensor, extra: Any) -> torch.Tensor:
         """(K,) Σ_j exp(-β(1 - f·k_j)) over class c's positive-cache items, for sample i of the chunk."""
         assert self.pos is not None
-        return self.pos.affinity_weights(f, self.config.beta).sum(1)
+        return self._cache_affinity(self.pos, f, self.config.beta).sum(1)
+
+    def _cache_affinity(self, cache: ClassCache, f: torch.Tensor, beta: float) -> torch.Tensor:
+        """(K, capacity) exp(-β(1 - f·k)) over a cache's slots, zero in empty ones (BoostAdapter's fp16 path forms
+        it as its official code does)."""
+        return cache.affinity_weights(f, beta)

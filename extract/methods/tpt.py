@@ -132,12 +132,13 @@ class AdamWState:
 
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: torch.Tensor  # (G,) float
+    step: torch.Tensor  # (G,) float64: the bias corrections are formed in double, as AdamW's Python floats
+    calls: int = 0  # steps offered so far: no row took more (sizes the table of bias corrections)
 
     @classmethod
     def zeros_like(cls, param: torch.Tensor) -> "AdamWState":
         return cls(torch.zeros_like(param), torch.zeros_like(param),
-                   torch.zeros(param.shape[0], dtype=param.dtype, device=param.device))
+                   torch.zeros(param.shape[0], dtype=torch.float64, device=param.device))
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr: float, betas: tuple[float, float],
@@ -145,7 +146,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr
     """One `torch.optim.AdamW` step (amsgrad off) applied independently to each row of a stacked parameter.
 
     p ← p·(1 − lr·wd); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + eps).
-    Rows with `active` False keep parameter and state unchanged (a step skipped by the gradient scaler).
+    Rows with `active` False keep parameter and state unchanged (a step skipped by the gradient scaler). The
+    operations and their order are torch's (`_single_tensor_adam`), in the parameter's dtype (fp32 or fp16), and
+    the bias corrections are its Python floats (double) rounded once to float32: the result equals AdamW's.
 
     Args:
         param: (G, ...) parameter values (not modified).
@@ -162,13 +165,21 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr
     a = act.view(shape)
     grad = torch.where(a, grad, torch.zeros_like(grad))
     b1, b2 = betas
-    step = state.step + act.to(state.step.dtype)
-    m = torch.where(a, state.exp_avg * b1 + grad * (1 - b1), state.exp_avg)
-    v = torch.where(a, state.exp_avg_sq * b2 + grad * grad * (1 - b2), state.exp_avg_sq)
-    t = step.clamp_min(1).view(shape)
-    bc1 = 1 - b1 ** t
-    bc2_sqrt = (1 - b2 ** t).sqrt()
-    new = param * (1 - lr * weight_decay) - (lr / bc1) * m / (v.sqrt() / bc2_sqrt + eps)
+    step = state.step.to(torch.float64) + act.to(torch.float64)
+    # torch's own operations in its order (lerp, mul + addcmul), with the Python-float factors it passes
+    m = torch.where(a, state.exp_avg.lerp(grad, 1 - b1), state.exp_avg)
+    v = torch.where(a, (state.exp_avg_sq * b2).addcmul_(grad, grad, value=1 - b2), state.exp_avg_sq)
+    # Bias corrections as AdamW forms them, from Python floats (b ** n in double: torch's float64 pow differs from
+    # Python's in the last bit for some n), one table entry per step count, then rounded once to the precision
+    # torch applies a Python scalar in: float32 for fp16/fp32 parameters (their opmath type)
+    state.calls += 1
+    opmath = torch.float64 if param.dtype == torch.float64 else torch.float32
+    table = torch.tensor([[lr / (1 - b1 ** n), (1 - b2 ** n) ** 0.5] for n in range(1, state.calls + 1)],
+                         dtype=torch.float64).to(device=param.device, dtype=opmath)
+    idx = (step.clamp_min(1) - 1).long()
+    step_size, bc2_sqrt = table[idx, 0].view(shape), table[idx, 1].view(shape)
+    denom = (v.sqrt() / bc2_sqrt).to(v.dtype) + eps
+    new = (param * (1 - lr * weight_decay) - step_size * m / denom).to(param.dtype)
     state.exp_avg, state.exp_avg_sq, state.step = m, v, step
     return torch.where(a, new, param)
 

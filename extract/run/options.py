@@ -212,7 +212,8 @@ class PlannedRun:
         options: what was asked for.
         method_cls: the method class; config: its config with the overrides applied.
         dataset: the dataset's canonical key; backbone: the model name the shards record.
-        policy: the view policy ("single", "crop_flip", "augmix"); key: RunKey(backbone, dataset, method, seed).
+        policy: the view policy ("single", "crop_flip", "augmix", "crop_flip_05");
+            key: RunKey(backbone, dataset, method, seed).
         settings_note: for a dataset without official settings: which settings apply (printed, kept in shards).
         ood_for: an OOD run's in-distribution key (None: a plain run); ood_dataset: its OOD set's key. `dataset` is
             then `<ood_dataset>@<ood_for>`.
@@ -300,7 +301,7 @@ def plan(options: RunOptions) -> PlannedRun:
     overrides = o.overrides_dict()
     config, model_notes = _checked_config(o.method, config, overrides, name, o.pretrained)
     try:
-        policy = view_policy(int(config.n_views), bool(config.augmix))
+        policy = view_policy(int(config.n_views), bool(config.augmix), config.crop_scale)
     except ValueError as e:
         raise RunError(f"{o.method}: {e}") from None
     note = _unseen_note(o.method, cls, spec.key, config, overrides) if unseen else ""

@@ -267,7 +267,9 @@ def cost_notes(methods: Sequence[str]) -> list[str]:
 
 def encode_seconds(backbone: str, policy: str, rates: Rates | None = None) -> float:
     """Estimated GPU-seconds per encoded view: measured (`rates`) for this backbone and policy, else the table."""
-    measured = rates.encode_s.get((backbone, policy)) if rates is not None else None
+    # DMN's crop_flip_05 views cost what crop_flip views cost (the same operations on a larger area)
+    rate_policy = "crop_flip" if policy == "crop_flip_05" else policy
+    measured = rates.encode_s.get((backbone, rate_policy)) if rates is not None else None
     return measured if measured is not None else ENCODE_S_PER_VIEW[_family(backbone)]
 
 

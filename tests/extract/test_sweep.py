@@ -75,7 +75,7 @@ def _grid_args(model_dir, data_root, out, cache, *extra):
 
 def _expected_policy(method: str, dataset: str, backbone: str) -> str:
     cfg = get_method(method).default_config(get_dataset(dataset).hparams_from, backbone)
-    return view_policy(cfg.n_views, cfg.augmix)
+    return view_policy(cfg.n_views, cfg.augmix, cfg.crop_scale)
 
 
 @pytest.mark.parametrize("method", sorted(REGISTRY))
@@ -85,6 +85,16 @@ def test_every_registered_method_expands(method, tmp_path):
     for r in runs:
         assert r.policy == _expected_policy(method, r.dataset, r.backbone)
         assert Path(r.out).is_absolute()
+
+
+def test_dmn_own_crops_are_priced_as_crop_flip_views():
+    """DMN's `crop_flip_05` views (issue 31 item 4) cost what the measured crop_flip views cost per view."""
+    from extract.sweep.cost import Rates, encode_seconds
+
+    rates = Rates(source="test", encode_s={("ViT-B-16", "crop_flip"): 0.25, ("ViT-B-16", "augmix"): 0.5},
+                  adapt_s={}, overhead_s={})
+    assert encode_seconds("ViT-B-16", "crop_flip_05", rates) == 0.25
+    assert encode_seconds("ViT-B-16", "augmix", rates) == 0.5
 
 
 def test_grouping_puts_the_methods_of_one_cache_key_in_one_group(tmp_path):

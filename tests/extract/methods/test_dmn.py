@@ -169,6 +169,23 @@ def test_default_config_tables():
 
 # ---------------------------------------------------------------------------------------------- DMN-weak
 
+def test_official_crops_on_the_imagenet_family_are_their_own_policy():
+    """Issue 31 item 4: DMN's crop + flip views crop at area 0.5-1 (`data/datautils.py` `get_preaugment`): a view
+    policy and cache part of their own by default; `crops="shared"` reads TPT's 0.08-1 crops (no second encoding);
+    AugMix sets and DMN-weak's single view are unchanged, and so is every other method."""
+    from extract.run.options import RunOptions, plan
+
+    for ds in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"):
+        assert plan(RunOptions.make("dmn", ds)).policy == "crop_flip_05"
+        assert plan(RunOptions.make("dmn", ds, overrides={"crops": "shared"})).policy == "crop_flip"
+        assert plan(RunOptions.make("dmn-weak", ds)).policy == "single"
+        assert plan(RunOptions.make("tpt", ds)).policy == "crop_flip"
+    assert plan(RunOptions.make("dmn", "dtd")).policy == "augmix"
+    assert DMN.default_config("imagenet_a", "ViT-B-16").crop_scale == (0.5, 1.0)
+    others = [k for k in REGISTRY if k not in ("dmn", "dmn-weak")]  # dmn-weak: one view, no crops
+    assert all(REGISTRY[k].default_config("imagenet", "ViT-B-16").crop_scale == (0.08, 1.0) for k in others)
+
+
 def test_dmn_weak_is_dmn_on_view_0():
     cfg = REGISTRY["dmn-weak"].default_config("flowers102", "ViT-B-16")
     assert (cfg.n_views, cfg.augmix, cfg.mem_weight) == (1, False, 10.0)
