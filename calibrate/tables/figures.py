@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import ZERO_SHOT
+from calibrate.tables.render import IN_SAMPLE_MARK
 from schemas.atomic import atomic_path
 
 CAL_COLORS = {"zero-shot": "#7f7f7f", "none": "#d62728", "temperature": "#9467bd", "sals": "#ff7f0e",
@@ -307,7 +308,7 @@ def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title:
                 vals.append(r[col][0] if r.height else np.nan)
             name = "Zero-shot" if c == "zero-shot" else layout.calibrator_label(c)
             if "in_sample" in summary.columns and summary.filter(pl.col("calibrator") == c)["in_sample"].any():
-                name += " ‡ (in-sample)"  # averaged over its own fitting set (`builders.backbone_summary`)
+                name += f" {IN_SAMPLE_MARK} (in-sample)"  # averaged over its own fitting set (`builders.backbone_summary`)
             ax.bar(x + (k - (len(cals) - 1) / 2) * width, vals, width=width, color=CAL_COLORS.get(c), label=name)
         ax.set_xticks(x, [layout.method_label(m) for m in methods])
         ax.set_ylabel(label)
@@ -326,6 +327,8 @@ def plot_risk_coverage(curves: pl.DataFrame, path: str | os.PathLike, title: str
     panel title), one step line per prediction (zero-shot, raw, SaLS, ZAEC, temperature scaling) with its AURC in
     the legend; the dotted line is the oracle (all correct samples accepted first) of the raw prediction."""
     methods = curves["method"].unique(maintain_order=True).to_list()
+    in_sample = curves["in_sample"] if "in_sample" in curves.columns else pl.Series([False] * curves.height)
+    curves = curves.with_columns(in_sample.alias("in_sample"))
     cols = min(len(methods), 4)
     rows = (len(methods) + cols - 1) // cols
     fig = Figure(figsize=(3.4 * cols, 3.0 * rows), layout="constrained")
@@ -335,12 +338,15 @@ def plot_risk_coverage(curves: pl.DataFrame, path: str | os.PathLike, title: str
         part = curves.filter(pl.col("method") == m)
         for panel in part["panel"].unique(maintain_order=True).to_list():
             p = part.filter(pl.col("panel") == panel).sort("point")
-            label = "zero-shot" if panel == ZERO_SHOT else layout.calibrator_label(panel)
+            if panel == "oracle":  # over the whole coverage range (`trust_tables.risk_coverage_curves`)
+                ax.plot(p["coverage"] * 100.0, p["risk"] * 100.0, ls=":", lw=0.8, color="#555555", label="oracle")
+                continue
+            label = ("zero-shot" if panel == ZERO_SHOT else layout.calibrator_label(panel)) + (
+                f" {IN_SAMPLE_MARK}" if p["in_sample"].any() else "")
             ax.step(p["coverage"] * 100.0, p["risk"] * 100.0, where="post", lw=1.1,
                     color=CAL_COLORS.get(panel), label=f"{label} (AURC {100.0 * p['aurc'][0]:.2f})")
-            if panel == "none":
-                ax.plot(p["coverage"] * 100.0, p["oracle_risk"] * 100.0, ls=":", lw=0.8, color="#555555",
-                        label="oracle")
+            # where the curve starts: late when the most confident tied group is large (top probability 1.0)
+            ax.plot(p["coverage"][0] * 100.0, p["risk"][0] * 100.0, marker="o", ms=2.5, color=CAL_COLORS.get(panel))
         ax.set_title(f"{layout.method_label(m)} (seed {part['seed'][0]}, {part['n'][0]} samples)", fontsize=9)
         ax.set_xlabel("coverage (%)")
         ax.set_ylabel("selective risk (%)")

@@ -650,7 +650,7 @@ def risk_coverage_figure(ctx: Context) -> Item:
     refs, notes = _reference_runs(ctx)
     frames, paths = [], []
     for bb, ref, ref_runs in refs:
-        curves = trust_tables.risk_coverage_curves(ref_runs)
+        curves = trust_tables.risk_coverage_curves(ref_runs, ts_in_sample=ctx.ts_in_sample)
         if not curves.height:
             continue
         frames.append(curves)
@@ -662,7 +662,12 @@ def risk_coverage_figure(ctx: Context) -> Item:
     caption = ("Selective risk (error rate among the accepted samples) vs coverage when the most confident samples "
                "(max softmax probability) are accepted first, one panel per method (its lowest-seed run on the "
                "reference dataset, `--reference-dataset`), one line per prediction with its AURC (%) in the legend; "
-               "dotted: the oracle that accepts every correct sample first. Tied confidences are accepted together.")
+               "dotted: the oracle that accepts every correct sample first, over the whole coverage range (panel "
+               "`oracle` in the CSV). Tied confidences are accepted together, so a prediction's curve starts at the "
+               "share of its most confident tied group (e.g. every top probability exactly 1.0).")
+    if any(f["in_sample"].any() for f in frames):
+        caption += (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in a legend (CSV column `in_sample`): scored on the "
+                    "labelled data its T was fitted on (`--ts-source`), in-sample.")
     return written("Risk-coverage figure", what,
                    [render.write_csv(pl.concat(frames), ctx.out / "risk_coverage.csv"), *paths], notes, caption,
                    beyond_paper=True)

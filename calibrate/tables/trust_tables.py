@@ -26,7 +26,7 @@ import numpy as np
 import polars as pl
 
 from calibrate.classwise import CLASSWISE_NAMES, top_label_ece
-from calibrate.selective import SCORES, SelectiveStats, confidence_score, interval, risk_coverage
+from calibrate.selective import SCORES, SelectiveStats, confidence_score, interval, oracle_curve, risk_coverage
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, dataset_seed, resample_counts
 from calibrate.tables.data import RunSummary
@@ -336,29 +336,42 @@ def missing_notes(table: pl.DataFrame) -> list[str]:
     return notes
 
 
+#: the risk-coverage figure's panel of the oracle (every correct sample of the raw prediction accepted first)
+ORACLE = "oracle"
+
+
 def risk_coverage_curves(
-    runs: dict[str, RunSummary], calibrators: Sequence[str] = TRUST_CALIBRATORS, score: str = "msp"
+    runs: dict[str, RunSummary], calibrators: Sequence[str] = TRUST_CALIBRATORS, score: str = "msp",
+    ts_in_sample: str | None = None,
 ) -> pl.DataFrame:
     """Risk-coverage curves of one run per method (`calibrate.selective.risk_coverage`): the paired zero-shot
-    prediction and each calibrator present, selected by `score`.
+    prediction and each calibrator present, selected by `score`, and panel "oracle": the oracle of the raw
+    prediction over the whole coverage range (`calibrate.selective.oracle_curve`; threshold and AURC null), which
+    a run's own points may not span (a tied group of top probabilities exactly 1.0 is accepted whole).
 
     Returns:
-        Columns backbone, dataset, method, seed, panel ("zero-shot" or a calibrator), score, point (0..G-1),
-        threshold, coverage, risk, oracle_risk (fractions), aurc (fraction, the panel's AURC), n (samples).
+        Columns backbone, dataset, method, seed, panel ("zero-shot", a calibrator or "oracle"), score, point
+        (0..G-1), threshold, coverage, risk, oracle_risk (fractions), aurc (fraction, the panel's AURC), n (samples),
+        in_sample (a temperature-scaling panel of dataset `ts_in_sample`, the labelled set its T was fitted on).
     """
     frames = []
     for m in layout.order_methods(runs):
         s = runs[m]
         if not len(s):
             continue
+        key = {"backbone": s.key.backbone, "dataset": s.key.dataset, "method": m, "seed": s.key.seed}
         for name, pred, conf, ent in _predictions(s, calibrators):
             rc = risk_coverage(confidence_score(score, conf, ent), pred == s.label)
             frames.append(pl.DataFrame({
-                "backbone": s.key.backbone, "dataset": s.key.dataset, "method": m, "seed": s.key.seed,
-                "panel": name, "score": score, "point": np.arange(rc.coverage.size), "threshold": rc.threshold,
+                **key, "panel": name, "score": score, "point": np.arange(rc.coverage.size), "threshold": rc.threshold,
                 "coverage": rc.coverage, "risk": rc.risk, "oracle_risk": rc.oracle_risk, "aurc": rc.aurc,
-                "n": len(s)}))
+                "n": len(s), "in_sample": name == "temperature" and s.key.dataset == ts_in_sample}))
+        cov, risk = oracle_curve(len(s), int(s.tta_correct.sum()))
+        frames.append(pl.DataFrame({
+            **key, "panel": ORACLE, "score": score, "point": np.arange(cov.size), "threshold": None,
+            "coverage": cov, "risk": risk, "oracle_risk": risk, "aurc": None, "n": len(s), "in_sample": False}))
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "panel": pl.Utf8,
               "score": pl.Utf8, "point": pl.Int64, "threshold": pl.Float64, "coverage": pl.Float64,
-              "risk": pl.Float64, "oracle_risk": pl.Float64, "aurc": pl.Float64, "n": pl.Int64}
+              "risk": pl.Float64, "oracle_risk": pl.Float64, "aurc": pl.Float64, "n": pl.Int64,
+              "in_sample": pl.Boolean}
     return pl.concat([f.cast(schema) for f in frames]) if frames else pl.DataFrame(schema=schema)
