@@ -453,8 +453,9 @@ def _update(stats: CalibrationStats, trust: TrustStats, ood: OODStats | None, lo
     trust.update(logits, t, y, s.prediction, s.confidence, s.entropy)
 
 
-def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
-    """Write `out/metrics.parquet`, `out/metrics.csv` and `out/notes.json` (each atomically)."""
+def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path, Path]:
+    """Write `out/metrics.parquet`, `out/metrics.csv` and `out/notes.json` (each atomically); returns the three
+    paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, writer in (("metrics.parquet", report.metrics.write_parquet), ("metrics.csv", report.metrics.write_csv)):
@@ -465,4 +466,4 @@ def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
                                            "capped": report.capped, "dropped_nonfinite": report.dropped_nonfinite,
                                            "missing": report.missing},
                       indent=2)
-    return paths[0], paths[1]
+    return paths[0], paths[1], out / "notes.json"
