@@ -656,6 +656,30 @@ def backbone_summary(
     return pl.DataFrame(rows, schema=schema)
 
 
+def summary_left_out(cells: pl.DataFrame, backbone: str, datasets: Sequence[str], summary: pl.DataFrame
+                     ) -> pl.DataFrame:
+    """The TTA methods of `backbone` that `backbone_summary` left out of Figure 3, and why: the datasets among
+    `datasets` where the method has no run (every bar averages the same datasets, so a method missing one is not
+    drawn rather than averaged over fewer).
+
+    Returns:
+        Columns backbone, method, missing (comma-separated dataset keys, layout order), n_missing, in the paper's
+        method order; empty when every method is drawn.
+    """
+    cb = cells.filter((pl.col("backbone") == backbone) & (pl.col("method") != layout.ZERO_SHOT)
+                      & (pl.col("calibrator") == "none"))
+    drawn = set(summary["method"]) if summary.height else set()
+    rows = []
+    for m in layout.order_methods(cb["method"].unique().to_list()):
+        if m in drawn:
+            continue
+        have = set(cb.filter(pl.col("method") == m)["dataset"])
+        missing = [d for d in datasets if d not in have]
+        rows.append(dict(backbone=backbone, method=m, missing=",".join(missing), n_missing=len(missing)))
+    return pl.DataFrame(rows, schema={"backbone": pl.Utf8, "method": pl.Utf8, "missing": pl.Utf8,
+                                      "n_missing": pl.Int64})
+
+
 def pick_datasets(present: Iterable[str], preferred: Sequence[str]) -> tuple[list[str], bool]:
     """The preferred datasets that are present, or (when none is) every present dataset in layout order.
     Returns (datasets, used_preferred)."""

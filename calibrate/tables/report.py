@@ -397,6 +397,12 @@ def figure_3(ctx: Context) -> Item:
         present = cells.filter(pl.col("backbone") == bb)["dataset"].unique().to_list()
         datasets, preferred = builders.pick_datasets(present, layout.GROUPS["natural_shift"])
         sm = builders.backbone_summary(cells, bb, datasets, ts_in_sample=ctx.ts_in_sample)
+        gone = builders.summary_left_out(cells, bb, datasets, sm)
+        if gone.height:
+            notes.append(f"{bb}: {gone.height} of {gone.height + sm['method'].n_unique()} method(s) left out, "
+                         f"each without runs on a dataset the bars average ({', '.join(datasets)}): " + "; ".join(
+                             f"{layout.method_label(r['method'])} (no {r['missing'].replace(',', ', ')})"
+                             for r in gone.iter_rows(named=True)))
         if not sm.height:
             notes.append(f"{bb}: no method has every dataset")
             continue
@@ -405,11 +411,15 @@ def figure_3(ctx: Context) -> Item:
             notes.append(f"{bb}: the Temp. Scal. bars ({render.IN_SAMPLE_MARK}) average over {ctx.ts_in_sample}, "
                          "the labelled set T was fitted on, so they are partly scored on their own fitting data")
         where = "natural-shift datasets" if preferred else "all datasets"
-        paths.append(figures.plot_backbone_summary(sm, out / f"fig3_summary_{slug(bb)}.png",
-                                                   f"{bb}: average ECE and mean entropy over {where}"))
+        title = f"{bb}: average ECE and mean entropy over {where}" + (
+            f"\nleft out, without runs on every dataset: {', '.join(layout.method_label(m) for m in gone['method'])}"
+            if gone.height else "")
+        paths.append(figures.plot_backbone_summary(sm, out / f"fig3_summary_{slug(bb)}.png", title))
     if frames:
         caption = ("Average ECE (%) and mean entropy (nats) per method and calibrator over the natural-shift "
-                   "datasets, zero-shot first (the paper draws it for RN50; here for every backbone).")
+                   "datasets, zero-shot first (the paper draws it for RN50; here for every backbone). Every bar "
+                   "averages the same datasets: a method without runs on one of them is left out, named with the "
+                   "datasets it lacks in the notes below.")
         if any(f["in_sample"].any() for f in frames):
             caption += (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in the legend (CSV column `in_sample`): its "
                         "average includes the dataset its T was fitted on (`--ts-source`), scored in-sample.")
