@@ -14,7 +14,7 @@ from scipy import stats
 
 from calibrate.metrics import ece, reliability
 from calibrate.tables import layout
-from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, basic_interval
+from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, basic_interval, bias_corrected
 from calibrate.tables.data import RunSummary
 
 _KEY = ["backbone", "dataset", "method", "seed"]
@@ -116,6 +116,15 @@ class CellReplicates:
         lo = float(lo) if floor is None else max(float(lo), floor)
         return lo, float(hi)
 
+    def centre(self, reps: np.ndarray | None, estimate: float | None, scale: float = 100.0,
+               floor: float | None = None) -> float | None:
+        """The bias-corrected value 2 x estimate - median of the replicates (x `scale`), the centre of `interval`
+        (`bootstrap.bias_corrected`); `floor` clips it as `interval` clips its lower end."""
+        if reps is None or estimate is None or self.boot is None:
+            return None
+        v = float(bias_corrected(estimate, np.asarray(reps) * scale))
+        return v if floor is None else max(v, floor)
+
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
     vals = [v for v in values if v is not None and np.isfinite(v)]
@@ -137,7 +146,7 @@ _MAIN_SCHEMA = {
     "row_label": pl.Utf8, "row_pos": pl.Int64, "metric": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8,
     "column_label": pl.Utf8, "col_pos": pl.Int64, "value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
     "n_datasets": pl.Int64, "group_size": pl.Int64, "seed_std": pl.Float64, "n_seeds": pl.Int64,
-    "in_sample": pl.Boolean, "bold": pl.Boolean,
+    "in_sample": pl.Boolean, "bold": pl.Boolean, "bias_corrected": pl.Float64, "ci_excludes_estimate": pl.Boolean,
 }
 
 
@@ -191,6 +200,14 @@ def _bold_block_minima(df: pl.DataFrame) -> pl.DataFrame:
     return df.with_columns(pl.Series("bold", bold)).sort(["block_pos", "row_pos", "col_pos"])
 
 
+def _bias_columns(replicates: CellReplicates, reps: np.ndarray | None, value: float | None, lo: float | None,
+                  hi: float | None) -> dict:
+    """`bias_corrected` (2 x value - median replicate, floored at 0 as the interval) and `ci_excludes_estimate`
+    (the basic interval lies wholly below, or above, the value: `bootstrap.basic_interval` says when and why)."""
+    return dict(bias_corrected=replicates.centre(reps, value, floor=0.0),
+                ci_excludes_estimate=None if lo is None else bool(not lo <= value <= hi))
+
+
 def main_table(
     cells: pl.DataFrame,
     backbone: str,
@@ -206,7 +223,9 @@ def main_table(
     `group_size` is the number the group holds: the paper's count for its groups, else the columns shown).
     `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot and in-sample
     cells are never bold.
-    `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates).
+    `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates);
+    `bias_corrected`: its centre 2 x ECE - median replicate; `ci_excludes_estimate`: the interval lies wholly below
+    (or above) the ECE, where the bootstrap finds a bias larger than the sampling spread (`bootstrap.basic_interval`).
     `in_sample`: a temperature-scaling cell of dataset `ts_in_sample` (the labelled source T was fitted on, so it is
     scored on its own fitting data), or an average that includes one.
     """
@@ -231,7 +250,8 @@ def main_table(
                                  row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset=d,
                                  column_label=layout.dataset_label(d), col_pos=col, value=v, ci_low=lo, ci_high=hi,
                                  n_datasets=None if v is None else 1, group_size=None, seed_std=std,
-                                 n_seeds=n_seeds, in_sample=own, bold=False))
+                                 n_seeds=n_seeds, in_sample=own, bold=False,
+                                 **_bias_columns(replicates, rep, v, lo, hi)))
                 vals.append(v)
                 reps.append(rep)
                 col += 1
@@ -243,7 +263,8 @@ def main_table(
                              row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset="avg",
                              column_label="Avg.", col_pos=col, value=avg, ci_low=lo, ci_high=hi,
                              n_datasets=sum(v is not None for v in vals), group_size=size, seed_std=None,
-                             n_seeds=None, in_sample=fitted_here, bold=False))
+                             n_seeds=None, in_sample=fitted_here, bold=False,
+                             **_bias_columns(replicates, avg_rep, avg, lo, hi)))
             col += 1
     return _bold_block_minima(pl.DataFrame(rows, schema=_MAIN_SCHEMA))
 
@@ -310,7 +331,8 @@ def main_intervals(
     main = main_table(cells, backbone, replicates, ts_in_sample=ts_in_sample)
     return main.filter(pl.col("metric") == "ece").select(
         "backbone", "block", "block_label", "block_pos", "row", "row_label", "row_pos", "group", "dataset",
-        "column_label", "col_pos", "value", "ci_low", "ci_high", "n_datasets", "group_size", "in_sample")
+        "column_label", "col_pos", "value", "ci_low", "ci_high", "bias_corrected", "ci_excludes_estimate",
+        "n_datasets", "group_size", "in_sample")
 
 
 # ---------------------------------------------------------------------------------------------------------------

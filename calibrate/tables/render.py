@@ -21,6 +21,17 @@ DASH = "–"
 NS_MARK = "†"
 #: marks a temperature-scaling cell scored on the labelled data its temperature was fitted on (or an average with one)
 IN_SAMPLE_MARK = "‡"
+#: after an interval lying wholly below (above) its estimate: the basic bootstrap's bias correction exceeds the
+#: sampling spread (`calibrate.tables.bootstrap.basic_interval`)
+BELOW_MARK, ABOVE_MARK = "↓", "↑"
+#: what BELOW_MARK means, where the table is read
+BELOW_LEGEND = (f"{BELOW_MARK} after an interval: it lies wholly below its estimate. Intervals are basic bootstrap "
+                "intervals (2 × estimate − replicate quantiles; Kumar et al., 2019): binned ECE (and a resampled one "
+                "more so) is biased upwards, and where the bootstrap finds that bias larger than the sampling spread "
+                "(a small ECE, few samples per bin) the true value is likely below the estimate, which the interval "
+                "says; percentile or BCa intervals would sit above the estimate and miss small true ECEs. The "
+                "interval's centre, 2 × estimate − median replicate, is in the CSV column `bias_corrected` (main "
+                f"tables). {ABOVE_MARK}: the same, above.")
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -52,7 +63,8 @@ def tex_escape(s: str) -> str:
     for a, b in (("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("$", r"\$")):
         s = s.replace(a, b)
     for a, b in (("–", "--"), ("−", "$-$"), ("†", r"$^\dagger$"), ("‡", r"$^\ddagger$"), ("λ", r"$\lambda$"),
-                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("→", r"$\to$")):
+                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("→", r"$\to$"),
+                 ("↓", r"$\downarrow$"), ("↑", r"$\uparrow$"), ("§", r"\S{}"), ("×", r"$\times$")):
         s = s.replace(a, b)
     return s
 
@@ -169,8 +181,23 @@ def cell_marks(r: dict) -> str:
     return text
 
 
-def marks_legend(main: pl.DataFrame) -> list[str]:
-    """The footnotes of the marks `cell_marks` puts in this table (none when no cell carries one)."""
+def interval_text(value, lo, hi, signed: bool = False) -> str:
+    """`[lo, hi]`, followed by BELOW_MARK (ABOVE_MARK) when the interval lies wholly below (above) `value`."""
+    mark = "" if value is None or lo is None else BELOW_MARK if hi < value else ABOVE_MARK if lo > value else ""
+    return f"[{fmt(lo, signed=signed)}, {fmt(hi, signed=signed)}]{mark}"
+
+
+def excludes_estimate(df: pl.DataFrame) -> bool:
+    """Whether any interval of a table (columns value, ci_low, ci_high) lies wholly below or above its value."""
+    if not {"value", "ci_low", "ci_high"} <= set(df.columns):
+        return False
+    return df.filter(pl.col("ci_low").is_not_null() & ((pl.col("ci_high") < pl.col("value"))
+                                                       | (pl.col("ci_low") > pl.col("value")))).height > 0
+
+
+def marks_legend(main: pl.DataFrame, intervals: bool = True) -> list[str]:
+    """The footnotes of the marks `cell_marks` and (`intervals`: the table shows them) `interval_text` put in this
+    table (none when no cell carries one)."""
     notes = []
     if "in_sample" in main.columns and main["in_sample"].any():
         notes.append(f"{IN_SAMPLE_MARK} temperature scaling fitted on this dataset's own labelled logits, so scored "
@@ -180,6 +207,8 @@ def marks_legend(main: pl.DataFrame) -> list[str]:
             (pl.col("dataset") == "avg") & pl.col("value").is_not_null()
             & (pl.col("n_datasets") < pl.col("group_size"))).height:
         notes.append("Avg. (n/m): the average covers only n of the group's m datasets.")
+    if intervals and excludes_estimate(main):
+        notes.append(BELOW_LEGEND)
     return notes
 
 
@@ -195,7 +224,7 @@ def main_markdown(main: pl.DataFrame, title: str) -> str:
     """One Markdown table per dataset group (like the paper's Tables 2 and 3), best ECE per block in bold."""
     parts = [f"# {title}\n", "Accuracy and ECE in percent; the best ECE within each TTA block in **bold**; "
              "Avg. is the unweighted macro-average over the group's datasets; ± is the standard deviation over seeds "
-             "where several were run.\n", *(f"{n}\n" for n in marks_legend(main))]
+             "where several were run.\n", *(f"{n}\n" for n in marks_legend(main, intervals=False))]
     for group in main["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(main, group, _md_cell)
         body = [[f"{b} {rl}".strip() if rl else b, m, *cells] for item in rows if item is not None
@@ -210,7 +239,7 @@ def main_latex(main: pl.DataFrame, caption: str) -> str:
     groups = main["group"].unique(maintain_order=True).to_list()
     labels, rows = _main_rows(main, None, lambda r: (f"\\textbf{{{fmt(r['value'])}}}" if r["bold"]
                                                      else tex_escape(fmt(r["value"]))) + tex_escape(cell_marks(r)))
-    caption = " ".join([caption, *marks_legend(main)])
+    caption = " ".join([caption, *marks_legend(main, intervals=False)])
     spans = [main.filter(pl.col("group") == g).select("col_pos").unique().height for g in groups]
     top = " & ".join(["", ""] + [f"\\multicolumn{{{n}}}{{c}}{{{tex_escape(layout.GROUP_LABELS.get(g, g))}}}"
                                  for g, n in zip(groups, spans)]) + r" \\"
@@ -245,8 +274,8 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
              *(f"{n}\n" for n in marks_legend(intervals))]
     for group in intervals["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(intervals.with_columns(pl.lit("ece").alias("metric")), group,
-                                  lambda r: f"{fmt(r['value'])}{cell_marks(r)} [{fmt(r['ci_low'])}, "
-                                  f"{fmt(r['ci_high'])}]" if r["ci_low"] is not None
+                                  lambda r: f"{fmt(r['value'])}{cell_marks(r)} "
+                                  f"{interval_text(r['value'], r['ci_low'], r['ci_high'])}" if r["ci_low"] is not None
                                   else fmt(r["value"]) + cell_marks(r))
         body = [[f"{b} {rl}".strip() if rl else b, *cells] for item in rows if item is not None
                 for b, rl, m, cells in [item]]
@@ -334,7 +363,7 @@ def _trust_value_cell(r: dict) -> str:
     """`value [low, high]` with the main table's marks; a missing value is a dash."""
     if r["value"] is None:
         return DASH
-    ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
+    ci = "" if r["ci_low"] is None else " " + interval_text(r["value"], r["ci_low"], r["ci_high"])
     return fmt(r["value"]) + cell_marks(r) + ci
 
 

@@ -532,8 +532,8 @@ def _with_interval_text(t4: pl.DataFrame) -> pl.DataFrame:
     """Table 4 with the text columns `_ci` (the ECE's interval) and `_diff` (ZAEC minus the row, with its
     interval and † where it contains zero)."""
     return t4.with_columns(
-        pl.struct("ci_low", "ci_high").map_elements(
-            lambda r: f"[{render.fmt(r['ci_low'])}, {render.fmt(r['ci_high'])}]", return_dtype=pl.Utf8)
+        pl.struct("ece", "ci_low", "ci_high").map_elements(
+            lambda r: render.interval_text(r["ece"], r["ci_low"], r["ci_high"]), return_dtype=pl.Utf8)
         .alias("_ci"),
         pl.struct("diff_zaec", "diff_ci_low", "diff_ci_high", "diff_contains_zero").map_elements(
             lambda r: render.DASH if r["diff_zaec"] is None else
@@ -568,6 +568,8 @@ def table_4(ctx: Context) -> Item:
     if boot is not None:
         text += (" Intervals: paired basic bootstrap (ZAEC − row: the ZAEC ECE minus this row's, points; "
                  "† the interval contains zero).")
+        if render.excludes_estimate(t4.rename({"ece": "value"})):
+            text += " " + render.BELOW_LEGEND
     return written("Table 4", what, render.write_item(
         ctx.out, "table4_subset_ablation", t4.drop("_ci", "_diff", strict=False),
         "# Table 4: ablation of the corrected subset\n\n" + text + "\n\n"
@@ -774,7 +776,9 @@ def write_index(
             f"{src}: T = {t:.4g}" for src, t in sorted(summaries.temperatures.items())) + "\n")
     if boot is not None:
         lines.append(f"Uncertainty: paired bootstrap over samples, {boot.n_resamples} resamples, seed {boot.seed}, "
-                     f"{int(boot.level * 100)}% basic (reverse-percentile) intervals.\n")
+                     f"{int(boot.level * 100)}% basic (reverse-percentile) intervals, which correct binned ECE's "
+                     "upward bias (Kumar et al., 2019), so an interval can lie wholly below its estimate (marked "
+                     f"{render.BELOW_MARK}; docs/tables.md, \"Uncertainty\").\n")
     else:
         lines.append("Uncertainty: bootstrap disabled (--bootstrap 0).\n")
     lines.append("## Paper items\n")
