@@ -34,14 +34,15 @@ def _range_deviation(tta_range: np.ndarray, temperature: np.ndarray, zs_range: n
 def run_metrics(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
     """One row per (run, calibrator), plus calibrator `zero-shot` for the run's paired zero-shot prediction.
 
-    Columns: backbone, dataset, method, seed, calibrator, n, accuracy, ece (fractions), nll, mean_confidence
-    (fraction), mean_entropy (nats), range_deviation (eq. 8, percent), mean_delta_entropy (eq. 10 mean; 0 for
-    zero-shot).
+    Columns: backbone, dataset, method, seed, calibrator, n, partial (`RunSummary.partial`: `150 of 400` for a
+    partial run, else null), accuracy, ece (fractions), nll, mean_confidence (fraction), mean_entropy (nats),
+    range_deviation (eq. 8, percent), mean_delta_entropy (eq. 10 mean; 0 for zero-shot).
     """
     rows = []
     for s in runs:
         k = s.key
-        base = {"backbone": k.backbone, "dataset": k.dataset, "method": k.method, "seed": k.seed, "n": len(s)}
+        base = {"backbone": k.backbone, "dataset": k.dataset, "method": k.method, "seed": k.seed, "n": len(s),
+                "partial": s.partial}
         zs_corr = s.zs_correct
         rows.append({**base, "calibrator": ZERO_SHOT, "accuracy": float(zs_corr.mean()),
                      "ece": float(ece(s.zs_confidence, zs_corr, n_bins)), "nll": float(s.zs_nll.mean()),
@@ -56,18 +57,26 @@ def run_metrics(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
                          "range_deviation": _range_deviation(s.tta_range, c.temperature, s.zs_range),
                          "mean_delta_entropy": float(((c.entropy - s.zs_entropy) / log_k).mean())})
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "n": pl.Int64,
-              "calibrator": pl.Utf8, **{m: pl.Float64 for m in _METRICS}}
-    return pl.DataFrame(rows, schema=schema).select(_KEY + ["calibrator", "n"] + _METRICS)
+              "partial": pl.Utf8, "calibrator": pl.Utf8, **{m: pl.Float64 for m in _METRICS}}
+    return pl.DataFrame(rows, schema=schema).select(_KEY + ["calibrator", "n", "partial"] + _METRICS)
+
+
+def partial_agg(col: str = "partial") -> pl.Expr:
+    """Aggregation of the `partial` texts of several runs (seeds, datasets): the distinct ones joined by `; `, null
+    when every run is whole (`RunSummary.partial`)."""
+    joined = pl.col(col).drop_nulls().unique(maintain_order=True).str.join("; ")
+    return pl.when(joined.str.len_chars() > 0).then(joined).otherwise(None).alias(col)
 
 
 def cell_metrics(run_df: pl.DataFrame) -> pl.DataFrame:
     """Mean over seeds per (backbone, dataset, method, calibrator); adds n_seeds and the standard deviation over
-    seeds of accuracy and ECE (`accuracy_std`, `ece_std`; null for one seed)."""
+    seeds of accuracy and ECE (`accuracy_std`, `ece_std`; null for one seed); `partial`: the partial seeds' counts
+    (`partial_agg`), null when every seed is whole."""
     return (
         run_df.group_by(_CELL, maintain_order=True)
         .agg([pl.col(m).mean() for m in _METRICS] + [pl.col("n").mean().alias("n"), pl.len().alias("n_seeds"),
                                                      pl.col("accuracy").std().alias("accuracy_std"),
-                                                     pl.col("ece").std().alias("ece_std")])
+                                                     pl.col("ece").std().alias("ece_std"), partial_agg()])
         .sort(_CELL)
     )
 
@@ -79,8 +88,10 @@ def zero_shot_cells(cells: pl.DataFrame) -> pl.DataFrame:
     own = zs.filter(pl.col("method") == layout.ZERO_SHOT)
     rest = zs.join(own.select("backbone", "dataset"), on=["backbone", "dataset"], how="anti")
     both = pl.concat([own, rest])
+    if "partial" not in both.columns:  # a hand-made cells frame (tests)
+        both = both.with_columns(pl.lit(None, pl.Utf8).alias("partial"))
     return both.group_by(["backbone", "dataset"], maintain_order=True).agg(
-        [pl.col(m).mean() for m in _METRICS]).sort(["backbone", "dataset"])
+        [pl.col(m).mean() for m in _METRICS] + [partial_agg()]).sort(["backbone", "dataset"])
 
 
 class CellReplicates:
@@ -147,6 +158,7 @@ _MAIN_SCHEMA = {
     "column_label": pl.Utf8, "col_pos": pl.Int64, "value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
     "n_datasets": pl.Int64, "group_size": pl.Int64, "seed_std": pl.Float64, "n_seeds": pl.Int64,
     "in_sample": pl.Boolean, "bold": pl.Boolean, "bias_corrected": pl.Float64, "ci_excludes_estimate": pl.Boolean,
+    "partial": pl.Utf8,
 }
 
 
@@ -154,7 +166,8 @@ def _main_row_specs(
     cb: pl.DataFrame, backbone: str, replicates: CellReplicates, calibrators: Sequence[str]
 ) -> list[tuple]:
     """The rows of one backbone's main table, top to bottom: (block, block_label, row, row_label, metric, getter),
-    where getter(dataset) -> (value in percent, bootstrap replicates or None, seed std or None, n_seeds or None)."""
+    where getter(dataset) -> (value in percent, bootstrap replicates or None, seed std or None, n_seeds or None,
+    the cell's `partial` text or None)."""
     zs = zero_shot_cells(cb)
     methods = layout.order_methods(cb["method"].unique().to_list())
     lookup = {(r["dataset"], r["method"], r["calibrator"]): r for r in cb.iter_rows(named=True)}
@@ -165,7 +178,8 @@ def _main_row_specs(
         def f(d):
             r = zs_lookup.get(d)
             v = None if r is None else r[metric] * 100.0
-            return v, replicates.zero_shot(backbone, d) if metric == "ece" else None, None, None
+            return (v, replicates.zero_shot(backbone, d) if metric == "ece" else None, None, None,
+                    None if r is None else r.get("partial"))
         return f
 
     specs.append((layout.ZERO_SHOT, f"Zero-shot {backbone}", "acc", "Acc.", "accuracy", zs_get("accuracy")))
@@ -179,7 +193,7 @@ def _main_row_specs(
                 v = None if r is None else r[metric] * 100.0
                 std = None if r is None or r.get(f"{metric}_std") is None else r[f"{metric}_std"] * 100.0
                 return (v, replicates.get(backbone, d, m, cal) if metric == "ece" else None, std,
-                        None if r is None else r.get("n_seeds"))
+                        None if r is None else r.get("n_seeds"), None if r is None else r.get("partial"))
             return f
 
         specs.append((m, layout.method_label(m), "acc", "Acc.", "accuracy", get("accuracy", "none")))
@@ -228,6 +242,8 @@ def main_table(
     (or above) the ECE, where the bootstrap finds a bias larger than the sampling spread (`bootstrap.basic_interval`).
     `in_sample`: a temperature-scaling cell of dataset `ts_in_sample` (the labelled source T was fitted on, so it is
     scored on its own fitting data), or an average that includes one.
+    `partial`: the cell's run is partial (`--allow-partial`): its count, e.g. `150 of 400` (an average: each partial
+    dataset's, `DTD 150 of 400`); null for whole runs.
     """
     replicates = replicates or CellReplicates(None)
     cb = cells.filter(pl.col("backbone") == backbone)
@@ -240,9 +256,11 @@ def main_table(
         col = 0
         for group, datasets in groups:
             size = len(layout.GROUPS.get(group, datasets))
-            vals, reps, fitted_here = [], [], False
+            vals, reps, fitted_here, partial = [], [], False, []
             for d in datasets:
-                v, rep, std, n_seeds = getter(d)
+                v, rep, std, n_seeds, part = getter(d)
+                if part is not None and v is not None:
+                    partial.append(f"{layout.dataset_label(d)} {part}")
                 lo, hi = replicates.interval(rep, v, floor=0.0)
                 own = row == "temperature" and d == ts_in_sample and v is not None
                 fitted_here |= own
@@ -251,7 +269,7 @@ def main_table(
                                  column_label=layout.dataset_label(d), col_pos=col, value=v, ci_low=lo, ci_high=hi,
                                  n_datasets=None if v is None else 1, group_size=None, seed_std=std,
                                  n_seeds=n_seeds, in_sample=own, bold=False,
-                                 **_bias_columns(replicates, rep, v, lo, hi)))
+                                 **_bias_columns(replicates, rep, v, lo, hi), partial=part if v is not None else None))
                 vals.append(v)
                 reps.append(rep)
                 col += 1
@@ -264,7 +282,8 @@ def main_table(
                              column_label="Avg.", col_pos=col, value=avg, ci_low=lo, ci_high=hi,
                              n_datasets=sum(v is not None for v in vals), group_size=size, seed_std=None,
                              n_seeds=None, in_sample=fitted_here, bold=False,
-                             **_bias_columns(replicates, avg_rep, avg, lo, hi)))
+                             **_bias_columns(replicates, avg_rep, avg, lo, hi),
+                             partial="; ".join(partial) if partial and avg is not None else None))
             col += 1
     return _bold_block_minima(pl.DataFrame(rows, schema=_MAIN_SCHEMA))
 
@@ -281,7 +300,8 @@ def main_differences(
 
     Columns: backbone, method, group, dataset ("avg" for the group macro-average), column_label, comparison,
     estimate, ci_low, ci_high, contains_zero (the interval includes 0: no claim of a difference), in_sample (a side
-    is an in-sample cell of `main_table`: temperature scaling scored on its own fitting data `ts_in_sample`).
+    is an in-sample cell of `main_table`: temperature scaling scored on its own fitting data `ts_in_sample`), partial
+    (the cells' `partial`: a partial run's count).
     """
     main = main_table(cells, backbone, replicates, calibrators=layout.MAIN_CALIBRATORS, ts_in_sample=ts_in_sample)
     rows = []
@@ -316,10 +336,11 @@ def main_differences(
                                  comparison=f"{layout.calibrator_label(a)} - {layout.calibrator_label(b)}",
                                  estimate=estimate, ci_low=lo, ci_high=hi,
                                  contains_zero=None if lo is None else bool(lo <= 0.0 <= hi),
-                                 in_sample=bool(ra["in_sample"] or rb["in_sample"])))
+                                 in_sample=bool(ra["in_sample"] or rb["in_sample"]),
+                                 partial=ra["partial"] or rb["partial"]))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8, "column_label": pl.Utf8,
               "col_pos": pl.Int64, "comparison": pl.Utf8, "estimate": pl.Float64, "ci_low": pl.Float64,
-              "ci_high": pl.Float64, "contains_zero": pl.Boolean, "in_sample": pl.Boolean}
+              "ci_high": pl.Float64, "contains_zero": pl.Boolean, "in_sample": pl.Boolean, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -332,7 +353,7 @@ def main_intervals(
     return main.filter(pl.col("metric") == "ece").select(
         "backbone", "block", "block_label", "block_pos", "row", "row_label", "row_pos", "group", "dataset",
         "column_label", "col_pos", "value", "ci_low", "ci_high", "bias_corrected", "ci_excludes_estimate",
-        "n_datasets", "group_size", "in_sample")
+        "n_datasets", "group_size", "in_sample", "partial")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,7 +372,7 @@ def pa_pd_rows(s: RunSummary, n_bins: int = 20) -> list[dict]:
     for subset, mask in (("PA", agree), ("PD", ~agree)):
         n = int(mask.sum())
         row = dict(backbone=s.key.backbone, dataset=s.key.dataset, method=s.key.method, seed=s.key.seed,
-                   subset=subset, n=n, ratio=100.0 * n / max(len(s), 1))
+                   subset=subset, n=n, ratio=100.0 * n / max(len(s), 1), partial=s.partial)
         if n:
             zc, tc = s.zs_correct[mask], s.tta_correct[mask]
             zs_e = float(ece(s.zs_confidence[mask], zc, n_bins))
@@ -368,14 +389,15 @@ _PAPD_VALUES = ["ratio", "delta_confidence", "delta_accuracy", "delta_entropy", 
 
 
 def pa_pd_table(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
-    """Table 1 (PA) and its PD counterpart for every (backbone, dataset, method), seeds averaged."""
+    """Table 1 (PA) and its PD counterpart for every (backbone, dataset, method), seeds averaged; `partial`: the
+    partial runs' counts (`partial_agg`), null when whole."""
     rows = [r for s in runs if s.key.method != layout.ZERO_SHOT for r in pa_pd_rows(s, n_bins)]
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "subset": pl.Utf8,
-              "n": pl.Int64, **{v: pl.Float64 for v in _PAPD_VALUES}}
+              "n": pl.Int64, "partial": pl.Utf8, **{v: pl.Float64 for v in _PAPD_VALUES}}
     df = pl.DataFrame(rows, schema=schema)
     return _order(
         df.group_by(["backbone", "dataset", "method", "subset"], maintain_order=True)
-        .agg([pl.col("n").mean()] + [pl.col(v).mean() for v in _PAPD_VALUES])
+        .agg([pl.col("n").mean()] + [pl.col(v).mean() for v in _PAPD_VALUES] + [partial_agg()])
     ).sort(["_b", "_d", "_m", "subset"]).drop("_b", "_d", "_m")
 
 
@@ -598,8 +620,8 @@ def ablation_table(
 
     Columns: backbone, method, subset, calibrator, ece, nll, n_datasets, bold_ece, bold_nll (lowest per method);
     with replicates also ci_low/ci_high of the ECE and the paired difference ZAEC minus this row (diff_zaec,
-    diff_ci_low, diff_ci_high, diff_contains_zero; null on the ZAEC row). A subset row is left out for a method
-    missing it on any of the datasets.
+    diff_ci_low, diff_ci_high, diff_contains_zero; null on the ZAEC row); partial (the partial runs averaged, e.g.
+    `DTD 150 of 400`; null when whole). A subset row is left out for a method missing it on any of the datasets.
     """
     replicates = replicates or CellReplicates(None)
     rows = []
@@ -620,9 +642,12 @@ def ablation_table(
             reps = avg_reps(m, spec)
             value = float(r["ece"].mean()) * 100.0
             lo, hi = replicates.interval(reps, value, floor=0.0)
+            partial = [f"{layout.dataset_label(d)} {p}" for d, p in zip(r["dataset"], r["partial"]) if p] \
+                if "partial" in r.columns else []
             part.append(dict(backbone=backbone, method=m, subset=subset, calibrator=spec, ece=value,
                              nll=float(r["nll"].mean()), n_datasets=r.height, ci_low=lo, ci_high=hi, diff_zaec=None,
-                             diff_ci_low=None, diff_ci_high=None, diff_contains_zero=None, _reps=reps))
+                             diff_ci_low=None, diff_ci_high=None, diff_contains_zero=None,
+                             partial="; ".join(partial) or None, _reps=reps))
         zrow = next((p for p in part if p["calibrator"] == zaec_spec), None)
         for p in part:
             if zrow is not None and p is not zrow:
@@ -638,7 +663,7 @@ def ablation_table(
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "subset": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
               "nll": pl.Float64, "n_datasets": pl.Int64, "ci_low": pl.Float64, "ci_high": pl.Float64,
               "diff_zaec": pl.Float64, "diff_ci_low": pl.Float64, "diff_ci_high": pl.Float64,
-              "diff_contains_zero": pl.Boolean, "bold_ece": pl.Boolean, "bold_nll": pl.Boolean}
+              "diff_contains_zero": pl.Boolean, "partial": pl.Utf8, "bold_ece": pl.Boolean, "bold_nll": pl.Boolean}
     return pl.DataFrame(rows, schema=schema)
 
 

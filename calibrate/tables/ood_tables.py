@@ -79,7 +79,7 @@ def run_ood(
     cells = {}
     for name, _pred, conf, ent in preds:
         st = OODStats().update(conf, ent, ind)
-        cells[name] = TrustCell(st.compute(), st.reasons())
+        cells[name] = TrustCell(st.compute(), st.reasons(), partial=s.partial)
     if boot is not None and boot.n_resamples and len(s) and ind.any() and not ind.all():
         counts = resample_counts(len(s), boot.n_resamples,
                                  dataset_seed(boot.seed, s.key.backbone, s.key.dataset, s.sample_id))
@@ -136,29 +136,33 @@ def ood_table(
         for id_set, datasets in _ordered_groups(groups, present):
             own = row == "temperature" and id_set == ts_in_sample
             for metric in OOD_NAMES:
-                parts = []
+                parts, partial = [], []
                 for d in datasets:
                     cell = cells.get((backbone, d, block, row))
                     raw = None if cell is None else cell.values[metric]
                     v = None if raw is None or not np.isfinite(raw) else raw * 100.0
                     rep = None if cell is None else cell.reps.get(metric)
                     why = "no run" if cell is None else cell.reasons.get(metric) if v is None else None
+                    part = cell.partial if cell is not None and v is not None else None
+                    partial += [f"{layout.dataset_label(groups[d][1])} {part}"] if part else []
                     out.append(_row(pos, id_set, d, layout.dataset_label(groups[d][1]), metric, v,
                                     _interval(v, rep, level, True), int(v is not None), None, own and v is not None,
-                                    why))
+                                    why, part))
                     parts.append((v, rep))
                 v, rep, n = _average(parts)
                 out.append(_row(pos, id_set, "avg", "Avg.", metric, v, _interval(v, rep, level, True), n,
                                 len(datasets), own and v is not None,
-                                None if v is not None else "undefined on every OOD set of the group"))
+                                None if v is not None else "undefined on every OOD set of the group",
+                                "; ".join(partial) or None))
     return pl.DataFrame(out, schema=_TABLE_SCHEMA)
 
 
-def _row(pos, group, dataset, column_label, metric, value, ci, n_datasets, group_size, in_sample, why) -> dict:
+def _row(pos, group, dataset, column_label, metric, value, ci, n_datasets, group_size, in_sample, why,
+         partial=None) -> dict:
     return dict(**pos, group=group, dataset=dataset, column_label=column_label, metric=metric,
                 metric_label=ood_metric_label(metric), score=metric.rsplit("_", 1)[1], value=value, ci_low=ci[0],
                 ci_high=ci[1], n_undefined=ci[2], n_datasets=n_datasets, group_size=group_size, in_sample=in_sample,
-                missing_reason=why)
+                missing_reason=why, partial=partial)
 
 
 def ood_differences(
@@ -182,22 +186,26 @@ def ood_differences(
                         diff = paired_difference(cells, (backbone, d, m), a, b, metric)
                         if diff is None:
                             continue
-                        parts.append(diff)
+                        part = cells[(backbone, d, m, a)].partial
+                        parts.append((*diff, f"{layout.dataset_label(groups[d][1])} {part}" if part else None))
                         out.append(_diff(backbone, m, id_set, d, layout.dataset_label(groups[d][1]), metric, a, b,
-                                         *diff, level, 1))
+                                         *diff, level, 1, part))
                     if parts:
-                        v, rep, n = _average(parts)
-                        out.append(_diff(backbone, m, id_set, "avg", "Avg.", metric, a, b, v, rep, level, n))
+                        v, rep, n = _average([(v, r) for v, r, _ in parts])
+                        partial = "; ".join(p for _, _, p in parts if p) or None
+                        out.append(_diff(backbone, m, id_set, "avg", "Avg.", metric, a, b, v, rep, level, n,
+                                         partial))
     return pl.DataFrame(out, schema=_DIFF_SCHEMA)
 
 
-def _diff(backbone, method, group, dataset, column_label, metric, a, b, estimate, rep, level, n) -> dict:
+def _diff(backbone, method, group, dataset, column_label, metric, a, b, estimate, rep, level, n,
+          partial=None) -> dict:
     lo, hi, und = _interval(estimate, rep, level, False)
     return dict(backbone=backbone, method=method, group=group, dataset=dataset, column_label=column_label,
                 metric=metric, metric_label=ood_metric_label(metric),
                 comparison=f"{layout.calibrator_label(a)} − {layout.calibrator_label(b)}", estimate=estimate,
                 ci_low=lo, ci_high=hi, contains_zero=None if lo is None else bool(lo <= 0.0 <= hi),
-                n_undefined=und, n_datasets=n)
+                n_undefined=und, n_datasets=n, partial=partial)
 
 
 def ood_sections(table: pl.DataFrame, diffs: pl.DataFrame) -> list[tuple[str, str, list[str], list[list[str]]]]:

@@ -21,6 +21,8 @@ DASH = "–"
 NS_MARK = "†"
 #: marks a temperature-scaling cell scored on the labelled data its temperature was fitted on (or an average with one)
 IN_SAMPLE_MARK = "‡"
+#: marks a value (or a method in a figure) computed on a partial run (`--allow-partial`); the footnote gives its n
+PARTIAL_MARK = "§"
 #: after an interval lying wholly below (above) its estimate: the basic bootstrap's bias correction exceeds the
 #: sampling spread (`calibrate.tables.bootstrap.basic_interval`)
 BELOW_MARK, ABOVE_MARK = "↓", "↑"
@@ -173,8 +175,9 @@ def _main_rows(main: pl.DataFrame, group: str | None, cell: Callable[[dict], str
 
 def cell_marks(r: dict) -> str:
     """Marks after a main-table value: ‡ (temperature scaling scored on its own fitting data, or an average that
-    includes such a cell) and `(n/m)` on an average over n of the group's m datasets."""
-    text = IN_SAMPLE_MARK if r.get("in_sample") else ""
+    includes such a cell), § (a partial run, or an average including one) and `(n/m)` on an average over n of the
+    group's m datasets."""
+    text = (IN_SAMPLE_MARK if r.get("in_sample") else "") + (PARTIAL_MARK if r.get("partial") else "")
     n, m = r.get("n_datasets"), r.get("group_size")
     if r.get("dataset") == "avg" and r.get("value") is not None and n is not None and m is not None and n < m:
         text += f" ({n}/{m})"
@@ -209,7 +212,36 @@ def marks_legend(main: pl.DataFrame, intervals: bool = True) -> list[str]:
         notes.append("Avg. (n/m): the average covers only n of the group's m datasets.")
     if intervals and excludes_estimate(main):
         notes.append(BELOW_LEGEND)
+    partial = partial_legend(main)
+    if partial:
+        notes.append(partial)
     return notes
+
+
+def with_partial_label(df: pl.DataFrame, col: str = "method") -> pl.DataFrame:
+    """`df` plus the text column `_label`: the method's display name (`layout.method_label`), with PARTIAL_MARK
+    where the row's `partial` is set; the column the Markdown/LaTeX show instead of the key."""
+    labels = [layout.method_label(m) + (PARTIAL_MARK if p else "")
+              for m, p in zip(df[col], df["partial"] if "partial" in df.columns else [None] * df.height)]
+    return df.with_columns(pl.Series("_label", labels, dtype=pl.Utf8))
+
+
+def partial_legend(df: pl.DataFrame, label: str = "block_label") -> str:
+    """The footnote of PARTIAL_MARK: every partial run of a table with its count, from the rows' `partial` column
+    (per dataset rows; `label` names the method); "" when no row is partial."""
+    if "partial" not in df.columns:
+        return ""
+    rows = df.filter(pl.col("partial").is_not_null())
+    if "dataset" in rows.columns:
+        rows = rows.filter(pl.col("dataset") != "avg")
+    if not rows.height:
+        return ""
+    where = next((c for c in ("column_label", "dataset") if c in rows.columns), None)
+    runs = rows.select(label, *([where] if where else []), "partial").unique(maintain_order=True)
+    listed = "; ".join(f"{r[label].rstrip(PARTIAL_MARK)}" + (f" on {r[where]}" if where else "")
+                       + f": {r['partial']} samples" for r in runs.iter_rows(named=True))
+    return (f"{PARTIAL_MARK} a partial run, calibrated with --allow-partial (fewer samples than its test set, an "
+            f"interrupted or --limit run; an Avg. marked {PARTIAL_MARK} includes one): {listed}.")
 
 
 def _md_cell(r: dict) -> str:
@@ -298,9 +330,11 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
                     if r is None:
                         row.append(DASH)
                     elif r["ci_low"] is None:
-                        row.append(fmt(r["estimate"], signed=True) + (IN_SAMPLE_MARK if r.get("in_sample") else ""))
+                        row.append(fmt(r["estimate"], signed=True) + (IN_SAMPLE_MARK if r.get("in_sample") else "")
+                                   + (PARTIAL_MARK if r.get("partial") else ""))
                     else:
-                        mark = (NS_MARK if r["contains_zero"] else "") + (IN_SAMPLE_MARK if r.get("in_sample") else "")
+                        mark = (NS_MARK if r["contains_zero"] else "") + (IN_SAMPLE_MARK if r.get("in_sample") else "") \
+                            + (PARTIAL_MARK if r.get("partial") else "")
                         row.append(f"{fmt(r['estimate'], signed=True)}{mark} "
                                    f"[{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]")
                 body.append(row)
@@ -325,7 +359,8 @@ def intervals_latex(diffs: pl.DataFrame, caption: str) -> str:
             if r is None:
                 row.append("--")
             else:
-                mark = (r"$^\dagger$" if r["contains_zero"] else "") + (r"$^\ddagger$" if r.get("in_sample") else "")
+                mark = (r"$^\dagger$" if r["contains_zero"] else "") + (r"$^\ddagger$" if r.get("in_sample") else "") \
+                    + (r"\S{}" if r.get("partial") else "")
                 ci = "" if r["ci_low"] is None else \
                     f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
                 row.append(f"{fmt(r['estimate'], signed=True)}{mark}{ci}")
@@ -371,7 +406,7 @@ def _trust_diff_cell(r: dict) -> str:
     """`+1.23† [low, high]`: the difference, † where its interval contains zero."""
     if r["estimate"] is None:
         return DASH
-    mark = NS_MARK if r["contains_zero"] else ""
+    mark = (NS_MARK if r["contains_zero"] else "") + (PARTIAL_MARK if r.get("partial") else "")
     ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
     return fmt(r["estimate"], signed=True) + mark + ci
 

@@ -229,7 +229,7 @@ def figure_1(ctx: Context) -> Item:
                    if ctx.tta_methods else NO_TTA)
 
 
-_TABLE1_COLUMNS = {"backbone": "Backbone", "dataset": "Dataset", "method": "Method", "ratio": "Ratio (%)",
+_TABLE1_COLUMNS = {"backbone": "Backbone", "dataset": "Dataset", "_label": "Method", "ratio": "Ratio (%)",
                    "delta_confidence": "ΔConf.", "delta_entropy": "ΔH", "delta_ece": "ΔECE"}
 _TABLE1_FORMATS = {"delta_confidence": lambda v: render.fmt(v, 2, True),
                    "delta_entropy": lambda v: render.fmt(v, 3, True),
@@ -245,14 +245,17 @@ def table_1(ctx: Context) -> Item:
         return skipped("Table 1", what, NO_TTA)
     cols_pa, fm = _TABLE1_COLUMNS, _TABLE1_FORMATS
     cols_pd = {**cols_pa, "delta_accuracy": "ΔAcc."}
-    pa, pdd = papd.filter(pl.col("subset") == "PA"), papd.filter(pl.col("subset") == "PD")
+    shown = render.with_partial_label(papd)
+    pa, pdd = shown.filter(pl.col("subset") == "PA"), shown.filter(pl.col("subset") == "PD")
+    legend = render.partial_legend(shown, label="_label")
     md = ("# Table 1: prediction agreement (PA) and disagreement (PD)\n\n"
           "Changes are raw TTA minus zero-shot within each subset (confidence, accuracy and ECE in points, "
-          "entropy in nats). Accuracy is unchanged within PA by construction.\n\n## PA subset\n\n"
+          "entropy in nats). Accuracy is unchanged within PA by construction." + (f" {legend}" if legend else "")
+          + "\n\n## PA subset\n\n"
           + render.simple_markdown(pa, cols_pa, fm)
           + "\n## PD subset (Appendix C)\n\n" + render.simple_markdown(pdd, cols_pd, fm))
     tex = (render.simple_latex(pa, cols_pa, fm, caption="Prediction-agreement (PA) subset: raw TTA minus "
-                               "zero-shot.", midrule_on="dataset")
+                               "zero-shot." + (f" {legend}" if legend else ""), midrule_on="dataset")
            + render.simple_latex(pdd, cols_pd, fm, caption="Prediction-disagreement (PD) subset.",
                                  midrule_on="dataset"))
     return written("Table 1", what, render.write_item(ctx.out, "table1_pa_pd", papd, md, tex))
@@ -557,9 +560,9 @@ def table_4(ctx: Context) -> Item:
     if not frames:
         return skipped("Table 4", what,
                        "no method has every subset variant on its datasets" if ctx.tta_methods else NO_TTA)
-    t4 = pl.concat(frames)
-    cols = {"backbone": "Backbone", "method": "Method", "subset": "Corrected subset", "ece": "ECE", "nll": "NLL"}
-    fm = {"method": layout.method_label, "nll": lambda v: render.fmt(v, 3)}
+    t4 = render.with_partial_label(pl.concat(frames))
+    cols = {"backbone": "Backbone", "_label": "Method", "subset": "Corrected subset", "ece": "ECE", "nll": "NLL"}
+    fm = {"nll": lambda v: render.fmt(v, 3)}
     if boot is not None:
         t4 = _with_interval_text(t4)
         cols.update({"_ci": f"ECE {int(boot.level * 100)}% CI", "_diff": "ZAEC − row"})
@@ -570,8 +573,10 @@ def table_4(ctx: Context) -> Item:
                  "† the interval contains zero).")
         if render.excludes_estimate(t4.rename({"ece": "value"})):
             text += " " + render.BELOW_LEGEND
+    if render.partial_legend(t4, label="_label"):
+        text += " " + render.partial_legend(t4, label="_label")
     return written("Table 4", what, render.write_item(
-        ctx.out, "table4_subset_ablation", t4.drop("_ci", "_diff", strict=False),
+        ctx.out, "table4_subset_ablation", t4.drop("_ci", "_diff", "_label", strict=False),
         "# Table 4: ablation of the corrected subset\n\n" + text + "\n\n"
         + render.simple_markdown(t4, cols, fm, bold),
         render.simple_latex(t4, cols, fm, bold, caption=text, midrule_on="method")))
