@@ -81,6 +81,14 @@ def cell_metrics(run_df: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def _partial_lookup(cells: pl.DataFrame) -> dict[tuple[str, str], str]:
+    """(method, dataset) -> the `partial` text of its cells (any calibrator), for partial runs only."""
+    if "partial" not in cells.columns:
+        return {}
+    return {(r["method"], r["dataset"]): r["partial"]
+            for r in cells.filter(pl.col("partial").is_not_null()).iter_rows(named=True)}
+
+
 def zero_shot_cells(cells: pl.DataFrame) -> pl.DataFrame:
     """Zero-shot metrics per (backbone, dataset): the `zero-shot` method's run where present, else the mean of the
     paired zero-shot predictions stored with every method (identical when all runs share the anchor)."""
@@ -444,7 +452,8 @@ def range_figure_points(
 
     Returns:
         (frame, missing): frame columns backbone, method, calibrator, label, range_deviation, ece, n_datasets,
-        datasets (comma-separated keys), in `points` order; missing: the points without any run.
+        datasets (comma-separated keys), partial (the partial runs averaged, e.g. `DTD 150 of 400`; null when whole),
+        in `points` order; missing: the points without any run.
     """
     cb = cells.filter(pl.col("backbone") == backbone)
     have: dict[tuple[str, str], dict[str, dict]] = {}
@@ -460,12 +469,15 @@ def range_figure_points(
     for (m, c), by_ds in have.items():
         ds = [d for _, g in layout.order_datasets(common or by_ds) for d in g]
         label = layout.method_label(m) if c == "none" else f"{layout.method_label(m)} + {layout.calibrator_label(c)}"
+        partial = "; ".join(f"{layout.dataset_label(d)} {by_ds[d]['partial']}" for d in ds
+                            if by_ds[d].get("partial")) or None
         rows.append(dict(backbone=backbone, method=m, calibrator=c, label=label,
                          range_deviation=float(np.mean([by_ds[d]["range_deviation"] for d in ds])),
                          ece=float(np.mean([by_ds[d]["ece"] for d in ds])) * 100.0, n_datasets=len(ds),
-                         datasets=",".join(ds)))
+                         datasets=",".join(ds), partial=partial))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "label": pl.Utf8,
-              "range_deviation": pl.Float64, "ece": pl.Float64, "n_datasets": pl.Int64, "datasets": pl.Utf8}
+              "range_deviation": pl.Float64, "ece": pl.Float64, "n_datasets": pl.Int64, "datasets": pl.Utf8,
+              "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema), missing
 
 
@@ -487,14 +499,15 @@ def pooled_methods(present: Iterable[str], chosen: Sequence[str] | None = None) 
 def entropy_ece_points(cells: pl.DataFrame, pooled: Sequence[str] | None = None) -> pl.DataFrame:
     """Figure 2b: one point per (backbone, dataset, method): mean normalised entropy change (eq. 10 mean) and
     ECE change (raw TTA minus the paired zero-shot, percentage points); `pooled` is True for the methods of the
-    correlation (`pooled`; every method when None)."""
+    correlation (`pooled`; every method when None); `partial`: a partial run's count, else null."""
     raw = cells.filter((pl.col("calibrator") == "none") & (pl.col("method") != layout.ZERO_SHOT))
     zs = cells.filter(pl.col("calibrator") == ZERO_SHOT).select("backbone", "dataset", "method",
                                                                  pl.col("ece").alias("zs_ece"))
     df = raw.join(zs, on=["backbone", "dataset", "method"], how="inner")
     flag = pl.lit(True) if pooled is None else pl.col("method").is_in(list(pooled))
+    partial = pl.col("partial") if "partial" in df.columns else pl.lit(None, pl.Utf8).alias("partial")
     return df.select("backbone", "dataset", "method", "mean_delta_entropy",
-                     ((pl.col("ece") - pl.col("zs_ece")) * 100.0).alias("delta_ece"), flag.alias("pooled"))
+                     ((pl.col("ece") - pl.col("zs_ece")) * 100.0).alias("delta_ece"), flag.alias("pooled"), partial)
 
 
 def correlations(points: pl.DataFrame, x: str = "mean_delta_entropy", y: str = "delta_ece") -> pl.DataFrame:
@@ -535,10 +548,10 @@ def entropy_gap_bins(s: RunSummary, n_bins: int = 10) -> pl.DataFrame:
             dc, da = float(d_conf[part].mean()), float(d_acc[part].mean())
             rows.append(dict(backbone=s.key.backbone, dataset=s.key.dataset, method=s.key.method, seed=s.key.seed,
                              subset=subset, bin=b, n=int(part.size), mean_delta_entropy=float(delta[part].mean()),
-                             delta_confidence=dc, delta_accuracy=da, gap=dc - da))
+                             delta_confidence=dc, delta_accuracy=da, gap=dc - da, partial=s.partial))
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "subset": pl.Utf8,
               "bin": pl.Int64, "n": pl.Int64, "mean_delta_entropy": pl.Float64, "delta_confidence": pl.Float64,
-              "delta_accuracy": pl.Float64, "gap": pl.Float64}
+              "delta_accuracy": pl.Float64, "gap": pl.Float64, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -557,11 +570,13 @@ def intro_bars(
     """Figure 1: ECE (percent) of raw TTA / SaLS / ZAEC per dataset and their unweighted average, per method.
 
     Columns: backbone, method, calibrator, dataset (`datasets` order, then "avg"), ece, n_datasets (1 on a dataset
-    row; on the "avg" row the datasets averaged, which can be fewer than `group_size` = len(datasets)). Methods or
-    calibrators without any run on `datasets` are left out.
+    row; on the "avg" row the datasets averaged, which can be fewer than `group_size` = len(datasets)), partial (a
+    dataset row of a partial run: its count; null otherwise). Methods or calibrators without any run on `datasets`
+    are left out.
     """
     cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets)))
     lookup = {(r["method"], r["calibrator"], r["dataset"]): r["ece"] * 100.0 for r in cb.iter_rows(named=True)}
+    partial = _partial_lookup(cb)
     rows = []
     for m in methods:
         for c in calibrators:
@@ -569,12 +584,12 @@ def intro_bars(
             if not vals:
                 continue
             rows += [dict(backbone=backbone, method=m, calibrator=c, dataset=d, ece=v, n_datasets=1,
-                          group_size=len(datasets)) for d, v in vals]
+                          group_size=len(datasets), partial=partial.get((m, d))) for d, v in vals]
             rows.append(dict(backbone=backbone, method=m, calibrator=c, dataset="avg",
                              ece=float(np.mean([v for _, v in vals])), n_datasets=len(vals),
-                             group_size=len(datasets)))
+                             group_size=len(datasets), partial=None))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "dataset": pl.Utf8, "ece": pl.Float64,
-              "n_datasets": pl.Int64, "group_size": pl.Int64}
+              "n_datasets": pl.Int64, "group_size": pl.Int64, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -589,8 +604,8 @@ def reliability_table(s: RunSummary, panels: Sequence[str], n_bins: int = 10, ec
 
     Returns:
         Columns backbone, dataset, method, seed, panel, bin, lo, hi, count, share (of the run's samples),
-        confidence and accuracy (bin means; NaN in empty bins), and the ECE (percent, `ece_bins` bins) of exactly
-        the predictions the panel plots.
+        confidence and accuracy (bin means; NaN in empty bins), the ECE (percent, `ece_bins` bins) of exactly
+        the predictions the panel plots, and partial (`RunSummary.partial`).
     """
     frames = []
     for panel in panels:
@@ -604,6 +619,7 @@ def reliability_table(s: RunSummary, panels: Sequence[str], n_bins: int = 10, ec
             "panel": panel, "bin": np.arange(n_bins), "lo": r.edges[:-1], "hi": r.edges[1:],
             "count": r.count.astype(np.int64), "share": r.count / max(len(s), 1), "confidence": r.confidence,
             "accuracy": r.accuracy, "ece": 100.0 * float(ece(conf, corr, ece_bins)), "ece_bins": ece_bins,
+            "partial": pl.Series([s.partial] * n_bins, dtype=pl.Utf8),
         }))
     return pl.concat(frames)
 
@@ -673,8 +689,9 @@ def strength_table(cells: pl.DataFrame, strengths: Sequence[float] = layout.STRE
     for lam in strengths:
         spec = layout.strength_spec(lam)
         part = cells.filter((pl.col("calibrator") == spec) & (pl.col("method") != layout.ZERO_SHOT))
+        partial = pl.col("partial") if "partial" in part.columns else pl.lit(None, pl.Utf8).alias("partial")
         rows.append(part.select("backbone", "dataset", "method", pl.lit(float(lam)).alias("strength"),
-                                pl.lit(spec).alias("calibrator"), (pl.col("ece") * 100.0).alias("ece")))
+                                pl.lit(spec).alias("calibrator"), (pl.col("ece") * 100.0).alias("ece"), partial))
     df = pl.concat(rows) if rows else pl.DataFrame()
     return _order(df).sort(["_b", "_d", "_m", "strength"]).drop("_b", "_d", "_m") if df.height else df
 
@@ -695,11 +712,14 @@ def backbone_summary(
             r = cb.filter((pl.col("method") == m) & (pl.col("calibrator") == c))
             if r.height != len(datasets) or r.height == 0:
                 continue
+            partial = [f"{layout.dataset_label(d)} {p}" for d, p in zip(r["dataset"], r["partial"]) if p] \
+                if "partial" in r.columns else []
             rows.append(dict(backbone=backbone, method=m, calibrator=c, ece=float(r["ece"].mean()) * 100.0,
                              mean_entropy=float(r["mean_entropy"].mean()), n_datasets=r.height,
-                             in_sample=c == "temperature" and ts_in_sample in datasets))
+                             in_sample=c == "temperature" and ts_in_sample in datasets,
+                             partial="; ".join(partial) or None))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
-              "mean_entropy": pl.Float64, "n_datasets": pl.Int64, "in_sample": pl.Boolean}
+              "mean_entropy": pl.Float64, "n_datasets": pl.Int64, "in_sample": pl.Boolean, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
 
 

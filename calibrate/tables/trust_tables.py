@@ -363,7 +363,8 @@ def risk_coverage_curves(
     Returns:
         Columns backbone, dataset, method, seed, panel ("zero-shot", a calibrator or "oracle"), score, point
         (0..G-1), threshold, coverage, risk, oracle_risk (fractions), aurc (fraction, the panel's AURC), n (samples),
-        in_sample (a temperature-scaling panel of dataset `ts_in_sample`, the labelled set its T was fitted on).
+        in_sample (a temperature-scaling panel of dataset `ts_in_sample`, the labelled set its T was fitted on),
+        partial (`RunSummary.partial`).
     """
     frames = []
     for m in layout.order_methods(runs):
@@ -376,13 +377,15 @@ def risk_coverage_curves(
             frames.append(pl.DataFrame({
                 **key, "panel": name, "score": score, "point": np.arange(rc.coverage.size), "threshold": rc.threshold,
                 "coverage": rc.coverage, "risk": rc.risk, "oracle_risk": rc.oracle_risk, "aurc": rc.aurc,
-                "n": len(s), "in_sample": name == "temperature" and s.key.dataset == ts_in_sample}))
+                "n": len(s), "in_sample": name == "temperature" and s.key.dataset == ts_in_sample,
+                "partial": s.partial}))
         cov, risk = oracle_curve(len(s), int(s.tta_correct.sum()))
         frames.append(pl.DataFrame({
             **key, "panel": ORACLE, "score": score, "point": np.arange(cov.size), "threshold": None,
-            "coverage": cov, "risk": risk, "oracle_risk": risk, "aurc": None, "n": len(s), "in_sample": False}))
+            "coverage": cov, "risk": risk, "oracle_risk": risk, "aurc": None, "n": len(s), "in_sample": False,
+            "partial": s.partial}))
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "panel": pl.Utf8,
               "score": pl.Utf8, "point": pl.Int64, "threshold": pl.Float64, "coverage": pl.Float64,
               "risk": pl.Float64, "oracle_risk": pl.Float64, "aurc": pl.Float64, "n": pl.Int64,
-              "in_sample": pl.Boolean}
+              "in_sample": pl.Boolean, "partial": pl.Utf8}
     return pl.concat([f.cast(schema) for f in frames]) if frames else pl.DataFrame(schema=schema)
