@@ -398,3 +398,42 @@ def plot_risk_coverage(curves: pl.DataFrame, path: str | os.PathLike, title: str
         axes[k // cols][k % cols].axis("off")
     _suptitle(fig, title, partial)
     return save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# beyond the paper: out-of-distribution ROC curves
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plot_ood_roc(curves: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
+    """OOD detection (`ood_tables.ood_roc_curves`): one panel per (OOD run, method), one ROC line per prediction
+    (zero-shot, raw, ZAEC) with its AUROC in the legend, in-distribution positive; dashed: chance."""
+    keys = curves.select("dataset", "method").unique(maintain_order=True).rows()
+    partial = partial_runs(curves.with_columns(pl.col("ood_set").alias("_set")).drop("dataset")
+                           .rename({"_set": "dataset"}))
+    cols = min(len(keys), 4)
+    rows = (len(keys) + cols - 1) // cols
+    fig = Figure(figsize=(3.2 * cols, 3.1 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for k, (ds, m) in enumerate(keys):
+        ax = axes[k // cols][k % cols]
+        part = curves.filter((pl.col("dataset") == ds) & (pl.col("method") == m))
+        ax.plot([0, 100], [0, 100], ls="--", lw=0.8, color="#999999")
+        for panel in part["panel"].unique(maintain_order=True).to_list():
+            p = part.filter(pl.col("panel") == panel).sort("point")
+            label = "zero-shot" if panel == ZERO_SHOT else layout.calibrator_label(panel)
+            label += f" {IN_SAMPLE_MARK}" if p["in_sample"].any() else ""
+            ax.plot(p["fpr"] * 100.0, p["tpr"] * 100.0, lw=1.1, color=CAL_COLORS.get(panel),
+                    label=f"{label} (AUROC {100.0 * p['auroc'][0]:.2f})")
+        r = part.row(0, named=True)
+        ax.set_title(f"{method_name(m, partial)} (seed {r['seed']}): {layout.dataset_label(r['ood_for'])} vs "
+                     f"{r['ood_set']}\n{r['n_id']} ID + {r['n_ood']} OOD images", fontsize=8)
+        ax.set_xlabel("OOD images accepted, FPR (%)", fontsize=8)
+        ax.set_ylabel("in-distribution accepted, TPR (%)", fontsize=8)
+        ax.set_xlim(0, 100)
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=6, loc="lower right")
+    for k in range(len(keys), rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    _suptitle(fig, title, partial)
+    return save(fig, path)

@@ -12,6 +12,8 @@ runs"), kept apart from the paper's items, which never see an OOD run:
   rows zero-shot, then per method raw / SaLS / ZAEC / temperature scaling; ZAEC minus raw and minus temperature
   scaling with paired intervals.
 - `ood_sections`: the (group, heading, header, rows) the Markdown/LaTeX show, for `render.trust_markdown`.
+- `ood_roc_curves`: the arrays of the OOD figure: ROC curves (in-distribution positive) of the zero-shot, raw and
+  ZAEC predictions of one run per method and OOD run.
 
 Undefined values (an OOD run holding one kind of row only) stay null with the reason; averages cover the OOD sets
 where defined (`n_datasets`).
@@ -25,7 +27,7 @@ import numpy as np
 import polars as pl
 
 from calibrate.ood import OOD_METRICS, OOD_NAMES, OODStats, ood_replicates
-from calibrate.selective import SCORES, confidence_score
+from calibrate.selective import SCORES, ScoreCounts, confidence_score
 from calibrate.tables import layout, render
 from calibrate.tables.bootstrap import BootstrapResult, dataset_seed, resample_counts
 from calibrate.tables.data import RunSummary
@@ -235,3 +237,71 @@ def ood_sections(table: pl.DataFrame, diffs: pl.DataFrame) -> list[tuple[str, st
                                           lambda r: [layout.method_label(r["method"]), r["comparison"]], keys,
                                           render._trust_diff_cell)))
     return out
+
+
+#: the predictions the OOD figure draws: the paired zero-shot, raw TTA and ZAEC
+ROC_PANELS: tuple[str, ...] = ("zero-shot", "none", "zaec")
+
+
+def roc_points(score, in_distribution) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ROC of one score, in-distribution positive, at every distinct threshold: (fpr, tpr, threshold), starting at
+    (0, 0) (threshold +inf) and ending at (1, 1); a tied group is accepted whole, so the trapezoid area under these
+    points is the AUROC with ties counted 1/2 (`calibrate.ood.ood_metrics`). The points of
+    `sklearn.metrics.roc_curve(in_distribution, score, drop_intermediate=False)`.
+
+    Example:
+        >>> fpr, tpr, _ = roc_points([0.9, 0.5, 0.5, 0.1], [True, True, False, False])
+        >>> fpr.tolist(), tpr.tolist()
+        ([0.0, 0.0, 0.5, 1.0], [0.0, 0.5, 1.0, 1.0])
+    """
+    sc = ScoreCounts.of(score, in_distribution)
+    n_id, n_ood = int(sc.n_ok.sum()), int(sc.n_err.sum())
+    if not n_id or not n_ood:
+        raise ValueError("an ROC curve needs in-distribution and out-of-distribution rows")
+    tpr = np.r_[0.0, np.cumsum(sc.n_ok) / n_id]
+    fpr = np.r_[0.0, np.cumsum(sc.n_err) / n_ood]
+    return fpr, tpr, np.r_[np.inf, sc.score]
+
+
+def _run_roc(s: RunSummary, panels: Sequence[str], score: str, ts_in_sample: str | None) -> list[pl.DataFrame]:
+    """The ROC frames of one OOD run's predictions of `panels` (none for a run holding one kind of row only)."""
+    ind = s.label >= 0
+    if ind.all() or not ind.any():
+        return []
+    frames = []
+    for name, _pred, conf, ent in _predictions(s, [p for p in panels if p != "zero-shot"]):
+        if name not in panels:
+            continue
+        fpr, tpr, thr = roc_points(confidence_score(score, conf, ent), ind)
+        frames.append(pl.DataFrame({
+            "backbone": s.key.backbone, "dataset": s.key.dataset, "ood_for": s.ood_for, "ood_set": ood_set(s),
+            "method": s.key.method, "seed": s.key.seed, "panel": name, "score": score, "point": np.arange(fpr.size),
+            "fpr": fpr, "tpr": tpr, "threshold": thr,
+            "auroc": OODStats().update(conf, ent, ind).compute()[f"ood_auroc_{score}"], "n_id": int(ind.sum()),
+            "n_ood": int((~ind).sum()), "partial": s.partial,
+            "in_sample": name == "temperature" and s.ood_for == ts_in_sample}))
+    return frames
+
+
+def ood_roc_curves(runs: Iterable[RunSummary], panels: Sequence[str] = ROC_PANELS, score: str = "msp",
+                   ts_in_sample: str | None = None) -> pl.DataFrame:
+    """The OOD figure's arrays: per OOD run (its lowest seed per backbone, OOD run and method) and prediction of
+    `panels` present, the ROC curve of `score` (`roc_points`) and its AUROC (`calibrate.ood.ood_metrics`).
+
+    Returns:
+        Columns backbone, dataset (the OOD run's key), ood_for, ood_set, method, seed, panel, score, point, fpr, tpr,
+        threshold, auroc (fractions), n_id, n_ood, partial (`RunSummary.partial`), in_sample (a temperature
+        panel on a set its T was fitted on); runs holding one kind of row only are left out.
+    """
+    chosen: dict[tuple[str, str, str], RunSummary] = {}
+    for s in sorted((s for s in runs if s.ood_for), key=lambda s: s.key.seed):
+        chosen.setdefault((s.key.backbone, s.key.dataset, s.key.method), s)
+    frames = []
+    for bb, ds in sorted({k[:2] for k in chosen}):
+        for m in layout.order_methods({k[2] for k in chosen if k[:2] == (bb, ds)}):
+            frames += _run_roc(chosen[(bb, ds, m)], panels, score, ts_in_sample)
+    schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "ood_for": pl.Utf8, "ood_set": pl.Utf8, "method": pl.Utf8,
+              "seed": pl.Int64, "panel": pl.Utf8, "score": pl.Utf8, "point": pl.Int64, "fpr": pl.Float64,
+              "tpr": pl.Float64, "threshold": pl.Float64, "auroc": pl.Float64, "n_id": pl.Int64, "n_ood": pl.Int64,
+              "partial": pl.Utf8, "in_sample": pl.Boolean}
+    return pl.concat([f.cast(schema) for f in frames]) if frames else pl.DataFrame(schema=schema)
