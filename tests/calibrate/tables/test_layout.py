@@ -19,3 +19,16 @@ def test_display_names_are_unique_and_unknown_keys_are_kept_as_spelt():
     assert len(set(names)) == len(names)
     # a user's own method: its key, never re-cased (today's fallback upper-cased keys of <= 5 letters only)
     assert layout.method_label("mine") == "mine" and layout.method_label("my-long-method") == "my-long-method"
+
+
+def test_methods_at_a_glance_lists_every_registered_method_with_its_display_name():
+    """Issue 32 item 12: docs/methods.md "The methods at a glance" has a row per registered method (not only the
+    paper's), naming it as the tables do."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "methods.md").read_text()
+    table = text.split("### The methods at a glance", 1)[1].split("\n### ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)` \| ([^|]+?) \|", table, re.M)}
+    assert list(rows) == list(METHOD_KEYS)  # every method, in the registry's order
+    assert rows == {k: layout.METHOD_LABELS[k] for k in METHOD_KEYS}
