@@ -79,7 +79,7 @@ METHOD_LABELS: dict[str, str] = {
     # the paper's methods (Tables 2 and 3) and the prompt-coupled calibrated TPT variants (Figure 2a)
     "tpt": "TPT", "tps": "TPS", "tda": "TDA", "dpe": "DPE", "dlae": "DLAE",
     "ctpt": "C-TPT", "otpt": "O-TPT", "atpt": "A-TPT",
-    # TTA-VLM's methods (docs/methods.md, "TTA-VLM methods ...")
+    # TTA-VLM's methods (docs/methods.md, "The methods at a glance")
     "zero": "ZERO", "mta": "MTA", "onzeta": "OnZeta", "ecalp": "ECALP", "dmn": "DMN", "dmn-weak": "DMN-weak",
     "boostadapter": "BoostAdapter", "rtpt": "R-TPT", "dynaprompt": "DynaPrompt", "rlcf": "RLCF", "ttl": "TTL",
 }
