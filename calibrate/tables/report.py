@@ -391,6 +391,14 @@ def figures_2cd(ctx: Context) -> Item:
                    [render.write_csv(pl.concat(frames), ctx.out / "fig2cd_entropy_gap.csv"), *paths], notes, caption)
 
 
+def _in_sample_caption(frames: Sequence[pl.DataFrame], what: str) -> str:
+    """The caption's sentence on ‡ when a figure's frames (column `in_sample`) draw in-sample temperature scaling."""
+    if not any(f["in_sample"].any() for f in frames):
+        return ""
+    return (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in the legend (CSV column `in_sample`): {what} "
+            "(`--ts-source`), scored in-sample.")
+
+
 def figure_3(ctx: Context) -> Item:
     """Figure 3 (the paper's RN50 figure, for every backbone): average ECE and mean entropy per method."""
     cells, out = ctx.cells, ctx.out
@@ -423,9 +431,7 @@ def figure_3(ctx: Context) -> Item:
                    "datasets, zero-shot first (the paper draws it for RN50; here for every backbone). Every bar "
                    "averages the same datasets: a method without runs on one of them is left out, named with the "
                    "datasets it lacks in the notes below.")
-        if any(f["in_sample"].any() for f in frames):
-            caption += (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in the legend (CSV column `in_sample`): its "
-                        "average includes the dataset its T was fitted on (`--ts-source`), scored in-sample.")
+        caption += _in_sample_caption(frames, "its average includes the dataset its T was fitted on")
         return written("Figure 3", what, [render.write_csv(pl.concat(frames), out / "fig3_summary.csv"), *paths],
                        notes, caption)
     return skipped("Figure 3", what, "; ".join(notes) if ctx.tta_methods else NO_TTA)
@@ -682,9 +688,7 @@ def risk_coverage_figure(ctx: Context) -> Item:
                "dotted: the oracle that accepts every correct sample first, over the whole coverage range (panel "
                "`oracle` in the CSV). Tied confidences are accepted together, so a prediction's curve starts at the "
                "share of its most confident tied group (e.g. every top probability exactly 1.0).")
-    if any(f["in_sample"].any() for f in frames):
-        caption += (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in a legend (CSV column `in_sample`): scored on the "
-                    "labelled data its T was fitted on (`--ts-source`), in-sample.")
+    caption += _in_sample_caption(frames, "scored on the labelled data its T was fitted on")
     return written("Risk-coverage figure", what,
                    [render.write_csv(pl.concat(frames), ctx.out / "risk_coverage.csv"), *paths], notes, caption,
                    beyond_paper=True)
