@@ -322,8 +322,10 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
         ax.set_title(layout.dataset_label(d), fontsize=9)
         ax.set_xlabel(r"restoration strength $\lambda$")
         ax.set_ylabel("ECE (%)")
-        if k == 0 and ax.lines:
-            ax.legend(fontsize=7)
+    # one legend for every method drawn in any panel (a method absent from the first panel still gets its entry)
+    entries = {lab: h for ax in axes.flat for h, lab in zip(*ax.get_legend_handles_labels())}
+    if entries:
+        axes[0][0].legend(list(entries.values()), list(entries), fontsize=7)
     for k in range(n, rows * cols):
         axes[k // cols][k % cols].axis("off")
     _suptitle(fig, title, partial)
