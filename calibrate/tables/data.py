@@ -64,6 +64,9 @@ class RunSummary:
     #: an OOD run's in-distribution dataset (`zaec:ood_for`): its label -1 rows are out-of-distribution, and the
     #: tables keep it out of every paper item (calibrate/tables/ood_tables.py); None for a plain run
     ood_for: str | None = None
+    #: a partial run read with `--allow-partial` (fewer rows than announced, or a `--limit` subset): its count, e.g.
+    #: "150 of 400"; every table and figure marks its cells (`calibrate.tables.render.PARTIAL_MARK`); None: whole
+    partial: str | None = None
 
     def __len__(self) -> int:
         return int(self.sample_id.shape[0])
@@ -262,6 +265,14 @@ def run_keys(runs: Iterable[RunKey]) -> list[RunKey]:
     return sorted(runs, key=lambda k: (k.backbone, k.dataset, k.method, k.seed))
 
 
+def partial_text(c: Completeness) -> str | None:
+    """`150 of 400` for a partial run (`Completeness.partial`: fewer rows than announced, or a `--limit` subset),
+    None for a whole one or one whose completeness is unknown."""
+    if not (c.known and c.partial):
+        return None
+    return f"{c.n_rows} of {c.n_total if c.subset and c.n_total is not None else c.n_expected}"
+
+
 def check_same_test_sets(groups: dict[RunKey, Members], counts: dict[RunKey, Completeness]) -> None:
     """Every run of one dataset key must hold the same test set: the same number of classes K and of samples N.
 
@@ -359,7 +370,9 @@ def load_summaries(
         fns: dict[str, TemperatureFn] = {spec: cal.temperatures for spec, cal in cals.items()}
         if key in fitted:
             fns["temperature"] = lambda zs, tta, t=fitted[key]: np.full(np.shape(tta)[0], t)
-        out.runs[key] = summarise_run(groups[key], fns, drop_nonfinite=drop_nonfinite, notes=out.notes)
+        c = counts[key]
+        out.runs[key] = replace(summarise_run(groups[key], fns, drop_nonfinite=drop_nonfinite, notes=out.notes),
+                                partial=partial_text(c))
         if on_run is not None:
             on_run(key, i + 1, len(keys))
     return out
