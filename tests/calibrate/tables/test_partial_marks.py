@@ -10,7 +10,7 @@ import pytest
 
 from calibrate.tables import builders, figures, render, report, trust_tables
 from calibrate.tables.data import load_summaries
-from schemas import ShardMeta, shard_path, write_shard
+from schemas.shard import ShardMeta, shard_path, write_shard
 
 K = 4
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from calibrate.functional.softmax import adapted_stats
 from calibrate.run import calibrate_paths
 from extract.methods.zero import Zero, log_vote_fractions
-from schemas import write_shard
+from schemas.shard import write_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K, D = 5, 16
