@@ -21,8 +21,8 @@ encoder's pace), the fixed cost as the images the encoder could have encoded mea
 encoder's time for its 64 views over the adaptation's time (above 1: adapting is faster than encoding). `--json`
 writes every figure; `zaec-sweep --dry-run --rates FILE` prices a sweep with them (docs/sweep.md).
 
-    python -m extract.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
-    python -m extract.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
+    python -m tools.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
+    python -m tools.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
 
 Without CUDA (and without `--device cpu`) it stops with one line and exit status 2.
 """
@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 import typer
 
-from extract.bench import view_rate, write_image_set
+from tools.bench_extract import view_rate, write_image_set
 from extract.run.options import MAX_CUDA_WORKERS
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -121,7 +121,8 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     chains in the loader processes, as before they ran on the device."""
     from extract.cache import FeatureCache
     from extract.datasets import load_testset
-    from extract.runner import encode_pass, stream_permutation
+    from extract.run.encode import encode_pass
+    from extract.run.stream import stream_permutation
 
     ts = load_testset("dtd", root)
     perm = stream_permutation("dtd", 1, len(ts))
@@ -147,7 +148,7 @@ def chains_rate(model: Any, min_seconds: float) -> tuple[float, float]:
     import torch
 
     from extract.augmix_device import pack_program, run_packed
-    from extract.bench import VIEW_IMAGE, photo
+    from tools.bench_extract import VIEW_IMAGE, photo
     from extract.views import N_AUG_VIEWS, ViewGenerator
 
     gen = ViewGenerator(model.preprocess, "augmix", seed=0)
@@ -181,7 +182,7 @@ def adapt_rate(model: Any, method: str, k: int, min_seconds: float, pass_budget:
     import torch.nn.functional as F
 
     from extract.methods import get_method
-    from extract.runner import build_method
+    from extract.run.setup import build_method
 
     names = [f"class {c}" for c in range(k)]
     text = model.text_prototypes([[f"a photo of a {n}."] for n in names])
@@ -236,7 +237,7 @@ def fixed_cost(model_dir: Path, root: Path, work: Path, device: str, workers: in
         t0 = time.perf_counter()
         subprocess.run(cmd + ["--out", str(work / f"out{i}")], check=True, env=env, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-    probe = subprocess.run([sys.executable, "-m", "extract.bench_gpu", "probe", str(model_dir), str(root),
+    probe = subprocess.run([sys.executable, "-m", "tools.bench_gpu", "probe", str(model_dir), str(root),
                             "--device", device, "--workers", str(workers)],
                            check=True, env=env, capture_output=True, text=True)
     return {"process_s": wall, **json.loads(probe.stdout.strip().splitlines()[-1])}
@@ -248,21 +249,26 @@ def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), worke
     t0 = time.perf_counter()
     import torch  # noqa: F401
 
-    from extract import runner
+    import extract.runner  # noqa: F401  (timed: the modules a run imports, the whole run stack)
+    from extract.datasets import load_testset
+    from extract.models import load_model
+    from extract.prompts import build_prompt_set
+    from extract.run.encode import _ViewData
+    from extract.run.stream import stream_permutation
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = runner.load_model(None, f"local-dir:{model_dir}", device)
+    model = load_model(None, f"local-dir:{model_dir}", device)
     t_weights = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ts = runner.load_testset("dtd", root)
-    prompts = runner.build_prompt_set("dtd", ts.class_names, policy="single")
+    ts = load_testset("dtd", root)
+    prompts = build_prompt_set("dtd", ts.class_names, policy="single")
     model.text_prototypes(prompts.per_class)
     _sync(model.device)
     t_protos = time.perf_counter() - t0
     from extract.views import ViewGenerator
     t0 = time.perf_counter()
     gen = ViewGenerator(model.preprocess, "single", seed=1)
-    data = runner._ViewData(ts, runner.stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
+    data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
     next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
     t_loader = time.perf_counter() - t0
     print(json.dumps({"import_s": t_import, "weights_s": t_weights, "prototypes_s": t_protos,
@@ -458,8 +464,8 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("run", "probe", "--help"):
-        args = ["run"] + args  # `python -m extract.bench_gpu [options]` runs the benchmark
-    app(args=args, prog_name="python -m extract.bench_gpu")
+        args = ["run"] + args  # `python -m tools.bench_gpu [options]` runs the benchmark
+    app(args=args, prog_name="python -m tools.bench_gpu")
 
 
 if __name__ == "__main__":
