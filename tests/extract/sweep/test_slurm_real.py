@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from extract.sweep import cli as sweep
 from extract.sweep.manifest import Manifest, sweep_dir
-from schemas import read_shard
+from schemas.shard import read_shard
 from tests.support.extract import make_json_dataset
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
