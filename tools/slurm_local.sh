@@ -58,7 +58,8 @@ install_packages() {
     missing=$(missing_packages "${want[@]}" | tr '\n' ' ')
     [[ -z $missing ]] && return 0
     [[ ${ZAEC_SLURM_NO_INSTALL:-0} == 1 ]] &&
-        cannot "packages missing: ${missing% } (as root: tools/slurm_local.sh install${1:+ --accounting}; make test does it)"
+        cannot "packages missing: ${missing% } (as root: tools/slurm_local.sh install${1:+ --accounting};" \
+            "make test does it)"
     [[ $(uname -s) == Linux ]] || cannot "not Linux ($(uname -s)); SLURM's Debian packages need Linux"
     [[ $(id -u) == 0 ]] || cannot "not root (installing ${missing% } needs root; run: sudo $0 up)"
     command -v apt-get >/dev/null || cannot "no apt-get on this machine (install ${missing% } yourself)"
@@ -248,7 +249,8 @@ wait_node_idle() {
         esac
         sleep 0.5
     done
-    failed "the node is not idle after ${WAIT_S}s (sinfo: ${state:-no answer}; see $DIR/log/slurmctld.log and slurmd.log)"
+    failed "the node is not idle after ${WAIT_S}s (sinfo: ${state:-no answer}; see $DIR/log/slurmctld.log," \
+        "slurmd.log)"
 }
 
 stop_pid() {  # stop one daemon of ours by its pid file, SIGKILL after 10 s
@@ -313,9 +315,13 @@ cmd_up() {
     # 90% of the memory, in MB: slurmd drains a node that has less than its RealMemory
     MEM_MB=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
     mkdir -p "$DIR"/{etc,run,log,state,spool}
-    if [[ -n $(pid_of slurmctld) && -n $(pid_of slurmd) && $(cat "$DIR/run/settings" 2>/dev/null) == "$(settings_line)" ]]
-    then
-        wait_node_idle && { link_etc_conf; echo "slurm_local: reusing the running cluster ($(settings_line))"; return 0; }
+    local running
+    running=$(cat "$DIR/run/settings" 2>/dev/null)
+    if [[ -n $(pid_of slurmctld) && -n $(pid_of slurmd) && $running == "$(settings_line)" ]]; then
+        wait_node_idle
+        link_etc_conf
+        echo "slurm_local: reusing the running cluster ($running)"
+        return 0
     fi
     local mode=accounting
     [[ $ACCOUNTING == 1 ]] || mode=""
@@ -328,8 +334,10 @@ cmd_up() {
     start_munge
     if [[ $ACCOUNTING == 1 ]]; then start_mariadb; start_slurmdbd; fi
     # -i: a state file from an older run that does not fit this configuration is ignored, not fatal
-    slurmctld -i -f "$CONF" >>"$DIR/log/slurmctld.log" 2>&1 || failed "slurmctld did not start (see $DIR/log/slurmctld.log)"
-    wait_for "$WAIT_S" bash -c 'scontrol ping | grep -q UP' || failed "slurmctld does not answer (see $DIR/log/slurmctld.log)"
+    slurmctld -i -f "$CONF" >>"$DIR/log/slurmctld.log" 2>&1 ||
+        failed "slurmctld did not start (see $DIR/log/slurmctld.log)"
+    wait_for "$WAIT_S" bash -c 'scontrol ping | grep -q UP' ||
+        failed "slurmctld does not answer (see $DIR/log/slurmctld.log)"
     slurmd -f "$CONF" >>"$DIR/log/slurmd.log" 2>&1 || failed "slurmd did not start (see $DIR/log/slurmd.log)"
     settings_line >"$DIR/run/settings"
     wait_node_idle
@@ -348,6 +356,7 @@ case ${1:-} in
         install_packages ""  # the cluster first: without accounting's packages the other tests still run
         [[ ${2:-} == --accounting ]] && install_packages accounting
         echo "slurm_local: packages present ($((SECONDS - start)) s): ${PACKAGES[*]}${2:+ ${ACCOUNTING_PACKAGES[*]}}" ;;
-    *) echo "usage: $0 up [--accounting] [--cpus N] [--min-job-age S] | down | status | env | install [--accounting]" >&2
+    *) echo "usage: $0 up [--accounting] [--cpus N] [--min-job-age S] | down | status | env |" \
+            "install [--accounting]" >&2
        exit 2 ;;
 esac

@@ -8,9 +8,9 @@
     zaec-sweep retry  [--out DIR]         resubmit the failed and lost runs only
 
 Every name is resolved before anything is submitted. Runs whose shards are complete (the extractor's own
-`RunDir.is_complete`) are skipped, so re-running the same command submits only what is missing or failed. Runs that
-share a feature cache - same backbone, weights, dataset, view policy and seed - form one group; SLURM gets one array
-task per group, the local executor packs the groups into `--local-jobs` processes. The manifest lives in
+`RunDir.is_complete`) are skipped, so re-running the same command submits only what is missing, failed or lost. Runs
+that share a feature cache - same backbone, weights, dataset, view policy and seed - form one group; SLURM gets one
+array task per group, the local executor packs the groups into `--local-jobs` processes. The manifest lives in
 `<out>/_sweep/manifest.json`; calibrate the results with `zaec-calibrate <out>`.
 
 A user error ends in one line on stderr and exit status 2; `run --wait` and `retry --wait` exit with 1 when a run

@@ -3,9 +3,10 @@
 A manifest row is in one of five states: pending (submitted, not started), running, done (the extractor says the
 run is complete), failed (an error line says how: the run's error, or the scheduler's end of its job, TIMEOUT,
 CANCELLED, ..., or why it was not submitted), lost (its SLURM job left the queue without a result and nothing can say
-how it ended: no accounting, no end in its log). `retry` resubmits the failed and the lost runs. `transition(row, facts)` gives a row's next state and error
-line from what is known about its run and its job; `extract.sweep.track.refresh` gathers those facts (shards on
-disk, the run's result file, the job's result pickle, the scheduler, the process) and applies it to every row.
+how it ended: no accounting, no end in its log). `retry` resubmits the failed and the lost runs.
+`transition(row, facts)` gives a row's next state and error line from what is known about its run and its job;
+`extract.sweep.track.refresh` gathers those facts (shards on disk, the run's result file, the job's result pickle,
+the scheduler, the job's log, the process) and applies it to every row.
 
 The facts are read in a fixed order and only as far as the decision needs them (a complete run needs no job facts,
 a recorded failure no scheduler): `refresh` hands in an object that looks each one up on first use, a test a

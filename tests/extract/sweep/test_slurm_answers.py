@@ -132,8 +132,10 @@ def test_a_setup_line_sourcing_a_missing_file_is_refused(tmp_path):
         submit.check_setup([". /no/venv/bin/activate"])
 
 
-@pytest.mark.parametrize("minutes, signal_line", [(1, "#SBATCH --signal=URG@1"), (9, "#SBATCH --signal=URG@1"),
-                                                  (10, "#SBATCH --signal=USR2@120"), (600, "#SBATCH --signal=USR2@120")])
+@pytest.mark.parametrize("minutes, signal_line", [
+    (1, "#SBATCH --signal=URG@1"), (9, "#SBATCH --signal=URG@1"),
+    (10, "#SBATCH --signal=USR2@120"), (600, "#SBATCH --signal=USR2@120"),
+])
 def test_short_limits_get_no_requeue_signal(tmp_path, minutes, signal_line):
     """SLURM may signal up to a minute early: a short job would be told to requeue at its start, again and again."""
     groups = group_runs(expand_grid(Grid(("tda",), ("dtd",), ("ViT-B-16",)), out=tmp_path))
