@@ -252,7 +252,9 @@ ORDER = {"pending": 0, "running": 1, "done": 2}
 def test_grid_array_follows_the_queue_and_equals_the_local_executor(with_accounting, tiny_model_dir, data_root,
                                                                      tmp_path, reference):
     out, cache = tmp_path / "out", tmp_path / "cache"
-    grid_a = _run_args(tiny_model_dir, data_root, out, cache, "zero-shot,tda", ",".join(GRID_SETS), *SLURM_OPTS)
+    # one task at a time: the second waits in the queue (PENDING, JobArrayTaskLimit) while the first runs
+    grid_a = _run_args(tiny_model_dir, data_root, out, cache, "zero-shot,tda", ",".join(GRID_SETS), *SLURM_OPTS,
+                       "--array-parallelism", "1")
     preview = _cli(*grid_a, "--dry-run")
     assert preview.exit_code == 0, preview.output + preview.stderr
     res = _cli(*grid_a)
@@ -299,10 +301,21 @@ def test_grid_array_follows_the_queue_and_equals_the_local_executor(with_account
     assert set(s[-1] for s in seen.values()) == {"done"}, seen
     for run_id, states in seen.items():
         assert [ORDER[s] for s in states] == sorted(ORDER[s] for s in states), (run_id, states)
-    assert any(s[0] == "pending" for s in seen.values()) and any("running" in s for s in seen.values()), seen
-    for state, queued in pairs:  # a run is running only while its job runs; a queued job's runs are pending
-        assert state != "running" or queued in ("RUNNING", "COMPLETING", "COMPLETED"), pairs
+    # the queue's PENDING, RUNNING and COMPLETED were each seen, and the runs' states agreed with them
+    assert {"PENDING", "RUNNING", "COMPLETED"} <= {q for _, q in pairs}, pairs
+    for state, queued in pairs:
         assert queued != "PENDING" or state == "pending", pairs
+        assert queued != "RUNNING" or state in ("pending", "running", "done"), pairs
+        assert queued != "COMPLETED" or state == "done", pairs
+        assert state != "running" or queued in ("RUNNING", "COMPLETING", "COMPLETED"), pairs
+
+    def accounted():  # the jobs end a moment after their runs (Python exits, the step ends); then sacct says so
+        acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base], capture_output=True,
+                              text=True, timeout=60)
+        done = sorted(acct.stdout.split()) == [f"{base}_0|COMPLETED", f"{base}_1|COMPLETED"]
+        return (done, acct.stdout + acct.stderr)
+
+    _wait("sacct reporting the array COMPLETED", accounted, timeout=60)
 
     # no run started twice; every shard equals the local executor's, column by column
     assert _started(out) == {k: 1 for k in _rows(out)}
@@ -346,33 +359,34 @@ def _job_python(job_id: str) -> int:
 
 
 def _kill(kind: str, job_id: str) -> None:
-    """Kill a task: `scancel` (SIGTERM, which submitit ignores, then SIGKILL after KillWait), `scancel
-    --signal=KILL`, or "oom": SIGKILL to its Python process (the kernel's OOM killer, a crash: SLURM sees only its
-    step fail)."""
+    """Kill a suspended task: `scancel` (SIGTERM, which submitit ignores, then SIGKILL after KillWait), `scancel
+    --signal=KILL`, or "oom": SIGKILL to its Python process the moment it runs again (the kernel's OOM killer, a
+    crash: SLURM sees only its step fail)."""
     if kind == "term":
         subprocess.run(["scancel", job_id], check=True, timeout=60)
     elif kind == "kill":
         subprocess.run(["scancel", "--signal=KILL", job_id], check=True, timeout=60)
     else:
-        os.kill(_job_python(job_id), signal.SIGKILL)
+        pid = _job_python(job_id)
+        subprocess.run(["scontrol", "resume", job_id], check=True, timeout=60)
+        os.kill(pid, signal.SIGKILL)
 
 
-def _kill_mid_run(out: Path, kinds: dict[int, str]) -> dict[int, dict[str, tuple[int, int]]]:
-    """As soon as a seed's run has a finished part, suspend its task (SIGSTOP: mid-run whatever the machine's
-    speed; not for "oom", whose SIGKILL is immediate), note its parts and kill it as `kinds` says; returns the parts
-    each run had."""
-    rows = _by_seed(out)
-    todo, before = dict(kinds), {}
+def _kill_mid_run(kinds: dict[Path, dict[int, str]]) -> dict[Path, dict[int, dict[str, tuple[int, int]]]]:
+    """As soon as a run (sweep folder, seed) has a finished part, suspend its task (SIGSTOP: mid-run whatever the
+    machine's speed), note its parts and kill it as `kinds` says; returns the parts each run had."""
+    rows = {out: _by_seed(out) for out in kinds}
+    todo = {(out, seed): kind for out, seeds in kinds.items() for seed, kind in seeds.items()}
+    before: dict[Path, dict[int, dict[str, tuple[int, int]]]] = {out: {} for out in kinds}
 
     def probe():
-        for seed in [s for s in todo if _parts(rows[s]["shard_dir"])]:
-            job_id, shard_dir = rows[seed]["job_id"], rows[seed]["shard_dir"]
-            if todo[seed] != "oom":
-                subprocess.run(["scontrol", "suspend", job_id], check=True, timeout=60)
-            assert not (Path(shard_dir) / "_zaec_complete.json").exists(), f"seed {seed} finished before its kill"
-            before[seed] = _parts(shard_dir)
-            _kill(todo.pop(seed), job_id)
-        return (not todo, sorted(todo))
+        for out, seed in [k for k in todo if _parts(rows[k[0]][k[1]]["shard_dir"])]:
+            job_id, shard_dir = rows[out][seed]["job_id"], rows[out][seed]["shard_dir"]
+            subprocess.run(["scontrol", "suspend", job_id], check=True, timeout=60)
+            assert not (Path(shard_dir) / "_zaec_complete.json").exists(), f"{shard_dir} finished before its kill"
+            before[out][seed] = _parts(shard_dir)
+            _kill(todo.pop((out, seed)), job_id)
+        return (not todo, sorted(f"{o.name}/seed={s}" for o, s in todo))
 
     _wait("a first part of each run to kill", probe, every=0.1)
     return before
@@ -412,7 +426,7 @@ def test_cancelled_tasks_with_accounting_are_named_by_sacct_and_resumed(with_acc
     res = _cli(*_run_args(tiny_model_dir, data_root, out, tmp_path / "cache", "tpt", SLOW_SET, "--seeds", "1,2",
                           *SLURM_OPTS))
     assert res.exit_code == 0, res.output + res.stderr
-    before = _kill_mid_run(out, {1: "term", 2: "kill"})
+    before = _kill_mid_run({out: {1: "term", 2: "kill"}})[out]
     _wait_gone([r["job_id"] for r in _rows(out).values()])
     _status(out)  # the first look after SLURM dropped them: sacct names the end
     rows = _by_seed(out)
@@ -445,8 +459,8 @@ def test_killed_tasks_without_accounting_are_named_by_their_logs_or_lost(without
         for o, seeds in ((out, "1,2"), (out_l, "3")):
             res = _cli(*_run_args(tiny_model_dir, data_root, o, cache, "tpt", SLOW_SET, "--seeds", seeds, *SLURM_OPTS))
             assert res.exit_code == 0, res.output + res.stderr
-        before = _kill_mid_run(out, {1: "term", 2: "kill"})
-        before_l = _kill_mid_run(out_l, {3: "oom"})
+        killed = _kill_mid_run({out: {1: "term", 2: "kill"}, out_l: {3: "oom"}})
+        before, before_l = killed[out], killed[out_l]
 
         # while squeue lists the cancelled tasks (MinJobAge), status names them from it
         def cancelled():
