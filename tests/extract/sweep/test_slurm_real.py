@@ -416,8 +416,9 @@ def _resumed(out: Path, before, reference) -> None:
         _assert_same_shards(row["shard_dir"], ref[row["run_id"]])
 
 
-#: the state sacct or squeue gave (slurmstepd writes no line for a task cancelled while suspended)
-CANCELLED = r"job \d+_\d+ ended as CANCELLED$"
+#: the state sacct or squeue gave, with slurmstepd's line from the job's log when it wrote one (it may not for a
+#: task cancelled while suspended)
+CANCELLED = r"job \d+_\d+ ended as CANCELLED( \(\*\*\* JOB \d+ ON \S+ CANCELLED AT \S+ \*\*\*\))?$"
 
 
 def test_cancelled_tasks_with_accounting_are_named_by_sacct_and_resumed(with_accounting, tiny_model_dir, data_root,
