@@ -8,7 +8,8 @@
               from their fields, the call into `execute`, the extractor's finished-run check
     manifest  the sweep's files: the manifest and its lock, the per-run result files, atomic JSON I/O
     state     the pure job-state transition of a manifest row (pending, running, done, failed, lost)
-    track     the facts of a row (result pickle, squeue then sacct, job log, process) and `refresh`, which applies `state`
+    track     the facts of a row (result pickle, squeue then sacct, job log, process) and `refresh`, which applies
+              `state`
     submit    executor settings, SLURM parameters, local GPU assignment, submission through submitit
     job       what a job runs on its worker (imports submitit)
     errors    SweepError
