@@ -187,8 +187,15 @@ def _cpu_one_thread(model: Any) -> Any:
 
 def write_rate_set(root: Path, k: int, n: int, tiny: bool) -> Path:
     """A dtd-layout set of K classes and max(n, K) JPEGs (500x375, tiny 80x60: TTL reads the pixels of its views
-    and pays for the image size); returns the data root."""
-    return write_image_set(root, max(n, k), n_classes=k, size=(80, 60) if tiny else (500, 375), ext="jpg", seed=k)
+    and pays for the image size); returns the data root. The classes are named after ImageNet's (cycled past 1000):
+    the prompt tuners' text passes run one transformer call per group of prompt lengths (`text_encoder.py`), so
+    real names price them as real runs, where "class c" would make one group."""
+    from extract.datasets import imagenet_classnames
+
+    inet = imagenet_classnames()
+    names = [inet[c % len(inet)] + ("" if c < len(inet) else f" {c // len(inet)}") for c in range(k)]
+    return write_image_set(root, max(n, k), n_classes=k, size=(80, 60) if tiny else (500, 375), ext="jpg", seed=k,
+                           names=names)
 
 
 def method_rates(model: Any, work: Path, rates: "RateSettings", *, tiny: bool, say: Any) -> dict[str, Any]:

@@ -187,9 +187,9 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
 class RunRate:
     """One method's steady adaptation rate in a real run at K classes.
 
-    `samples` stream positions were adapted in `seconds` of wall time, from the end of the run's first `adapt` call
-    (warm-up: lazy set-up, first kernels, allocator) to the end of its last timed one, so the loop's own work between
-    calls (cache reads, the zero-shot anchor, shard writing) is in it; `encode_s` the seconds per sample of a second
+    `samples` stream positions were adapted in `seconds` (`bench_clock`), from the end of the run's first batch
+    (its `adapt` call is the warm-up: lazy set-up, first kernels, allocator) to the end of its last timed one, so the
+    loop's own work for each batch (cache read, the zero-shot anchor, shard rows and parts) is in it; `encode_s` the seconds per sample of a second
     model's encoding pass inside the run (RLCF's reward model: 64 views of every position, before the loop), else 0;
     `mean_position` the mean stream position of the timed samples (ECALP's cost grows with it); `skipped` the reason
     when it could not run.
@@ -232,24 +232,30 @@ def bench_clock() -> float:
 
 @contextlib.contextmanager
 def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tuple[int, float]]]]:
-    """Wrap `cls.adapt` and the reward model's encoding pass (`RewardPass.encode`) for the duration.
+    """Time the adapt loop of a run of `cls`, and the reward model's encoding pass (`RewardPass.encode`).
 
-    Yields {"adapt": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`) at the end of
-    each `adapt` call (the device synchronised), and each reward encoding. Once `budget_s` seconds passed since the end
-    of the first call, the next call ends the run with `_Enough` (never before a second call)."""
+    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`, the device
+    synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
+    anchor, and the part write when the batch completes one), and each reward encoding. Once `budget_s` seconds
+    passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
+    batch)."""
     from extract.run.reward import RewardPass
+    from extract.run.writer import PartWriter
 
-    rec: dict[str, list[tuple[int, float]]] = {"adapt": [], "encode": []}
+    rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": []}
     had_own = "adapt" in cls.__dict__
-    original, encode = cls.adapt, RewardPass.encode
+    original, encode, add = cls.adapt, RewardPass.encode, PartWriter.add
 
     def adapt(self: Any, view_feats: Any) -> Any:
-        done = rec["adapt"]
+        done = rec["rows"]
         if budget_s is not None and len(done) > 1 and bench_clock() - done[0][1] >= budget_s:
             raise _Enough
-        out = original(self, view_feats)
+        return original(self, view_feats)
+
+    def timed_add(self: Any, sample_id: Any, *args: Any) -> Any:
+        out = add(self, sample_id, *args)
         _sync_all()
-        done.append((int(view_feats.shape[0]), bench_clock()))
+        rec["rows"].append((len(sample_id), bench_clock()))
         return out
 
     def timed_encode(self: Any, *args: Any, **kwargs: Any) -> int:
@@ -260,11 +266,11 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
         rec["encode"].append((int(n), bench_clock() - t))
         return n
 
-    cls.adapt, RewardPass.encode = adapt, timed_encode  # type: ignore[method-assign]
+    cls.adapt, RewardPass.encode, PartWriter.add = adapt, timed_encode, timed_add  # type: ignore[method-assign]
     try:
         yield rec
     finally:
-        RewardPass.encode = encode  # type: ignore[method-assign]
+        RewardPass.encode, PartWriter.add = encode, add  # type: ignore[method-assign]
         if had_own:
             cls.adapt = original
         else:
@@ -299,7 +305,7 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
             pass
         except Exception as e:  # noqa: BLE001
             return RunRate(key, k, policy, skipped=_one_line(e))
-    calls = rec["adapt"]
+    calls = rec["rows"]
     if len(calls) < 2:
         return RunRate(key, k, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
     n = sum(c for c, _ in calls[1:])
@@ -350,7 +356,9 @@ def _policies(keys: Sequence[str]) -> set[str]:
 class RateRuns:
     """Runs of registered methods on one K-class dtd-layout set, the feature caches of the view policies they read
     filled once (`fill_caches`) and copied afresh for every run, so a reward model's cache starts empty as in a
-    first run (`run(key, overrides=..., limit=...)`, the shape `run_rate` calls)."""
+    first run (`run(key, overrides=..., limit=...)`, the shape `run_rate` calls). Text prototypes a run encodes are
+    kept for the later runs, as a sweep's cache folder keeps them (TPS's 80 templates x K classes at 77 tokens
+    cost seconds per run that are not adaptation)."""
 
     def __init__(self, model: Any, root: Path, work: Path, keys: Sequence[str], limits: dict[str, int], *,
                  adapt_batch: int, log: Callable[[str], None] = lambda s: None) -> None:
@@ -375,7 +383,10 @@ class RateRuns:
                            out=out, overrides=overrides, limit=limit, adapt_batch=self.adapt_batch,
                            log=lambda s: None)
             _sync_all()
-            return bench_clock() - t
+            took = bench_clock() - t
+            for text in cache.glob("*/text"):  # text prototypes stay cached for later runs, as in a sweep's folder
+                shutil.copytree(text, self.base_cache / text.relative_to(cache), dirs_exist_ok=True)
+            return took
         finally:
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(cache, ignore_errors=True)
