@@ -93,6 +93,26 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], limits: dict[str, int],
+               timer: contextlib.AbstractContextManager[Any]) -> tuple[str, str, Any]:
+    """Plan `key`'s view policy and run it over `limits[policy]` positions inside `timer`: (policy, why it failed
+    or "", what the timer recorded). A run the timer ends (`_Enough`) has not failed."""
+    from extract.run.options import RunOptions, plan
+
+    try:
+        policy = plan(RunOptions.make(key, "dtd", overrides=overrides)).policy
+    except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
+        return "", _one_line(e), None
+    with timer as rec:
+        try:
+            run(key, overrides=overrides, limit=limits[policy])
+        except _Enough:
+            pass
+        except Exception as e:  # noqa: BLE001
+            return policy, _one_line(e), rec
+    return policy, "", rec
+
+
 def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict[str, int], *,
                 budget_s: float) -> MethodCost:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
@@ -106,21 +126,12 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
         budget_s: CPU seconds of timed `adapt` calls after which the run is ended.
     """
     from extract.methods import get_method
-    from extract.run.options import RunOptions, plan
 
     cls = get_method(key)
     overrides = bench_overrides(cls, model_dir)
-    try:
-        policy = plan(RunOptions.make(key, "dtd", overrides=overrides)).policy
-    except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
-        return MethodCost(key, skipped=_one_line(e))
-    with _adapt_timer(cls, budget_s) as calls:
-        try:
-            run(key, overrides=overrides, limit=limits[policy])
-        except _Enough:
-            pass
-        except Exception as e:  # noqa: BLE001
-            return MethodCost(key, policy, skipped=_one_line(e))
+    policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s))
+    if failed:
+        return MethodCost(key, policy, skipped=failed)
     if len(calls) < 2:
         return MethodCost(key, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
     return MethodCost(key, policy, sum(n for n, _ in calls[1:]), sum(s for _, s in calls[1:]))
@@ -288,23 +299,13 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
         run: the bound run function.
         overrides: `--set` values (`run_overrides`).
         limits: view policy -> stream positions cached for it (the run's `limit`).
-        budget_s: wall seconds after the first call after which the run is ended.
+        budget_s: seconds (`bench_clock`) after the first batch after which the run is ended.
     """
     from extract.methods import get_method
-    from extract.run.options import RunOptions, plan
 
-    cls = get_method(key)
-    try:
-        policy = plan(RunOptions.make(key, "dtd", overrides=overrides)).policy
-    except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
-        return RunRate(key, k, skipped=_one_line(e))
-    with _wall_timer(cls, budget_s) as rec:
-        try:
-            run(key, overrides=overrides, limit=limits[policy])
-        except _Enough:
-            pass
-        except Exception as e:  # noqa: BLE001
-            return RunRate(key, k, policy, skipped=_one_line(e))
+    policy, failed, rec = _timed_run(key, run, overrides, limits, _wall_timer(get_method(key), budget_s))
+    if failed:
+        return RunRate(key, k, policy, skipped=failed)
     calls = rec["rows"]
     if len(calls) < 2:
         return RunRate(key, k, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
