@@ -551,6 +551,7 @@ def agree(
     ks: str = typer.Option("47", help="class counts"),
     method_positions: Optional[str] = typer.Option(None, help="positions run, one-view,64-view (default 256,192)"),
     tolerance: float = typer.Option(0.2, help="largest accepted |bench / run - 1|"),
+    repeat: int = typer.Option(1, help="measurements of each rate and run, interleaved; the fastest is kept"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows to this JSON file"),
 ) -> None:
     """Check the adaptation rates against timed runs: per method and K, the bench's rate and the marginal rate of
@@ -577,7 +578,7 @@ def agree(
             root = write_rate_set(work / f"data-k{k}", k, limits["single"], tiny)
             with _cpu_one_thread(model):
                 rows += agreement(model, root, work / f"runs-k{k}", keys, k, limits=limits,
-                                  adapt_batch=DEFAULT_ADAPT_BATCH, reward_dir=settings.reward_dir,
+                                  adapt_batch=DEFAULT_ADAPT_BATCH, reward_dir=settings.reward_dir, repeat=repeat,
                                   log=lambda line: console.print(line, highlight=False))
     finally:
         shutil.rmtree(work, ignore_errors=True)
