@@ -313,6 +313,8 @@ def adapt_section(model: Any, work: Path, rates: RateSettings, *, tiny: bool, sa
     `zaec-sweep --rates` prices with), `adapt_detail` (samples timed, seconds, reward encoding per sample, mean
     stream position, or why a method was skipped), and `tpt_by_pass_budget`."""
     r: dict[str, Any] = {"adapt_samples_per_s": {}, "adapt_detail": {}}
+    if not rates.ks or not (rates.methods or rates.pass_budgets):  # `--methods none`: no K-class set to write
+        return r
     measured = method_rates(model, work, rates, tiny=tiny, say=say)
     for m, per_k in measured["by_method"].items():
         r["adapt_detail"][m] = {k: dataclasses.asdict(v) for k, v in per_k.items()}
