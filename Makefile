@@ -48,23 +48,23 @@ test: $(STAMP) fmnist
 	FMNIST_DIR=$(FMNIST_DIR) $(PY) -m pytest -q tests
 
 demo: $(STAMP) fmnist
-	$(VENV)/bin/python -m extract.demo --fmnist-dir $(FMNIST_DIR)
+	$(VENV)/bin/python -m tools.demo --fmnist-dir $(FMNIST_DIR)
 
 tables: $(STAMP)
 	$(VENV)/bin/zaec-calibrate tables $(SHARDS) --out $(RESULTS) --ts-source $(TS_SOURCE) --reference-dataset $(REFERENCE)
 
 bench: $(STAMP)
-	$(PY) -m calibrate.bench
+	$(PY) -m tools.bench_calibrate
 
 bench-extract: $(STAMP)
-	$(PY) -m extract.bench
+	$(PY) -m tools.bench_extract
 
 # writes $(JSON) too (default bench-gpu.json), for `zaec-sweep --dry-run --rates $(JSON)`
 JSON ?= bench-gpu.json
 # more options of bench-gpu (its default: every registered method at K = 47, 200, 1000 on ViT-B-16 and RN50)
 BENCH_GPU_ARGS ?=
 bench-gpu: $(STAMP)
-	$(PY) -m extract.bench_gpu --json $(JSON) $(BENCH_GPU_ARGS)
+	$(PY) -m tools.bench_gpu --json $(JSON) $(BENCH_GPU_ARGS)
 
 # A GPU check in one command on a CUDA machine that cannot reach the package index and has its own Python with
 # torch, torchvision, pyarrow, typer, rich, timm, safetensors and pytest but not open_clip (the `device` machines
@@ -82,7 +82,7 @@ GPU_SITE ?= /tmp/zaec-site
 GPU_WHEELS := open_clip_torch ftfy wcwidth
 GPU_TESTS := tests/extract/methods/test_tpt.py tests/extract/methods/test_tps.py tests/extract/test_text_encoder.py \
              tests/extract/test_views.py tests/extract/test_runner.py tests/extract/test_augmix_device.py \
-             tests/extract/test_models.py tests/extract/test_check_shortcuts.py tests/extract/test_bench_gpu.py
+             tests/extract/test_models.py tests/tools/test_check_shortcuts.py tests/tools/test_bench_gpu.py
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
@@ -97,10 +97,10 @@ gpu-check:
 	$(GPU_PYTHON) -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; \
 	$(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider $(GPU_TESTS) || status=1; \
 	if [ -d data/models/fmnist-ViT ] && [ -d data/datasets/fashion-mnist/blur ]; then \
-	  $(GPU_PYTHON) -m extract.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
+	  $(GPU_PYTHON) -m tools.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
 	    --data-root data/datasets --methods tpt,atpt --limit 1000 --json $(dir $(JSON))shortcuts.json || status=1; \
 	else echo "shortcut check skipped: data/models/fmnist-ViT or data/datasets/fashion-mnist/blur not here"; fi; \
-	$(GPU_PYTHON) -m extract.bench_gpu --json $(JSON) $(GPU_CHECK_BENCH_ARGS) || status=1; \
+	$(GPU_PYTHON) -m tools.bench_gpu --json $(JSON) $(GPU_CHECK_BENCH_ARGS) || status=1; \
 	exit $$status
 
 clean:

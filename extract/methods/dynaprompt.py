@@ -37,7 +37,15 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import (
+    IMAGENET_FAMILY,
+    MethodConfig,
+    PromptSet,
+    TTAMethod,
+    check_hparams_key,
+    setting,
+    text_setting,
+)
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
 from extract.methods.tpt import AdamWState, adamw_step, amp_autocast, grad_scaler_update, prompt_encoder
 
@@ -86,34 +94,25 @@ class DynaPromptConfig(MethodConfig):
     prompts: PromptSet = field(default="single", metadata={"fixed": True})
     cupl: bool = field(default=False, metadata={"fixed": True})
     episodic: bool = field(default=False, metadata={"fixed": True})  # `--onlinetpt`: the buffer is never reset
-    ctx_init: str = "a photo of a"  # ctx_init=a_photo_of_a (scripts/test_dynap.sh), n_ctx 4 (run_dynap.sh `ntx=4`)
-    num_prompts: int = 12  # run_dynap.sh `num_p=12`
-    lr: float = 5e-3  # run_dynap.sh `lr=0.005`
-    weight_decay: float = 0.01  # torch.optim.AdamW default (dynap_classification.py passes only the lr)
-    beta1: float = 0.9  # AdamW defaults
-    beta2: float = 0.999
-    adam_eps: float = 1e-8
-    tta_steps: int = 1  # --tta_steps default 1
-    selection_p: float = 0.1  # run_dynap.sh `selection_p=0.1`: 6 of 64 views
+    # ctx_init=a_photo_of_a (scripts/test_dynap.sh), n_ctx 4 (run_dynap.sh `ntx=4`)
+    ctx_init: str = text_setting("a photo of a", nonempty=True)
+    num_prompts: int = setting(12, ge=1)  # run_dynap.sh `num_p=12`
+    lr: float = setting(5e-3, ge=0)  # run_dynap.sh `lr=0.005`
+    weight_decay: float = setting(0.01, ge=0)  # torch.optim.AdamW default (dynap_classification.py passes only the lr)
+    beta1: float = setting(0.9, ge=0, lt=1)  # AdamW defaults
+    beta2: float = setting(0.999, ge=0, lt=1)
+    adam_eps: float = setting(1e-8, gt=0)
+    tta_steps: int = setting(1, ge=0)  # --tta_steps default 1
+    selection_p: float = setting(0.1, gt=0, le=1)  # run_dynap.sh `selection_p=0.1`: 6 of 64 views
     # reset the least recently used prompt once all are used (l.396; the official skips it when the log name
     # contains "noapp", an ablation)
     reset_lru: bool = True
     amp: bool = True  # autocast + GradScaler on CUDA (l.102, l.230); ignored on the CPU (fp32, scale 1)
-    grad_scale_init: float = 1000.0  # GradScaler(init_scale=1000), l.230
-    grad_scale_growth_interval: int = 2000  # GradScaler default
+    grad_scale_init: float = setting(1000.0, gt=0)  # GradScaler(init_scale=1000), l.230
+    grad_scale_growth_interval: int = setting(2000, ge=1)  # GradScaler default
     # Execution only: run each prompt up to its end-of-text token and the shared start + context positions once
     # per context (exact under the causal mask; `text_encoder.py`). False runs the full 77-token sequences.
     text_shortcuts: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        name = type(self).__qualname__
-        if self.num_prompts < 1:
-            raise ValueError(f"{name}.num_prompts must be >= 1, got {self.num_prompts}")
-        if self.lr < 0 or self.weight_decay < 0 or self.adam_eps <= 0:
-            raise ValueError(f"{name}: lr and weight_decay must be >= 0 and adam_eps > 0")
-        if self.grad_scale_init <= 0 or self.grad_scale_growth_interval < 1:
-            raise ValueError(f"{name}: grad_scale_init and grad_scale_growth_interval must be positive")
 
 
 class DynaPrompt(TTAMethod):

@@ -29,7 +29,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 import typer
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
-from extract.sweep.cost import cost_notes, plan_frame
+from extract.sweep.cost import cost_notes
+from extract.sweep.grid import plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import (
     Grid,
@@ -42,18 +43,20 @@ from extract.sweep.grid import (
     split_list,
 )
 from extract.sweep.manifest import Manifest, locked_manifest, manifest_frame, sweep_dir
-from extract.run.options import (
-    ANCHORS,
+from extract.defaults import (
     CACHE_DIR_ENV,
     CUPL_DIR_ENV,
     DATA_ROOT_ENV,
+    DEFAULT_BACKBONE,
+    DEFAULT_CACHE_DIR,
+    DEFAULT_DATA_ROOT,
+)
+from extract.run.options import (
+    ANCHORS,
     DEFAULT_ADAPT_BATCH,
     DEFAULT_ANCHOR,
-    DEFAULT_BACKBONE,
     DEFAULT_BATCH_SIZE,
-    DEFAULT_CACHE_DIR,
     DEFAULT_CHUNK_SIZE,
-    DEFAULT_DATA_ROOT,
     DEFAULT_FINGERPRINT,
     DEFAULT_OUT,
     DEFAULT_PART_SIZE,
@@ -378,7 +381,7 @@ def run(
     slurm_setup: List[str] = typer.Option([], "--slurm-setup", help="shell line run before each SLURM job, e.g. "
                                                                     "'source .venv/bin/activate' (repeatable)"),
     local_jobs: Optional[int] = typer.Option(None, help="local processes side by side [default: 1]"),
-    rates: Optional[Path] = typer.Option(None, "--rates", help="JSON of `python -m extract.bench_gpu --json` (make "
+    rates: Optional[Path] = typer.Option(None, "--rates", help="JSON of `python -m tools.bench_gpu --json` (make "
                                                                "bench-gpu): price the plan with its measured rates"),
     wait: Optional[bool] = typer.Option(None, "--wait/--no-wait", help="wait for the jobs and show the result "
                                                                        "[default: wait with local, not with slurm]"),

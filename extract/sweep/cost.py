@@ -1,8 +1,9 @@
 """The cost model of `zaec-sweep --dry-run`: images and views per group, GPU-seconds per view and per sample.
 
 An estimate, documented as such: fixed guesses per backbone family and method below, replaced by the rates measured
-on one device (`python -m extract.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
-plan table (`plan_frame`), the SLURM time limit and the local executor's packing all price groups with it.
+on one device (`python -m tools.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
+plan table (`extract.sweep.grid.plan_frame`), the SLURM time limit and the local executor's packing all price groups
+with it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from extract.sweep.errors import SweepError
 
 if TYPE_CHECKING:
-    from extract.sweep.grid import Group
     from extract.sweep.runspec import RunSpec
 
 #: Test-set sizes (images) of the paper's 15 datasets: ImageNet val, the released ImageNet-A/-V2 (matched
@@ -126,7 +126,7 @@ RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt
 
 @dataclass(frozen=True)
 class Rates:
-    """Rates measured on one device by `python -m extract.bench_gpu --json FILE`, by backbone: what `--rates FILE`
+    """Rates measured on one device by `python -m tools.bench_gpu --json FILE`, by backbone: what `--rates FILE`
     prices a sweep with instead of the fixed guesses above (backbones and methods it did not measure keep those).
 
     Attributes:
@@ -174,7 +174,7 @@ def _positive(doc: Mapping[str, Any], key: str, where: str) -> float:
 
 @functools.lru_cache(maxsize=8)
 def load_rates(path: str) -> Rates:
-    """Read the JSON of `python -m extract.bench_gpu --json` (format version 1). Raises SweepError naming the file
+    """Read the JSON of `python -m tools.bench_gpu --json` (format version 1). Raises SweepError naming the file
     and the key when it is not such a file."""
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -182,7 +182,7 @@ def load_rates(path: str) -> Rates:
         raise SweepError(f"--rates {path}: cannot read a JSON file ({e})") from None
     if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("backbones"), dict) \
             or not doc["backbones"]:
-        raise SweepError(f"--rates {path}: expected the JSON of `python -m extract.bench_gpu --json` (version 1, "
+        raise SweepError(f"--rates {path}: expected the JSON of `python -m tools.bench_gpu --json` (version 1, "
                          "a 'backbones' object)")
     enc: dict[tuple[str, str], float] = {}
     adapt: dict[tuple[str, str], tuple[tuple[int, float], ...]] = {}
@@ -247,7 +247,7 @@ OOD_SIZES: dict[str, int] = {"inaturalist": 10000, "sun": 10000, "places": 10000
 
 
 def _table_size(dataset: str) -> tuple[int, int] | None:
-    from schemas import OOD_SEPARATOR
+    from schemas.shard import OOD_SEPARATOR
 
     if OOD_SEPARATOR in dataset:  # an OOD run: both sets' images, the in-distribution set's classes
         ood, _, ind = dataset.partition(OOD_SEPARATOR)
@@ -304,7 +304,9 @@ def cost_notes(methods: Sequence[str]) -> list[str]:
 
 def encode_seconds(backbone: str, policy: str, rates: Rates | None = None) -> float:
     """Estimated GPU-seconds per encoded view: measured (`rates`) for this backbone and policy, else the table."""
-    measured = rates.encode_s.get((backbone, policy)) if rates is not None else None
+    # DMN's crop_flip_05 views cost what crop_flip views cost (the same operations on a larger area)
+    rate_policy = "crop_flip" if policy == "crop_flip_05" else policy
+    measured = rates.encode_s.get((backbone, rate_policy)) if rates is not None else None
     return measured if measured is not None else ENCODE_S_PER_VIEW[_family(backbone)]
 
 
@@ -348,19 +350,3 @@ def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> flo
     enc = n * views * encode_seconds(r0.backbone, r0.policy, rates)
     adapt = sum(adapt_seconds(r.method, r.dataset, n, r.policy, r.backbone, rates) for r in runs)
     return (overhead_seconds(r0.backbone, rates) + enc + adapt) / 3600.0
-
-
-def plan_frame(groups: Sequence["Group"], rates: Rates | None = None) -> "Any":
-    """One row per group: group, backbone, dataset, policy, seed, methods, runs, images, views, est. GPU-hours."""
-    import polars as pl
-
-    rows = []
-    for g in groups:
-        r0 = g.runs[0]
-        n = n_images(r0.dataset, r0.limit)
-        rows.append({"group": g.group_id, "backbone": r0.backbone, "dataset": r0.dataset, "policy": r0.policy,
-                     "seed": r0.seed, "methods": ",".join(g.methods), "runs": len(g.runs), "images": n,
-                     "views": n * views_per_image(r0.policy), "gpu_hours": g.estimate_hours(rates)})
-    schema = {"group": pl.Utf8, "backbone": pl.Utf8, "dataset": pl.Utf8, "policy": pl.Utf8, "seed": pl.Int64,
-              "methods": pl.Utf8, "runs": pl.Int64, "images": pl.Int64, "views": pl.Int64, "gpu_hours": pl.Float64}
-    return pl.DataFrame(rows, schema=schema)

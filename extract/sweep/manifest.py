@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 
 from extract.sweep.errors import SweepError
 from extract.sweep.runspec import OLD_MANIFEST, RunSpec
+from schemas.atomic import write_json_atomic
 
 SWEEP_DIRNAME = "_sweep"
 MANIFEST_NAME = "manifest.json"
@@ -46,13 +47,6 @@ def result_path(out: str | os.PathLike, run_id: str) -> Path:
 
 def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def write_json_atomic(path: Path, obj: Any) -> Path:
-    """Write JSON under a temporary name in the same folder, then rename (never half-written)."""
-    from extract.cache import write_json_atomic as _w
-
-    return _w(path, obj)
 
 
 def read_json(path: Path) -> Any | None:

@@ -40,7 +40,7 @@ class ExecOptions:
         array_parallelism: at most this many array tasks at once (SLURM `--array=0-N%P`).
         slurm_setup: shell lines run before the job (e.g. `source /path/.venv/bin/activate`).
         local_jobs: processes the local executor runs side by side (1 = the groups one after the other).
-        rates: JSON of `python -m extract.bench_gpu --json`: estimates (plan, SLURM time limit, local packing) use
+        rates: JSON of `python -m tools.bench_gpu --json`: estimates (plan, SLURM time limit, local packing) use
             its measured rates instead of the fixed guesses of `extract.sweep.cost`.
     """
 

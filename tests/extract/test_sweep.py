@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from extract.sweep import cli as sweep
 from extract.datasets import PAPER_DATASETS, get_dataset
 from extract.methods import REGISTRY, get_method
-from extract.runner import run_is_complete
+from extract.run.rundir import run_is_complete
 from extract.sweep import submit, track
 from extract.run.options import ExecOptions, RunOptions
 from extract.sweep.cost import (
@@ -28,14 +28,14 @@ from extract.sweep.cost import (
     TEST_SIZES,
     adapt_seconds,
     load_rates,
-    plan_frame,
 )
+from extract.sweep.grid import plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import Grid, expand_grid, group_runs, method_overrides, pack_groups
 from extract.sweep.manifest import Manifest, error_line, manifest_frame, manifest_path, result_path, sweep_dir
 from extract.sweep.runspec import RunSpec
 from extract.views import view_policy
-from schemas import read_shard
+from schemas.shard import read_shard
 
 from tests.support.extract import make_json_dataset
 
@@ -75,7 +75,7 @@ def _grid_args(model_dir, data_root, out, cache, *extra):
 
 def _expected_policy(method: str, dataset: str, backbone: str) -> str:
     cfg = get_method(method).default_config(get_dataset(dataset).hparams_from, backbone)
-    return view_policy(cfg.n_views, cfg.augmix)
+    return view_policy(cfg.n_views, cfg.augmix, cfg.crop_scale)
 
 
 @pytest.mark.parametrize("method", sorted(REGISTRY))
@@ -85,6 +85,16 @@ def test_every_registered_method_expands(method, tmp_path):
     for r in runs:
         assert r.policy == _expected_policy(method, r.dataset, r.backbone)
         assert Path(r.out).is_absolute()
+
+
+def test_dmn_own_crops_are_priced_as_crop_flip_views():
+    """DMN's `crop_flip_05` views (issue 31 item 4) cost what the measured crop_flip views cost per view."""
+    from extract.sweep.cost import Rates, encode_seconds
+
+    rates = Rates(source="test", encode_s={("ViT-B-16", "crop_flip"): 0.25, ("ViT-B-16", "augmix"): 0.5},
+                  adapt_s={}, overhead_s={})
+    assert encode_seconds("ViT-B-16", "crop_flip_05", rates) == 0.25
+    assert encode_seconds("ViT-B-16", "augmix", rates) == 0.5
 
 
 def test_grouping_puts_the_methods_of_one_cache_key_in_one_group(tmp_path):
@@ -208,7 +218,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
-# rates as `python -m extract.bench_gpu --json` writes them (tests/extract/test_bench_gpu.py checks that writer)
+# rates as `python -m tools.bench_gpu --json` writes them (tests/tools/test_bench_gpu.py checks that writer)
 RATES_DOC = {"version": 1, "device": "test", "backbones": {
     "ViT-B-16": {"encoder_images_per_s": 6000.0, "single_view_images_per_s": 4000.0, "crop_flip_views_per_s": 5000.0,
                  "augmix_views_per_s": 2000.0, "fixed_cost": {"process_s": 10.0},
@@ -263,7 +273,7 @@ def test_measured_rates_price_the_plan(tmp_path):
 
 @pytest.mark.parametrize("doc,message", [
     ("not json", "cannot read a JSON file"),
-    (json.dumps({"version": 2, "backbones": {}}), "expected the JSON of `python -m extract.bench_gpu --json`"),
+    (json.dumps({"version": 2, "backbones": {}}), "expected the JSON of `python -m tools.bench_gpu --json`"),
     (json.dumps({"version": 1, "backbones": {"RN50": {"single_view_images_per_s": 0}}}),
      "backbone RN50: expected a positive number at 'single_view_images_per_s', got 0"),
     (json.dumps({"version": 1, "backbones": {"RN50": {**RATES_DOC["backbones"]["ViT-B-16"],

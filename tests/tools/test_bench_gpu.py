@@ -1,4 +1,4 @@
-"""`make bench-gpu` (extract.bench_gpu): the CPU smoke run with a small model exercises every measurement, writes
+"""`make bench-gpu` (tools.bench_gpu): the CPU smoke run with a small model exercises every measurement, writes
 a JSON that `zaec-sweep --rates` reads, and the ratios are the rates over the ceiling of the same run; without
 CUDA the GPU run stops with one line."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from extract import bench_gpu
+from tools import bench_gpu
 from extract.sweep.cost import load_rates
 
 runner = CliRunner()
@@ -54,7 +54,7 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
 
 
 def test_probe_times_the_phases_of_a_process(tmp_path):
-    from extract.bench import write_image_set
+    from tools.bench_extract import write_image_set
     model_dir = bench_gpu.write_model_dir(tmp_path / "m", "ViT-B-16", tiny=True)
     root = write_image_set(tmp_path / "d", 2, size=(50, 40), ext="jpg")
     res = runner.invoke(bench_gpu.app, ["probe", str(model_dir), str(root), "--device", "cpu"])
@@ -80,7 +80,7 @@ def test_bad_class_counts_are_one_line():
 def test_loader_rates_of_make_bench_extract():
     """The loader line of `make bench-extract`: the runner's loader with worker processes and one thread doing the
     same items both deliver views (the values depend on the machine; only that they are measured is checked)."""
-    from extract.bench import loader_rates, view_rate
+    from tools.bench_extract import loader_rates, view_rate
     many, one = loader_rates("crop_flip", 1, 3, size=32)
     assert many > 0 and one > 0
     assert view_rate("crop_flip", seconds=0.01, reference=True) > 0

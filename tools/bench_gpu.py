@@ -21,8 +21,8 @@ encoder's pace), the fixed cost as the images the encoder could have encoded mea
 encoder's time for its 64 views over the adaptation's time (above 1: adapting is faster than encoding). `--json`
 writes every figure; `zaec-sweep --dry-run --rates FILE` prices a sweep with them (docs/sweep.md).
 
-    python -m extract.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
-    python -m extract.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
+    python -m tools.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
+    python -m tools.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
 
 Without CUDA (and without `--device cpu`) it stops with one line and exit status 2.
 """
@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 
 import typer
 
-from extract.bench import view_rate, write_image_set
+from tools.bench_extract import view_rate, write_image_set
 from extract.run.options import MAX_CUDA_WORKERS
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -123,7 +123,8 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     chains in the loader processes, as before they ran on the device."""
     from extract.cache import FeatureCache
     from extract.datasets import load_testset
-    from extract.runner import encode_pass, stream_permutation
+    from extract.run.encode import encode_pass
+    from extract.run.stream import stream_permutation
 
     ts = load_testset("dtd", root)
     perm = stream_permutation("dtd", 1, len(ts))
@@ -149,7 +150,7 @@ def chains_rate(model: Any, min_seconds: float) -> tuple[float, float]:
     import torch
 
     from extract.augmix_device import pack_program, run_packed
-    from extract.bench import VIEW_IMAGE, photo
+    from tools.bench_extract import VIEW_IMAGE, photo
     from extract.views import N_AUG_VIEWS, ViewGenerator
 
     gen = ViewGenerator(model.preprocess, "augmix", seed=0)
@@ -180,7 +181,7 @@ def _cpu_one_thread(model: Any) -> Any:
     nothing on CUDA (a GPU run's main thread uses what torch gives it)."""
     import contextlib
 
-    from extract.bench_methods import one_torch_thread
+    from tools.bench_methods import one_torch_thread
 
     return one_torch_thread() if model.device.type != "cuda" else contextlib.nullcontext()
 
@@ -207,7 +208,7 @@ def method_rates(model: Any, work: Path, rates: "RateSettings", *, tiny: bool, s
     Returns:
         {"by_method": {method: {str(K): RunRate}}, "by_budget": {str(budget): {...}}}.
     """
-    from extract.bench_methods import RateRuns, run_overrides, run_rate
+    from tools.bench_methods import RateRuns, run_overrides, run_rate
     from extract.methods import get_method
     from extract.run.options import DEFAULT_ADAPT_BATCH
 
@@ -236,7 +237,7 @@ def _budget_rate(model: Any, runs: Any, k: int, pass_budget: int, rates: "RateSe
     (`pass_memory_fraction=0`), and the peak device memory of the run."""
     import torch
 
-    from extract.bench_methods import run_rate
+    from tools.bench_methods import run_rate
 
     cuda = model.device.type == "cuda"
     if cuda:
@@ -261,7 +262,7 @@ def fixed_cost(model_dir: Path, root: Path, work: Path, device: str, workers: in
         t0 = time.perf_counter()
         subprocess.run(cmd + ["--out", str(work / f"out{i}")], check=True, env=env, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-    probe = subprocess.run([sys.executable, "-m", "extract.bench_gpu", "probe", str(model_dir), str(root),
+    probe = subprocess.run([sys.executable, "-m", "tools.bench_gpu", "probe", str(model_dir), str(root),
                             "--device", device, "--workers", str(workers)],
                            check=True, env=env, capture_output=True, text=True)
     return {"process_s": wall, **json.loads(probe.stdout.strip().splitlines()[-1])}
@@ -273,21 +274,26 @@ def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), worke
     t0 = time.perf_counter()
     import torch  # noqa: F401
 
-    from extract import runner
+    import extract.runner  # noqa: F401  (timed: the modules a run imports, the whole run stack)
+    from extract.datasets import load_testset
+    from extract.models import load_model
+    from extract.prompts import build_prompt_set
+    from extract.run.encode import _ViewData
+    from extract.run.stream import stream_permutation
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = runner.load_model(None, f"local-dir:{model_dir}", device)
+    model = load_model(None, f"local-dir:{model_dir}", device)
     t_weights = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ts = runner.load_testset("dtd", root)
-    prompts = runner.build_prompt_set("dtd", ts.class_names, policy="single")
+    ts = load_testset("dtd", root)
+    prompts = build_prompt_set("dtd", ts.class_names, policy="single")
     model.text_prototypes(prompts.per_class)
     _sync(model.device)
     t_protos = time.perf_counter() - t0
     from extract.views import ViewGenerator
     t0 = time.perf_counter()
     gen = ViewGenerator(model.preprocess, "single", seed=1)
-    data = runner._ViewData(ts, runner.stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
+    data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
     next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
     t_loader = time.perf_counter() - t0
     print(json.dumps({"import_s": t_import, "weights_s": t_weights, "prototypes_s": t_protos,
@@ -432,7 +438,7 @@ def _check_options(device: str, tiny: bool, ks: str, pass_budgets: str) -> tuple
 def _check_method_options(methods: str, positions: Optional[str], tiny: bool) -> tuple[list[str], dict[str, int]]:
     """`--methods` (registry keys, 'all' or 'none') and `--method-positions` (one-view,64-view positions; more than
     the runner's adapt batch, so that a call follows the warm-up call); a user error exits with one line."""
-    from extract.bench_methods import parse_methods
+    from tools.bench_methods import parse_methods
     from extract.methods import REGISTRY
     from extract.run.options import DEFAULT_ADAPT_BATCH
 
@@ -563,7 +569,7 @@ def agree(
     from rich.console import Console
     from rich.table import Table
 
-    from extract.bench_methods import agreement
+    from tools.bench_methods import agreement
     from extract.models import load_model
     from extract.run.options import DEFAULT_ADAPT_BATCH
 
@@ -608,8 +614,8 @@ def agree(
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("run", "probe", "agree", "--help"):
-        args = ["run"] + args  # `python -m extract.bench_gpu [options]` runs the benchmark
-    app(args=args, prog_name="python -m extract.bench_gpu")
+        args = ["run"] + args  # `python -m tools.bench_gpu [options]` runs the benchmark
+    app(args=args, prog_name="python -m tools.bench_gpu")
 
 
 if __name__ == "__main__":
