@@ -67,8 +67,10 @@ bench-extract: $(STAMP)
 
 # writes $(JSON) too (default bench-gpu.json), for `zaec-sweep --dry-run --rates $(JSON)`
 JSON ?= bench-gpu.json
+# more options of bench-gpu (its default: every registered method at K = 47, 200, 1000 on ViT-B-16 and RN50)
+BENCH_GPU_ARGS ?=
 bench-gpu: $(STAMP)
-	$(PY) -m tools.bench_gpu --json $(JSON)
+	$(PY) -m tools.bench_gpu --json $(JSON) $(BENCH_GPU_ARGS)
 
 # A GPU check in one command on a CUDA machine that cannot reach the package index and has its own Python with
 # torch, torchvision, pyarrow, typer, rich, timm, safetensors and pytest but not open_clip (the `device` machines
@@ -78,6 +80,9 @@ bench-gpu: $(STAMP)
 # $(GPU_SITE), runs the extraction tests (the CUDA ones included), the shortcut check and bench-gpu, and exits
 # non-zero if a step failed. docs/benchmarks.md says what to look at.
 GPU_PYTHON ?= python3
+# gpu-check's bench-gpu keeps to TPT and TPS (its 9 minutes); every method's rates: GPU_CHECK_BENCH_ARGS= (10-15 more
+# minutes per backbone, docs/benchmarks.md)
+GPU_CHECK_BENCH_ARGS ?= --methods tpt,tps
 GPU_PY_VERSION ?= 3.12
 GPU_SITE ?= /tmp/zaec-site
 GPU_WHEELS := open_clip_torch ftfy wcwidth
@@ -101,7 +106,7 @@ gpu-check:
 	  $(GPU_PYTHON) -m tools.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
 	    --data-root data/datasets --methods tpt,atpt --limit 1000 --json $(dir $(JSON))shortcuts.json || status=1; \
 	else echo "shortcut check skipped: data/models/fmnist-ViT or data/datasets/fashion-mnist/blur not here"; fi; \
-	$(GPU_PYTHON) -m tools.bench_gpu --json $(JSON) || status=1; \
+	$(GPU_PYTHON) -m tools.bench_gpu --json $(JSON) $(GPU_CHECK_BENCH_ARGS) || status=1; \
 	exit $$status
 
 clean:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import typer
@@ -62,8 +62,9 @@ def photo(rng: np.random.Generator, size: tuple[int, int]) -> Any:
 
 
 def write_image_set(root: Path, n: int, *, n_classes: int = 10, size: tuple[int, int] = (96, 96),
-                    ext: str = "png", seed: int = 0) -> Path:
-    """`n` images of `size` (w, h) in the dtd layout under `root` (JPEG quality 90 for ext="jpg"); returns root."""
+                    ext: str = "png", seed: int = 0, names: Sequence[str] | None = None) -> Path:
+    """`n` images of `size` (w, h) in the dtd layout under `root` (JPEG quality 90 for ext="jpg"), class c named
+    `names[c]` (default "class c"); returns root."""
     rng = np.random.default_rng(seed)
     img_dir = root / "dtd" / "images"
     test = []
@@ -72,7 +73,7 @@ def write_image_set(root: Path, n: int, *, n_classes: int = 10, size: tuple[int,
         rel = f"c{c}/{i}.{ext}"
         (img_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         photo(rng, size).save(img_dir / rel, quality=90)
-        test.append([rel, c, f"class {c}"])
+        test.append([rel, c, f"class {c}" if names is None else names[c]])
     (root / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps({"train": [], "val": [],
                                                                                   "test": test}))
     return root

@@ -185,7 +185,8 @@ class DynaPrompt(TTAMethod):
             ent = softmax_entropy(z).mean(0)  # (P,)  official `entropy(p_pred).mean(0)`
             top = z.max(-1).values  # (V, P)
             plpd = ((top[0] - top[1:]).mean(0) if feats.shape[0] > 1 else torch.zeros_like(ent))
-            selected = select_prompts(ent.float().cpu(), plpd.float().cpu(), self.ctx_order[0])
+            ent_plpd = torch.stack([ent.float(), plpd.float()]).cpu()  # one host sync for both (a GPU waits once)
+            selected = select_prompts(ent_plpd[0], ent_plpd[1], self.ctx_order[0])
             for i in selected:  # (a prompt selected twice moves and counts twice, as in the official loop)
                 self.ctx_order.remove(i)
                 self.ctx_order.append(i)
@@ -205,7 +206,7 @@ class DynaPrompt(TTAMethod):
         scale = float(self.loss_scale["scale"]) if amp else 1.0
         (grad,) = torch.autograd.grad(loss * scale, param)
         grad = grad.float() / scale
-        finite = bool(torch.isfinite(grad).all() and torch.isfinite(loss.detach()))
+        finite = bool(torch.isfinite(grad).all() & torch.isfinite(loss.detach()))  # one host sync
         self.residual = adamw_step(self.residual[None], grad[None], state, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                    active=torch.tensor([finite], device=dev))[0].detach()

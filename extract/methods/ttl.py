@@ -150,6 +150,7 @@ class TTL(TTAMethod):
         self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
         self.skipped_steps = 0
         self._views: Callable[[int, int], torch.Tensor] | None = None
+        self._lora_dev: list[tuple[torch.Tensor, ...]] | None = None  # `lora_init` on the adapting device
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TTLConfig:
@@ -217,7 +218,7 @@ class TTL(TTAMethod):
         dev = images.device
         amp = self._use_amp(dev)
         tokens = self.prefix_tokens(images)
-        lora = [[p.to(dev).clone().requires_grad_(True) for p in ab] for ab in self.lora_init]
+        lora = [[p.clone().requires_grad_(True) for p in ab] for ab in self._lora_on(dev)]
         params = [p for ab in lora for p in ab]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                 weight_decay=cfg.weight_decay)
@@ -230,7 +231,9 @@ class TTL(TTAMethod):
             scale = float(self.loss_scale["scale"]) if amp else 1.0
             grads = torch.autograd.grad(loss * scale, params)
             grads = [g.float() / scale for g in grads]
-            finite = bool(torch.isfinite(loss.detach())) and all(bool(torch.isfinite(g).all()) for g in grads)
+            # one host sync for all 12 factors' checks (a GPU waits once per step, not once per tensor)
+            finite = bool(torch.stack([torch.isfinite(loss.detach()).all(),
+                                       *(torch.isfinite(g).all() for g in grads)]).all())
             if finite:
                 for p, g in zip(params, grads):
                     p.grad = g
@@ -247,13 +250,22 @@ class TTL(TTAMethod):
         if self._views is None:
             raise ValueError("ttl adapts the image encoder and needs the views' pixels; the runner attaches them "
                              "(`attach_views`)")
-        images = torch.as_tensor(self._views(self.n_seen, self.n_seen + b))
-        if images.ndim != 5 or images.shape[:2] != (b, v):
-            raise ValueError(f"ttl: view images of shape {tuple(images.shape)} for {b} samples of {v} views")
         dev = view_feats.device
         dtype = self.visual.conv1.weight.dtype
         text = self.text_features.to(dev, dtype)  # the encoder's dtype (float64 prototypes in exact tests)
-        return torch.stack([self._adapt_one(images[i].to(dev, dtype), text) for i in range(b)])
+        out = []
+        for i in range(b):  # one sample's views at a time: a batch of 64 x 64 views at 224 px would be 2.5 GB
+            images = torch.as_tensor(self._views(self.n_seen + i, self.n_seen + i + 1))
+            if images.ndim != 5 or images.shape[:2] != (1, v):
+                raise ValueError(f"ttl: view images of shape {tuple(images.shape)} for 1 sample of {v} views")
+            out.append(self._adapt_one(images[0].to(dev, dtype), text))
+        return torch.stack(out)
+
+    def _lora_on(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        """`lora_init` on `device`, copied there once (not 12 small copies per sample)."""
+        if self._lora_dev is None or self._lora_dev[0][0].device != device:
+            self._lora_dev = [tuple(p.to(device) for p in ab) for ab in self.lora_init]
+        return self._lora_dev
 
     def summary(self) -> dict[str, Any]:
         """Steps skipped for a non-finite loss or gradient, and the loss scale now."""

@@ -8,6 +8,7 @@ with it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -117,8 +118,9 @@ NUM_CLASSES: dict[str, int] = {
 DEMO_NUM_CLASSES = 10
 
 
-#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT (and R-TPT) tune the same
-#: prompts with the same text-encoder passes per sample as TPT (their extra terms cost little next to them).
+#: Methods priced with another method's measured rate when a rates file lacks their own (files written before
+#: `bench-gpu` timed every method): C-TPT, O-TPT and A-TPT (and R-TPT) tune the same prompts with the same
+#: text-encoder passes per sample as TPT (their extra terms cost little next to them).
 RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt": "tpt"}
 
 
@@ -132,17 +134,28 @@ class Rates:
         encode_s: (backbone, view policy) -> seconds per view through loader and encoder.
         adapt_s: (backbone, method) -> ((K, seconds per sample), ...) sorted by K.
         overhead_s: backbone -> seconds of a process's fixed cost.
+        position: (backbone, method) -> mean stream position of the samples its rate was timed over (the bench's
+            `adapt_detail`; a method whose cost grows with the stream, ECALP, is priced from it).
     """
 
     source: str
     encode_s: Mapping[tuple[str, str], float]
     adapt_s: Mapping[tuple[str, str], tuple[tuple[int, float], ...]]
     overhead_s: Mapping[str, float]
+    position: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+
+    def measured(self, backbone: str, method: str) -> str | None:
+        """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None."""
+        for m in (method, RATE_PROXY.get(method)):
+            if m is not None and (backbone, m) in self.adapt_s:
+                return m
+        return None
 
     def adapt(self, backbone: str, method: str, k: int) -> float | None:
         """Seconds per sample at K classes: linear between the measured K, the end segments extended beyond them
         (the TPT family's cost grows linearly in K), never below zero; None when not measured."""
-        pts = self.adapt_s.get((backbone, RATE_PROXY.get(method, method)))
+        m = self.measured(backbone, method)
+        pts = self.adapt_s.get((backbone, m)) if m is not None else None
         if not pts:
             return None
         if len(pts) == 1:
@@ -174,6 +187,7 @@ def load_rates(path: str) -> Rates:
     enc: dict[tuple[str, str], float] = {}
     adapt: dict[tuple[str, str], tuple[tuple[int, float], ...]] = {}
     over: dict[str, float] = {}
+    position: dict[tuple[str, str], float] = {}
     for bb, r in doc["backbones"].items():
         where = f"--rates {path}, backbone {bb}"
         if not isinstance(r, dict):
@@ -191,7 +205,24 @@ def load_rates(path: str) -> Rates:
             except ValueError:
                 raise SweepError(f"{where}: class counts of {method!r} must be integers, got {list(per_k)}") from None
             adapt[(bb, method)] = tuple(pts)
-    return Rates(str(path), enc, adapt, over)
+        position.update(_positions(r, bb, where))
+    return Rates(str(path), enc, adapt, over, position)
+
+
+def _positions(r: Mapping[str, Any], backbone: str, where: str) -> dict[tuple[str, str], float]:
+    """(backbone, method) -> mean stream position of the timed samples, from a backbone's `adapt_detail` (absent
+    in files written before it: then nothing), averaged over the K measured."""
+    detail = r.get("adapt_detail") or {}
+    if not isinstance(detail, dict):
+        raise SweepError(f"{where}: expected an object at 'adapt_detail', got {detail!r}")
+    out = {}
+    for method, per_k in detail.items():
+        pos = [v.get("mean_position") for v in (per_k.values() if isinstance(per_k, dict) else [])
+               if isinstance(v, dict) and not v.get("skipped")]
+        pos = [float(p) for p in pos if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0]
+        if pos:
+            out[(backbone, method)] = sum(pos) / len(pos)
+    return out
 
 
 def _listed_size(dataset: str) -> tuple[int, int] | None:
@@ -243,9 +274,15 @@ def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str 
     measured (`rates`, seconds per sample) where it holds the backbone and method, else `ADAPT_COSTS`."""
     k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
     measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
-    if measured is not None:
-        return n * measured
-    return adapt_cost(method).seconds(n, k, views_per_image(policy))
+    if measured is None:
+        return adapt_cost(method).seconds(n, k, views_per_image(policy))
+    cost = adapt_cost(method)
+    pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
+    if (cost.per_position or cost.per_position_class) and pos:
+        # its cost per sample grows in proportion to the samples seen (ECALP's graph): the rate measured around
+        # stream position `pos` scales to n (n + 1) / 2 positions in all, as the fixed guess does
+        return measured / pos * n * (n + 1) / 2
+    return n * measured
 
 
 def cost_notes(methods: Sequence[str]) -> list[str]:

@@ -15,7 +15,8 @@ import typing
 import pytest
 from typer.testing import CliRunner
 
-from extract.methods import HPARAMS_KEYS, REGISTRY
+from extract.methods import REGISTRY
+from extract.methods.base import HPARAMS_KEYS
 from extract.methods.base import ConfigRangeError, Ref, Valid, check_ranges, field_ranges
 from extract.run.options import RunOptions, plan
 from tests.support.extract import make_json_dataset

@@ -727,3 +727,28 @@ def test_help_keeps_the_example_block_as_written(capsys):
     out = capsys.readouterr().out
     assert "      zaec-sweep --config grid.toml [any option above overrides the file]\n" in out
     assert "      zaec-sweep retry  [--out DIR]         resubmit the failed and lost runs only\n" in out
+
+
+def test_every_registered_method_is_priced_from_its_own_bench_rate(tmp_path):
+    """A rates file that times every registered method (`bench-gpu --methods all`) prices each with its own rate,
+    never a proxy's or a guess: n / rate, linear in K between the measured K; ECALP, whose cost per sample grows
+    with the samples seen, from its rate at the mean stream position timed (`adapt_detail`), scaled to n (n + 1) / 2
+    positions. A file without a method's own rate still prices C-TPT with TPT's."""
+    from extract.sweep import cost
+
+    per = {m: {"47": 10.0 + i, "1000": 1.0 + i / 10} for i, m in enumerate(REGISTRY)}
+    detail = {m: {k: {"mean_position": 128.0, "skipped": ""} for k in v} for m, v in per.items()}
+    vit = {**RATES_DOC["backbones"]["ViT-B-16"], "adapt_samples_per_s": per, "adapt_detail": detail}
+    rates = load_rates(str(_write_rates(tmp_path / "all.json", {"version": 1, "backbones": {"ViT-B-16": vit}})))
+    rel = 16 * sys.float_info.epsilon
+    n = TEST_SIZES["dtd"]
+    for m, v in per.items():
+        assert rates.measured("ViT-B-16", m) == m
+        got = cost.adapt_seconds(m, "dtd", n, "augmix", "ViT-B-16", rates)
+        want = 1 / v["47"] / 128.0 * n * (n + 1) / 2 if m == "ecalp" else n / v["47"]
+        assert got == pytest.approx(want, rel=rel, abs=0), m
+        s1000 = cost.adapt_seconds(m, "imagenet", 10, "augmix", "ViT-B-16", rates) / 10
+        assert s1000 == pytest.approx(1 / v["1000"] / 128.0 * 11 / 2 if m == "ecalp" else 1 / v["1000"],
+                                      rel=rel, abs=0), m
+    only_tpt = load_rates(str(_write_rates(tmp_path / "tpt.json")))
+    assert only_tpt.measured("ViT-B-16", "ctpt") == "tpt" and only_tpt.measured("ViT-B-16", "dynaprompt") is None
