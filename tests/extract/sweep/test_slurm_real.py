@@ -347,15 +347,25 @@ def _job_python(job_id: str) -> int:
     array, _, task = job_id.partition("_")
     want = ({f"SLURM_ARRAY_JOB_ID={array}".encode(), f"SLURM_ARRAY_TASK_ID={task}".encode()} if task
             else {f"SLURM_JOB_ID={job_id}".encode()})
+    parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes()
             env = set((proc / "environ").read_bytes().split(b"\0"))
-        except OSError:
+            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"submitit.core._submit" in cmd and b"python" in cmd and want <= env:
-            return int(proc.name)
-    pytest.fail(f"no Python process of array task {job_id}")
+        argv = cmd.split(b"\0")
+        # argv[0] is Python itself: srun's own command line names the same Python and module, and killing srun
+        # instead leaves the step running to its end
+        if b"python" in Path(os.fsdecode(argv[0])).name.encode() and b"submitit.core._submit" in argv and want <= env:
+            parents[int(proc.name)] = ppid
+    # loader processes forked from the run share its command line and environment: the run is the one whose parent
+    # is not one of them
+    top = [pid for pid, ppid in parents.items() if ppid not in parents]
+    if len(top) != 1:
+        pytest.fail(f"expected one Python process of array task {job_id}, found {sorted(top)} (of {parents})")
+    return top[0]
 
 
 def _kill(kind: str, job_id: str) -> None:
