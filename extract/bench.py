@@ -128,14 +128,15 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
     import torch
 
     from extract.datasets import load_testset
-    from extract.runner import _ViewData, stream_permutation
+    from extract.run.encode import _ViewData
+    from extract.run.stream import stream_permutation
     from extract.views import ViewGenerator
 
     tmp = Path(tempfile.mkdtemp(prefix="zaec-loader-"))
     try:
         ts = load_testset("dtd", write_image_set(tmp, n_images, size=VIEW_IMAGE, ext="jpg"))
         gen = ViewGenerator(_clip_preprocess(size), policy, seed=0)  # type: ignore[arg-type]
-        data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(i, True, True) for i in range(len(ts))], gen,
+        data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [[(i, True, True)] for i in range(len(ts))], gen,
                          device_chains=device_chains)
         views = gen.n_views
         with one_torch_thread():

@@ -262,7 +262,8 @@ def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), worke
     from extract.views import ViewGenerator
     t0 = time.perf_counter()
     gen = ViewGenerator(model.preprocess, "single", seed=1)
-    data = runner._ViewData(ts, runner.stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
+    from extract.run.encode import _ViewData
+    data = _ViewData(ts, runner.stream_permutation("dtd", 1, len(ts)), [[(0, True, False)]], gen)
     next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
     t_loader = time.perf_counter() - t0
     print(json.dumps({"import_s": t_import, "weights_s": t_weights, "prototypes_s": t_protos,
