@@ -204,7 +204,7 @@ def test_many_samples_chains_in_one_call_equal_one_call_per_sample():
     images, coef = run_packed(crops, packed, rows, lengths)
     assert torch.equal(images, want_images) and torch.equal(coef, want_coef)
     prog = unpack_program(packed, rows, lengths)
-    for piece in (1, 7, 100):
+    for piece in (5, 100):
         got = run_chains(crops[:, 0], prog["ops"], prog["lut_params"], prog["affine"],
                          {k: v for k, v in prog.items() if k.endswith(("_0", "_1", "_2"))}, piece=piece)
         assert torch.equal(got, want_images), piece
