@@ -74,6 +74,17 @@ def test_loading_without_random_init_gives_the_same_model(tmp_path, kind):
     assert not torch.equal(x, torch.full((64,), 7.0))
 
 
+def test_skip_random_init_reaches_initialisers_imported_by_name():
+    """nn.MultiheadAttention calls the `xavier_uniform_` its module imported from torch.nn.init (0.8 s of ViT-B-16's
+    load when it drew): inside the block building one draws no random number at all, and after it, it draws."""
+    state = torch.random.get_rng_state()
+    with skip_random_init():
+        torch.nn.MultiheadAttention(64, 4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.nn.MultiheadAttention(64, 4)
+    assert not torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_lazy_tokenizer_tokenises_as_open_clip(tiny_model, tiny_model_dir):
     import open_clip
     texts = ["a photo of a cat.", "a dog"]
