@@ -17,9 +17,9 @@ from typing import List, Optional
 import typer
 
 from extract.method_keys import METHOD_KEYS
+from extract.defaults import DEFAULT_BACKBONE
 from extract.run.options import (
     DEFAULT_ANCHOR,
-    DEFAULT_BACKBONE,
     DEFAULT_BATCH_SIZE,
     DEFAULT_FINGERPRINT,
     DEFAULT_OUT,
@@ -37,7 +37,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from extract.models import ModelError
     from extract.prompts import PromptError
     from extract.run.options import RunError
-    from schemas import ShardError
+    from schemas.shard import ShardError
     # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it;
     # OSError: a folder that became unwritable or a full disk while writing (the message names the path)
     return (DatasetError, ModelError, PromptError, RunError, CacheError, ShardError, ValueError, OSError)
@@ -98,7 +98,8 @@ def extract(
     err = Console(stderr=True, emoji=False)
     try:
         from extract.datasets import resolve_dataset
-        from extract.runner import parse_overrides, plan_run, run_extraction
+        from extract.run.options import parse_overrides
+        from extract.runner import plan_run, run_extraction
 
         overrides = parse_overrides(set_)
         dataset = resolve_dataset(dataset, name=dataset_name, class_names=class_names)
