@@ -93,37 +93,44 @@ def bilinear_affine(x: torch.Tensor, coeffs: torch.Tensor, kind: str = "full") -
     xin = (a[:, 0] * xc + a[:, 1] * yc) + a[:, 2]  # (M, H, W): C's a0 * xin + a1 * yin + a2
     yin = (a[:, 3] * xc + a[:, 4] * yc) + a[:, 5]
     inside = (xin >= 0.0) & (xin < w) & (yin >= 0.0) & (yin < h)
-    xs, ys = xin - 0.5, yin - 0.5
+    xs, ys = xin.sub_(0.5), yin.sub_(0.5)  # in place: the same floats, less memory (M may be hundreds of images)
     xf, yf = torch.floor(xs), torch.floor(ys)
-    dx, dy = (xs - xf).view(m, -1, 1), (ys - yf).view(m, -1, 1)
+    dx, dy = xs.sub_(xf).view(m, -1, 1), ys.sub_(yf).view(m, -1, 1)
     # indices of the clamped neighbours (XCLIP / YCLIP); outside pixels are zeroed below, so any index will do
-    xi = xf.clamp(-1.0, float(w)).long()
-    yi = yf.clamp(-1.0, float(h)).long()
-    x0, x1 = xi.clamp(0, w - 1), (xi + 1).clamp(0, w - 1)
-    y0, y1 = yi.clamp(0, h - 1), (yi + 1).clamp(0, h - 1)  # row y + 1 past the edge: the same row, so v2 = v1
-    flat = x.reshape(m, h * w, ch)
+    xi = xf.clamp_(-1.0, float(w)).long()
+    yi = yf.clamp_(-1.0, float(h)).long()
+    del xf, yf
+    x0, x1 = xi.clamp(0, w - 1), (xi + 1).clamp_(0, w - 1)
+    y0, y1 = yi.clamp(0, h - 1), (yi + 1).clamp_(0, h - 1)  # row y + 1 past the edge: the same row, so v2 = v1
+    del xi, yi
+    # row index of image k's first pixel in the (M * H * W, 3) pixel rows: one gather per neighbour for all channels
+    base = (torch.arange(m, device=dev) * (h * w)).view(m, 1, 1)
+    y0, y1 = y0.mul_(w).add_(base), y1.mul_(w).add_(base)
+    pixels = x.reshape(m * h * w, ch)
 
-    def at(yy: torch.Tensor, xx: torch.Tensor) -> torch.Tensor:
-        idx = (yy * w + xx).view(m, -1, 1).expand(-1, -1, ch)
-        return torch.gather(flat, 1, idx)
+    def at(yy: torch.Tensor, xx: torch.Tensor) -> torch.Tensor:  # (M, H * W, 3) uint8
+        return pixels[(yy + xx).view(m, -1)]
+
+    def lerp(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """C's a + (b - a) * t, in place in b (IEEE addition commutes exactly: the same float as a + ...)."""
+        return b.sub_(a).mul_(t).add_(a)
 
     p00 = at(y0, x0)
     if kind == "shift":
-        out = p00.clone()
+        out = p00
     else:
         p00 = p00.to(f64)
         if kind == "dy0":
-            v = p00 + (at(y0, x1).to(f64) - p00) * dx
+            v = lerp(p00, at(y0, x1).to(f64), dx)
         elif kind == "dx0":
-            v = p00 + (at(y1, x0).to(f64) - p00) * dy
+            v = lerp(p00, at(y1, x0).to(f64), dy)
         elif kind == "full":
-            v1 = p00 + (at(y0, x1).to(f64) - p00) * dx
-            p10 = at(y1, x0).to(f64)
-            v2 = p10 + (at(y1, x1).to(f64) - p10) * dx
-            v = v1 + (v2 - v1) * dy
+            v1 = lerp(p00, at(y0, x1).to(f64), dx)
+            del p00
+            v = lerp(v1, lerp(at(y1, x0).to(f64), at(y1, x1).to(f64), dx), dy)
         else:
             raise ValueError(f"unknown affine kind {kind!r}")
-        out = v.trunc().clamp_(0.0, 255.0).to(torch.uint8)  # (UINT8) v: truncation
+        out = v.trunc_().clamp_(0.0, 255.0).to(torch.uint8)  # (UINT8) v: truncation
     out.mul_(inside.view(m, -1, 1).to(torch.uint8))
     return out.view(m, h, w, ch)
 
@@ -133,17 +140,17 @@ def lut_ops(x: torch.Tensor, ops: torch.Tensor, params: torch.Tensor) -> torch.T
     solarize: threshold; ignored otherwise) -> (M, H, W, 3) uint8."""
     m, h, w, ch = x.shape
     dev = x.device
-    xl = x.reshape(m, h * w, ch).long()
     n_pix = h * w
     levels = torch.arange(256, device=dev)
     lut = levels.expand(m, ch, 256).clone()  # identity, int64
     ops, params = ops.to(dev).long(), params.to(dev)
     offs = ((torch.arange(m, device=dev) * ch)[:, None, None] + torch.arange(ch, device=dev)) * 256  # (M, 1, 3)
     # every row gets a histogram (a branch on the rows that need one would synchronise a GPU stream), counted with
-    # scatter_add into a fixed size: CUDA's bincount reads the input's maximum back to size its output, a sync
-    flat_idx = (xl + offs).view(-1)
+    # scatter_add into a fixed size: CUDA's bincount reads the input's maximum back to size its output, a sync.
+    # One int64 index per pixel and channel (in place; the ones are a broadcast scalar): the only large temporary
+    flat_idx = x.reshape(m, h * w, ch).long().add_(offs).view(-1)
     hist = torch.zeros(m * ch * 256, dtype=torch.int64, device=dev).scatter_add_(
-        0, flat_idx, torch.ones_like(flat_idx)).view(m, ch, 256)
+        0, flat_idx, torch.ones((), dtype=torch.int64, device=dev).expand(flat_idx.shape)).view(m, ch, 256)
     occupied = hist > 0
     lo = occupied.to(torch.uint8).argmax(-1)  # first occupied level (argmax returns the first maximum)
     hi = 255 - occupied.flip(-1).to(torch.uint8).argmax(-1)  # last occupied level
@@ -168,7 +175,7 @@ def lut_ops(x: torch.Tensor, ops: torch.Tensor, params: torch.Tensor) -> torch.T
     lut = torch.where((ops == OP_POSTERIZE)[:, None, None], levels & mask[:, None, None], lut)
     thr = params.long()[:, None, None]
     lut = torch.where((ops == OP_SOLARIZE)[:, None, None], torch.where(levels < thr, levels, 255 - levels), lut)
-    return lut.reshape(-1)[flat_idx].to(torch.uint8).view(m, h, w, ch)
+    return lut.to(torch.uint8).reshape(-1)[flat_idx].view(m, h, w, ch)  # every entry is in [0, 255]
 
 
 def chain_rows(ops: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -186,14 +193,23 @@ def chain_rows(ops: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+#: chains per kernel call in `run_chains`: each kind of operation's rows at one depth are cut into pieces of at most
+#: this many images, which bounds the temporaries when many samples' chains run together (`encode_pass` runs 16
+#: samples' per call): at 224 px a rotation (the full bilinear sum in float64) peaks near 7 MB per image, so about
+#: 3.6 GB per piece, a point operation near 1.7 MB (measured on the CPU with `ru_maxrss`)
+CHAIN_PIECE = 512
+
+
 def run_chains(crops: torch.Tensor, ops: torch.Tensor, lut_params: torch.Tensor, affine: torch.Tensor,
-               rows: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+               rows: dict[str, torch.Tensor] | None = None, piece: int = CHAIN_PIECE) -> torch.Tensor:
     """Every AugMix chain of a sample: crops (N, S, S, 3) uint8, and per view, chain and depth the operation
     (`ops` (N, C, D) int, -1 past the chain's depth), its point-operation parameter (`lut_params` (N, C, D)) and its
     affine matrix (`affine` (N, C, D, 6) float64) -> (N, 1 + C, S, S, 3) uint8: the crop, then each chain's image.
 
     `rows` (`chain_rows`, computed from `ops` on the host when not given) says which chains take which kind of
-    operation at each depth; each kind runs batched over its chains."""
+    operation at each depth; each kind runs batched over its chains, `piece` images per call at most. Every
+    operation is per image, so N may hold the views of many samples: the images are the same whatever N and
+    `piece`, and the launches (the host's share of the work) are per call, not per sample."""
     n, c, depth = ops.shape
     s = crops.shape[1:]
     dev = crops.device
@@ -203,14 +219,28 @@ def run_chains(crops: torch.Tensor, ops: torch.Tensor, lut_params: torch.Tensor,
     state = crops[:, None].expand(n, c, *s).reshape(n * c, *s).clone()
     ops_f, lp_f, af_f = ops.reshape(n * c, depth), lut_params.reshape(n * c, depth), affine.reshape(n * c, depth, 6)
     for d in range(depth):
-        r = rows[f"lut_rows_{d}"].to(dev)
-        if r.numel():  # sizes are known on the host: no synchronisation
-            state[r] = lut_ops(state[r], ops_f[r, d], lp_f[r, d])
-        for kind in _KINDS:
-            r = rows[f"{kind}_rows_{d}"].to(dev)
-            if r.numel():
-                state[r] = bilinear_affine(state[r], af_f[r, d], kind)
+        for kind in ("lut", *_KINDS):
+            r_all = rows[f"{kind}_rows_{d}"].to(dev)
+            for r in r_all.split(piece) if r_all.numel() else ():  # sizes are known on the host: no synchronisation
+                if kind == "lut":
+                    state[r] = lut_ops(state[r], ops_f[r, d], lp_f[r, d])
+                else:
+                    state[r] = bilinear_affine(state[r], af_f[r, d], kind)
     return torch.cat([crops[:, None], state.view(n, c, *s)], 1)
+
+
+def packed_rows(packed: torch.Tensor, depth: int) -> tuple[torch.Tensor, list[int]]:
+    """The row lists (`chain_rows`) of packed programs (`pack_program`; (N, W) float64 on the host, any number of
+    views, e.g. several samples' programs concatenated), as one int64 tensor and its lengths (`run_packed`'s
+    `rows` and `lengths`). `depth`: the programs' chain depth (W = 2 + C (1 + 8 depth))."""
+    n = packed.shape[0]
+    chains = (packed.shape[1] - 2) // (1 + 8 * depth)
+    if packed.shape[1] != 2 + chains * (1 + 8 * depth):
+        raise ValueError(f"not a packed program of depth {depth}: {packed.shape[1]} columns")
+    ops = packed[:, 2 + chains:2 + chains + chains * depth].reshape(n, chains, depth).to(torch.int64)
+    rows = chain_rows(ops)
+    keys = _row_keys(depth)
+    return torch.cat([rows[k] for k in keys]), [int(rows[k].numel()) for k in keys]
 
 
 def pack_program(prog: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:

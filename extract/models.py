@@ -18,6 +18,7 @@ otherwise). `local-dir:` follows its config.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -215,9 +216,12 @@ def _unreachable_host(tag_cfg: dict[str, Any], timeout: float = 3.0) -> str | No
         return host
 
 
-#: torch.nn.init's random initialisers (module construction calls them through `init.<name>` at call time)
+#: torch.nn.init's random initialisers (module construction calls them through `init.<name>` at call time, or
+#: through a name a module imported from torch.nn.init: `nn.MultiheadAttention` calls `xavier_uniform_` so)
 _RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
                  "kaiming_normal_", "orthogonal_")
+#: modules that bind a random initialiser under its own name besides torch.nn.init (checked by identity)
+_INIT_IMPORTERS = ("torch.nn.modules.activation",)
 
 
 @contextlib.contextmanager
@@ -226,21 +230,27 @@ def skip_random_init() -> Iterator[None]:
 
     Only for building a module whose every parameter a strict load overwrites right after: the loaded model is
     then the same, bit for bit (tests/extract/test_models.py compares every tensor with a normally built one).
-    Constant initialisers run as usual, and so does code that draws from torch directly. Not thread-safe: it
-    swaps module attributes of torch.nn.init for the duration.
+    Constant initialisers run as usual, and so does code that draws from torch directly. The initialisers are
+    swapped in torch.nn.init and in the modules of `_INIT_IMPORTERS` that imported them by name (for ViT-B-16,
+    nn.MultiheadAttention's `xavier_uniform_` drew 0.8 s of a fresh process's load). Not thread-safe: it swaps
+    module attributes for the duration.
     """
-    saved = {n: getattr(torch.nn.init, n) for n in _RANDOM_INITS}
+    import importlib
 
     def keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return tensor
 
+    originals = {n: getattr(torch.nn.init, n) for n in _RANDOM_INITS}
+    holders = [torch.nn.init, *(importlib.import_module(m) for m in _INIT_IMPORTERS)]
+    saved = [(mod, n, getattr(mod, n)) for mod in holders for n in _RANDOM_INITS
+             if getattr(mod, n, None) is originals[n]]
     try:
-        for n in _RANDOM_INITS:
-            setattr(torch.nn.init, n, keep)
+        for mod, n, _ in saved:
+            setattr(mod, n, keep)
         yield
     finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
+        for mod, n, f in saved:
+            setattr(mod, n, f)
 
 
 def hf_tokenizer_source(model_name: str) -> str | None:
@@ -568,13 +578,18 @@ def load_model(
         src = _local_dir_source(backbone, pretrained, quick_gelu)
     else:
         src = _named_source(backbone, pretrained, quick_gelu)
-    model = _build_model(src, pretrained).to(dev).eval()
+    # the weights file's digest (sha256, for the fingerprint) in a thread while the model is built and loaded:
+    # hashlib leaves the GIL while it hashes, so the file's second read costs no wall time of its own
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        digest = pool.submit(_file_digest, Path(src.weights_file)) if src.weights_file else None
+        model = _build_model(src, pretrained, dev).eval()
+        file_digest = [digest.result()] if digest is not None else []
     for p in model.parameters():
         p.requires_grad_(False)
     pre = _preprocess_of(model)
     tokenizer = build_tokenizer(src.create["model_name"])
     bias = getattr(model, "logit_bias", None)
-    digest_parts = [*src.digest_parts, src.arch if not src.arch.startswith(LOCAL_DIR) else "local-dir",
+    digest_parts = [*src.digest_parts, *file_digest, src.arch if not src.arch.startswith(LOCAL_DIR) else "local-dir",
                     f"quick_gelu={src.quick_gelu}", f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
     fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]
     return LoadedModel(model=model, tokenizer=tokenizer, backbone=src.name, pretrained=pretrained, arch=src.arch,
@@ -592,7 +607,7 @@ class _WeightSource:
     quick_gelu: bool
     create: dict[str, Any]  # open_clip.create_model's model_name and pretrained
     weights_file: str | None
-    digest_parts: list[str] = field(default_factory=list)  # what the model's fingerprint hashes
+    digest_parts: list[str] = field(default_factory=list)  # what the model's fingerprint hashes, then the file's
     kwargs: dict[str, Any] = field(default_factory=dict)  # force_quick_gelu, force_preprocess_cfg
 
 
@@ -612,7 +627,7 @@ def _local_dir_source(backbone: str | None, pretrained: str, quick_gelu: bool | 
         kwargs["force_quick_gelu"] = quick_gelu
         qg = quick_gelu
     return _WeightSource(name, arch, qg, dict(model_name=arch, pretrained=None), str(weights),
-                         [json.dumps(cfg, sort_keys=True), _file_digest(weights)], kwargs)
+                         [json.dumps(cfg, sort_keys=True)], kwargs)
 
 
 def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None) -> _WeightSource:
@@ -647,8 +662,7 @@ def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None
         kwargs["force_quick_gelu"] = True
     if pre_force:
         kwargs["force_preprocess_cfg"] = pre_force
-    return _WeightSource(name, name, qg, dict(model_name=name, pretrained=weights_file), weights_file,
-                         [_file_digest(Path(weights_file))], kwargs)
+    return _WeightSource(name, name, qg, dict(model_name=name, pretrained=weights_file), weights_file, [], kwargs)
 
 
 def _tag_weights(name: str, pretrained: str, tag_cfg: dict[str, Any]) -> Any:
@@ -683,9 +697,59 @@ def _tag_weights(name: str, pretrained: str, tag_cfg: dict[str, Any]) -> Any:
                          f"{'; '.join(looked)}") from None
 
 
-def _build_model(src: _WeightSource, pretrained: str) -> torch.nn.Module:
-    """open_clip.create_model with the source's weights (weights-only loading; TorchScript archives by their own
-    loader); every loading failure is one ModelError line."""
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def read_safetensors_into(model: torch.nn.Module, path: Path) -> bool:
+    """Read a safetensors file straight into `model`'s parameters and buffers, in file order, when it holds exactly
+    the model's state dict (every name, shape and dtype); True if it did, False (nothing to trust) otherwise.
+
+    The bytes go from the file into the parameters (through one reused host buffer for a GPU's), the same bytes
+    `load_state_dict` would copy from safetensors' memory map, whose page-by-page faults on both sides made a
+    ViT-B-16's load about 4x a plain read of the file on a CPU. Layout: an 8-byte little-endian header length, a
+    JSON header {name: {dtype, shape, data_offsets: [begin, end]}}, then the data (little-endian, as here)."""
+    import sys
+
+    state = model.state_dict()
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            header.pop("__metadata__", None)
+            if sys.byteorder != "little" or set(header) != set(state) or any(
+                    list(info["shape"]) != list(state[k].shape) or not state[k].is_contiguous()
+                    or _SAFETENSORS_DTYPES.get(info["dtype"]) != state[k].dtype for k, info in header.items()):
+                return False
+            staging = torch.empty(0, dtype=torch.uint8)
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                begin, end = info["data_offsets"]
+                dst = state[name]
+                if dst.device.type == "cpu":
+                    target = dst.reshape(-1).view(torch.uint8)
+                else:
+                    staging = staging if staging.numel() >= end - begin else torch.empty(end - begin, dtype=torch.uint8)
+                    target = staging[:end - begin]
+                if target.numel() != end - begin:
+                    return False
+                fh.seek(8 + n + begin)
+                if fh.readinto(memoryview(target.numpy()).cast("B")) != end - begin:
+                    return False
+                if dst.device.type != "cpu":
+                    dst.copy_(target.view(dst.dtype).view(dst.shape))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: open_clip's loader reports it
+        return False
+    return True
+
+
+def _build_model(src: _WeightSource, pretrained: str, device: torch.device) -> torch.nn.Module:
+    """open_clip.create_model with the source's weights on `device` (weights-only loading; TorchScript archives by
+    their own loader); every loading failure is one ModelError line.
+
+    open_clip moves the (uninitialised) model to `device` first. A safetensors file in the model's own layout is
+    then read straight into its parameters (`read_safetensors_into`: one sequential read, at the disk's pace);
+    any other file goes through open_clip's `load_checkpoint`, whose conversions it may need."""
     import open_clip
 
     create, name, weights_file = dict(src.create), src.name, src.weights_file
@@ -700,10 +764,13 @@ def _build_model(src: _WeightSource, pretrained: str) -> torch.nn.Module:
     try:
         # every parameter is overwritten by a strict load (require_pretrained, or the state dict below), so the
         # random initialisation is skipped: for ViT-B-16 it draws ~150M numbers, seconds of each process's start
-        quiet = _without_random_init_warning() if jit_state is not None else contextlib.nullcontext()
+        direct = jit_state is None and weights_file is not None and weights_file.endswith(".safetensors")
+        quiet = _without_random_init_warning() if jit_state is not None or direct else contextlib.nullcontext()
         with quiet, skip_random_init():
-            model = open_clip.create_model(**create, device="cpu", weights_only=True,
-                                           require_pretrained=jit_state is None, **src.kwargs)
+            model = open_clip.create_model(**create, device=device, weights_only=True, load_weights=not direct,
+                                           require_pretrained=jit_state is None and not direct, **src.kwargs)
+        if direct and not read_safetensors_into(model, Path(weights_file)):  # type: ignore[arg-type]
+            open_clip.load_checkpoint(model, weights_file, strict=True, weights_only=True)
         if jit_state is not None:
             # non-persistent buffers (attn_mask) are in a TorchScript state dict but not in the model's
             expected = set(model.state_dict())

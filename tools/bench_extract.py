@@ -121,6 +121,32 @@ def view_rate(policy: str, *, seconds: float = 1.0, reference: bool = False, par
         return n * N_AUG_VIEWS / (time.thread_time() - t0)
 
 
+def single_view_rate(seconds: float = 1.0) -> float:
+    """Images/s per core of a single-view loader item's work: a 500x375 JPEG decoded and made view 0 at 224 px
+    (`open_image` + `ViewGenerator.original_raw`), CPU time of this one thread."""
+    import io
+
+    from PIL import Image
+
+    from extract.views import ViewGenerator
+
+    buf = io.BytesIO()
+    photo(np.random.default_rng(0), VIEW_IMAGE).save(buf, format="JPEG", quality=90)
+    data = buf.getvalue()
+    gen = ViewGenerator(_clip_preprocess(VIEW_SIZE), "single", seed=0)
+
+    def one() -> None:
+        with Image.open(io.BytesIO(data)) as im:
+            gen.original_raw(im.convert("RGB"))
+
+    one()
+    n, t0 = 0, time.thread_time()
+    while n == 0 or time.thread_time() - t0 < seconds:
+        one()
+        n += 1
+    return n / (time.thread_time() - t0)
+
+
 def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE,
                  device_chains: bool = True) -> tuple[float, float]:
     """(views/s of the runner's loader with `workers` processes (wall time, after its first item), views/s of one
@@ -137,7 +163,7 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
     try:
         ts = load_testset("dtd", write_image_set(tmp, n_images, size=VIEW_IMAGE, ext="jpg"))
         gen = ViewGenerator(_clip_preprocess(size), policy, seed=0)  # type: ignore[arg-type]
-        data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(i, True, True) for i in range(len(ts))], gen,
+        data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [[(i, True, True)] for i in range(len(ts))], gen,
                          device_chains=device_chains)
         views = gen.n_views
         with one_torch_thread():
@@ -156,6 +182,117 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return many, one
+
+
+#: aten operations that launch no kernel on a GPU (views, allocations, metadata), left out of `count_launches`
+_NO_KERNEL = frozenset(f"aten::{op}" for op in (
+    "view", "reshape", "expand", "expand_as", "view_as", "slice", "select", "as_strided", "permute", "unsqueeze",
+    "squeeze", "t", "transpose", "empty", "empty_strided", "empty_like", "resize_", "detach", "alias", "lift_fresh",
+    "_unsafe_view", "_reshape_alias", "split", "split_with_sizes", "narrow", "unbind", "flatten", "chunk",
+    "result_type", "contiguous", "to", "_to_copy", "is_nonzero"))
+
+
+def count_launches(fn: Any) -> int:
+    """Kernel launches of one call of `fn`, counted with torch's profiler on any device: the aten operations with no
+    aten operation below them (a composite's parts count, not the composite), less those in `_NO_KERNEL`. On the
+    CPU this counts what a GPU would be asked to launch, each costing the launching thread its Python and dispatch
+    time whatever the tensor's size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def launches(name: str) -> bool:
+        return name.startswith("aten::") and name not in _NO_KERNEL
+
+    return sum(1 for e in prof.events()
+               if launches(e.name) and not any(launches(c.name) for c in e.cpu_children))
+
+
+def augmix_launches(samples: int, size: int = VIEW_SIZE) -> tuple[float, float]:
+    """(launches per sample with one AugMix sample per call, the same with `samples` samples per call, as
+    `encode_pass` groups them): the device chains (`augmix_device.packed_rows` + `run_packed`) and the float work
+    (`finish_views` in one step, as on a GPU) of 500x375-photo samples at `size` px."""
+    import torch
+
+    import extract.views as views
+    from extract.augmix_device import pack_program, packed_rows, run_packed
+    from extract.views import AUGMIX_MAX_DEPTH, ViewGenerator
+
+    gen = ViewGenerator(_clip_preprocess(size), "augmix", seed=0)
+    img = photo(np.random.default_rng(0), VIEW_IMAGE)
+    progs = [pack_program(gen.augmix_program(img, sid))[:2] for sid in range(samples)]
+
+    def group(ps: list[tuple[Any, Any]]) -> None:
+        crops, packed = torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])
+        gen.finish(*run_packed(crops, packed, *packed_rows(packed, AUGMIX_MAX_DEPTH)))
+
+    saved = views._CPU_FINISH_IMAGES
+    views._CPU_FINISH_IMAGES = 1 << 30  # one finishing step per call, as on a GPU (launch counts only)
+    try:
+        with one_torch_thread():
+            one = count_launches(lambda: group(progs[:1]))
+            many = count_launches(lambda: group(progs)) / samples
+    finally:
+        views._CPU_FINISH_IMAGES = saved
+    return float(one), many
+
+
+def loader_item_costs(policy: str, per_item: int, workers: int, n_images: int) -> tuple[float, float]:
+    """(one loader thread's CPU ms per stream position, the main process's CPU ms per position received from
+    `workers` loader processes) for `_ViewData` items of `per_item` positions of 500x375 JPEGs at 224 px: what a
+    loader process does in a CUDA run (AugMix: crops and programs), and what receiving its items costs the process
+    that feeds the GPU (all its threads; nothing is encoded)."""
+    import torch
+
+    from extract.datasets import load_testset
+    from extract.run.encode import _ViewData
+    from extract.views import ViewGenerator
+
+    tmp = Path(tempfile.mkdtemp(prefix="zaec-items-"))
+    try:
+        ts = load_testset("dtd", write_image_set(tmp, n_images, size=VIEW_IMAGE, ext="jpg"))
+        jobs = [(i, True, policy != "single") for i in range(n_images)]
+        items = [jobs[i:i + per_item] for i in range(0, n_images, per_item)]
+        data = _ViewData(ts, np.arange(n_images), items, ViewGenerator(_clip_preprocess(VIEW_SIZE), policy, seed=0),
+                         device_chains=True)
+        with one_torch_thread():
+            data[0]
+            t0 = time.thread_time()
+            for i in range(len(data)):
+                data[i]
+            one = 1e3 * (time.thread_time() - t0) / n_images
+        it = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4))
+        first = len(next(it)[0])
+        t0 = time.process_time()
+        for _ in it:
+            pass
+        main = 1e3 * (time.process_time() - t0) / (n_images - first)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return one, main
+
+
+def loader_costs_table(console: Any, workers: int) -> None:
+    """The loader's per-item costs (one thread, and the receiving process) with one position per item and with the
+    runner's items, and the launches per AugMix sample with one sample per call and with the runner's groups."""
+    from rich.table import Table
+
+    from extract.run.encode import CHAIN_SAMPLES, SINGLE_VIEW_ITEM
+
+    table = Table(title=f"loader items (500x375 JPEGs, {VIEW_SIZE} px; CPU ms per stream position)")
+    for col in ("policy", "positions per item", "one loader thread", "positions/s", f"receiving ({workers} proc.)"):
+        table.add_column(col, justify="right")
+    for policy, per_item, n in (("single", 1, 64), ("single", SINGLE_VIEW_ITEM, 4 * SINGLE_VIEW_ITEM),
+                                ("crop_flip", 1, 12), ("augmix", 1, 12)):
+        one, main = loader_item_costs(policy, per_item, workers, n)
+        table.add_row(policy, str(per_item), f"{one:.2f}", f"{1e3 / one:,.0f}", f"{main:.3f}")
+    console.print(table)
+    one, many = augmix_launches(CHAIN_SAMPLES)
+    console.print(f"AugMix device chains + float work: {one:,.0f} kernel launches per sample with one sample per "
+                  f"call, {many:,.0f} with {CHAIN_SAMPLES} per call ({one / many:.1f}x fewer; each costs the main "
+                  "thread its Python and dispatch time on a GPU). Receiving: the process's CPU time (all threads) "
+                  "per position, nothing encoded; a CUDA run adds the copy into pinned memory.")
 
 
 def _tpt_rate(model, n_classes: int, n_samples: int, *, class_names: list[str] | None = None,
@@ -259,6 +396,7 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
         raise typer.Exit(2) from None
     if not only_methods:
         views_table(console, loader_workers, loader_images)
+        loader_costs_table(console, loader_workers)
         if only_views:
             return
         extraction_section(console, images=images, multi_view_images=multi_view_images, image_size=image_size,

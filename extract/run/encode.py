@@ -15,82 +15,163 @@ from typing import Any
 import numpy as np
 import torch
 
-from extract.augmix_device import pack_program, run_packed
+from extract.augmix_device import pack_program, packed_rows, run_packed
 from extract.cache import CacheError, FeatureCache
 from extract.datasets import DatasetError, TestSet, open_image
 from extract.models import LoadedModel
 from extract.run.progress import Progress
-from extract.views import N_AUG_VIEWS, ViewGenerator, ViewPolicy
+from extract.views import AUGMIX_MAX_DEPTH, N_AUG_VIEWS, ViewGenerator, ViewPolicy
+
+
+#: stream positions per loader item in a single-view pass (one (32, 1, S, S, 3) uint8 tensor per item): every item
+#: costs the main process time to receive (about 0.3 ms per tensor), to pin and to launch its copy and float work,
+#: which with one image per item capped a 16-process single-view pass near 800 images/s on an H100 machine
+SINGLE_VIEW_ITEM = 32
+#: AugMix samples whose device chains the main thread launches in one call (`augmix_device.run_chains` over all
+#: their views): the launches are per call, about 940 for one sample, so the main thread's time per sample falls
+#: about this many times (16.7 ms per sample on an H100 machine with one sample per call)
+CHAIN_SAMPLES = 16
 
 
 class _ViewData(torch.utils.data.Dataset):
-    """Item i -> (stream position, view 0 raw (1, 1, S, S, 3) uint8, views 1..63 raw (63, J, S, S, 3) uint8,
-    their AugMix coefficients (63, 5) float32, None); None for a part not needed. With `device_chains` (AugMix
-    on a GPU) views 1..63 are the crops (63, 1, S, S, 3), followed by the packed program and its row lists
-    (`augmix_device.pack_program`).
+    """Item i = a group of stream positions (`items[i]`: (position, needs view 0, needs views 1..63) each) ->
+    (positions, view 0 raw (n0, 1, S, S, 3) uint8 of the positions that need it, views 1..63 raw (63 n, J, S, S, 3)
+    uint8 of those that need them, their extra); None for a part not needed, and the message in place of view 0
+    when an image cannot be read. The extra: the AugMix coefficients (63 n, 5) float32, or, with `device_chains`
+    (AugMix on a GPU), the packed programs (63 n, W) float64 (`augmix_device.pack_program`) while views 1..63 are
+    the crops (J = 1).
 
     Loader processes do the PIL work only and send uint8 (a quarter of float32's bytes through shared and pinned
     memory); the float work (`ViewGenerator.finish`) runs in the main process on the model's device, the same
-    operations giving the same bits there."""
+    operations giving the same bits there. Few tensors per item, each many images: every tensor between processes
+    costs the receiving process time, whatever its size."""
 
-    def __init__(self, testset: TestSet, perm: np.ndarray, jobs: list[tuple[int, bool, bool]], gen: ViewGenerator,
-                 device_chains: bool = False):
-        self.testset, self.perm, self.jobs, self.gen = testset, perm, jobs, gen
+    def __init__(self, testset: TestSet, perm: np.ndarray, items: list[list[tuple[int, bool, bool]]],
+                 gen: ViewGenerator, device_chains: bool = False):
+        self.testset, self.perm, self.items, self.gen = testset, perm, items, gen
         self.device_chains = device_chains and gen.policy == "augmix"
 
     def __len__(self) -> int:
-        return len(self.jobs)
+        return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[Any, ...]:
-        pos, need0, need_aug = self.jobs[i]
-        sid = int(self.perm[pos])
-        try:
-            img = open_image(self.testset.paths[sid], exif_transpose=self.testset.exif_transpose)
-        except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
-            return pos, str(e), None, None, None
+        jobs = self.items[i]
+        positions = [pos for pos, _, _ in jobs]
+        n0 = sum(need0 for _, need0, _ in jobs)
+        s = self.gen.size
+        # view 0 written straight into shared memory in a loader process (no copy when the item is sent)
+        v0 = torch.empty((n0, 1, s, s, 3), dtype=torch.uint8) if n0 else None
+        if v0 is not None and torch.utils.data.get_worker_info() is not None:
+            v0.share_memory_()
+        k, aug, extra = 0, [], []
+        for pos, need0, need_aug in jobs:
+            sid = int(self.perm[pos])
+            try:
+                img = open_image(self.testset.paths[sid], exif_transpose=self.testset.exif_transpose)
+            except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
+                return positions, str(e), None, None
+            if need0:
+                v0[k, 0] = torch.from_numpy(self.gen.original_raw(img))  # type: ignore[index]
+                k += 1
+            if need_aug and self.device_chains:  # crops and random draws only: the chains run on the device
+                crops, packed, _, _ = pack_program(self.gen.augmix_program(img, sid))
+                aug.append(crops)
+                extra.append(packed)
+            elif need_aug:
+                raw, coef = self.gen.augmented_raw(img, sid)
+                aug.append(raw)
+                extra.append(coef)
         # None, not empty tensors, for what is not needed: each tensor between processes costs the receiver time
-        v0 = torch.from_numpy(self.gen.original_raw(img))[None, None] if need0 else None
-        if need_aug and self.device_chains:  # crops and random draws only: the chains run on the device
-            crops, packed, rows, lengths = pack_program(self.gen.augmix_program(img, sid))
-            return pos, v0, crops, packed, (rows, lengths)
-        aug, coef = self.gen.augmented_raw(img, sid) if need_aug else (None, None)
-        return pos, v0, aug, coef, None
+        return positions, v0, _cat(aug), _cat(extra)
+
+
+def _cat(parts: list[Any]) -> Any:
+    """One tensor of the parts (the part itself when alone: no copy), None when there are none (or all None)."""
+    if not parts or parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _pinned(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """`x` ready for an asynchronous copy to `dev`: on CUDA in pinned memory (pinned here if it is not: an
+    asynchronous copy from pageable memory first waits for the stream to drain, which would make the host wait for
+    the encoder)."""
+    if dev.type == "cuda" and x.device.type == "cpu" and not x.is_pinned():
+        return x.pin_memory()
+    return x
+
+
+def _to_device(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """`x` on `dev` without making the host wait (`_pinned`)."""
+    return _pinned(x, dev).to(dev, non_blocking=True)
 
 
 class _Batcher:
     """Encodes images in micro-batches of exactly `batch_size` (the last one of a chunk may be smaller), so a
     chunk's features depend only on the chunk.
 
-    The micro-batch is assembled on the model's device: each sample's raw uint8 views are sent there
+    The micro-batch is assembled on the model's device: each item's raw uint8 views are sent there
     (asynchronously on CUDA, from the loader's pinned memory), finished there (`ViewGenerator.finish`) and copied
     into a preallocated device buffer; the encoder runs on that buffer, and the features stay on the device until
     the chunk is finished (`finish`, one copy back). On CUDA the host therefore never waits for the encoder inside
-    a chunk: it goes on receiving and copying the next samples while the GPU encodes (the copies into the buffer
+    a chunk: it goes on receiving and copying the next items while the GPU encodes (the copies into the buffer
     are queued on the same stream after the encoder's kernels, so a batch is never overwritten while it is read).
-    Before, every micro-batch was concatenated on the host (a 154 MB copy at 256 views of 224 px), sent from
-    pageable memory, and its features brought back at once, which serialised the host and the GPU. The encoder sees
-    the same batches, values and shapes as before: features are unchanged.
+    AugMix programs (`add_program`) are gathered until `CHAIN_SAMPLES` samples' views are there, and their chains
+    run in one call. The encoder sees the same batches, values and shapes as before: features are unchanged.
     """
 
-    def __init__(self, model: LoadedModel, n_images: int, batch_size: int):
-        self.model, self.n_images, self.bs = model, n_images, batch_size
+    def __init__(self, model: LoadedModel, n_images: int, batch_size: int, gen: ViewGenerator):
+        self.model, self.n_images, self.bs, self.gen = model, n_images, batch_size, gen
         self.buf: torch.Tensor | None = None  # (batch_size, 3, S, S) on the device, allocated at the first image
         self.feats: torch.Tensor | None = None  # (n_images, D) float32 on the device
         self.n_buf = 0
         self.written = 0
+        # AugMix programs waiting for their chains: crops and programs on the device, programs on the host (rows)
+        self.crops: torch.Tensor | None = None
+        self.programs: torch.Tensor | None = None
+        self.host_programs: list[torch.Tensor] = []
+        self.n_prog = 0
 
-    def add(self, raw: torch.Tensor, coef: torch.Tensor | None, gen: ViewGenerator,
-            rows: tuple[torch.Tensor, list[int]] | None = None) -> None:
+    def add(self, raw: torch.Tensor, coef: torch.Tensor | None) -> None:
         """Append V views to the stream of this part, given raw (V, J, S, S, 3) uint8 and their coefficients
-        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), sent to the device and finished there. With `rows`
-        (a packed AugMix program's row lists and lengths), `raw` holds the crops (V, 1, S, S, 3) and `coef` the
-        packed program (`augmix_device.pack_program`), whose chains run on the device first."""
+        (CPU, pinned on CUDA; `ViewGenerator.augmented_raw`), sent to the device and finished there."""
         dev = self.model.device
-        raw = raw.to(dev, non_blocking=True)
-        coef = None if coef is None else coef.to(dev, non_blocking=True)
-        if rows is not None:
-            raw, coef = run_packed(raw, coef, rows[0].to(dev, non_blocking=True), rows[1])  # type: ignore[arg-type]
-        images = gen.finish(raw, coef)
+        self._append(self.gen.finish(_to_device(raw, dev), None if coef is None else _to_device(coef, dev)))
+
+    def add_program(self, crops: torch.Tensor, packed: torch.Tensor) -> None:
+        """Append V AugMix views given by their crops (V, 1, S, S, 3) uint8 and packed programs (V, W) float64
+        (`augmix_device.pack_program`; CPU, pinned on CUDA): copied into the device's group buffers now, their
+        chains run with the group's (`_run_programs`)."""
+        v, dev = crops.shape[0], self.model.device
+        if self.crops is None or self.n_prog + v > self.crops.shape[0]:
+            self._run_programs()
+            if self.crops is None or v > self.crops.shape[0]:
+                cap = max(v, CHAIN_SAMPLES * N_AUG_VIEWS)
+                self.crops = torch.empty((cap, *crops.shape[1:]), dtype=crops.dtype, device=dev)
+                self.programs = torch.empty((cap, packed.shape[1]), dtype=packed.dtype, device=dev)
+        assert self.programs is not None
+        # into the group buffers, in stream order after the previous group's chains that read them
+        self.crops[self.n_prog:self.n_prog + v].copy_(_pinned(crops, dev), non_blocking=True)
+        self.programs[self.n_prog:self.n_prog + v].copy_(_pinned(packed, dev), non_blocking=True)
+        self.host_programs.append(packed)
+        self.n_prog += v
+        if self.n_prog == self.crops.shape[0]:
+            self._run_programs()
+
+    def _run_programs(self) -> None:
+        """The chains of every waiting AugMix view in one call, then their float work and the micro-batches."""
+        n = self.n_prog
+        if n == 0:
+            return
+        assert self.crops is not None and self.programs is not None
+        host = _cat(self.host_programs)
+        rows, lengths = packed_rows(host, AUGMIX_MAX_DEPTH)  # on the host: the device never waits for them
+        images, coef = run_packed(self.crops[:n], self.programs[:n], _to_device(rows, self.model.device), lengths)
+        self.host_programs, self.n_prog = [], 0
+        self._append(self.gen.finish(images, coef))
+
+    def _append(self, images: torch.Tensor) -> None:
+        """Finished views (V, 3, S, S) on the device into the micro-batch buffer, encoding every full batch."""
         if self.buf is None:
             self.buf = torch.empty((self.bs, *images.shape[1:]), dtype=images.dtype, device=self.model.device)
         i, v = 0, images.shape[0]
@@ -118,6 +199,7 @@ class _Batcher:
 
     def finish(self) -> np.ndarray:
         """Encode what is pending; (n_images, D) float32 on the host."""
+        self._run_programs()
         self._flush()
         if self.written != self.n_images or self.feats is None:
             raise RuntimeError(f"encoded {self.written} images, expected {self.n_images}")
@@ -135,7 +217,8 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
 
     View 0 is always stored; views 1..63 only for the multi-view policies. `device_chains` (default: on CUDA, unless
     $ZAEC_DEVICE_CHAINS is 0) runs AugMix's operation chains on the model's device (`extract.augmix_device`, the
-    same pixels) instead of in the loader processes, which then only crop and draw.
+    same pixels) instead of in the loader processes, which then only crop and draw. A loader item carries
+    `SINGLE_VIEW_ITEM` positions in a single-view pass, one position otherwise (63 views already).
     """
     parts: tuple[str, ...] = ("view0",) if policy == "single" else ("view0", policy)
     missing = cache.missing(parts, n_positions)
@@ -144,20 +227,23 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     gen = ViewGenerator(model.preprocess, policy, seed=seed)
     # per chunk: the rows to encode ([keep, need) of each missing part) - only the positions the run needs
     plans = [_chunk_plan(cache, c, miss, n_positions, batch_size) for c, miss in missing]
-    jobs: list[tuple[int, bool, bool]] = []
+    per_item = SINGLE_VIEW_ITEM if policy == "single" else 1
+    items: list[list[tuple[int, bool, bool]]] = []  # items never straddle chunks
     for c, start, need, keep in plans:
-        lo = min(keep.values())
-        jobs += [(start + i, i >= keep.get("view0", need), i >= keep.get(policy, need)) for i in range(lo, need)]
+        jobs = [(start + i, i >= keep.get("view0", need), i >= keep.get(policy, need))
+                for i in range(min(keep.values()), need)]
+        items += [jobs[i:i + per_item] for i in range(0, len(jobs), per_item)]
     if device_chains is None:  # ZAEC_DEVICE_CHAINS=0 keeps the chains in the loader processes (same views)
         device_chains = model.device.type == "cuda" and os.environ.get(DEVICE_CHAINS_ENV, "1") != "0"
-    loader = torch.utils.data.DataLoader(_ViewData(testset, perm, jobs, gen, device_chains), batch_size=None,
+    loader = torch.utils.data.DataLoader(_ViewData(testset, perm, items, gen, device_chains), batch_size=None,
                                          shuffle=False, num_workers=workers, pin_memory=model.device.type == "cuda",
                                          worker_init_fn=_ignore_sigint if workers else None)
-    task = (progress or Progress(False)).task(f"encoding {testset.key} ({policy})", len(jobs))
+    n_jobs = sum(len(item) for item in items)
+    task = (progress or Progress(False)).task(f"encoding {testset.key} ({policy})", n_jobs)
     it = _start_loader(loader)
     try:
         for plan in plans:
-            _encode_chunk(it, plan, cache, model, gen, policy, batch_size, task)
+            _encode_chunk(it, plan, cache, model, gen, policy, batch_size, task, device_chains)
     except KeyboardInterrupt:
         _quiet_fd_server()
         raise
@@ -165,7 +251,7 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
         # on Ctrl-C or an error, stop the loader processes now, while the interpreter is whole, not when the
         # iterator is collected at exit (the traceback keeps it alive), which printed cut-off tracebacks
         getattr(it, "_shutdown_workers", lambda: None)()
-    return len(jobs)
+    return n_jobs
 
 
 def _quiet_fd_server() -> None:
@@ -219,20 +305,24 @@ def _start_loader(loader: torch.utils.data.DataLoader) -> Any:
 
 
 def _encode_chunk(it: Any, plan: tuple[int, int, int, dict[str, int]], cache: FeatureCache, model: LoadedModel,
-                  gen: ViewGenerator, policy: ViewPolicy, batch_size: int, task: Any) -> None:
+                  gen: ViewGenerator, policy: ViewPolicy, batch_size: int, task: Any, device_chains: bool) -> None:
     """Encode the rows `plan` (`_chunk_plan`) calls for from the loader iterator `it` and store the chunk."""
     c, start, need, keep = plan
     shapes = {part: cache.expected_shape(part, c, need - k) for part, k in keep.items()}  # type: ignore[arg-type]
-    batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size) for part, shape in shapes.items()}
-    for _ in range(need - min(keep.values())):
-        pos, x0, xa, coef, rows = next(it)
+    batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size, gen) for part, shape in shapes.items()}
+    todo = need - min(keep.values())
+    while todo > 0:
+        positions, x0, xa, extra = next(it)
         if isinstance(x0, str):  # an image the loader cannot read (named in the message)
             raise DatasetError(x0)
         if x0 is not None:
-            batchers["view0"].add(x0, None, gen)
-        if xa is not None:
-            batchers[policy].add(xa, coef, gen, rows)
-        task.advance(1)
+            batchers["view0"].add(x0, None)
+        if xa is not None and device_chains:
+            batchers[policy].add_program(xa, extra)
+        elif xa is not None:
+            batchers[policy].add(xa, extra)
+        todo -= len(positions)
+        task.advance(len(positions))
     for part, b in batchers.items():
         feats = b.finish().reshape(shapes[part])
         k = keep[part]

@@ -24,8 +24,8 @@ class ViewImages:
         self.data = _ViewData(testset, perm, [], self.gen)
 
     def _one(self, pos: int) -> torch.Tensor:
-        self.data.jobs = [(pos, True, self.policy != "single")]
-        _, v0, aug, coef, _ = self.data[0]
+        self.data.items = [[(pos, True, self.policy != "single")]]
+        _, v0, aug, coef = self.data[0]
         if isinstance(v0, str):  # an image that cannot be read (named in the message)
             raise DatasetError(v0)
         dev = self.model.device

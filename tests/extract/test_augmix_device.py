@@ -180,3 +180,33 @@ def test_packed_program_round_trip_is_exact():
     assert set(back) == set(prog) - {"crops"}
     for k, v in back.items():
         assert torch.equal(v, prog[k].to(v.dtype)) and (v.dtype == prog[k].dtype or k in ("ops", "lut_params")), k
+
+
+def test_many_samples_chains_in_one_call_equal_one_call_per_sample():
+    """The runner launches the chains of many samples in one call (`packed_rows` over their concatenated programs,
+    `run_packed`), cut into pieces of `piece` images per kernel call: the images and coefficients are those of one
+    call per sample, bit for bit, whatever the piece size."""
+    from extract.augmix_device import packed_rows, unpack_program
+
+    pre = Preprocess((S, S), (0.5,) * 3, (0.5,) * 3)
+    rng = np.random.default_rng(8)
+    progs = []
+    for sid, shape in enumerate([(40, 60, 3), (S, S, 3), (70, 50, 3)]):
+        img = Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+        progs.append(pack_program(ViewGenerator(pre, "augmix", seed=2).augmix_program(img, 20 + sid)))
+    one = [run_packed(*p) for p in progs]
+    want_images, want_coef = torch.cat([o[0] for o in one]), torch.cat([o[1] for o in one])
+    crops, packed = torch.cat([p[0] for p in progs]), torch.cat([p[1] for p in progs])
+    for p in progs:  # the main thread's row lists of one program are the loader's
+        rows, lengths = packed_rows(p[1], 3)
+        assert torch.equal(rows, p[2]) and lengths == p[3]
+    rows, lengths = packed_rows(packed, 3)
+    images, coef = run_packed(crops, packed, rows, lengths)
+    assert torch.equal(images, want_images) and torch.equal(coef, want_coef)
+    prog = unpack_program(packed, rows, lengths)
+    for piece in (5, 100):
+        got = run_chains(crops[:, 0], prog["ops"], prog["lut_params"], prog["affine"],
+                         {k: v for k, v in prog.items() if k.endswith(("_0", "_1", "_2"))}, piece=piece)
+        assert torch.equal(got, want_images), piece
+    with pytest.raises(ValueError, match="not a packed program"):
+        packed_rows(packed[:, :-1], 3)

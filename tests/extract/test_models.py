@@ -74,6 +74,17 @@ def test_loading_without_random_init_gives_the_same_model(tmp_path, kind):
     assert not torch.equal(x, torch.full((64,), 7.0))
 
 
+def test_skip_random_init_reaches_initialisers_imported_by_name():
+    """nn.MultiheadAttention calls the `xavier_uniform_` its module imported from torch.nn.init (0.8 s of ViT-B-16's
+    load when it drew): inside the block building one draws no random number at all, and after it, it draws."""
+    state = torch.random.get_rng_state()
+    with skip_random_init():
+        torch.nn.MultiheadAttention(64, 4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.nn.MultiheadAttention(64, 4)
+    assert not torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_lazy_tokenizer_tokenises_as_open_clip(tiny_model, tiny_model_dir):
     import open_clip
     texts = ["a photo of a cat.", "a dog"]
@@ -310,3 +321,35 @@ def test_hf_tokenizer_that_cannot_be_built_fails_at_load(tmp_path, monkeypatch, 
     with pytest.raises(ModelError) as e:
         load_model(None, f"local-dir:{d}", "cpu")
     assert needle in str(e.value) and "\n" not in str(e.value) and "timm/ViT-B-16-SigLIP" in str(e.value)
+
+
+@pytest.mark.parametrize("layout", ["model", "module-prefix", "float16"])
+def test_safetensors_read_straight_into_the_parameters_or_through_open_clip(tmp_path, monkeypatch, layout):
+    """A safetensors file in the model's own layout is read straight into the parameters (`read_safetensors_into`,
+    open_clip's loader never called); a file open_clip must convert (a `module.` prefix, float16 tensors) goes
+    through open_clip's `load_checkpoint`. Either way every tensor is the one open_clip itself loads."""
+    import open_clip
+    from safetensors.torch import load_file, save_file
+
+    ckpt = make_tiny_checkpoint(tmp_path / "t.safetensors")
+    sd = load_file(str(ckpt))
+    if layout == "module-prefix":
+        save_file({f"module.{k}": v for k, v in sd.items()}, str(ckpt))
+    elif layout == "float16":
+        save_file({k: v.half() if v.is_floating_point() else v for k, v in sd.items()}, str(ckpt))
+    ref = open_clip.create_model(TINY_ARCH, pretrained=str(ckpt))
+    calls = []
+    real = open_clip.load_checkpoint
+
+    def spy(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(open_clip, "load_checkpoint", spy)
+    monkeypatch.setattr(open_clip.factory, "load_checkpoint", spy)
+    got = load_model(TINY_ARCH, str(ckpt), "cpu").model
+    assert len(calls) == (0 if layout == "model" else 1)
+    ref_state = ref.state_dict()
+    assert set(got.state_dict()) == set(ref_state)
+    for name, t in got.state_dict().items():
+        assert t.dtype == ref_state[name].dtype and torch.equal(t, ref_state[name]), name

@@ -411,6 +411,12 @@ def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model
     do not divide 40 or 64, so micro-batches straddle samples), each piece encoded. Bit for bit: same batches. With
     `device_chains` the AugMix chains run in the main process (`extract.augmix_device`, what CUDA runs do) from the
     loader's crops and draws: the reference is still Pillow's views."""
+    _encode_and_compare_with_host_views(tmp_path, tiny_model, data_root, policy, batch_size,
+                                        device_chains=device_chains)
+
+
+def _encode_and_compare_with_host_views(tmp_path, tiny_model, data_root, policy, batch_size, **kw):
+    """`encode_pass` of 7 positions in chunks of 3, then each chunk's cache against the obvious code's features."""
     from extract.cache import FeatureCache
     from extract.views import ViewGenerator
 
@@ -420,8 +426,7 @@ def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model
     dim = tiny_model.encode_images(torch.zeros(1, 3, *tiny_model.preprocess.size)).shape[1]
     cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), dim, np.dtype(np.float32), "s",
                          chunk_size=chunk)
-    encoded = run_encode.encode_pass(tiny_model, ts, perm, cache, policy, n_pos, seed=1, batch_size=batch_size,
-                                 device_chains=device_chains)
+    encoded = run_encode.encode_pass(tiny_model, ts, perm, cache, policy, n_pos, seed=1, batch_size=batch_size, **kw)
     assert encoded == n_pos
     gen = ViewGenerator(tiny_model.preprocess, policy, seed=1)
     for c in range(3):
@@ -435,6 +440,39 @@ def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model
                               for i in range(0, len(views), batch_size)]).numpy()
             got = np.asarray(cache.load(part, c)).reshape(-1, want.shape[1])
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("policy,device_chains,workers", [("single", False, 0), ("single", False, 2),
+                                                          ("augmix", True, 0), ("augmix", True, 2),
+                                                          ("crop_flip", False, 2)])
+def test_grouped_loader_items_and_chain_calls_encode_the_same_features(tmp_path, tiny_model, data_root, monkeypatch,
+                                                                       policy, device_chains, workers):
+    """Single-view items carry `SINGLE_VIEW_ITEM` positions (one tensor each, never across a chunk) and AugMix's
+    device chains run for `CHAIN_SAMPLES` samples per call (the rest at the chunk's end); the cache then holds the
+    obvious code's features, bit for bit, from loader processes too (view 0 written into shared memory there)."""
+    monkeypatch.setattr(run_encode, "SINGLE_VIEW_ITEM", 2)
+    monkeypatch.setattr(run_encode, "CHAIN_SAMPLES", 2)
+    added, programs = [], []
+    real_add, real_run = run_encode._Batcher.add, run_encode.run_packed
+
+    def add(self, raw, coef):
+        added.append(raw.shape[0])
+        return real_add(self, raw, coef)
+
+    def run_packed(crops, *args):
+        programs.append(crops.shape[0])
+        return real_run(crops, *args)
+
+    monkeypatch.setattr(run_encode._Batcher, "add", add)
+    monkeypatch.setattr(run_encode, "run_packed", run_packed)
+    _encode_and_compare_with_host_views(tmp_path, tiny_model, data_root, policy, 40, device_chains=device_chains,
+                                        workers=workers)
+    if policy == "single":  # chunks [0,3) [3,6) [6,7): items of 2, 1, 2, 1, 1 images
+        assert added == [2, 1, 2, 1, 1]
+    elif device_chains:  # view 0 one sample per item; chains: two samples' views, then the chunk's last one
+        assert added == [1] * 7 and programs == [126, 63, 126, 63, 63]
+    else:
+        assert added == [1, 63] * 7
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-side micro-batches run on CUDA here")

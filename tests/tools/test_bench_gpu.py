@@ -31,7 +31,10 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
                 "augmix_chains_views_per_s"):
         assert r[key] > 0, key
     assert r["ratios"]["augmix_chains"] == r["augmix_chains_views_per_s"] / r["encoder_images_per_s"]
-    assert r["augmix_chains_host_ms_per_sample"] > 0
+    assert r["augmix_chains_host_ms_per_sample"] > 0 and r["augmix_chains_launches_per_sample"] > 0
+    for key in ("single_view_images_per_s", "crop_flip_views_per_s", "augmix_views_per_s"):  # whole pass too
+        assert r[key.replace("_per_s", "_per_s_whole_pass")] > 0, key
+    assert doc["views_per_core"]["single"] > 0
     assert "AugMix chains" in res.output
     assert set(r["adapt_samples_per_s"]["tps"]) == {"5", "12"}
     # timed as runs adapt: the calls after the first of the runner's 64 (the warm-up), up to the positions asked
@@ -60,8 +63,10 @@ def test_probe_times_the_phases_of_a_process(tmp_path):
     res = runner.invoke(bench_gpu.app, ["probe", str(model_dir), str(root), "--device", "cpu"])
     assert res.exit_code == 0, res.output
     phases = json.loads(res.output.strip().splitlines()[-1])
-    assert set(phases) == {"import_s", "weights_s", "prototypes_s", "loader_start_s"}
+    assert set(phases) == {"import_s", "device_init_s", "weights_s", "weights_file_read_s", "weights_mb",
+                           "prototypes_s", "loader_start_s"}
     assert all(v >= 0 for v in phases.values())
+    assert phases["weights_mb"] == (model_dir / "open_clip_model.safetensors").stat().st_size / 1e6
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
