@@ -78,6 +78,7 @@ class DMN(TTAMethod):
     """Zero-shot DMN with the official 32 views; returns log((p_text + w·p_mem) / (1 + w)) (module docstring)."""
 
     key: ClassVar[str] = "dmn"
+    prefix_stable: ClassVar[bool] = True  # the memory holds only samples already seen
     Config: ClassVar[type[MethodConfig]] = DMNConfig
     #: what `adapt` returns: log-probabilities, not logits (the shard's `zaec:output_kind`, docs/contract.md)
     output_kind: ClassVar[str] = "log_probs"
@@ -179,6 +180,7 @@ class DMNWeak(DMN):
     """
 
     key: ClassVar[str] = "dmn-weak"
+    prefix_stable: ClassVar[bool] = True  # as DMN
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> DMNConfig:
