@@ -74,7 +74,7 @@ from extract.run.resume import (  # noqa: F401  (re-exported)
     settings_kv,
 )
 from extract.run.pixels import attach_views
-from extract.run.reward import attach_reward
+from extract.run.reward import attach_reward, check_reward_model
 from extract.run.rundir import RunDir, run_is_complete  # noqa: F401  (re-exported)
 from extract.run.settings import (  # noqa: F401  (re-exported)
     FinishedRun,
@@ -193,6 +193,7 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             shorter = shorter_note(planned, run_dir, data.n_total)
             if shorter is not None:
                 note(shorter, log)
+        check_reward_model(planned)  # [reward model] RLCF's second model, checked before the policy loads
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
         parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)

@@ -65,6 +65,7 @@ from extract.sweep.runspec import (
     RunSpec,
     check_data,
     check_finished_settings,
+    check_models,
     default_backbones,
     is_complete,
     sweep_exec_fields,
@@ -408,8 +409,10 @@ def _run_grid(given: Mapping[str, Any], console: Any) -> int:
     """The `run` command on its options (`given`, by parameter name) over the config file's; returns the exit code."""
     cfg = load_config(given["config"]) if given["config"] is not None else {}
     runs, opts, out_dir = grid_runs(given, cfg)
+    pending = [r for r in runs if not is_complete(r)]
+    check_models(pending)  # a dry run too: what this machine can check never waits for a job to fail on it
     if not given["dry_run"] and not (given["skip_data_check"] or cfg.get("skip_data_check", False)):
-        check_data([r for r in runs if not is_complete(r)])
+        check_data(pending)
     do_wait = _pick(given["wait"], cfg, "wait")
     if do_wait is None:
         do_wait = opts.executor == "local"

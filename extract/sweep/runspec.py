@@ -271,6 +271,31 @@ def check_data(runs: Sequence[RunSpec]) -> None:
                 load_ood_images(o.dataset, o.data_root, sh_filter=o.sh_filter)
 
 
+def check_models(runs: Sequence[RunSpec]) -> None:
+    """Check the second model each run's method loads (RLCF's reward model) as `zaec-extract` does before its
+    policy loads (`extract.run.reward.check_reward_model`: names, files, weights absent while the hub is offline),
+    each (model, weights) pair once, so that no job is submitted to fail on it. The runs' own backbones are
+    loaded by the jobs.
+
+    Raises:
+        RunError: one line naming the method and its `--set reward_*` keys.
+    """
+    from extract.methods import get_method
+    from extract.run.options import plan
+    from extract.run.reward import check_reward_model
+
+    seen = set()
+    for r in runs:
+        if not getattr(get_method(r.method), "needs_reward_model", False):
+            continue
+        r.register_dataset()
+        planned = plan(r.options)
+        pair = (planned.config.reward_backbone, planned.config.reward_pretrained)
+        if pair not in seen:
+            seen.add(pair)
+            check_reward_model(planned)
+
+
 def is_complete(run: RunSpec) -> bool:
     """The extractor's own finished test (marker + parts on disk, enough samples for the run's `--limit`)."""
     return bool(run.run_dir().is_complete(run.limit))
