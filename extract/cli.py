@@ -19,14 +19,18 @@ import typer
 
 from extract.method_keys import METHOD_KEYS
 from extract.run.options import (
+    ADAPT_BATCH_HELP,
+    DEFAULT_ADAPT_BATCH,
     DEFAULT_ANCHOR,
     DEFAULT_BACKBONE,
     DEFAULT_BATCH_SIZE,
     DEFAULT_FINGERPRINT,
     DEFAULT_OUT,
+    DEFAULT_PART_SIZE,
     DEFAULT_PRETRAINED,
     DEFAULT_SEED,
     MAX_CUDA_WORKERS,
+    PART_SIZE_HELP,
 )
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -89,6 +93,8 @@ def extract(
                                         help="turn photos as their EXIF orientation tag says (off by default: the "
                                              "official code and torchvision ignore EXIF)"),
     batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="images per encoder call"),
+    adapt_batch: int = typer.Option(DEFAULT_ADAPT_BATCH, help=ADAPT_BATCH_HELP),
+    part_size: int = typer.Option(DEFAULT_PART_SIZE, help=PART_SIZE_HELP),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to "
                                                            f"{MAX_CUDA_WORKERS} on CUDA, 0 on CPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (warnings and errors still print)"),
@@ -114,7 +120,7 @@ def extract(
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
             exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet,
-            wait_lock=wait_lock, ood_for=ood_for)
+            wait_lock=wait_lock, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 

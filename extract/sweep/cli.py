@@ -43,6 +43,7 @@ from extract.sweep.grid import (
 )
 from extract.sweep.manifest import Manifest, locked_manifest, manifest_frame, sweep_dir
 from extract.run.options import (
+    ADAPT_BATCH_HELP,
     ANCHORS,
     CACHE_DIR_ENV,
     CUPL_DIR_ENV,
@@ -60,6 +61,7 @@ from extract.run.options import (
     DEFAULT_PRETRAINED,
     DEFAULT_SEED,
     MAX_CUDA_WORKERS,
+    PART_SIZE_HELP,
 )
 from extract.sweep.runspec import (
     RunSpec,
@@ -351,10 +353,8 @@ def run(
                                                          f"[default: {DEFAULT_FINGERPRINT}]"),
     exif_transpose: Optional[bool] = typer.Option(None, "--exif-transpose/--no-exif-transpose",
                                                   help="turn photos as their EXIF orientation says [default: off]"),
-    adapt_batch: Optional[int] = typer.Option(None, help="samples per adapt call (an online method's result depends "
-                                                         f"on it) [default: {DEFAULT_ADAPT_BATCH}]"),
-    part_size: Optional[int] = typer.Option(None, help="rows per shard, a multiple of --adapt-batch "
-                                                       f"[default: {DEFAULT_PART_SIZE}]"),
+    adapt_batch: Optional[int] = typer.Option(None, help=f"{ADAPT_BATCH_HELP} [default: {DEFAULT_ADAPT_BATCH}]"),
+    part_size: Optional[int] = typer.Option(None, help=f"{PART_SIZE_HELP} [default: {DEFAULT_PART_SIZE}]"),
     device: Optional[str] = typer.Option(None, help="torch device inside each job [default: cuda if available]"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes per job [default: up to "
                                                      f"{MAX_CUDA_WORKERS} on CUDA, 0 on CPU]"),

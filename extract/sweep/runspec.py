@@ -172,8 +172,9 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     and every folder is made absolute: a worker shares neither our environment nor our working directory.
 
     Raises:
-        SweepError: an unknown setting, a value of the wrong type, adapt_batch or part_size below 1.
-        RunError, ValueError: the extractor's own checks (`check_options`, the fingerprint mode).
+        SweepError: an unknown setting, a value of the wrong type.
+        RunError, ValueError: the extractor's own checks (`check_options`: adapt_batch and part_size, folders;
+            the fingerprint mode).
     """
     from extract.fingerprint import check_mode
     from extract.run.options import check_options
@@ -192,9 +193,6 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     exec_kw["out"] = _abs(exec_kw.get("out") or DEFAULT_OUT)
     options = RunOptions("", "", **run_kw)
     execution = ExecOptions(**exec_kw, **FIXED_EXECUTION)
-    for name in ("adapt_batch", "part_size"):
-        if getattr(options, name) < 1:
-            raise SweepError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
     check_mode(options.fingerprint)
     check_options(options, execution)
     return options, execution

@@ -172,3 +172,51 @@ def test_ood_set_options_never_dropped(tmp_path, user_sets, data_root, tiny_mode
     r = _invoke(["--method", "zero-shot", "--dataset", f"folder:{user_sets / 'noise'}"] + extra
                 + _base(tmp_path, data_root, tiny_model_dir))
     assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+
+
+# --- issue 32 item 13: --adapt-batch and --part-size, as zaec-sweep and the API take them ----------------------
+
+def test_cli_adapt_batch_and_part_size(tmp_path, data_root, tiny_model_dir):
+    r = _invoke(["--method", "tda", "--dataset", "dtd", "--adapt-batch", "2", "--part-size", "4"]
+                + _base(tmp_path, data_root, tiny_model_dir))
+    assert r.exit_code == 0, r.output
+    shards = [read_shard(p) for p in find_shards([tmp_path / "out"])]
+    assert [len(s) for s in shards] == [4, 2]  # 6 samples in parts of 4 rows
+    assert shards[0].meta.extra["zaec:adapt_batch"] == "2"  # recorded: a resumed run compares it
+    # another width of the adapt calls is another run: the finished one is not served for it
+    again = _invoke(["--method", "tda", "--dataset", "dtd", "--part-size", "4", "--adapt-batch", "4"]
+                    + _base(tmp_path, data_root, tiny_model_dir))
+    assert again.exit_code == 2 and "adapt_batch" in again.output and "--force" in again.output
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--adapt-batch", "0"], "--adapt-batch must be >= 1, got 0"),
+    (["--part-size", "0"], "--part-size must be >= 1, got 0"),
+    (["--adapt-batch", "3", "--part-size", "8"], "part_size (8) must be a multiple of adapt_batch (3)"),
+])
+def test_cli_adapt_batch_and_part_size_checked_as_the_sweep_does(tmp_path, data_root, tiny_model_dir, extra,
+                                                                 needle):
+    from extract.sweep import cli as sweep
+
+    r = _invoke(["--method", "tda", "--dataset", "dtd"] + extra + _base(tmp_path, data_root, tiny_model_dir))
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+    s = runner.invoke(sweep.app, ["run", "--methods", "tda", "--datasets", "dtd", "--out", str(tmp_path / "sw"),
+                                  "--dry-run", *extra])
+    assert s.exit_code == 2 and needle in " ".join(s.output.split())
+
+
+def test_cli_help_of_adapt_batch_and_part_size_is_the_sweeps():
+    import inspect
+
+    from extract import cli
+    from extract.run.options import ADAPT_BATCH_HELP, DEFAULT_ADAPT_BATCH, DEFAULT_PART_SIZE, PART_SIZE_HELP
+    from extract.sweep import cli as sweep
+
+    mine = inspect.signature(cli.extract).parameters
+    theirs = inspect.signature(sweep.run).parameters
+    for name, text, default in (("adapt_batch", ADAPT_BATCH_HELP, DEFAULT_ADAPT_BATCH),
+                                ("part_size", PART_SIZE_HELP, DEFAULT_PART_SIZE)):
+        assert mine[name].default.help == text and theirs[name].default.help.startswith(text)
+        assert mine[name].default.default == default and f"[default: {default}]" in theirs[name].default.help
+    shown = _invoke(["--help"]).output
+    assert "--adapt-batch" in shown and "--part-size" in shown
