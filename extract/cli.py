@@ -103,7 +103,11 @@ def extract(
                                                    "SECONDS, then stop (0: stop at once; default: wait until it "
                                                    "finishes)"),
 ) -> None:
-    """Run METHOD over DATASET and write shards under OUT."""
+    """Run METHOD over DATASET and write shards under OUT.
+    \f
+    Length: a typer command declares each of its options as a parameter (one per line, with its help); the body
+    resolves the names and hands them to `run_extraction`.
+    """
     from rich.console import Console
 
     err = Console(stderr=True, emoji=False)

@@ -388,7 +388,7 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (runs, groups, GPU-hours); submit nothing"),
 ) -> None:
     """Run a grid (the default command: `zaec-sweep --methods ...` is `zaec-sweep run --methods ...`).
-
+    \f
     Length: a typer command declares each of its options as a parameter (one per line, with its help); the body
     is a few lines handing them to `grid_runs` and `sweep_run`.
     """
