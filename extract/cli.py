@@ -155,8 +155,9 @@ def resolve_sets(dataset: str, dataset_name: str | None, class_names: Path | Non
         given = "--class-names" if class_names is not None else "--ood-for-name"
         raise DatasetError(f"{given} applies to a folder:PATH or split:FILE.json in-distribution set; --ood-for "
                            f"{ood_for!r} is a registered key with its own class names (an OOD set has no classes)")
-    id_key = resolve_dataset(ood_for, name=ood_for_name, class_names=class_names)
-    return resolve_dataset(dataset, name=dataset_name), id_key
+    if ood_for.startswith(("folder:", "split:")):
+        ood_for = resolve_dataset(ood_for, name=ood_for_name, class_names=class_names)
+    return resolve_dataset(dataset, name=dataset_name), ood_for  # a registered key: `plan` names a bad one
 
 
 def main(argv: list[str] | None = None) -> None:

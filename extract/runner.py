@@ -190,7 +190,7 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
         elif not force:
-            shorter = shorter_note(planned, run_dir, data.n_total)
+            shorter = shorter_note(planned, run_dir, data.n_total, run_settings(planned, data))
             if shorter is not None:
                 note(shorter, log)
         check_reward_model(planned)  # [reward model] RLCF's second model, checked before the policy loads
@@ -291,12 +291,13 @@ def reuse_note(planned: PlannedRun, done: FinishedRun, n_total: int) -> str:
     return line
 
 
-def shorter_note(planned: PlannedRun, run_dir: RunDir, n_total: int) -> str | None:
-    """The line a limited run prints when it computes its samples although a finished longer run lies in its
-    folder (`RunDir.shorter_refusal` says why that run's first rows are not this run's); None otherwise."""
+def shorter_note(planned: PlannedRun, run_dir: RunDir, n_total: int, settings: Mapping[str, Any]) -> str | None:
+    """The line a limited run prints when it computes its samples although a finished longer run with the same
+    `settings` lies in its folder (`RunDir.shorter_refusal` says why that run's first rows are not this run's);
+    None otherwise (a run with other settings is refused or recomputed by the resume scan, which says so)."""
     counts = run_dir.finished_counts()
     n_run = planned.n_run(n_total)
-    if counts is None or counts[0] <= n_run:
+    if counts is None or counts[0] <= n_run or (run_dir.read_marker() or {}).get("settings") != settings:
         return None
     why = run_dir.shorter_refusal(n_run)
     if why is None:  # served (or refused for its settings) by the finished-run check
