@@ -18,11 +18,11 @@ RESULTS ?= results
 TS_SOURCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist,imagenet)
 REFERENCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist_blur,imagenet_a)
 
-.PHONY: help venv test demo bench bench-extract bench-gpu gpu-wheels gpu-check tables fmnist clean
+.PHONY: help venv test slurm-packages demo bench bench-extract bench-gpu gpu-wheels gpu-check tables fmnist clean
 
 help:
 	@echo "make demo           run the whole pipeline on the embedded default (small CLIP trained on Fashion-MNIST)"
-	@echo "make test           run the test suite (creates $(VENV) first)"
+	@echo "make test           run the test suite (creates $(VENV) first; as root also installs SLURM for its tests)"
 	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS) (TS_SOURCE=$(TS_SOURCE))"
 	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
 	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (view generation per core, every method's adapt cost, ECALP's growth)"
@@ -44,25 +44,33 @@ venv: $(STAMP)
 fmnist:
 	bash data/fetch_fmnist.sh $(FMNIST_DIR)
 
-test: $(STAMP) fmnist
+test: $(STAMP) fmnist slurm-packages
 	FMNIST_DIR=$(FMNIST_DIR) $(PY) -m pytest -q tests
 
+# The SLURM tests (tests/extract/sweep/test_slurm_real.py, marker `slurm`) run a one-machine cluster
+# (tools/slurm_local.sh). As root with apt, this installs Debian's slurm-wlm, munge, slurmdbd and MariaDB when missing
+# (about a minute on a fresh machine); elsewhere it says in one line why not and the tests skip with that reason.
+slurm-packages:
+	@bash tools/slurm_local.sh install --accounting || echo "make: the SLURM tests will skip (see the line above)"
+
 demo: $(STAMP) fmnist
-	$(VENV)/bin/python -m extract.demo --fmnist-dir $(FMNIST_DIR)
+	$(VENV)/bin/python -m tools.demo --fmnist-dir $(FMNIST_DIR)
 
 tables: $(STAMP)
 	$(VENV)/bin/zaec-calibrate tables $(SHARDS) --out $(RESULTS) --ts-source $(TS_SOURCE) --reference-dataset $(REFERENCE)
 
 bench: $(STAMP)
-	$(PY) -m calibrate.bench
+	$(PY) -m tools.bench_calibrate
 
 bench-extract: $(STAMP)
-	$(PY) -m extract.bench
+	$(PY) -m tools.bench_extract
 
 # writes $(JSON) too (default bench-gpu.json), for `zaec-sweep --dry-run --rates $(JSON)`
 JSON ?= bench-gpu.json
+# more options of bench-gpu (its default: every registered method at K = 47, 200, 1000 on ViT-B-16 and RN50)
+BENCH_GPU_ARGS ?=
 bench-gpu: $(STAMP)
-	$(PY) -m extract.bench_gpu --json $(JSON)
+	$(PY) -m tools.bench_gpu --json $(JSON) $(BENCH_GPU_ARGS)
 
 # A GPU check in one command on a CUDA machine that cannot reach the package index and has its own Python with
 # torch, torchvision, pyarrow, typer, rich, timm, safetensors and pytest but not open_clip (the `device` machines
@@ -72,12 +80,15 @@ bench-gpu: $(STAMP)
 # $(GPU_SITE), runs the extraction tests (the CUDA ones included), the shortcut check and bench-gpu, and exits
 # non-zero if a step failed. docs/benchmarks.md says what to look at.
 GPU_PYTHON ?= python3
+# gpu-check's bench-gpu keeps to TPT and TPS (its 9 minutes); every method's rates: GPU_CHECK_BENCH_ARGS= (10-15 more
+# minutes per backbone, docs/benchmarks.md)
+GPU_CHECK_BENCH_ARGS ?= --methods tpt,tps
 GPU_PY_VERSION ?= 3.12
 GPU_SITE ?= /tmp/zaec-site
 GPU_WHEELS := open_clip_torch ftfy wcwidth
 GPU_TESTS := tests/extract/methods/test_tpt.py tests/extract/methods/test_tps.py tests/extract/test_text_encoder.py \
              tests/extract/test_views.py tests/extract/test_runner.py tests/extract/test_augmix_device.py \
-             tests/extract/test_models.py tests/extract/test_check_shortcuts.py tests/extract/test_bench_gpu.py
+             tests/extract/test_models.py tests/tools/test_check_shortcuts.py tests/tools/test_bench_gpu.py
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
@@ -92,10 +103,10 @@ gpu-check:
 	$(GPU_PYTHON) -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; \
 	$(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider $(GPU_TESTS) || status=1; \
 	if [ -d data/models/fmnist-ViT ] && [ -d data/datasets/fashion-mnist/blur ]; then \
-	  $(GPU_PYTHON) -m extract.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
+	  $(GPU_PYTHON) -m tools.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
 	    --data-root data/datasets --methods tpt,atpt --limit 1000 --json $(dir $(JSON))shortcuts.json || status=1; \
 	else echo "shortcut check skipped: data/models/fmnist-ViT or data/datasets/fashion-mnist/blur not here"; fi; \
-	$(GPU_PYTHON) -m extract.bench_gpu --json $(JSON) || status=1; \
+	$(GPU_PYTHON) -m tools.bench_gpu --json $(JSON) $(GPU_CHECK_BENCH_ARGS) || status=1; \
 	exit $$status
 
 clean:

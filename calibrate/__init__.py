@@ -1,12 +1,5 @@
 """The CPU stage: calibrators (none, temperature scaling, SaLS, ZAEC), metrics and the `zaec-calibrate` CLI.
 
-It reads the Parquet shards defined in `schemas/` and never imports torch, open_clip or `extract/`.
+It reads the Parquet shards defined in `schemas/` and never imports torch, open_clip or `extract/`. Every name is
+imported from its module (`calibrate.calibrators`, `calibrate.functional.zaec`, ...); the package forwards nothing.
 """
-
-from calibrate.calibrators import CALIBRATORS, Calibrator, parse_calibrator
-from calibrate.functional import entropy_from_logits, softmax_stats, solve_zaec, zaec_temperature
-
-__all__ = [
-    "CALIBRATORS", "Calibrator", "entropy_from_logits", "parse_calibrator", "softmax_stats", "solve_zaec",
-    "zaec_temperature",
-]

@@ -8,7 +8,7 @@ calibrators (SaLS, ZAEC) take the paired zero-shot logits as their input, never 
 
 The numerical kernels (softmax statistics, the ZAEC solver, the temperature-scaling fit) are pure functions in
 `calibrate.functional`, the way torchmetrics keeps `functional/` apart from its stateful classes; this module holds
-the estimators only. It re-exports the kernels' public names for the importers that predate the split.
+the estimators only, and each kernel is imported from its own module there.
 """
 
 from __future__ import annotations
@@ -18,24 +18,9 @@ from typing import Any, Callable, ClassVar, Iterable
 
 import numpy as np
 
-from calibrate.functional import (  # noqa: F401  (re-exported: `from calibrate.calibrators import softmax_stats`)
-    SUBSETS,
-    TS_BETA_MAX,
-    TS_BETA_MIN,
-    ZAEC_RTOL,
-    ZAEC_T_MAX,
-    ZAEC_T_MIN,
-    SoftmaxStats,
-    Subset,
-    ZaecSolution,
-    entropy_from_logits,
-    fit_temperature,
-    nll_derivatives,
-    softmax_stats,
-    solve_zaec,
-    zaec_temperature,
-)
 from calibrate.functional.softmax import _as_2d
+from calibrate.functional.temperature import TS_BETA_MAX, TS_BETA_MIN, fit_temperature
+from calibrate.functional.zaec import SUBSETS, solve_zaec
 
 
 @dataclass

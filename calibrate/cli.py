@@ -2,7 +2,7 @@
 
     zaec-calibrate PATH... [--calibrators none,temperature,sals,zaec] [--bins 20] [--binning width|mass]
                    [--out DIR] [--samples] [--ts-source imagenet] [--temperature T] [--drop-nonfinite]
-                   [--allow-partial]
+                   [--allow-partial] [--score msp|negent] [--quiet]
     zaec-calibrate tables ...     (the paper's tables and figures: calibrate.tables.cli)
 
 A user error ends in one line on stderr and exit code 2, never a traceback.
@@ -20,35 +20,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
+from calibrate.console import KEY_HEADERS, cell, console_views, view_columns, view_title
 from calibrate.run import DEFAULT_CALIBRATORS, DEFAULT_TS_SOURCE, RunReport, calibrate_paths, write_metrics
 from schemas.atomic import check_output_dir
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
-PERCENT = ("accuracy", "ece", "mce", "ece_mass", "mean_confidence")
-
-
-def _count(r: dict) -> str:
-    """The `n` cell: `5 of 24` where the run covers part of its announced test set (a `--limit` run, partial)."""
-    n, total = r["n"], r.get("n_total")
-    return str(n) if total is None or n == total else f"{n} of {total}"
-
-
-def render(report: RunReport, console: Console) -> None:
-    """Print the metrics as a rich table (percent for accuracy/ECE/MCE/confidence, like the paper) and the notes."""
-    df = report.metrics
-    table = Table(title="zaec-calibrate", show_lines=False)
-    heads = ["backbone", "dataset", "method", "seed", "calibrator", "n", "acc %", "ECE %", "MCE %", "ECE-mass %",
-             "NLL", "Brier", "conf %", "H (nats)"]
-    for h in heads:
-        table.add_column(h, justify="left" if h in heads[:5] else "right")
-    for r in df.iter_rows(named=True):
-        table.add_row(
-            r["backbone"], r["dataset"], r["method"], str(r["seed"]), r["calibrator"], _count(r),
-            *(f"{100 * r[c]:.2f}" for c in ("accuracy", "ece", "mce", "ece_mass")),
-            f"{r['nll']:.3f}", f"{r['brier']:.3f}", f"{100 * r['mean_confidence']:.2f}", f"{r['mean_entropy']:.3f}",
-        )
-    console.print(table)
+def render(report: RunReport, console: Console, score: str = "msp") -> None:
+    """Print the views of `calibrate.console.console_views` (calibration; selective prediction and classwise
+    calibration; OOD detection when an OOD run is present) as rich tables, then the notes."""
+    columns = view_columns(score)
+    for view, frame in console_views(report.metrics, score).items():
+        table = Table(title=view_title(view, score), show_lines=False)
+        for h in frame.columns:
+            table.add_column(h, justify="left" if h in KEY_HEADERS[:2] else "right", no_wrap=h in KEY_HEADERS)
+        for r in frame.iter_rows(named=True):
+            table.add_row(*(str(r[h]) for h in KEY_HEADERS), *(cell(r[h], d) for h, (_, _, d) in columns[view].items()))
+        console.print(table)
     for note in report.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
 
@@ -67,6 +55,9 @@ def run(
     allow_partial: bool = typer.Option(False, "--allow-partial",
                                        help="use runs whose shards hold fewer samples than their writer announced "
                                             "(each such run is noted); default: stop naming the run"),
+    score: str = typer.Option("msp", help="confidence score of the printed selective-prediction and OOD columns: "
+                                          "msp (max softmax probability) or negent (negative entropy); metrics.csv "
+                                          "holds both"),
     quiet: bool = typer.Option(False, "--quiet", help="no table, no progress bar"),
 ) -> None:
     """Calibrate every run (backbone, dataset, method, seed) found under PATHS and write metric tables.
@@ -82,7 +73,8 @@ def run(
     )
     task = progress.add_task("rows", total=None)
     try:
-        check_output_dir(out, "--out")  # before any shard is read
+        view_columns(score)  # a bad --score stops here, before any shard is read
+        check_output_dir(out, "--out")
         with progress:
             report = calibrate_paths(
                 paths,
@@ -97,13 +89,14 @@ def run(
                 progress=lambda n: progress.advance(task, n),
                 on_total=lambda n: progress.update(task, total=n),
             )
-            pq_path, csv_path = write_metrics(report, out)
+            paths = write_metrics(report, out)
     except USER_ERRORS as e:
         fail("zaec-calibrate", e, err)
     if not quiet:
         console = Console(emoji=False, width=None if Console(emoji=False).is_terminal else 160)
-        render(report, console)
-        console.print(f"wrote {pq_path} and {csv_path}", markup=False, highlight=False)
+        render(report, console, score)
+        console.print(f"wrote {', '.join(str(p) for p in paths[:-1])} and {paths[-1]}", markup=False,
+                      highlight=False)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -13,7 +13,7 @@ from typing import Any, List, NoReturn, Optional
 import typer
 from rich.console import Console
 
-from schemas import ShardError, error_line
+from schemas.shard import ShardError, error_line
 
 #: what a user can cause (bad shards, bad specs or options, unreadable paths): one line and exit 2, no traceback
 USER_ERRORS = (ShardError, ValueError, OSError)

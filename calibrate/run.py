@@ -17,12 +17,13 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators, softmax_stats
+from calibrate.calibrators import ZAEC, Calibrator, TemperatureScaling, parse_calibrators
+from calibrate.functional.softmax import adapted_stats, softmax_stats
 from calibrate.metrics import METRIC_NAMES, CalibrationStats, _check_binning, _check_bins
 from calibrate.ood import NOT_OOD, OOD_NAMES, OODStats, missing_ood
 from calibrate.trust import TRUST_NAMES, TrustStats, describe_missing
 from schemas.atomic import atomic_path, write_json_atomic
-from schemas import (
+from schemas.shard import (
     Completeness,
     PartialRunError,
     RunKey,
@@ -37,9 +38,11 @@ from schemas import (
 
 ZERO_SHOT = "zero-shot"
 KEY_COLUMNS = ("backbone", "dataset", "method", "seed")
-#: the run's announced test-set size and `--limit` (null: not announced, or no limit): with `n` they say how much of
-#: the test set a row covers (`check_complete`)
-COUNT_COLUMNS = ("n_total", "limit")
+#: the run's announced test-set size and `--limit` (null: not announced, or no limit), its out-of-distribution rows
+#: (`n_ood`: an OOD run's rows labelled -1, null for a plain run; `n` counts the in-distribution rows) and whether it
+#: is partial (`--allow-partial`: fewer rows than announced, or a `--limit` subset): with `n` they say how much of the
+#: test set a row covers (`check_complete`)
+COUNT_COLUMNS = ("n_total", "limit", "n_ood", "partial")
 METRIC_COLUMNS = (*KEY_COLUMNS, "calibrator", "n", *COUNT_COLUMNS, *(m for m in METRIC_NAMES if m != "n"),
                   *TRUST_NAMES, *OOD_NAMES)
 SAMPLE_COLUMNS = (
@@ -97,7 +100,7 @@ class _DuplicateCheck:
 
 
 def run_counts(groups: dict[RunKey, Members]) -> dict[RunKey, Completeness]:
-    """Rows present and announced (`schemas.run_completeness`) of every run; reads only the Parquet footers."""
+    """Rows present and announced (`schemas.shard.run_completeness`) of every run; reads only the Parquet footers."""
     return {key: run_completeness(members) for key, members in groups.items()}
 
 
@@ -288,7 +291,8 @@ def calibrate_paths(
     for key in sorted(groups, key=lambda k: (k.backbone, k.dataset, k.method, k.seed)):
         members = groups[key]
         active = _active_calibrators(key, cals, groups, sources, fitted, ts_source, drop_nonfinite, report)
-        announced = {"n_total": counts[key].n_total, "limit": counts[key].limit}
+        announced = {"n_total": counts[key].n_total, "limit": counts[key].limit,
+                     "partial": counts[key].known and counts[key].partial}
         rows += [{**r, **announced} for r in _calibrate_run(key, members, active, n_bins, binning, drop_nonfinite,
                                                             samples_dir, report, progress)]
     for c in ts_cals:
@@ -353,7 +357,8 @@ def _active_calibrators(key: RunKey, cals: Sequence[Calibrator], groups: dict[Ru
 def _metric_schema() -> dict[str, Any]:
     schema: dict[str, Any] = {c: pl.Float64 for c in METRIC_COLUMNS}
     schema.update({"backbone": pl.String, "dataset": pl.String, "method": pl.String, "seed": pl.Int64,
-                   "calibrator": pl.String, "n": pl.Int64, "n_total": pl.Int64, "limit": pl.Int64})
+                   "calibrator": pl.String, "n": pl.Int64, "n_total": pl.Int64, "limit": pl.Int64,
+                   "n_ood": pl.Int64, "partial": pl.Boolean})
     return schema
 
 
@@ -379,6 +384,7 @@ def _calibrate_run(
     dup = _DuplicateCheck(key)
     writer = _SampleWriter(samples_dir, key) if samples_dir is not None else None
     dropped = 0
+    n_ood = 0  # rows labelled -1 (OOD runs only)
     try:
         for p, _ in members:
             raw = read_shard(p)
@@ -387,6 +393,7 @@ def _calibrate_run(
             dup.add(p, raw.sample_id)
             y = shard.label
             ind = y >= 0  # every row of a plain run; the in-distribution rows of an OOD run
+            n_ood += int((~ind).sum())
             y_id = np.maximum(y, 0)  # an OOD row's NLL/Brier against class 0 is computed, never used
             zs_stats = softmax_stats(shard.zs_logits, 1.0, y_id)
             _update(stats[ZERO_SHOT], trust[ZERO_SHOT], ood and ood[ZERO_SHOT], shard.zs_logits, 1.0, y, ind,
@@ -399,7 +406,7 @@ def _calibrate_run(
                 t = c.temperatures(shard.zs_logits, shard.tta_logits)
                 if isinstance(c, ZAEC):
                     capped[c.spec] += int(c.capped_.sum())
-                s = softmax_stats(shard.tta_logits, t, y_id)
+                s = adapted_stats(shard.tta_logits, t, y_id, members[0][1].output_kind)
                 _update(stats[c.spec], trust[c.spec], ood and ood[c.spec], shard.tta_logits, t, y, ind, s)
                 if writer is not None:
                     writer.write(c.spec, shard.sample_id, y, t, s)
@@ -429,8 +436,8 @@ def _calibrate_run(
         if why:
             report.missing[f"{key}|{name}"] = why
             report.notes.append(f"{key}: '{name}': {describe_missing(why)}")
-    return [{**key.as_dict(), "calibrator": name, **stats[name].compute(), **trust[name].compute(),
-             **(ood[name].compute() if ood else missing_ood())} for name in names]
+    return [{**key.as_dict(), "calibrator": name, **stats[name].compute(), "n_ood": n_ood if ood else None,
+             **trust[name].compute(), **(ood[name].compute() if ood else missing_ood())} for name in names]
 
 
 def _update(stats: CalibrationStats, trust: TrustStats, ood: OODStats | None, logits: np.ndarray, t: Any,
@@ -447,8 +454,9 @@ def _update(stats: CalibrationStats, trust: TrustStats, ood: OODStats | None, lo
     trust.update(logits, t, y, s.prediction, s.confidence, s.entropy)
 
 
-def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
-    """Write `out/metrics.parquet`, `out/metrics.csv` and `out/notes.json` (each atomically)."""
+def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path, Path]:
+    """Write `out/metrics.parquet`, `out/metrics.csv` and `out/notes.json` (each atomically); returns the three
+    paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, writer in (("metrics.parquet", report.metrics.write_parquet), ("metrics.csv", report.metrics.write_csv)):
@@ -459,4 +467,4 @@ def write_metrics(report: RunReport, out: Path) -> tuple[Path, Path]:
                                            "capped": report.capped, "dropped_nonfinite": report.dropped_nonfinite,
                                            "missing": report.missing},
                       indent=2)
-    return paths[0], paths[1]
+    return paths[0], paths[1], out / "notes.json"

@@ -232,6 +232,34 @@ def risk_coverage(score: Any, correct: Any) -> RiskCoverage:
     )
 
 
+#: the oracle curve of a figure is drawn through at most about this many coverage levels (every level k/N below it)
+ORACLE_POINTS = 512
+
+
+def oracle_curve(n: int, n_correct: int, max_points: int = ORACLE_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """The oracle's risk-coverage curve over the WHOLE coverage range: (coverage, risk), float64.
+
+    The oracle accepts every correct sample first, so at coverage k/N its risk is max(0, k - C) / k (C correct of N).
+    It is defined at every level k = 1..N whatever the scores are, unlike a run's curve (`risk_coverage`), which
+    has points only at its distinct thresholds (ECALP's rows with top probability exactly 1.0 are one tied group,
+    so its curve starts at their share). Levels: every k when N <= `max_points`, else an even grid of k in [1, N]
+    plus k = C, where the curve bends.
+
+    Example:
+        >>> cov, risk = oracle_curve(4, 2)
+        >>> cov.tolist(), risk.tolist()
+        ([0.25, 0.5, 0.75, 1.0], [0.0, 0.0, 0.3333333333333333, 0.5])
+    """
+    if n < 1 or not 0 <= n_correct <= n:
+        raise ValueError(f"oracle_curve needs N >= 1 and 0 <= C <= N, got N = {n}, C = {n_correct}")
+    if n <= max_points:
+        k = np.arange(1, n + 1)
+    else:
+        k = np.unique(np.r_[np.linspace(1, n, max_points).round().astype(np.int64), max(n_correct, 1)])
+    k = k.astype(np.float64)
+    return k / n, np.maximum(0.0, k - n_correct) / k
+
+
 @dataclass
 class SelectiveStats:
     """Mergeable statistics of one (run, calibrator) for both scores: `update` per chunk, `merge`, `compute`.

@@ -4,7 +4,7 @@ The logits imitate CLIP: zero-shot logits are `scale * cosine` with cosines arou
 a per-sample margin (so zero-shot accuracy is moderate and uncertainty varies per sample); the adapted logits are
 sharper (a per-sample sharpening factor > 1 on the centred logits), and a small logit perturbation plus a nudge
 towards the true class changes some predictions (TTA usually gains a little accuracy). Every shard is written through
-`schemas.write_shard`, so it follows the contract exactly.
+`schemas.shard.write_shard`, so it follows the contract exactly.
 
     python -m calibrate.synthetic OUT [--scale 0.05] [--datasets dtd,eurosat] [--rows-per-shard 10000]
 """
@@ -21,7 +21,7 @@ import zlib
 
 import numpy as np
 
-from schemas import RunKey, ShardMeta, shard_path, write_shard
+from schemas.shard import RunKey, ShardMeta, shard_path, write_shard
 
 #: the 15 benchmark test sets of the paper: canonical key -> (test size, number of classes)
 PAPER_DATASETS: dict[str, tuple[int, int]] = {

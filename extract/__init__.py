@@ -1,5 +1,5 @@
 """The extraction stage (GPU): open_clip models, test sets, views, TTA methods, and the pipeline writing shards.
 
 Entry points: `zaec-extract` (`extract.cli`), `extract.runner.run_extraction`, `make bench-extract`
-(`extract.bench`). Needs the `extract` extra: `pip install -e .[extract]`.
+(`tools.bench_extract`). Needs the `extract` extra: `pip install -e .[extract]`.
 """

@@ -8,6 +8,7 @@ The image encoder is frozen in every method of this stage, so features are compu
         view0/chunk-00000.npy         (n, D)      original view of stream positions [0, chunk)
         augmix/chunk-00000.npy        (n, 63, D)  views 1..63 (AugMix policy)
         crop_flip/chunk-00000.npy     (n, 63, D)  views 1..63 (crop + flip policy)
+        crop_flip_05/chunk-00000.npy  (n, 63, D)  views 1..63 (crop + flip at scale 0.5-1, DMN's)
     <root>/<model fingerprint>/text/<prompt-set fingerprint>.npy    (K, D) prototypes
 
 Chunks follow the stream order of the seed, and every chunk always holds the same samples, encoded in the same
@@ -30,11 +31,11 @@ from typing import Literal
 
 import numpy as np
 
-from extract.run.options import CACHE_DIR_ENV as CACHE_ENV, DEFAULT_CACHE_DIR
-from schemas.atomic import atomic_path, write_json_atomic  # noqa: F401  (re-exported for the runner)
+from extract.defaults import CACHE_DIR_ENV as CACHE_ENV, DEFAULT_CACHE_DIR
+from schemas.atomic import atomic_path, write_json_atomic
 
-Part = Literal["view0", "augmix", "crop_flip"]
-PARTS: tuple[str, ...] = ("view0", "augmix", "crop_flip")
+Part = Literal["view0", "augmix", "crop_flip", "crop_flip_05"]
+PARTS: tuple[str, ...] = ("view0", "augmix", "crop_flip", "crop_flip_05")
 CHUNK_TEMPLATE = "chunk-{:05d}.npy"
 
 

@@ -18,11 +18,11 @@ from typing import List, Optional
 import typer
 
 from extract.method_keys import METHOD_KEYS
+from extract.defaults import DEFAULT_BACKBONE
 from extract.run.options import (
     ADAPT_BATCH_HELP,
     DEFAULT_ADAPT_BATCH,
     DEFAULT_ANCHOR,
-    DEFAULT_BACKBONE,
     DEFAULT_BATCH_SIZE,
     DEFAULT_FINGERPRINT,
     DEFAULT_OUT,
@@ -42,7 +42,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from extract.models import ModelError
     from extract.prompts import PromptError
     from extract.run.options import RunError
-    from schemas import ShardError
+    from schemas.shard import ShardError
     # ValueError: the method registry and `--set` conversion report unknown keys and bad values with it;
     # OSError: a folder that became unwritable or a full disk while writing (the message names the path)
     return (DatasetError, ModelError, PromptError, RunError, CacheError, ShardError, ValueError, OSError)
@@ -112,7 +112,8 @@ def extract(
 
     err = Console(stderr=True, emoji=False)
     try:
-        from extract.runner import parse_overrides, plan_run, run_extraction
+        from extract.run.options import parse_overrides
+        from extract.runner import plan_run, run_extraction
 
         overrides = parse_overrides(set_)
         dataset, ood_for = resolve_sets(dataset, dataset_name, class_names, ood_for, ood_for_name)

@@ -41,7 +41,7 @@ from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
-from extract.run.options import DATA_ROOT_ENV, default_data_root
+from extract.defaults import DATA_ROOT_ENV, default_data_root
 
 #: Class names of the embedded demo (Fashion-MNIST), in label order. Helper modules of the demo import this.
 FASHION_MNIST_CLASSES: tuple[str, ...] = (
@@ -213,7 +213,7 @@ _REGISTRY_LIST: list[DatasetSpec] = [
               coop=("ucf101", "UCF-101-midframes"), tpt=("UCF101", "")),
 ]
 
-# The embedded demo's Fashion-MNIST sets (written to disk by extract.demo): JSON splits under fashion-mnist/<set>/.
+# The embedded demo's Fashion-MNIST sets (written to disk by tools.demo): JSON splits under fashion-mnist/<set>/.
 # Hyper-parameters: EuroSAT's, the paper's other 10-class set of small images. Its rows make TDA, DPE and DLAE
 # single-view; the ImageNet-family rows average the most confident of 63 random crops, and on 32-pixel images
 # crops down to 8% of the area are unrecognisable: with ImageNet-A's rows TDA fell from 41% to 10% accuracy on the
@@ -273,7 +273,7 @@ _REGISTRY_LIST.append(DatasetSpec(
     "ninco", "ood_images", "ood", None,
     (Layout("NINCO", "NINCO", "NINCO_OOD_classes"), Layout("plain", "NINCO_OOD_classes", "")),
     description="NINCO's OOD classes (64 classes, none in ImageNet-1k), out-of-distribution for ImageNet"))
-# The embedded demo's OOD set: synthetic geometric shapes, written by extract/demo/ood.py (docs/demo.md).
+# The embedded demo's OOD set: synthetic geometric shapes, written by tools/demo/ood.py (docs/demo.md).
 _REGISTRY_LIST.append(DatasetSpec(
     "demo_shapes", "ood_images", "ood", None, (Layout("demo", "demo-ood/shapes", "images"),),
     description="synthetic geometric shapes (32 px), out-of-distribution for the demo's fmnist; written by the demo"))

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 import numpy as np
 import torch
 
-from extract.run.options import DEFAULT_BACKBONE  # noqa: F401  (re-exported; defaults live there)
+from extract.defaults import DEFAULT_BACKBONE
 
 LOCAL_DIR = "local-dir:"
 #: architectures released by OpenAI with QuickGELU; a checkpoint file for one of these gets QuickGELU forced
@@ -434,6 +434,27 @@ def local_dir_name(path: Path, backbone: str | None, flags: WeightFlags = MAIN_F
                          f"drop {bb.strip()} (the folder's name {path.resolve().name!r} is recorded) or set "
                          "model_name in the config")
     return backbone
+
+
+def architecture_facts(backbone: str, pretrained: str) -> dict[str, int]:
+    """What a method config's ranges may depend on, read from the architecture's config without building the model
+    (`extract.methods.base.Ref` with `of_model=True`): {"vision_blocks": N} for a ViT image tower of N blocks.
+
+    The config is open_clip's for a named architecture, or the `open_clip_config.json` of a `local-dir:` folder; a
+    tower whose config gives no block count (ResNet, timm) yields {} (the method checks on the loaded model).
+
+    Example:
+        >>> architecture_facts("ViT-B-16", "openai")  # doctest: +SKIP
+        {'vision_blocks': 12}
+    """
+    if pretrained.startswith(LOCAL_DIR):
+        cfg = _local_dir_config(Path(pretrained[len(LOCAL_DIR):]).expanduser()).get("model_cfg", {})
+    else:
+        import open_clip
+
+        cfg = open_clip.get_model_config(backbone) or {}
+    layers = (cfg.get("vision_cfg") or {}).get("layers")
+    return {"vision_blocks": layers} if isinstance(layers, int) and not isinstance(layers, bool) else {}
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from extract.datasets import get_dataset
-from extract.run.options import CUPL_DIR_ENV as CUPL_ENV
+from extract.defaults import CUPL_DIR_ENV as CUPL_ENV
 
 PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars"]
 PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars")

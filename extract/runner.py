@@ -25,7 +25,8 @@ skipped steps), loads the state recorded in the last kept part (`zaec:method_sta
 last row). Either way the result equals an uninterrupted run. A finished run carries a marker file
 `_zaec_complete.json` next to its parts (`run_is_complete`).
 
-The names other modules imported from here before `extract.run` existed are re-exported.
+Only the run itself lives here (`run_extraction`, `execute`, `plan_run` and the notes they print); each step is
+imported from its home in `extract.run`, and so is every name of a step elsewhere (never through this module).
 """
 
 from __future__ import annotations
@@ -36,17 +37,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 from extract.cache import TextCache, resolve_cache_dir
-from extract.datasets import check_outside_dataset, load_testset, open_image  # noqa: F401  (re-exported)
+from extract.datasets import check_outside_dataset
 from extract.models import LoadedModel, load_model
-from extract.prompts import build_prompt_set  # noqa: F401  (re-exported)
-from extract.run.encode import (  # noqa: F401  (re-exported)
-    DEVICE_CHAINS_ENV,
-    FeatureReader,
-    _ViewData,
-    encode_pass,
-    open_feature_cache,
-)
-from extract.run.options import (  # noqa: F401  (re-exported)
+from extract.run.encode import FeatureReader, encode_pass, open_feature_cache
+from extract.run.options import (
     DEFAULT_ADAPT_BATCH,
     DEFAULT_BATCH_SIZE,
     DEFAULT_CHUNK_SIZE,
@@ -62,42 +56,17 @@ from extract.run.options import (  # noqa: F401  (re-exported)
     RunError,
     RunOptions,
     check_options,
-    parse_overrides,
     plan,
 )
 from extract.run.progress import Progress, warn
-from extract.run.resume import (  # noqa: F401  (re-exported)
-    ResumePoint,
-    ResumeScope,
-    apply_resume,
-    scan_resume,
-    settings_kv,
-)
+from extract.run.resume import ResumePoint, ResumeScope, apply_resume, scan_resume, settings_kv
 from extract.run.pixels import attach_views
 from extract.run.reward import attach_reward, check_reward_model
-from extract.run.rundir import RunDir, run_is_complete  # noqa: F401  (re-exported)
-from extract.run.settings import (  # noqa: F401  (re-exported)
-    FinishedRun,
-    RunData,
-    finished_run,
-    load_run_data,
-    run_settings,
-)
-from extract.run.setup import (  # noqa: F401  (re-exported)
-    RunPrompts,
-    build_method,
-    build_prompts,
-    prompt_features,
-    shard_meta,
-)
-from extract.run.stream import (  # noqa: F401  (re-exported)
-    RunState,
-    StreamInputs,
-    adapt_stream,
-    labelled_counts,
-    replay,
-    stream_permutation,
-)
+from extract.run.rundata import RunData
+from extract.run.rundir import RunDir
+from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
+from extract.run.setup import RunPrompts, build_method, build_prompts, prompt_features, shard_meta
+from extract.run.stream import RunState, StreamInputs, adapt_stream, labelled_counts, replay, stream_permutation
 from extract.run.writer import PartWriter, marker_doc
 
 
@@ -225,7 +194,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         attach_views(method, model, data.testset, perm, planned.policy, options.seed)
         n_run = planned.n_run(data.n_total)
         method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
-        warnings = [*prompts.method.warnings, *method.warnings]
+        warnings = [*planned.model_notes, *prompts.method.warnings, *method.warnings]
         meta = shard_meta(planned, data, model, prompts, warnings)
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
                             _state_keys(method) if planned.episodic else None,

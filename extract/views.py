@@ -4,9 +4,9 @@
 View 0 ("original"): resize the short side to the model's size (its interpolation, bicubic for CLIP), centre crop,
 to tensor, normalise with the model's mean/std.
 
-Views 1..63: a random resized crop of the raw image (area fraction U(0.08, 1), log-uniform aspect ratio in
-[3/4, 4/3], bilinear; ten tries, then a centre crop) and a horizontal flip with probability 1/2. Policy
-"crop_flip" stops there. Policy "augmix" then mixes, in normalised-tensor space,
+Views 1..63: a random resized crop of the raw image (area fraction U(0.08, 1), U(0.5, 1) for "crop_flip_05";
+log-uniform aspect ratio in [3/4, 4/3], bilinear; ten tries, then a centre crop) and a horizontal flip with
+probability 1/2. Policies "crop_flip" and "crop_flip_05" stop there. Policy "augmix" then mixes, in normalised-tensor space,
     out = m * P(x) + (1 - m) * sum_i w_i * P(chain_i(x)),   w ~ Dirichlet(1, 1, 1), m ~ Beta(1, 1),
 with three chains of 1-3 operations each, drawn uniformly from autocontrast, equalize, posterize, rotate, solarize,
 shear_x, shear_y, translate_x, translate_y at severity 1 (AugMix's operation set without the colour, contrast,
@@ -38,8 +38,12 @@ from torchvision.transforms import InterpolationMode
 
 from extract.models import Preprocess
 
-ViewPolicy = Literal["single", "crop_flip", "augmix"]
-VIEW_POLICIES: tuple[str, ...] = ("single", "crop_flip", "augmix")
+ViewPolicy = Literal["single", "crop_flip", "augmix", "crop_flip_05"]
+VIEW_POLICIES: tuple[str, ...] = ("single", "crop_flip", "augmix", "crop_flip_05")
+#: the random-resized-crop area range of each multi-view policy: torchvision's default (0.08, 1) as TPT; DMN's
+#: official `get_preaugment` crops at (0.5, 1) (`data/datautils.py`), its crop + flip views on the ImageNet family
+CROP_SCALE: dict[str, tuple[float, float]] = {"crop_flip": (0.08, 1.0), "augmix": (0.08, 1.0),
+                                              "crop_flip_05": (0.5, 1.0)}
 #: augmented views per sample in the multi-view policies (TPT's batch of 64 = 1 original + 63)
 N_AUG_VIEWS = 63
 
@@ -47,13 +51,19 @@ _INTERP = {"bicubic": InterpolationMode.BICUBIC, "bilinear": InterpolationMode.B
            "nearest": InterpolationMode.NEAREST}
 
 
-def view_policy(n_views: int, augmix: bool) -> ViewPolicy:
-    """The view policy of a method config: 1 view = "single"; 64 views = "augmix" or "crop_flip"."""
+def view_policy(n_views: int, augmix: bool, crop_scale: tuple[float, float] = (0.08, 1.0)) -> ViewPolicy:
+    """The view policy of a method config: 1 view = "single"; 64 views = "augmix" or the crop + flip policy whose
+    crops cover `crop_scale` of the image (`CROP_SCALE`)."""
     if n_views == 1:
         return "single"
     if n_views != 1 + N_AUG_VIEWS:
         raise ValueError(f"n_views must be 1 or {1 + N_AUG_VIEWS}, got {n_views}")
-    return "augmix" if augmix else "crop_flip"
+    kind = "augmix" if augmix else "crop_flip"
+    for policy, scale in CROP_SCALE.items():
+        if policy.startswith(kind) and scale == tuple(crop_scale):
+            return policy  # type: ignore[return-value]
+    have = ", ".join(f"{p} {s}" for p, s in CROP_SCALE.items() if p.startswith(kind))
+    raise ValueError(f"no {kind} view policy crops at scale {tuple(crop_scale)}; available: {have}")
 
 
 # --- AugMix operations at severity 1. `level` = U(0.1, severity) as in AugMix; ints scale maxval * level / 10. ---
@@ -252,7 +262,7 @@ class ViewGenerator:
 
     Args:
         preprocess: the model's preprocessing (size, mean/std, interpolation).
-        policy: "single" (1 view), "crop_flip" or "augmix" (1 + 63 views).
+        policy: "single" (1 view), "crop_flip", "crop_flip_05" or "augmix" (1 + 63 views; `CROP_SCALE`).
         seed: the run seed; views of sample i depend only on (seed, i, image).
     """
 
@@ -298,7 +308,7 @@ class ViewGenerator:
         return self.finish(torch.from_numpy(self.original_raw(img))[None, None])[0]
 
     def _crop_flip(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
-        left, top, w, h = random_resized_crop_box(rng, img.width, img.height)
+        left, top, w, h = random_resized_crop_box(rng, img.width, img.height, CROP_SCALE[self.policy])
         # crop, then resize (torchvision's resized_crop on PIL images)
         crop = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
         if rng.uniform() < 0.5:

@@ -1,44 +1,7 @@
-"""The version-1 shard contract shared by `extract` (writer) and `calibrate` (reader). See `schemas.shard`."""
+"""The version-1 shard contract shared by `extract` (writer) and `calibrate` (reader).
 
-from schemas.shard import (
-    COMPLETE_MARKER,
-    META_KEYS,
-    OPTIONAL_META_KEYS,
-    OPTIONAL_COLUMNS,
-    OOD_LABEL,
-    OOD_SEPARATOR,
-    OUTPUT_KINDS,
-    PART_TEMPLATE,
-    REQUIRED_COLUMNS,
-    SCHEMA_VERSION,
-    Completeness,
-    PartialRunError,
-    RunKey,
-    Shard,
-    ShardError,
-    ShardMeta,
-    build_table,
-    check_labels,
-    check_ood_runs,
-    error_line,
-    find_shards,
-    group_shards,
-    iter_run,
-    ood_run_dataset,
-    read_meta,
-    read_shard,
-    run_completeness,
-    shard_dir,
-    shard_path,
-    validate_shard,
-    write_atomic_table,
-    write_shard,
-)
+    shard.py   the format (columns, types, file metadata, version), its writer, reader and validation
+    atomic.py  writing files atomically (temporary name, then rename) and checking output folders
 
-__all__ = [
-    "COMPLETE_MARKER", "Completeness", "META_KEYS", "OPTIONAL_COLUMNS", "OPTIONAL_META_KEYS", "OUTPUT_KINDS", "PART_TEMPLATE",
-    "OOD_LABEL", "OOD_SEPARATOR", "check_labels", "check_ood_runs", "ood_run_dataset",
-    "PartialRunError", "REQUIRED_COLUMNS", "SCHEMA_VERSION", "RunKey", "Shard", "ShardError", "ShardMeta",
-    "build_table", "error_line", "find_shards", "group_shards", "iter_run", "read_meta", "read_shard",
-    "run_completeness", "shard_dir", "shard_path", "validate_shard", "write_atomic_table", "write_shard",
-]
+Every name is imported from its module (`from schemas.shard import read_shard`); the package forwards nothing.
+"""

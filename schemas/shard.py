@@ -477,6 +477,13 @@ def error_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+def _logits_type_fix(col: str, k: int) -> str:
+    """How to write a logits column as the contract's fixed-size list from polars or pyarrow: a variable-length list
+    (polars' `List(Float64)`, pyarrow's `list<double>`) is refused because the row width K is not in the type."""
+    return (f"write it as a fixed-size list of K = {k}: polars `pl.col({col!r}).cast(pl.Array(pl.Float32, {k}))`, "
+            f"pyarrow `pa.FixedSizeListArray.from_arrays(values, {k})` (type `pa.list_(pa.float32(), {k})`)")
+
+
 def _check_schema(path: Path, schema: pa.Schema, k: int) -> None:
     names = set(schema.names)
     for col in REQUIRED_COLUMNS:
@@ -489,7 +496,8 @@ def _check_schema(path: Path, schema: pa.Schema, k: int) -> None:
     for col in ("zs_logits", "tta_logits"):
         typ = schema.field(col).type
         if not pa.types.is_fixed_size_list(typ) or not pa.types.is_floating(typ.value_type):
-            raise ShardError(f"{path}: column {col!r} must be fixed_size_list<float32>[{k}], got {typ}")
+            raise ShardError(f"{path}: column {col!r} must be fixed_size_list<float32>[{k}], got {typ}; "
+                             + _logits_type_fix(col, k))
         if typ.list_size != k:
             raise ShardError(
                 f"{path}: column {col!r} has {typ.list_size} logits per row but 'zaec:num_classes' is {k}"

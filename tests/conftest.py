@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from schemas import ShardMeta
+from schemas.shard import ShardMeta
 
 pytest_plugins = ["tests.support.extract"]
 

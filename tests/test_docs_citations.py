@@ -27,7 +27,7 @@ def _repo_root() -> Path:
 
 ROOT = _repo_root()
 METHODS_MD = ROOT / "docs" / "methods.md"
-CODE_DIRS = ("extract", "calibrate", "schemas", "tests")
+CODE_DIRS = ("extract", "calibrate", "schemas", "tools", "tests")
 # Built from parts so that this file does not match itself.
 SECTION_SIGN = "\N{SECTION SIGN}"
 FORBIDDEN = ("spec " + SECTION_SIGN, "Spec " + SECTION_SIGN, "tta_methods" + ".md", "atpt_soc" + ".md",

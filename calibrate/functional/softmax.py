@@ -13,7 +13,7 @@ the public interface.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -166,6 +166,59 @@ def softmax_stats(logits: Any, temperatures: Any = 1.0, labels: Any = None) -> S
             p_y = np.exp(zc[rows, yl]) / s
             brier[sl] = (np.einsum("ij,ij->i", e, e) + 1.0) / (s * s) - 2.0 * p_y + 1.0
     return SoftmaxStats(pred, conf, ent, nll, brier)
+
+
+def adapted_stats(logits: Any, temperatures: Any, labels: Any, output_kind: str) -> SoftmaxStats:
+    """`softmax_stats` of a run's adapted rows; for log-probability rows (`zaec:output_kind` "log_probs") at
+    T = 1 everywhere, the confidence and entropy of the probabilities as stored (`stored_probability_stats`).
+
+    Why: re-normalising stored float32 log-probabilities in float64 makes a row's top probability depend on the
+    rounding of every other entry, so probabilities the method made equal (ZERO's vote fractions 17/19) split into
+    distinct values and the tie-exact metrics (`calibrate.selective`) would average over rounding noise. At T ≠ 1
+    the probabilities are new ones (softmax(log p / T)), computed as for logits.
+
+    Args:
+        logits: (N, K) stored rows; temperatures: scalar or (N,); labels: optional (N,);
+        output_kind: "logits" or "log_probs" (`schemas.shard.OUTPUT_KINDS`).
+    """
+    s = softmax_stats(logits, temperatures, labels)
+    if output_kind == "log_probs" and bool(np.all(np.asarray(temperatures) == 1.0)):
+        s = stored_probability_stats(logits, s)
+    return s
+
+
+def stored_probability_stats(log_probs: Any, stats: SoftmaxStats) -> SoftmaxStats:
+    """`stats` with the confidence and entropy of log-probability rows taken as stored, without re-normalising:
+    confidence = exp(max_k lp_k), entropy = -Σ_k exp(lp_k)·lp_k summed over the row sorted ascending.
+
+    Each is a function of the row's values alone (the entropy of its multiset of values), so two rows holding the
+    same stored probabilities in any order get bit-identical confidences and entropies; a method that rounds equal
+    probabilities to the same float32 log (ZERO: `extract.methods.zero.log_vote_fractions`) keeps its ties. The
+    stored rows sum to 1 within float32 rounding (a few 1e-7 relative), which is how far these values can be
+    from the re-normalised ones. Prediction, NLL and Brier stay those of `stats`.
+
+    Args:
+        log_probs: (N, K) log-probabilities (float32 or float64, finite).
+        stats: `softmax_stats(log_probs, 1.0, ...)` of the same rows.
+
+    Returns:
+        SoftmaxStats with confidence in (0, 1] and entropy >= 0, float64.
+
+    Example:
+        >>> lp = np.log(np.array([[17, 1, 1], [17, 2, 0.5]], dtype=np.float64) / np.array([[19.0], [19.5]]))
+        >>> s = stored_probability_stats(lp, softmax_stats(lp))
+        >>> bool(s.confidence[0] == np.exp(lp[0, 0]))
+        True
+    """
+    x = _as_2d(log_probs, "log_probs")
+    n, k = x.shape
+    conf = np.empty(n, dtype=np.float64)
+    ent = np.empty(n, dtype=np.float64)
+    for sl in _chunks(n, k):
+        z = np.sort(x[sl].astype(np.float64), axis=1)
+        conf[sl] = np.minimum(np.exp(z[:, -1]), 1.0)
+        ent[sl] = np.maximum(-(np.exp(z) * z).sum(axis=1), 0.0)
+    return replace(stats, confidence=conf, entropy=ent)
 
 
 def _cumulants(zc: np.ndarray, top: np.ndarray, beta: np.ndarray | None) -> tuple[np.ndarray, ...]:

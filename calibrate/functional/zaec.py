@@ -335,7 +335,7 @@ def zaec_temperature(
         (N,) float64 temperatures; calibrated logits are tta_logits / T[:, None].
 
     Example:
-        >>> from calibrate.functional import entropy_from_logits
+        >>> from calibrate.functional.softmax import entropy_from_logits
         >>> zs, tta = np.array([[1.0, 0.0, 0.0]]), np.array([[4.0, 0.0, 0.0]])
         >>> t = zaec_temperature(zs, tta)
         >>> h, h_zs = entropy_from_logits(tta / t[:, None])[0], entropy_from_logits(zs)[0]

@@ -25,7 +25,7 @@ import scipy.sparse as sp
 
 from calibrate.metrics import bin_index
 from calibrate.tables.data import RunSummary
-from schemas import RunKey
+from schemas.shard import RunKey
 
 #: label of the zero-shot prediction among the calibrators of a run
 ZERO_SHOT = "zero-shot"
@@ -120,12 +120,29 @@ def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> tuple[np
 def basic_interval(estimate, replicates: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
     """Basic (reverse-percentile) bootstrap interval over the last axis: [2 t - q_hi, 2 t - q_lo].
 
-    Chosen over the percentile interval because binned ECE is biased upwards and its resamples are biased once more:
-    the percentile interval then sits above small true ECEs (simulated, N = 2000, 20 bins, true ECE 0.02: coverage
-    0.25), the basic interval reflects the bias back (coverage 0.91). For differences of paired ECEs the two agree.
+    Chosen over the percentile and BCa intervals because binned ECE is biased upwards and its resamples are biased
+    once more (the interval Kumar, Liang and Ma, "Verified Uncertainty Calibration", NeurIPS 2019, use for
+    calibration errors: `bootstrap_uncertainty` of their `calibration` library). The percentile and BCa intervals
+    are quantiles of the replicates, so they never reach below the smallest replicate: where every resample's ECE
+    exceeds the estimate they miss every smaller true ECE, and BCa's bias correction z0 = Phi^-1(share of
+    replicates below t) is then infinite. Simulated (20 bins, confidences Beta(5, 2), 300 data sets, 500 resamples
+    each; coverage of the true binned ECE at 95%): N = 400, true ECE 2%: basic 0.79, percentile 0.00, BCa 0.00;
+    N = 2000, true ECE 2%: basic 0.89, percentile 0.00, BCa 0.24; N = 400, true ECE 18%: 0.92 / 0.94 / 0.92.
+
+    The price: where the bias exceeds the sampling spread (small ECE, few samples per bin; a fifth of the N = 400
+    data sets above), the basic interval lies entirely below its estimate (`2 t - q_lo < t`). That is its statement
+    (the true ECE is likely lower than the plug-in estimate), not an error; the tables mark it and give the
+    bias-corrected value `bias_corrected` (2 t - median of the replicates, the interval's centre, Kumar et al.'s
+    "debiased" estimate). For differences of paired ECEs the two intervals agree.
     """
     q_lo, q_hi = percentile_interval(replicates, level)
     return 2 * np.asarray(estimate) - q_hi, 2 * np.asarray(estimate) - q_lo
+
+
+def bias_corrected(estimate, replicates: np.ndarray) -> np.ndarray:
+    """2 t - median(replicates) over the last axis: the estimate minus the bootstrap's median bias, the centre of
+    `basic_interval` (inside it for any level)."""
+    return 2 * np.asarray(estimate) - np.median(replicates, axis=-1)
 
 
 def dataset_seed(seed: int, backbone: str, dataset: str, sample_id: np.ndarray) -> np.random.SeedSequence:

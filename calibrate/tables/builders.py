@@ -14,7 +14,7 @@ from scipy import stats
 
 from calibrate.metrics import ece, reliability
 from calibrate.tables import layout
-from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, basic_interval
+from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, basic_interval, bias_corrected
 from calibrate.tables.data import RunSummary
 
 _KEY = ["backbone", "dataset", "method", "seed"]
@@ -34,14 +34,15 @@ def _range_deviation(tta_range: np.ndarray, temperature: np.ndarray, zs_range: n
 def run_metrics(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
     """One row per (run, calibrator), plus calibrator `zero-shot` for the run's paired zero-shot prediction.
 
-    Columns: backbone, dataset, method, seed, calibrator, n, accuracy, ece (fractions), nll, mean_confidence
-    (fraction), mean_entropy (nats), range_deviation (eq. 8, percent), mean_delta_entropy (eq. 10 mean; 0 for
-    zero-shot).
+    Columns: backbone, dataset, method, seed, calibrator, n, partial (`RunSummary.partial`: `150 of 400` for a
+    partial run, else null), accuracy, ece (fractions), nll, mean_confidence (fraction), mean_entropy (nats),
+    range_deviation (eq. 8, percent), mean_delta_entropy (eq. 10 mean; 0 for zero-shot).
     """
     rows = []
     for s in runs:
         k = s.key
-        base = {"backbone": k.backbone, "dataset": k.dataset, "method": k.method, "seed": k.seed, "n": len(s)}
+        base = {"backbone": k.backbone, "dataset": k.dataset, "method": k.method, "seed": k.seed, "n": len(s),
+                "partial": s.partial}
         zs_corr = s.zs_correct
         rows.append({**base, "calibrator": ZERO_SHOT, "accuracy": float(zs_corr.mean()),
                      "ece": float(ece(s.zs_confidence, zs_corr, n_bins)), "nll": float(s.zs_nll.mean()),
@@ -56,20 +57,36 @@ def run_metrics(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
                          "range_deviation": _range_deviation(s.tta_range, c.temperature, s.zs_range),
                          "mean_delta_entropy": float(((c.entropy - s.zs_entropy) / log_k).mean())})
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "n": pl.Int64,
-              "calibrator": pl.Utf8, **{m: pl.Float64 for m in _METRICS}}
-    return pl.DataFrame(rows, schema=schema).select(_KEY + ["calibrator", "n"] + _METRICS)
+              "partial": pl.Utf8, "calibrator": pl.Utf8, **{m: pl.Float64 for m in _METRICS}}
+    return pl.DataFrame(rows, schema=schema).select(_KEY + ["calibrator", "n", "partial"] + _METRICS)
+
+
+def partial_agg(col: str = "partial") -> pl.Expr:
+    """Aggregation of the `partial` texts of several runs (seeds, datasets): the distinct ones joined by `; `, null
+    when every run is whole (`RunSummary.partial`)."""
+    joined = pl.col(col).drop_nulls().unique(maintain_order=True).str.join("; ")
+    return pl.when(joined.str.len_chars() > 0).then(joined).otherwise(None).alias(col)
 
 
 def cell_metrics(run_df: pl.DataFrame) -> pl.DataFrame:
     """Mean over seeds per (backbone, dataset, method, calibrator); adds n_seeds and the standard deviation over
-    seeds of accuracy and ECE (`accuracy_std`, `ece_std`; null for one seed)."""
+    seeds of accuracy and ECE (`accuracy_std`, `ece_std`; null for one seed); `partial`: the partial seeds' counts
+    (`partial_agg`), null when every seed is whole."""
     return (
         run_df.group_by(_CELL, maintain_order=True)
         .agg([pl.col(m).mean() for m in _METRICS] + [pl.col("n").mean().alias("n"), pl.len().alias("n_seeds"),
                                                      pl.col("accuracy").std().alias("accuracy_std"),
-                                                     pl.col("ece").std().alias("ece_std")])
+                                                     pl.col("ece").std().alias("ece_std"), partial_agg()])
         .sort(_CELL)
     )
+
+
+def _partial_lookup(cells: pl.DataFrame) -> dict[tuple[str, str], str]:
+    """(method, dataset) -> the `partial` text of its cells (any calibrator), for partial runs only."""
+    if "partial" not in cells.columns:
+        return {}
+    return {(r["method"], r["dataset"]): r["partial"]
+            for r in cells.filter(pl.col("partial").is_not_null()).iter_rows(named=True)}
 
 
 def zero_shot_cells(cells: pl.DataFrame) -> pl.DataFrame:
@@ -79,8 +96,10 @@ def zero_shot_cells(cells: pl.DataFrame) -> pl.DataFrame:
     own = zs.filter(pl.col("method") == layout.ZERO_SHOT)
     rest = zs.join(own.select("backbone", "dataset"), on=["backbone", "dataset"], how="anti")
     both = pl.concat([own, rest])
+    if "partial" not in both.columns:  # a hand-made cells frame (tests)
+        both = both.with_columns(pl.lit(None, pl.Utf8).alias("partial"))
     return both.group_by(["backbone", "dataset"], maintain_order=True).agg(
-        [pl.col(m).mean() for m in _METRICS]).sort(["backbone", "dataset"])
+        [pl.col(m).mean() for m in _METRICS] + [partial_agg()]).sort(["backbone", "dataset"])
 
 
 class CellReplicates:
@@ -116,6 +135,15 @@ class CellReplicates:
         lo = float(lo) if floor is None else max(float(lo), floor)
         return lo, float(hi)
 
+    def centre(self, reps: np.ndarray | None, estimate: float | None, scale: float = 100.0,
+               floor: float | None = None) -> float | None:
+        """The bias-corrected value 2 x estimate - median of the replicates (x `scale`), the centre of `interval`
+        (`bootstrap.bias_corrected`); `floor` clips it as `interval` clips its lower end."""
+        if reps is None or estimate is None or self.boot is None:
+            return None
+        v = float(bias_corrected(estimate, np.asarray(reps) * scale))
+        return v if floor is None else max(v, floor)
+
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
     vals = [v for v in values if v is not None and np.isfinite(v)]
@@ -137,7 +165,8 @@ _MAIN_SCHEMA = {
     "row_label": pl.Utf8, "row_pos": pl.Int64, "metric": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8,
     "column_label": pl.Utf8, "col_pos": pl.Int64, "value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
     "n_datasets": pl.Int64, "group_size": pl.Int64, "seed_std": pl.Float64, "n_seeds": pl.Int64,
-    "in_sample": pl.Boolean, "bold": pl.Boolean,
+    "in_sample": pl.Boolean, "bold": pl.Boolean, "bias_corrected": pl.Float64, "ci_excludes_estimate": pl.Boolean,
+    "partial": pl.Utf8,
 }
 
 
@@ -145,7 +174,8 @@ def _main_row_specs(
     cb: pl.DataFrame, backbone: str, replicates: CellReplicates, calibrators: Sequence[str]
 ) -> list[tuple]:
     """The rows of one backbone's main table, top to bottom: (block, block_label, row, row_label, metric, getter),
-    where getter(dataset) -> (value in percent, bootstrap replicates or None, seed std or None, n_seeds or None)."""
+    where getter(dataset) -> (value in percent, bootstrap replicates or None, seed std or None, n_seeds or None,
+    the cell's `partial` text or None)."""
     zs = zero_shot_cells(cb)
     methods = layout.order_methods(cb["method"].unique().to_list())
     lookup = {(r["dataset"], r["method"], r["calibrator"]): r for r in cb.iter_rows(named=True)}
@@ -156,7 +186,8 @@ def _main_row_specs(
         def f(d):
             r = zs_lookup.get(d)
             v = None if r is None else r[metric] * 100.0
-            return v, replicates.zero_shot(backbone, d) if metric == "ece" else None, None, None
+            return (v, replicates.zero_shot(backbone, d) if metric == "ece" else None, None, None,
+                    None if r is None else r.get("partial"))
         return f
 
     specs.append((layout.ZERO_SHOT, f"Zero-shot {backbone}", "acc", "Acc.", "accuracy", zs_get("accuracy")))
@@ -170,7 +201,7 @@ def _main_row_specs(
                 v = None if r is None else r[metric] * 100.0
                 std = None if r is None or r.get(f"{metric}_std") is None else r[f"{metric}_std"] * 100.0
                 return (v, replicates.get(backbone, d, m, cal) if metric == "ece" else None, std,
-                        None if r is None else r.get("n_seeds"))
+                        None if r is None else r.get("n_seeds"), None if r is None else r.get("partial"))
             return f
 
         specs.append((m, layout.method_label(m), "acc", "Acc.", "accuracy", get("accuracy", "none")))
@@ -191,6 +222,14 @@ def _bold_block_minima(df: pl.DataFrame) -> pl.DataFrame:
     return df.with_columns(pl.Series("bold", bold)).sort(["block_pos", "row_pos", "col_pos"])
 
 
+def _bias_columns(replicates: CellReplicates, reps: np.ndarray | None, value: float | None, lo: float | None,
+                  hi: float | None) -> dict:
+    """`bias_corrected` (2 x value - median replicate, floored at 0 as the interval) and `ci_excludes_estimate`
+    (the basic interval lies wholly below, or above, the value: `bootstrap.basic_interval` says when and why)."""
+    return dict(bias_corrected=replicates.centre(reps, value, floor=0.0),
+                ci_excludes_estimate=None if lo is None else bool(not lo <= value <= hi))
+
+
 def main_table(
     cells: pl.DataFrame,
     backbone: str,
@@ -206,9 +245,13 @@ def main_table(
     `group_size` is the number the group holds: the paper's count for its groups, else the columns shown).
     `bold` marks the lowest ECE per method block and column (ties at two decimals all bold); zero-shot and in-sample
     cells are never bold.
-    `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates).
+    `ci_low`/`ci_high`: basic bootstrap interval of each ECE, floored at 0 (the average's from averaged replicates);
+    `bias_corrected`: its centre 2 x ECE - median replicate; `ci_excludes_estimate`: the interval lies wholly below
+    (or above) the ECE, where the bootstrap finds a bias larger than the sampling spread (`bootstrap.basic_interval`).
     `in_sample`: a temperature-scaling cell of dataset `ts_in_sample` (the labelled source T was fitted on, so it is
     scored on its own fitting data), or an average that includes one.
+    `partial`: the cell's run is partial (`--allow-partial`): its count, e.g. `150 of 400` (an average: each partial
+    dataset's, `DTD 150 of 400`); null for whole runs.
     """
     replicates = replicates or CellReplicates(None)
     cb = cells.filter(pl.col("backbone") == backbone)
@@ -221,9 +264,11 @@ def main_table(
         col = 0
         for group, datasets in groups:
             size = len(layout.GROUPS.get(group, datasets))
-            vals, reps, fitted_here = [], [], False
+            vals, reps, fitted_here, partial = [], [], False, []
             for d in datasets:
-                v, rep, std, n_seeds = getter(d)
+                v, rep, std, n_seeds, part = getter(d)
+                if part is not None and v is not None:
+                    partial.append(f"{layout.dataset_label(d)} {part}")
                 lo, hi = replicates.interval(rep, v, floor=0.0)
                 own = row == "temperature" and d == ts_in_sample and v is not None
                 fitted_here |= own
@@ -231,7 +276,8 @@ def main_table(
                                  row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset=d,
                                  column_label=layout.dataset_label(d), col_pos=col, value=v, ci_low=lo, ci_high=hi,
                                  n_datasets=None if v is None else 1, group_size=None, seed_std=std,
-                                 n_seeds=n_seeds, in_sample=own, bold=False))
+                                 n_seeds=n_seeds, in_sample=own, bold=False,
+                                 **_bias_columns(replicates, rep, v, lo, hi), partial=part if v is not None else None))
                 vals.append(v)
                 reps.append(rep)
                 col += 1
@@ -243,7 +289,9 @@ def main_table(
                              row_label=row_label, row_pos=row_pos, metric=metric, group=group, dataset="avg",
                              column_label="Avg.", col_pos=col, value=avg, ci_low=lo, ci_high=hi,
                              n_datasets=sum(v is not None for v in vals), group_size=size, seed_std=None,
-                             n_seeds=None, in_sample=fitted_here, bold=False))
+                             n_seeds=None, in_sample=fitted_here, bold=False,
+                             **_bias_columns(replicates, avg_rep, avg, lo, hi),
+                             partial="; ".join(partial) if partial and avg is not None else None))
             col += 1
     return _bold_block_minima(pl.DataFrame(rows, schema=_MAIN_SCHEMA))
 
@@ -260,7 +308,8 @@ def main_differences(
 
     Columns: backbone, method, group, dataset ("avg" for the group macro-average), column_label, comparison,
     estimate, ci_low, ci_high, contains_zero (the interval includes 0: no claim of a difference), in_sample (a side
-    is an in-sample cell of `main_table`: temperature scaling scored on its own fitting data `ts_in_sample`).
+    is an in-sample cell of `main_table`: temperature scaling scored on its own fitting data `ts_in_sample`), partial
+    (the cells' `partial`: a partial run's count).
     """
     main = main_table(cells, backbone, replicates, calibrators=layout.MAIN_CALIBRATORS, ts_in_sample=ts_in_sample)
     rows = []
@@ -295,10 +344,11 @@ def main_differences(
                                  comparison=f"{layout.calibrator_label(a)} - {layout.calibrator_label(b)}",
                                  estimate=estimate, ci_low=lo, ci_high=hi,
                                  contains_zero=None if lo is None else bool(lo <= 0.0 <= hi),
-                                 in_sample=bool(ra["in_sample"] or rb["in_sample"])))
+                                 in_sample=bool(ra["in_sample"] or rb["in_sample"]),
+                                 partial=ra["partial"] or rb["partial"]))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8, "column_label": pl.Utf8,
               "col_pos": pl.Int64, "comparison": pl.Utf8, "estimate": pl.Float64, "ci_low": pl.Float64,
-              "ci_high": pl.Float64, "contains_zero": pl.Boolean, "in_sample": pl.Boolean}
+              "ci_high": pl.Float64, "contains_zero": pl.Boolean, "in_sample": pl.Boolean, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -310,7 +360,8 @@ def main_intervals(
     main = main_table(cells, backbone, replicates, ts_in_sample=ts_in_sample)
     return main.filter(pl.col("metric") == "ece").select(
         "backbone", "block", "block_label", "block_pos", "row", "row_label", "row_pos", "group", "dataset",
-        "column_label", "col_pos", "value", "ci_low", "ci_high", "n_datasets", "group_size", "in_sample")
+        "column_label", "col_pos", "value", "ci_low", "ci_high", "bias_corrected", "ci_excludes_estimate",
+        "n_datasets", "group_size", "in_sample", "partial")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,7 +380,7 @@ def pa_pd_rows(s: RunSummary, n_bins: int = 20) -> list[dict]:
     for subset, mask in (("PA", agree), ("PD", ~agree)):
         n = int(mask.sum())
         row = dict(backbone=s.key.backbone, dataset=s.key.dataset, method=s.key.method, seed=s.key.seed,
-                   subset=subset, n=n, ratio=100.0 * n / max(len(s), 1))
+                   subset=subset, n=n, ratio=100.0 * n / max(len(s), 1), partial=s.partial)
         if n:
             zc, tc = s.zs_correct[mask], s.tta_correct[mask]
             zs_e = float(ece(s.zs_confidence[mask], zc, n_bins))
@@ -346,14 +397,15 @@ _PAPD_VALUES = ["ratio", "delta_confidence", "delta_accuracy", "delta_entropy", 
 
 
 def pa_pd_table(runs: Iterable[RunSummary], n_bins: int = 20) -> pl.DataFrame:
-    """Table 1 (PA) and its PD counterpart for every (backbone, dataset, method), seeds averaged."""
+    """Table 1 (PA) and its PD counterpart for every (backbone, dataset, method), seeds averaged; `partial`: the
+    partial runs' counts (`partial_agg`), null when whole."""
     rows = [r for s in runs if s.key.method != layout.ZERO_SHOT for r in pa_pd_rows(s, n_bins)]
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "subset": pl.Utf8,
-              "n": pl.Int64, **{v: pl.Float64 for v in _PAPD_VALUES}}
+              "n": pl.Int64, "partial": pl.Utf8, **{v: pl.Float64 for v in _PAPD_VALUES}}
     df = pl.DataFrame(rows, schema=schema)
     return _order(
         df.group_by(["backbone", "dataset", "method", "subset"], maintain_order=True)
-        .agg([pl.col("n").mean()] + [pl.col(v).mean() for v in _PAPD_VALUES])
+        .agg([pl.col("n").mean()] + [pl.col(v).mean() for v in _PAPD_VALUES] + [partial_agg()])
     ).sort(["_b", "_d", "_m", "subset"]).drop("_b", "_d", "_m")
 
 
@@ -400,7 +452,8 @@ def range_figure_points(
 
     Returns:
         (frame, missing): frame columns backbone, method, calibrator, label, range_deviation, ece, n_datasets,
-        datasets (comma-separated keys), in `points` order; missing: the points without any run.
+        datasets (comma-separated keys), partial (the partial runs averaged, e.g. `DTD 150 of 400`; null when whole),
+        in `points` order; missing: the points without any run.
     """
     cb = cells.filter(pl.col("backbone") == backbone)
     have: dict[tuple[str, str], dict[str, dict]] = {}
@@ -416,12 +469,15 @@ def range_figure_points(
     for (m, c), by_ds in have.items():
         ds = [d for _, g in layout.order_datasets(common or by_ds) for d in g]
         label = layout.method_label(m) if c == "none" else f"{layout.method_label(m)} + {layout.calibrator_label(c)}"
+        partial = "; ".join(f"{layout.dataset_label(d)} {by_ds[d]['partial']}" for d in ds
+                            if by_ds[d].get("partial")) or None
         rows.append(dict(backbone=backbone, method=m, calibrator=c, label=label,
                          range_deviation=float(np.mean([by_ds[d]["range_deviation"] for d in ds])),
                          ece=float(np.mean([by_ds[d]["ece"] for d in ds])) * 100.0, n_datasets=len(ds),
-                         datasets=",".join(ds)))
+                         datasets=",".join(ds), partial=partial))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "label": pl.Utf8,
-              "range_deviation": pl.Float64, "ece": pl.Float64, "n_datasets": pl.Int64, "datasets": pl.Utf8}
+              "range_deviation": pl.Float64, "ece": pl.Float64, "n_datasets": pl.Int64, "datasets": pl.Utf8,
+              "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema), missing
 
 
@@ -443,14 +499,15 @@ def pooled_methods(present: Iterable[str], chosen: Sequence[str] | None = None) 
 def entropy_ece_points(cells: pl.DataFrame, pooled: Sequence[str] | None = None) -> pl.DataFrame:
     """Figure 2b: one point per (backbone, dataset, method): mean normalised entropy change (eq. 10 mean) and
     ECE change (raw TTA minus the paired zero-shot, percentage points); `pooled` is True for the methods of the
-    correlation (`pooled`; every method when None)."""
+    correlation (`pooled`; every method when None); `partial`: a partial run's count, else null."""
     raw = cells.filter((pl.col("calibrator") == "none") & (pl.col("method") != layout.ZERO_SHOT))
     zs = cells.filter(pl.col("calibrator") == ZERO_SHOT).select("backbone", "dataset", "method",
                                                                  pl.col("ece").alias("zs_ece"))
     df = raw.join(zs, on=["backbone", "dataset", "method"], how="inner")
     flag = pl.lit(True) if pooled is None else pl.col("method").is_in(list(pooled))
+    partial = pl.col("partial") if "partial" in df.columns else pl.lit(None, pl.Utf8).alias("partial")
     return df.select("backbone", "dataset", "method", "mean_delta_entropy",
-                     ((pl.col("ece") - pl.col("zs_ece")) * 100.0).alias("delta_ece"), flag.alias("pooled"))
+                     ((pl.col("ece") - pl.col("zs_ece")) * 100.0).alias("delta_ece"), flag.alias("pooled"), partial)
 
 
 def correlations(points: pl.DataFrame, x: str = "mean_delta_entropy", y: str = "delta_ece") -> pl.DataFrame:
@@ -491,10 +548,10 @@ def entropy_gap_bins(s: RunSummary, n_bins: int = 10) -> pl.DataFrame:
             dc, da = float(d_conf[part].mean()), float(d_acc[part].mean())
             rows.append(dict(backbone=s.key.backbone, dataset=s.key.dataset, method=s.key.method, seed=s.key.seed,
                              subset=subset, bin=b, n=int(part.size), mean_delta_entropy=float(delta[part].mean()),
-                             delta_confidence=dc, delta_accuracy=da, gap=dc - da))
+                             delta_confidence=dc, delta_accuracy=da, gap=dc - da, partial=s.partial))
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "subset": pl.Utf8,
               "bin": pl.Int64, "n": pl.Int64, "mean_delta_entropy": pl.Float64, "delta_confidence": pl.Float64,
-              "delta_accuracy": pl.Float64, "gap": pl.Float64}
+              "delta_accuracy": pl.Float64, "gap": pl.Float64, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -513,11 +570,13 @@ def intro_bars(
     """Figure 1: ECE (percent) of raw TTA / SaLS / ZAEC per dataset and their unweighted average, per method.
 
     Columns: backbone, method, calibrator, dataset (`datasets` order, then "avg"), ece, n_datasets (1 on a dataset
-    row; on the "avg" row the datasets averaged, which can be fewer than `group_size` = len(datasets)). Methods or
-    calibrators without any run on `datasets` are left out.
+    row; on the "avg" row the datasets averaged, which can be fewer than `group_size` = len(datasets)), partial (a
+    dataset row of a partial run: its count; null otherwise). Methods or calibrators without any run on `datasets`
+    are left out.
     """
     cb = cells.filter((pl.col("backbone") == backbone) & pl.col("dataset").is_in(list(datasets)))
     lookup = {(r["method"], r["calibrator"], r["dataset"]): r["ece"] * 100.0 for r in cb.iter_rows(named=True)}
+    partial = _partial_lookup(cb)
     rows = []
     for m in methods:
         for c in calibrators:
@@ -525,12 +584,12 @@ def intro_bars(
             if not vals:
                 continue
             rows += [dict(backbone=backbone, method=m, calibrator=c, dataset=d, ece=v, n_datasets=1,
-                          group_size=len(datasets)) for d, v in vals]
+                          group_size=len(datasets), partial=partial.get((m, d))) for d, v in vals]
             rows.append(dict(backbone=backbone, method=m, calibrator=c, dataset="avg",
                              ece=float(np.mean([v for _, v in vals])), n_datasets=len(vals),
-                             group_size=len(datasets)))
+                             group_size=len(datasets), partial=None))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "dataset": pl.Utf8, "ece": pl.Float64,
-              "n_datasets": pl.Int64, "group_size": pl.Int64}
+              "n_datasets": pl.Int64, "group_size": pl.Int64, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -545,8 +604,8 @@ def reliability_table(s: RunSummary, panels: Sequence[str], n_bins: int = 10, ec
 
     Returns:
         Columns backbone, dataset, method, seed, panel, bin, lo, hi, count, share (of the run's samples),
-        confidence and accuracy (bin means; NaN in empty bins), and the ECE (percent, `ece_bins` bins) of exactly
-        the predictions the panel plots.
+        confidence and accuracy (bin means; NaN in empty bins), the ECE (percent, `ece_bins` bins) of exactly
+        the predictions the panel plots, and partial (`RunSummary.partial`).
     """
     frames = []
     for panel in panels:
@@ -560,6 +619,7 @@ def reliability_table(s: RunSummary, panels: Sequence[str], n_bins: int = 10, ec
             "panel": panel, "bin": np.arange(n_bins), "lo": r.edges[:-1], "hi": r.edges[1:],
             "count": r.count.astype(np.int64), "share": r.count / max(len(s), 1), "confidence": r.confidence,
             "accuracy": r.accuracy, "ece": 100.0 * float(ece(conf, corr, ece_bins)), "ece_bins": ece_bins,
+            "partial": pl.Series([s.partial] * n_bins, dtype=pl.Utf8),
         }))
     return pl.concat(frames)
 
@@ -576,8 +636,8 @@ def ablation_table(
 
     Columns: backbone, method, subset, calibrator, ece, nll, n_datasets, bold_ece, bold_nll (lowest per method);
     with replicates also ci_low/ci_high of the ECE and the paired difference ZAEC minus this row (diff_zaec,
-    diff_ci_low, diff_ci_high, diff_contains_zero; null on the ZAEC row). A subset row is left out for a method
-    missing it on any of the datasets.
+    diff_ci_low, diff_ci_high, diff_contains_zero; null on the ZAEC row); partial (the partial runs averaged, e.g.
+    `DTD 150 of 400`; null when whole). A subset row is left out for a method missing it on any of the datasets.
     """
     replicates = replicates or CellReplicates(None)
     rows = []
@@ -598,9 +658,12 @@ def ablation_table(
             reps = avg_reps(m, spec)
             value = float(r["ece"].mean()) * 100.0
             lo, hi = replicates.interval(reps, value, floor=0.0)
+            partial = [f"{layout.dataset_label(d)} {p}" for d, p in zip(r["dataset"], r["partial"]) if p] \
+                if "partial" in r.columns else []
             part.append(dict(backbone=backbone, method=m, subset=subset, calibrator=spec, ece=value,
                              nll=float(r["nll"].mean()), n_datasets=r.height, ci_low=lo, ci_high=hi, diff_zaec=None,
-                             diff_ci_low=None, diff_ci_high=None, diff_contains_zero=None, _reps=reps))
+                             diff_ci_low=None, diff_ci_high=None, diff_contains_zero=None,
+                             partial="; ".join(partial) or None, _reps=reps))
         zrow = next((p for p in part if p["calibrator"] == zaec_spec), None)
         for p in part:
             if zrow is not None and p is not zrow:
@@ -616,7 +679,7 @@ def ablation_table(
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "subset": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
               "nll": pl.Float64, "n_datasets": pl.Int64, "ci_low": pl.Float64, "ci_high": pl.Float64,
               "diff_zaec": pl.Float64, "diff_ci_low": pl.Float64, "diff_ci_high": pl.Float64,
-              "diff_contains_zero": pl.Boolean, "bold_ece": pl.Boolean, "bold_nll": pl.Boolean}
+              "diff_contains_zero": pl.Boolean, "partial": pl.Utf8, "bold_ece": pl.Boolean, "bold_nll": pl.Boolean}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -626,8 +689,9 @@ def strength_table(cells: pl.DataFrame, strengths: Sequence[float] = layout.STRE
     for lam in strengths:
         spec = layout.strength_spec(lam)
         part = cells.filter((pl.col("calibrator") == spec) & (pl.col("method") != layout.ZERO_SHOT))
+        partial = pl.col("partial") if "partial" in part.columns else pl.lit(None, pl.Utf8).alias("partial")
         rows.append(part.select("backbone", "dataset", "method", pl.lit(float(lam)).alias("strength"),
-                                pl.lit(spec).alias("calibrator"), (pl.col("ece") * 100.0).alias("ece")))
+                                pl.lit(spec).alias("calibrator"), (pl.col("ece") * 100.0).alias("ece"), partial))
     df = pl.concat(rows) if rows else pl.DataFrame()
     return _order(df).sort(["_b", "_d", "_m", "strength"]).drop("_b", "_d", "_m") if df.height else df
 
@@ -648,12 +712,39 @@ def backbone_summary(
             r = cb.filter((pl.col("method") == m) & (pl.col("calibrator") == c))
             if r.height != len(datasets) or r.height == 0:
                 continue
+            partial = [f"{layout.dataset_label(d)} {p}" for d, p in zip(r["dataset"], r["partial"]) if p] \
+                if "partial" in r.columns else []
             rows.append(dict(backbone=backbone, method=m, calibrator=c, ece=float(r["ece"].mean()) * 100.0,
                              mean_entropy=float(r["mean_entropy"].mean()), n_datasets=r.height,
-                             in_sample=c == "temperature" and ts_in_sample in datasets))
+                             in_sample=c == "temperature" and ts_in_sample in datasets,
+                             partial="; ".join(partial) or None))
     schema = {"backbone": pl.Utf8, "method": pl.Utf8, "calibrator": pl.Utf8, "ece": pl.Float64,
-              "mean_entropy": pl.Float64, "n_datasets": pl.Int64, "in_sample": pl.Boolean}
+              "mean_entropy": pl.Float64, "n_datasets": pl.Int64, "in_sample": pl.Boolean, "partial": pl.Utf8}
     return pl.DataFrame(rows, schema=schema)
+
+
+def summary_left_out(cells: pl.DataFrame, backbone: str, datasets: Sequence[str], summary: pl.DataFrame
+                     ) -> pl.DataFrame:
+    """The TTA methods of `backbone` that `backbone_summary` left out of Figure 3, and why: the datasets among
+    `datasets` where the method has no run (every bar averages the same datasets, so a method missing one is not
+    drawn rather than averaged over fewer).
+
+    Returns:
+        Columns backbone, method, missing (comma-separated dataset keys, layout order), n_missing, in the paper's
+        method order; empty when every method is drawn.
+    """
+    cb = cells.filter((pl.col("backbone") == backbone) & (pl.col("method") != layout.ZERO_SHOT)
+                      & (pl.col("calibrator") == "none"))
+    drawn = set(summary["method"]) if summary.height else set()
+    rows = []
+    for m in layout.order_methods(cb["method"].unique().to_list()):
+        if m in drawn:
+            continue
+        have = set(cb.filter(pl.col("method") == m)["dataset"])
+        missing = [d for d in datasets if d not in have]
+        rows.append(dict(backbone=backbone, method=m, missing=",".join(missing), n_missing=len(missing)))
+    return pl.DataFrame(rows, schema={"backbone": pl.Utf8, "method": pl.Utf8, "missing": pl.Utf8,
+                                      "n_missing": pl.Int64})
 
 
 def pick_datasets(present: Iterable[str], preferred: Sequence[str]) -> tuple[list[str], bool]:

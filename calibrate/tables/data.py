@@ -16,9 +16,9 @@ import numpy as np
 
 from calibrate.calibrators import TemperatureScaling, parse_calibrator
 from calibrate.classwise import ClasswiseStats
-from calibrate.functional import softmax_stats
+from calibrate.functional.softmax import adapted_stats, softmax_stats
 from calibrate.run import Members, check_complete, resolve_ts_sources, run_counts
-from schemas import Completeness, RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
+from schemas.shard import Completeness, RunKey, Shard, ShardError, ShardMeta, find_shards, group_shards, iter_run
 
 #: (zs_logits (n, K), tta_logits (n, K)) -> per-sample temperatures (n,)
 TemperatureFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -64,6 +64,9 @@ class RunSummary:
     #: an OOD run's in-distribution dataset (`zaec:ood_for`): its label -1 rows are out-of-distribution, and the
     #: tables keep it out of every paper item (calibrate/tables/ood_tables.py); None for a plain run
     ood_for: str | None = None
+    #: a partial run read with `--allow-partial` (fewer rows than announced, or a `--limit` subset): its count, e.g.
+    #: "150 of 400"; every table and figure marks its cells (`calibrate.tables.render.PARTIAL_MARK`); None: whole
+    partial: str | None = None
 
     def __len__(self) -> int:
         return int(self.sample_id.shape[0])
@@ -98,6 +101,7 @@ def summarise_arrays(
     zs_logits: np.ndarray,
     tta_logits: np.ndarray,
     calibrators: Mapping[str, TemperatureFn],
+    output_kind: str = "logits",
 ) -> RunSummary:
     """Reduce one slice of a run (n samples) to a RunSummary (not yet sorted by sample_id).
 
@@ -106,6 +110,8 @@ def summarise_arrays(
         sample_id, label: (n,) integers.
         zs_logits, tta_logits: (n, K) paired logits.
         calibrators: spec -> function giving per-sample temperatures; "none" is added when missing.
+        output_kind: what `tta_logits` holds (`zaec:output_kind`); log-probability rows at T = 1 keep the
+            confidences they were stored with (`calibrate.functional.adapted_stats`).
     """
     label = np.asarray(label, dtype=np.int64)
     n, k = np.shape(tta_logits)
@@ -122,7 +128,7 @@ def summarise_arrays(
         t = np.asarray(fn(zs_logits, tta_logits), dtype=np.float64).reshape(-1)
         if t.shape != (n,):
             t = np.broadcast_to(t, (n,)).copy()
-        st = softmax_stats(tta_logits, t, y_nll)
+        st = adapted_stats(tta_logits, t, y_nll, output_kind)
         cal[spec] = CalibratedStats(t, st.confidence, st.entropy, st.nll)
         if spec in CLASSWISE_SPECS:
             cw[spec] = ClasswiseStats().update_logits(np.asarray(tta_logits)[ind], t[ind], label[ind])
@@ -215,7 +221,8 @@ def summarise_run(
     for shard in iter_run(members):
         shard = _checked(shard, drop_nonfinite, notes)
         parts.append(
-            summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators))
+            summarise_arrays(key, shard.sample_id, shard.label, shard.zs_logits, shard.tta_logits, calibrators,
+                             members[0][1].output_kind))
         if on_shard is not None:
             on_shard(shard)
     return replace(merge_summaries(parts, str(members[0][0].parent)), ood_for=members[0][1].ood_for)
@@ -256,6 +263,14 @@ class Summaries:
 
 def run_keys(runs: Iterable[RunKey]) -> list[RunKey]:
     return sorted(runs, key=lambda k: (k.backbone, k.dataset, k.method, k.seed))
+
+
+def partial_text(c: Completeness) -> str | None:
+    """`150 of 400` for a partial run (`Completeness.partial`: fewer rows than announced, or a `--limit` subset),
+    None for a whole one or one whose completeness is unknown."""
+    if not (c.known and c.partial):
+        return None
+    return f"{c.n_rows} of {c.n_total if c.subset and c.n_total is not None else c.n_expected}"
 
 
 def check_same_test_sets(groups: dict[RunKey, Members], counts: dict[RunKey, Completeness]) -> None:
@@ -355,7 +370,9 @@ def load_summaries(
         fns: dict[str, TemperatureFn] = {spec: cal.temperatures for spec, cal in cals.items()}
         if key in fitted:
             fns["temperature"] = lambda zs, tta, t=fitted[key]: np.full(np.shape(tta)[0], t)
-        out.runs[key] = summarise_run(groups[key], fns, drop_nonfinite=drop_nonfinite, notes=out.notes)
+        c = counts[key]
+        out.runs[key] = replace(summarise_run(groups[key], fns, drop_nonfinite=drop_nonfinite, notes=out.notes),
+                                partial=partial_text(c))
         if on_run is not None:
             on_run(key, i + 1, len(keys))
     return out

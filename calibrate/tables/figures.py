@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import ZERO_SHOT
+from calibrate.tables.render import IN_SAMPLE_MARK, PARTIAL_MARK
 from schemas.atomic import atomic_path
 
 CAL_COLORS = {"zero-shot": "#7f7f7f", "none": "#d62728", "temperature": "#9467bd", "sals": "#ff7f0e",
@@ -32,6 +33,35 @@ def save(fig, path: str | os.PathLike, dpi: int = 130) -> Path:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
     return path
+
+
+def partial_runs(df: pl.DataFrame) -> dict[str, str]:
+    """method -> what of it is partial (`--allow-partial`), from a figure frame's `partial` column: the distinct
+    texts, each prefixed by its dataset's label where the frame has one (`DTD 150 of 400`); empty when none."""
+    if "partial" not in df.columns or "method" not in df.columns:
+        return {}
+    out: dict[str, list[str]] = {}
+    for r in df.filter(pl.col("partial").is_not_null()).iter_rows(named=True):
+        d = r.get("dataset")
+        text = r["partial"] if d in (None, "avg") or layout.dataset_label(d) in r["partial"] \
+            else f"{layout.dataset_label(d)} {r['partial']}"
+        out.setdefault(r["method"], [])
+        if text not in out[r["method"]]:
+            out[r["method"]].append(text)
+    return {m: "; ".join(v) for m, v in out.items()}
+
+
+def method_name(method: str, partial: Mapping[str, str]) -> str:
+    """A method's display name in a figure, with PARTIAL_MARK when one of its drawn runs is partial."""
+    return layout.method_label(method) + (PARTIAL_MARK if method in partial else "")
+
+
+def _suptitle(fig, title: str, partial: Mapping[str, str]) -> None:
+    """The figure's title, plus one line naming every partial run drawn and its n."""
+    if partial:
+        title += (f"\n{PARTIAL_MARK} partial run (--allow-partial), samples: "
+                  + "; ".join(f"{layout.method_label(m)} {t}" for m, t in partial.items()))
+    fig.suptitle(title, fontsize=10)
 
 
 def _method_colors(methods: Sequence[str]) -> dict[str, tuple]:
@@ -48,6 +78,7 @@ def plot_intro(bars: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
     """Figure 1: one panel per method; per dataset and the average, grouped bars of the ECE of raw TTA / SaLS /
     ZAEC (`builders.intro_bars`). An average over fewer datasets than the figure shows is labelled `Avg. (n/m)`."""
     methods = bars["method"].unique(maintain_order=True).to_list()
+    partial = partial_runs(bars)
     cals = [c for c in layout.FIG1_CALIBRATORS if c in set(bars["calibrator"])]
     fig = Figure(figsize=(max(4.0, 0.55 * bars["dataset"].n_unique() + 1.5), 2.6 * len(methods) + 0.3),
                  layout="constrained")
@@ -67,10 +98,10 @@ def plot_intro(bars: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
         ax.set_xticks(x, ticks, fontsize=8, rotation=30 if len(datasets) > 8 else 0)
         ax.axvline(len(datasets) - 1.5, color="#cccccc", lw=0.8)
         ax.set_ylabel("ECE (%)")
-        ax.set_title(layout.method_label(m), fontsize=9)
+        ax.set_title(method_name(m, partial), fontsize=9)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(cals), fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, partial)
     return save(fig, path)
 
 
@@ -133,6 +164,7 @@ def plot_reliability_grid(
     """Figure 5: rows calibrators (raw / SaLS / ZAEC), columns methods, from `builders.reliability_table` rows of
     one run per method (its seed is named in the column title)."""
     nr, nc = len(calibrators), len(methods)
+    partial = partial_runs(table)
     fig = Figure(figsize=(2.6 * nc + 0.4, 3.1 * nr + 0.4), layout="constrained")
     axes, strips = _reliability_grid(fig, nr, nc)
     for j, m in enumerate(methods):
@@ -141,21 +173,22 @@ def plot_reliability_grid(
             _draw_reliability(axes[i][j], strips[i][j], pm.filter(pl.col("panel") == cal))
             if i == 0:
                 seed = f" (seed {pm['seed'][0]})" if pm.height else ""
-                axes[i][j].set_title(f"{layout.method_label(m)}{seed}", fontsize=9)
+                axes[i][j].set_title(f"{method_name(m, partial)}{seed}", fontsize=9)
             if j == 0:
                 axes[i][j].set_ylabel(f"{layout.calibrator_label(cal)}\naccuracy", fontsize=9)
                 strips[i][j].set_ylabel("%", fontsize=7)
             if i == nr - 1:
                 strips[i][j].set_xlabel("confidence", fontsize=9)
     _reliability_legend(axes[0][0])
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, partial)
     return save(fig, path)
 
 
 def plot_boundary(table: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
     """Figure 4: zero-shot, raw method and method + ZAEC reliability panels of one run side by side."""
     panels = table["panel"].unique(maintain_order=True).to_list()
-    m = layout.method_label(table["method"][0])
+    partial = partial_runs(table)
+    m = method_name(table["method"][0], partial)
     names = {ZERO_SHOT: "Zero-shot CLIP", "none": f"{m} (raw)"}
     fig = Figure(figsize=(2.8 * len(panels) + 0.4, 3.6), layout="constrained")
     axes, strips = _reliability_grid(fig, 1, len(panels))
@@ -166,7 +199,7 @@ def plot_boundary(table: pl.DataFrame, path: str | os.PathLike, title: str) -> P
     axes[0][0].set_ylabel("accuracy", fontsize=9)
     strips[0][0].set_ylabel("%", fontsize=7)
     _reliability_legend(axes[0][0])
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, partial)
     return save(fig, path)
 
 
@@ -180,14 +213,15 @@ def plot_range_vs_ece(points: pl.DataFrame, path: str | os.PathLike, title: str)
     calibrator), x the mean relative logit-range deviation (eq. 8), y the ECE; grey arrows join the SaLS and ZAEC
     points of the same method (the same underlying predictions)."""
     colors = _method_colors(points["label"].to_list())
+    partial = partial_runs(points)
     fig = Figure(figsize=(5.2, 4.0), layout="constrained")
     ax = fig.subplots()
     rows = list(points.iter_rows(named=True))
     for r in rows:
         ax.scatter(r["range_deviation"], r["ece"], color=colors[r["label"]],
                    marker=CAL_MARKERS.get(r["calibrator"], "o"), s=50, zorder=3)
-        ax.annotate(r["label"], (r["range_deviation"], r["ece"]), textcoords="offset points", xytext=(6, 4),
-                    fontsize=8)  # each point named where it lies, as in the paper
+        ax.annotate(r["label"] + (PARTIAL_MARK if r.get("partial") else ""), (r["range_deviation"], r["ece"]),
+                    textcoords="offset points", xytext=(6, 4), fontsize=8)  # named where it lies, as in the paper
     by = {(r["method"], r["calibrator"]): r for r in rows}
     for (m, c), a in by.items():
         b = by.get((m, "zaec"))
@@ -197,7 +231,8 @@ def plot_range_vs_ece(points: pl.DataFrame, path: str | os.PathLike, title: str)
     ax.set_xlabel(r"mean relative logit-range deviation $\Delta_R$ (%)")
     ax.set_ylabel("ECE (%)")
     ax.margins(0.15)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title if not partial else title + f"\n{PARTIAL_MARK} partial run (--allow-partial), samples: "
+                 + "; ".join(f"{layout.method_label(m)} {t}" for m, t in partial.items()), fontsize=9)
     return save(fig, path)
 
 
@@ -206,11 +241,12 @@ def plot_entropy_ece(points: pl.DataFrame, corr: Mapping | None, path: str | os.
     line and the correlations in the title."""
     methods = layout.order_methods(points["method"].unique().to_list())
     colors = _method_colors(methods)
+    partial = partial_runs(points)
     fig = Figure(figsize=(5.2, 4.0), layout="constrained")
     ax = fig.subplots()
     for m in methods:
         p = points.filter(pl.col("method") == m)
-        ax.scatter(p["mean_delta_entropy"], p["delta_ece"], color=colors[m], label=layout.method_label(m), s=30)
+        ax.scatter(p["mean_delta_entropy"], p["delta_ece"], color=colors[m], label=method_name(m, partial), s=30)
     x, y = points["mean_delta_entropy"].to_numpy(), points["delta_ece"].to_numpy()
     if len(x) >= 2 and np.ptp(x) > 0:
         slope, icpt = np.polyfit(x, y, 1)
@@ -223,6 +259,9 @@ def plot_entropy_ece(points: pl.DataFrame, corr: Mapping | None, path: str | os.
         text += (f"\nPearson r = {corr['pearson_r']:.3f} (p = {corr['pearson_p']:.2g}), "
                  f"Spearman ρ = {corr['spearman_rho']:.3f} (p = {corr['spearman_p']:.2g})")
     text += f"\nn = {points.height} dataset-method points of " + ", ".join(layout.method_label(m) for m in methods)
+    if partial:
+        text += (f"\n{PARTIAL_MARK} partial run (--allow-partial), samples: "
+                 + "; ".join(f"{layout.method_label(m)} {t}" for m, t in partial.items()))
     ax.set_title(text, fontsize=8)
     ax.set_xlabel(r"mean normalised entropy change $\bar\delta^H$")
     ax.set_ylabel(r"$\Delta$ECE, TTA $-$ zero-shot (points)")
@@ -235,6 +274,7 @@ def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) ->
     for entropy-reduced (c) and not-reduced (d) samples, one line per method (one run each, its seed in the legend)."""
     methods = layout.order_methods(bins["method"].unique().to_list())
     colors = _method_colors(methods)
+    partial = partial_runs(bins)
     fig = Figure(figsize=(9.5, 3.8), layout="constrained")
     axes = fig.subplots(1, 2, squeeze=False)
     for ax, subset, name in ((axes[0][0], "reduced", r"(c) $\delta^H < 0$"),
@@ -245,7 +285,7 @@ def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) ->
             if p.height:
                 drew = True
                 ax.plot(p["mean_delta_entropy"], p["gap"], marker="o", ms=3, color=colors[m],
-                        label=f"{layout.method_label(m)} (seed {p['seed'][0]})")
+                        label=f"{method_name(m, partial)} (seed {p['seed'][0]})")
         ax.axhline(0, color="#cccccc", lw=0.6)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(r"bin mean $\delta^H$")
@@ -254,7 +294,7 @@ def plot_entropy_gap(bins: pl.DataFrame, path: str | os.PathLike, title: str) ->
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, partial)
     return save(fig, path)
 
 
@@ -267,6 +307,7 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
     """Figure 6: ECE vs restoration strength lambda, one panel per dataset, one line per method."""
     methods = layout.order_methods(table["method"].unique().to_list())
     colors = _method_colors(methods)
+    partial = partial_runs(table.filter(pl.col("dataset").is_in(list(datasets))))
     n = len(datasets)
     cols = min(n, 3)
     rows = (n + cols - 1) // cols
@@ -277,15 +318,17 @@ def plot_strength(table: pl.DataFrame, datasets: Sequence[str], path: str | os.P
         for m in methods:
             p = table.filter((pl.col("dataset") == d) & (pl.col("method") == m)).sort("strength")
             if p.height:
-                ax.plot(p["strength"], p["ece"], marker="o", ms=3, color=colors[m], label=layout.method_label(m))
+                ax.plot(p["strength"], p["ece"], marker="o", ms=3, color=colors[m], label=method_name(m, partial))
         ax.set_title(layout.dataset_label(d), fontsize=9)
         ax.set_xlabel(r"restoration strength $\lambda$")
         ax.set_ylabel("ECE (%)")
-        if k == 0 and ax.lines:
-            ax.legend(fontsize=7)
+    # one legend for every method drawn in any panel (a method absent from the first panel still gets its entry)
+    entries = {lab: h for ax in axes.flat for h, lab in zip(*ax.get_legend_handles_labels())}
+    if entries:
+        axes[0][0].legend(list(entries.values()), list(entries), fontsize=7)
     for k in range(n, rows * cols):
         axes[k // cols][k % cols].axis("off")
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, partial)
     return save(fig, path)
 
 
@@ -294,6 +337,7 @@ def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title:
     entropy (right) per method, one bar per calibrator (zero-shot first); a calibrator whose average is scored
     in-sample (column `in_sample`) carries ‡ in the legend."""
     methods = layout.order_methods(summary["method"].unique().to_list())
+    partial = partial_runs(summary)
     cals = [c for c in ("zero-shot", *layout.MAIN_CALIBRATORS) if c in summary["calibrator"].to_list()]
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, 2, squeeze=False)
@@ -307,12 +351,12 @@ def plot_backbone_summary(summary: pl.DataFrame, path: str | os.PathLike, title:
                 vals.append(r[col][0] if r.height else np.nan)
             name = "Zero-shot" if c == "zero-shot" else layout.calibrator_label(c)
             if "in_sample" in summary.columns and summary.filter(pl.col("calibrator") == c)["in_sample"].any():
-                name += " ‡ (in-sample)"  # averaged over its own fitting set (`builders.backbone_summary`)
+                name += f" {IN_SAMPLE_MARK} (in-sample)"  # averaged over its own fitting set (`builders.backbone_summary`)
             ax.bar(x + (k - (len(cals) - 1) / 2) * width, vals, width=width, color=CAL_COLORS.get(c), label=name)
-        ax.set_xticks(x, [layout.method_label(m) for m in methods])
+        ax.set_xticks(x, [method_name(m, partial) for m in methods])
         ax.set_ylabel(label)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, partial)
     return save(fig, path)
 
 
@@ -326,6 +370,9 @@ def plot_risk_coverage(curves: pl.DataFrame, path: str | os.PathLike, title: str
     panel title), one step line per prediction (zero-shot, raw, SaLS, ZAEC, temperature scaling) with its AURC in
     the legend; the dotted line is the oracle (all correct samples accepted first) of the raw prediction."""
     methods = curves["method"].unique(maintain_order=True).to_list()
+    partial = partial_runs(curves)
+    in_sample = curves["in_sample"] if "in_sample" in curves.columns else pl.Series([False] * curves.height)
+    curves = curves.with_columns(in_sample.alias("in_sample"))
     cols = min(len(methods), 4)
     rows = (len(methods) + cols - 1) // cols
     fig = Figure(figsize=(3.4 * cols, 3.0 * rows), layout="constrained")
@@ -335,18 +382,60 @@ def plot_risk_coverage(curves: pl.DataFrame, path: str | os.PathLike, title: str
         part = curves.filter(pl.col("method") == m)
         for panel in part["panel"].unique(maintain_order=True).to_list():
             p = part.filter(pl.col("panel") == panel).sort("point")
-            label = "zero-shot" if panel == ZERO_SHOT else layout.calibrator_label(panel)
+            if panel == "oracle":  # over the whole coverage range (`trust_tables.risk_coverage_curves`)
+                ax.plot(p["coverage"] * 100.0, p["risk"] * 100.0, ls=":", lw=0.8, color="#555555", label="oracle")
+                continue
+            label = ("zero-shot" if panel == ZERO_SHOT else layout.calibrator_label(panel)) + (
+                f" {IN_SAMPLE_MARK}" if p["in_sample"].any() else "")
             ax.step(p["coverage"] * 100.0, p["risk"] * 100.0, where="post", lw=1.1,
                     color=CAL_COLORS.get(panel), label=f"{label} (AURC {100.0 * p['aurc'][0]:.2f})")
-            if panel == "none":
-                ax.plot(p["coverage"] * 100.0, p["oracle_risk"] * 100.0, ls=":", lw=0.8, color="#555555",
-                        label="oracle")
-        ax.set_title(f"{layout.method_label(m)} (seed {part['seed'][0]}, {part['n'][0]} samples)", fontsize=9)
+            # where the curve starts: late when the most confident tied group is large (top probability 1.0)
+            ax.plot(p["coverage"][0] * 100.0, p["risk"][0] * 100.0, marker="o", ms=2.5, color=CAL_COLORS.get(panel))
+        ax.set_title(f"{method_name(m, partial)} (seed {part['seed'][0]}, {part['n'][0]} samples)", fontsize=9)
         ax.set_xlabel("coverage (%)")
         ax.set_ylabel("selective risk (%)")
         ax.set_xlim(0, 100)
         ax.legend(fontsize=6)
     for k in range(len(methods), rows * cols):
         axes[k // cols][k % cols].axis("off")
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, partial)
+    return save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# beyond the paper: out-of-distribution ROC curves
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plot_ood_roc(curves: pl.DataFrame, path: str | os.PathLike, title: str) -> Path:
+    """OOD detection (`ood_tables.ood_roc_curves`): one panel per (OOD run, method), one ROC line per prediction
+    (zero-shot, raw, ZAEC) with its AUROC in the legend, in-distribution positive; dashed: chance."""
+    keys = curves.select("dataset", "method").unique(maintain_order=True).rows()
+    partial = partial_runs(curves.with_columns(pl.col("ood_set").alias("_set")).drop("dataset")
+                           .rename({"_set": "dataset"}))
+    cols = min(len(keys), 4)
+    rows = (len(keys) + cols - 1) // cols
+    fig = Figure(figsize=(3.2 * cols, 3.1 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for k, (ds, m) in enumerate(keys):
+        ax = axes[k // cols][k % cols]
+        part = curves.filter((pl.col("dataset") == ds) & (pl.col("method") == m))
+        ax.plot([0, 100], [0, 100], ls="--", lw=0.8, color="#999999")
+        for panel in part["panel"].unique(maintain_order=True).to_list():
+            p = part.filter(pl.col("panel") == panel).sort("point")
+            label = "zero-shot" if panel == ZERO_SHOT else layout.calibrator_label(panel)
+            label += f" {IN_SAMPLE_MARK}" if p["in_sample"].any() else ""
+            ax.plot(p["fpr"] * 100.0, p["tpr"] * 100.0, lw=1.1, color=CAL_COLORS.get(panel),
+                    label=f"{label} (AUROC {100.0 * p['auroc'][0]:.2f})")
+        r = part.row(0, named=True)
+        ax.set_title(f"{method_name(m, partial)} (seed {r['seed']}): {layout.dataset_label(r['ood_for'])} vs "
+                     f"{r['ood_set']}\n{r['n_id']} ID + {r['n_ood']} OOD images", fontsize=8)
+        ax.set_xlabel("OOD images accepted, FPR (%)", fontsize=8)
+        ax.set_ylabel("in-distribution accepted, TPR (%)", fontsize=8)
+        ax.set_xlim(0, 100)
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=6, loc="lower right")
+    for k in range(len(keys), rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    _suptitle(fig, title, partial)
     return save(fig, path)

@@ -70,9 +70,18 @@ BOUNDARY_METHOD = "dpe"
 #: the paper's method order (Tables 2 and 3), then the prompt-coupled calibrated TPT variants of Figure 2a;
 #: other methods follow alphabetically
 METHOD_ORDER: tuple[str, ...] = ("tpt", "tps", "tda", "dpe", "dlae", "ctpt", "otpt", "atpt")
+#: THE display name of every method, as its paper and docs/methods.md spell it: every table, figure, legend and
+#: README of `make tables` names a method through `method_label` only. It is data here because calibrate/ never
+#: imports extract/ (the method registry, `extract.methods.REGISTRY`, loads torch); tests/calibrate/tables/
+#: test_layout.py checks that every registered method (`extract.method_keys.METHOD_KEYS`) has an entry.
 METHOD_LABELS: dict[str, str] = {
+    "zero-shot": "Zero-shot",
+    # the paper's methods (Tables 2 and 3) and the prompt-coupled calibrated TPT variants (Figure 2a)
     "tpt": "TPT", "tps": "TPS", "tda": "TDA", "dpe": "DPE", "dlae": "DLAE",
-    "ctpt": "C-TPT", "otpt": "O-TPT", "atpt": "A-TPT", "zero-shot": "Zero-shot",
+    "ctpt": "C-TPT", "otpt": "O-TPT", "atpt": "A-TPT",
+    # TTA-VLM's methods (docs/methods.md, "The methods at a glance")
+    "zero": "ZERO", "mta": "MTA", "onzeta": "OnZeta", "ecalp": "ECALP", "dmn": "DMN", "dmn-weak": "DMN-weak",
+    "boostadapter": "BoostAdapter", "rtpt": "R-TPT", "dynaprompt": "DynaPrompt", "rlcf": "RLCF", "ttl": "TTL",
 }
 #: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
 #: is over the paper's TTA methods, so these are left out of it by default
@@ -121,7 +130,9 @@ def dataset_label(dataset: str) -> str:
 
 
 def method_label(method: str) -> str:
-    return METHOD_LABELS.get(method, method.upper() if len(method) <= 5 else method)
+    """The display name of a method key (`METHOD_LABELS`); a key outside the registry (a user's own method) is shown
+    as it is spelt, never re-cased, so one method never appears under two names."""
+    return METHOD_LABELS.get(method, method)
 
 
 def calibrator_label(spec: str) -> str:

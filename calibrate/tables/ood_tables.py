@@ -12,6 +12,8 @@ runs"), kept apart from the paper's items, which never see an OOD run:
   rows zero-shot, then per method raw / SaLS / ZAEC / temperature scaling; ZAEC minus raw and minus temperature
   scaling with paired intervals.
 - `ood_sections`: the (group, heading, header, rows) the Markdown/LaTeX show, for `render.trust_markdown`.
+- `ood_roc_curves`: the arrays of the OOD figure: ROC curves (in-distribution positive) of the zero-shot, raw and
+  ZAEC predictions of one run per method and OOD run.
 
 Undefined values (an OOD run holding one kind of row only) stay null with the reason; averages cover the OOD sets
 where defined (`n_datasets`).
@@ -25,7 +27,7 @@ import numpy as np
 import polars as pl
 
 from calibrate.ood import OOD_METRICS, OOD_NAMES, OODStats, ood_replicates
-from calibrate.selective import SCORES, confidence_score
+from calibrate.selective import SCORES, ScoreCounts, confidence_score
 from calibrate.tables import layout, render
 from calibrate.tables.bootstrap import BootstrapResult, dataset_seed, resample_counts
 from calibrate.tables.data import RunSummary
@@ -79,7 +81,7 @@ def run_ood(
     cells = {}
     for name, _pred, conf, ent in preds:
         st = OODStats().update(conf, ent, ind)
-        cells[name] = TrustCell(st.compute(), st.reasons())
+        cells[name] = TrustCell(st.compute(), st.reasons(), partial=s.partial)
     if boot is not None and boot.n_resamples and len(s) and ind.any() and not ind.all():
         counts = resample_counts(len(s), boot.n_resamples,
                                  dataset_seed(boot.seed, s.key.backbone, s.key.dataset, s.sample_id))
@@ -136,29 +138,33 @@ def ood_table(
         for id_set, datasets in _ordered_groups(groups, present):
             own = row == "temperature" and id_set == ts_in_sample
             for metric in OOD_NAMES:
-                parts = []
+                parts, partial = [], []
                 for d in datasets:
                     cell = cells.get((backbone, d, block, row))
                     raw = None if cell is None else cell.values[metric]
                     v = None if raw is None or not np.isfinite(raw) else raw * 100.0
                     rep = None if cell is None else cell.reps.get(metric)
                     why = "no run" if cell is None else cell.reasons.get(metric) if v is None else None
+                    part = cell.partial if cell is not None and v is not None else None
+                    partial += [f"{layout.dataset_label(groups[d][1])} {part}"] if part else []
                     out.append(_row(pos, id_set, d, layout.dataset_label(groups[d][1]), metric, v,
                                     _interval(v, rep, level, True), int(v is not None), None, own and v is not None,
-                                    why))
+                                    why, part))
                     parts.append((v, rep))
                 v, rep, n = _average(parts)
                 out.append(_row(pos, id_set, "avg", "Avg.", metric, v, _interval(v, rep, level, True), n,
                                 len(datasets), own and v is not None,
-                                None if v is not None else "undefined on every OOD set of the group"))
+                                None if v is not None else "undefined on every OOD set of the group",
+                                "; ".join(partial) or None))
     return pl.DataFrame(out, schema=_TABLE_SCHEMA)
 
 
-def _row(pos, group, dataset, column_label, metric, value, ci, n_datasets, group_size, in_sample, why) -> dict:
+def _row(pos, group, dataset, column_label, metric, value, ci, n_datasets, group_size, in_sample, why,
+         partial=None) -> dict:
     return dict(**pos, group=group, dataset=dataset, column_label=column_label, metric=metric,
                 metric_label=ood_metric_label(metric), score=metric.rsplit("_", 1)[1], value=value, ci_low=ci[0],
                 ci_high=ci[1], n_undefined=ci[2], n_datasets=n_datasets, group_size=group_size, in_sample=in_sample,
-                missing_reason=why)
+                missing_reason=why, partial=partial)
 
 
 def ood_differences(
@@ -182,22 +188,26 @@ def ood_differences(
                         diff = paired_difference(cells, (backbone, d, m), a, b, metric)
                         if diff is None:
                             continue
-                        parts.append(diff)
+                        part = cells[(backbone, d, m, a)].partial
+                        parts.append((*diff, f"{layout.dataset_label(groups[d][1])} {part}" if part else None))
                         out.append(_diff(backbone, m, id_set, d, layout.dataset_label(groups[d][1]), metric, a, b,
-                                         *diff, level, 1))
+                                         *diff, level, 1, part))
                     if parts:
-                        v, rep, n = _average(parts)
-                        out.append(_diff(backbone, m, id_set, "avg", "Avg.", metric, a, b, v, rep, level, n))
+                        v, rep, n = _average([(v, r) for v, r, _ in parts])
+                        partial = "; ".join(p for _, _, p in parts if p) or None
+                        out.append(_diff(backbone, m, id_set, "avg", "Avg.", metric, a, b, v, rep, level, n,
+                                         partial))
     return pl.DataFrame(out, schema=_DIFF_SCHEMA)
 
 
-def _diff(backbone, method, group, dataset, column_label, metric, a, b, estimate, rep, level, n) -> dict:
+def _diff(backbone, method, group, dataset, column_label, metric, a, b, estimate, rep, level, n,
+          partial=None) -> dict:
     lo, hi, und = _interval(estimate, rep, level, False)
     return dict(backbone=backbone, method=method, group=group, dataset=dataset, column_label=column_label,
                 metric=metric, metric_label=ood_metric_label(metric),
                 comparison=f"{layout.calibrator_label(a)} − {layout.calibrator_label(b)}", estimate=estimate,
                 ci_low=lo, ci_high=hi, contains_zero=None if lo is None else bool(lo <= 0.0 <= hi),
-                n_undefined=und, n_datasets=n)
+                n_undefined=und, n_datasets=n, partial=partial)
 
 
 def ood_sections(table: pl.DataFrame, diffs: pl.DataFrame) -> list[tuple[str, str, list[str], list[list[str]]]]:
@@ -227,3 +237,71 @@ def ood_sections(table: pl.DataFrame, diffs: pl.DataFrame) -> list[tuple[str, st
                                           lambda r: [layout.method_label(r["method"]), r["comparison"]], keys,
                                           render._trust_diff_cell)))
     return out
+
+
+#: the predictions the OOD figure draws: the paired zero-shot, raw TTA and ZAEC
+ROC_PANELS: tuple[str, ...] = ("zero-shot", "none", "zaec")
+
+
+def roc_points(score, in_distribution) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ROC of one score, in-distribution positive, at every distinct threshold: (fpr, tpr, threshold), starting at
+    (0, 0) (threshold +inf) and ending at (1, 1); a tied group is accepted whole, so the trapezoid area under these
+    points is the AUROC with ties counted 1/2 (`calibrate.ood.ood_metrics`). The points of
+    `sklearn.metrics.roc_curve(in_distribution, score, drop_intermediate=False)`.
+
+    Example:
+        >>> fpr, tpr, _ = roc_points([0.9, 0.5, 0.5, 0.1], [True, True, False, False])
+        >>> fpr.tolist(), tpr.tolist()
+        ([0.0, 0.0, 0.5, 1.0], [0.0, 0.5, 1.0, 1.0])
+    """
+    sc = ScoreCounts.of(score, in_distribution)
+    n_id, n_ood = int(sc.n_ok.sum()), int(sc.n_err.sum())
+    if not n_id or not n_ood:
+        raise ValueError("an ROC curve needs in-distribution and out-of-distribution rows")
+    tpr = np.r_[0.0, np.cumsum(sc.n_ok) / n_id]
+    fpr = np.r_[0.0, np.cumsum(sc.n_err) / n_ood]
+    return fpr, tpr, np.r_[np.inf, sc.score]
+
+
+def _run_roc(s: RunSummary, panels: Sequence[str], score: str, ts_in_sample: str | None) -> list[pl.DataFrame]:
+    """The ROC frames of one OOD run's predictions of `panels` (none for a run holding one kind of row only)."""
+    ind = s.label >= 0
+    if ind.all() or not ind.any():
+        return []
+    frames = []
+    for name, _pred, conf, ent in _predictions(s, [p for p in panels if p != "zero-shot"]):
+        if name not in panels:
+            continue
+        fpr, tpr, thr = roc_points(confidence_score(score, conf, ent), ind)
+        frames.append(pl.DataFrame({
+            "backbone": s.key.backbone, "dataset": s.key.dataset, "ood_for": s.ood_for, "ood_set": ood_set(s),
+            "method": s.key.method, "seed": s.key.seed, "panel": name, "score": score, "point": np.arange(fpr.size),
+            "fpr": fpr, "tpr": tpr, "threshold": thr,
+            "auroc": OODStats().update(conf, ent, ind).compute()[f"ood_auroc_{score}"], "n_id": int(ind.sum()),
+            "n_ood": int((~ind).sum()), "partial": s.partial,
+            "in_sample": name == "temperature" and s.ood_for == ts_in_sample}))
+    return frames
+
+
+def ood_roc_curves(runs: Iterable[RunSummary], panels: Sequence[str] = ROC_PANELS, score: str = "msp",
+                   ts_in_sample: str | None = None) -> pl.DataFrame:
+    """The OOD figure's arrays: per OOD run (its lowest seed per backbone, OOD run and method) and prediction of
+    `panels` present, the ROC curve of `score` (`roc_points`) and its AUROC (`calibrate.ood.ood_metrics`).
+
+    Returns:
+        Columns backbone, dataset (the OOD run's key), ood_for, ood_set, method, seed, panel, score, point, fpr, tpr,
+        threshold, auroc (fractions), n_id, n_ood, partial (`RunSummary.partial`), in_sample (a temperature
+        panel on a set its T was fitted on); runs holding one kind of row only are left out.
+    """
+    chosen: dict[tuple[str, str, str], RunSummary] = {}
+    for s in sorted((s for s in runs if s.ood_for), key=lambda s: s.key.seed):
+        chosen.setdefault((s.key.backbone, s.key.dataset, s.key.method), s)
+    frames = []
+    for bb, ds in sorted({k[:2] for k in chosen}):
+        for m in layout.order_methods({k[2] for k in chosen if k[:2] == (bb, ds)}):
+            frames += _run_roc(chosen[(bb, ds, m)], panels, score, ts_in_sample)
+    schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "ood_for": pl.Utf8, "ood_set": pl.Utf8, "method": pl.Utf8,
+              "seed": pl.Int64, "panel": pl.Utf8, "score": pl.Utf8, "point": pl.Int64, "fpr": pl.Float64,
+              "tpr": pl.Float64, "threshold": pl.Float64, "auroc": pl.Float64, "n_id": pl.Int64, "n_ood": pl.Int64,
+              "partial": pl.Utf8, "in_sample": pl.Boolean}
+    return pl.concat([f.cast(schema) for f in frames]) if frames else pl.DataFrame(schema=schema)

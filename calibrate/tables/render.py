@@ -21,6 +21,19 @@ DASH = "–"
 NS_MARK = "†"
 #: marks a temperature-scaling cell scored on the labelled data its temperature was fitted on (or an average with one)
 IN_SAMPLE_MARK = "‡"
+#: marks a value (or a method in a figure) computed on a partial run (`--allow-partial`); the footnote gives its n
+PARTIAL_MARK = "§"
+#: after an interval lying wholly below (above) its estimate: the basic bootstrap's bias correction exceeds the
+#: sampling spread (`calibrate.tables.bootstrap.basic_interval`)
+BELOW_MARK, ABOVE_MARK = "↓", "↑"
+#: what BELOW_MARK means, where the table is read
+BELOW_LEGEND = (f"{BELOW_MARK} after an interval: it lies wholly below its estimate. Intervals are basic bootstrap "
+                "intervals (2 × estimate − replicate quantiles; Kumar et al., 2019): binned ECE (and a resampled one "
+                "more so) is biased upwards, and where the bootstrap finds that bias larger than the sampling spread "
+                "(a small ECE, few samples per bin) the true value is likely below the estimate, which the interval "
+                "says; percentile or BCa intervals would sit above the estimate and miss small true ECEs. The "
+                "interval's centre, 2 × estimate − median replicate, is in the CSV column `bias_corrected` (main "
+                f"tables). {ABOVE_MARK}: the same, above.")
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -52,7 +65,8 @@ def tex_escape(s: str) -> str:
     for a, b in (("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("$", r"\$")):
         s = s.replace(a, b)
     for a, b in (("–", "--"), ("−", "$-$"), ("†", r"$^\dagger$"), ("‡", r"$^\ddagger$"), ("λ", r"$\lambda$"),
-                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("→", r"$\to$")):
+                 ("Δ", r"$\Delta$"), ("ρ", r"$\rho$"), ("→", r"$\to$"),
+                 ("↓", r"$\downarrow$"), ("↑", r"$\uparrow$"), ("§", r"\S{}"), ("×", r"$\times$")):
         s = s.replace(a, b)
     return s
 
@@ -161,16 +175,32 @@ def _main_rows(main: pl.DataFrame, group: str | None, cell: Callable[[dict], str
 
 def cell_marks(r: dict) -> str:
     """Marks after a main-table value: ‡ (temperature scaling scored on its own fitting data, or an average that
-    includes such a cell) and `(n/m)` on an average over n of the group's m datasets."""
-    text = IN_SAMPLE_MARK if r.get("in_sample") else ""
+    includes such a cell), § (a partial run, or an average including one) and `(n/m)` on an average over n of the
+    group's m datasets."""
+    text = (IN_SAMPLE_MARK if r.get("in_sample") else "") + (PARTIAL_MARK if r.get("partial") else "")
     n, m = r.get("n_datasets"), r.get("group_size")
     if r.get("dataset") == "avg" and r.get("value") is not None and n is not None and m is not None and n < m:
         text += f" ({n}/{m})"
     return text
 
 
-def marks_legend(main: pl.DataFrame) -> list[str]:
-    """The footnotes of the marks `cell_marks` puts in this table (none when no cell carries one)."""
+def interval_text(value, lo, hi, signed: bool = False) -> str:
+    """`[lo, hi]`, followed by BELOW_MARK (ABOVE_MARK) when the interval lies wholly below (above) `value`."""
+    mark = "" if value is None or lo is None else BELOW_MARK if hi < value else ABOVE_MARK if lo > value else ""
+    return f"[{fmt(lo, signed=signed)}, {fmt(hi, signed=signed)}]{mark}"
+
+
+def excludes_estimate(df: pl.DataFrame) -> bool:
+    """Whether any interval of a table (columns value, ci_low, ci_high) lies wholly below or above its value."""
+    if not {"value", "ci_low", "ci_high"} <= set(df.columns):
+        return False
+    return df.filter(pl.col("ci_low").is_not_null() & ((pl.col("ci_high") < pl.col("value"))
+                                                       | (pl.col("ci_low") > pl.col("value")))).height > 0
+
+
+def marks_legend(main: pl.DataFrame, intervals: bool = True) -> list[str]:
+    """The footnotes of the marks `cell_marks` and (`intervals`: the table shows them) `interval_text` put in this
+    table (none when no cell carries one)."""
     notes = []
     if "in_sample" in main.columns and main["in_sample"].any():
         notes.append(f"{IN_SAMPLE_MARK} temperature scaling fitted on this dataset's own labelled logits, so scored "
@@ -180,7 +210,38 @@ def marks_legend(main: pl.DataFrame) -> list[str]:
             (pl.col("dataset") == "avg") & pl.col("value").is_not_null()
             & (pl.col("n_datasets") < pl.col("group_size"))).height:
         notes.append("Avg. (n/m): the average covers only n of the group's m datasets.")
+    if intervals and excludes_estimate(main):
+        notes.append(BELOW_LEGEND)
+    partial = partial_legend(main)
+    if partial:
+        notes.append(partial)
     return notes
+
+
+def with_partial_label(df: pl.DataFrame, col: str = "method") -> pl.DataFrame:
+    """`df` plus the text column `_label`: the method's display name (`layout.method_label`), with PARTIAL_MARK
+    where the row's `partial` is set; the column the Markdown/LaTeX show instead of the key."""
+    labels = [layout.method_label(m) + (PARTIAL_MARK if p else "")
+              for m, p in zip(df[col], df["partial"] if "partial" in df.columns else [None] * df.height)]
+    return df.with_columns(pl.Series("_label", labels, dtype=pl.Utf8))
+
+
+def partial_legend(df: pl.DataFrame, label: str = "block_label") -> str:
+    """The footnote of PARTIAL_MARK: every partial run of a table with its count, from the rows' `partial` column
+    (per dataset rows; `label` names the method); "" when no row is partial."""
+    if "partial" not in df.columns:
+        return ""
+    rows = df.filter(pl.col("partial").is_not_null())
+    if "dataset" in rows.columns:
+        rows = rows.filter(pl.col("dataset") != "avg")
+    if not rows.height:
+        return ""
+    where = next((c for c in ("column_label", "dataset") if c in rows.columns), None)
+    runs = rows.select(label, *([where] if where else []), "partial").unique(maintain_order=True)
+    listed = "; ".join(f"{r[label].rstrip(PARTIAL_MARK)}" + (f" on {r[where]}" if where else "")
+                       + f": {r['partial']} samples" for r in runs.iter_rows(named=True))
+    return (f"{PARTIAL_MARK} a partial run, calibrated with --allow-partial (fewer samples than its test set, an "
+            f"interrupted or --limit run; an Avg. marked {PARTIAL_MARK} includes one): {listed}.")
 
 
 def _md_cell(r: dict) -> str:
@@ -195,7 +256,7 @@ def main_markdown(main: pl.DataFrame, title: str) -> str:
     """One Markdown table per dataset group (like the paper's Tables 2 and 3), best ECE per block in bold."""
     parts = [f"# {title}\n", "Accuracy and ECE in percent; the best ECE within each TTA block in **bold**; "
              "Avg. is the unweighted macro-average over the group's datasets; ± is the standard deviation over seeds "
-             "where several were run.\n", *(f"{n}\n" for n in marks_legend(main))]
+             "where several were run.\n", *(f"{n}\n" for n in marks_legend(main, intervals=False))]
     for group in main["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(main, group, _md_cell)
         body = [[f"{b} {rl}".strip() if rl else b, m, *cells] for item in rows if item is not None
@@ -210,7 +271,7 @@ def main_latex(main: pl.DataFrame, caption: str) -> str:
     groups = main["group"].unique(maintain_order=True).to_list()
     labels, rows = _main_rows(main, None, lambda r: (f"\\textbf{{{fmt(r['value'])}}}" if r["bold"]
                                                      else tex_escape(fmt(r["value"]))) + tex_escape(cell_marks(r)))
-    caption = " ".join([caption, *marks_legend(main)])
+    caption = " ".join([caption, *marks_legend(main, intervals=False)])
     spans = [main.filter(pl.col("group") == g).select("col_pos").unique().height for g in groups]
     top = " & ".join(["", ""] + [f"\\multicolumn{{{n}}}{{c}}{{{tex_escape(layout.GROUP_LABELS.get(g, g))}}}"
                                  for g, n in zip(groups, spans)]) + r" \\"
@@ -245,8 +306,8 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
              *(f"{n}\n" for n in marks_legend(intervals))]
     for group in intervals["group"].unique(maintain_order=True).to_list():
         labels, rows = _main_rows(intervals.with_columns(pl.lit("ece").alias("metric")), group,
-                                  lambda r: f"{fmt(r['value'])}{cell_marks(r)} [{fmt(r['ci_low'])}, "
-                                  f"{fmt(r['ci_high'])}]" if r["ci_low"] is not None
+                                  lambda r: f"{fmt(r['value'])}{cell_marks(r)} "
+                                  f"{interval_text(r['value'], r['ci_low'], r['ci_high'])}" if r["ci_low"] is not None
                                   else fmt(r["value"]) + cell_marks(r))
         body = [[f"{b} {rl}".strip() if rl else b, *cells] for item in rows if item is not None
                 for b, rl, m, cells in [item]]
@@ -269,9 +330,11 @@ def intervals_markdown(intervals: pl.DataFrame, diffs: pl.DataFrame, title: str,
                     if r is None:
                         row.append(DASH)
                     elif r["ci_low"] is None:
-                        row.append(fmt(r["estimate"], signed=True) + (IN_SAMPLE_MARK if r.get("in_sample") else ""))
+                        row.append(fmt(r["estimate"], signed=True) + (IN_SAMPLE_MARK if r.get("in_sample") else "")
+                                   + (PARTIAL_MARK if r.get("partial") else ""))
                     else:
-                        mark = (NS_MARK if r["contains_zero"] else "") + (IN_SAMPLE_MARK if r.get("in_sample") else "")
+                        mark = (NS_MARK if r["contains_zero"] else "") + (IN_SAMPLE_MARK if r.get("in_sample") else "") \
+                            + (PARTIAL_MARK if r.get("partial") else "")
                         row.append(f"{fmt(r['estimate'], signed=True)}{mark} "
                                    f"[{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]")
                 body.append(row)
@@ -296,7 +359,8 @@ def intervals_latex(diffs: pl.DataFrame, caption: str) -> str:
             if r is None:
                 row.append("--")
             else:
-                mark = (r"$^\dagger$" if r["contains_zero"] else "") + (r"$^\ddagger$" if r.get("in_sample") else "")
+                mark = (r"$^\dagger$" if r["contains_zero"] else "") + (r"$^\ddagger$" if r.get("in_sample") else "") \
+                    + (r"\S{}" if r.get("partial") else "")
                 ci = "" if r["ci_low"] is None else \
                     f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
                 row.append(f"{fmt(r['estimate'], signed=True)}{mark}{ci}")
@@ -334,7 +398,7 @@ def _trust_value_cell(r: dict) -> str:
     """`value [low, high]` with the main table's marks; a missing value is a dash."""
     if r["value"] is None:
         return DASH
-    ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
+    ci = "" if r["ci_low"] is None else " " + interval_text(r["value"], r["ci_low"], r["ci_high"])
     return fmt(r["value"]) + cell_marks(r) + ci
 
 
@@ -342,7 +406,7 @@ def _trust_diff_cell(r: dict) -> str:
     """`+1.23† [low, high]`: the difference, † where its interval contains zero."""
     if r["estimate"] is None:
         return DASH
-    mark = NS_MARK if r["contains_zero"] else ""
+    mark = (NS_MARK if r["contains_zero"] else "") + (PARTIAL_MARK if r.get("partial") else "")
     ci = "" if r["ci_low"] is None else f" [{fmt(r['ci_low'], signed=True)}, {fmt(r['ci_high'], signed=True)}]"
     return fmt(r["estimate"], signed=True) + mark + ci
 

@@ -229,7 +229,7 @@ def figure_1(ctx: Context) -> Item:
                    if ctx.tta_methods else NO_TTA)
 
 
-_TABLE1_COLUMNS = {"backbone": "Backbone", "dataset": "Dataset", "method": "Method", "ratio": "Ratio (%)",
+_TABLE1_COLUMNS = {"backbone": "Backbone", "dataset": "Dataset", "_label": "Method", "ratio": "Ratio (%)",
                    "delta_confidence": "ΔConf.", "delta_entropy": "ΔH", "delta_ece": "ΔECE"}
 _TABLE1_FORMATS = {"delta_confidence": lambda v: render.fmt(v, 2, True),
                    "delta_entropy": lambda v: render.fmt(v, 3, True),
@@ -245,14 +245,17 @@ def table_1(ctx: Context) -> Item:
         return skipped("Table 1", what, NO_TTA)
     cols_pa, fm = _TABLE1_COLUMNS, _TABLE1_FORMATS
     cols_pd = {**cols_pa, "delta_accuracy": "ΔAcc."}
-    pa, pdd = papd.filter(pl.col("subset") == "PA"), papd.filter(pl.col("subset") == "PD")
+    shown = render.with_partial_label(papd)
+    pa, pdd = shown.filter(pl.col("subset") == "PA"), shown.filter(pl.col("subset") == "PD")
+    legend = render.partial_legend(shown, label="_label")
     md = ("# Table 1: prediction agreement (PA) and disagreement (PD)\n\n"
           "Changes are raw TTA minus zero-shot within each subset (confidence, accuracy and ECE in points, "
-          "entropy in nats). Accuracy is unchanged within PA by construction.\n\n## PA subset\n\n"
+          "entropy in nats). Accuracy is unchanged within PA by construction." + (f" {legend}" if legend else "")
+          + "\n\n## PA subset\n\n"
           + render.simple_markdown(pa, cols_pa, fm)
           + "\n## PD subset (Appendix C)\n\n" + render.simple_markdown(pdd, cols_pd, fm))
     tex = (render.simple_latex(pa, cols_pa, fm, caption="Prediction-agreement (PA) subset: raw TTA minus "
-                               "zero-shot.", midrule_on="dataset")
+                               "zero-shot." + (f" {legend}" if legend else ""), midrule_on="dataset")
            + render.simple_latex(pdd, cols_pd, fm, caption="Prediction-disagreement (PD) subset.",
                                  midrule_on="dataset"))
     return written("Table 1", what, render.write_item(ctx.out, "table1_pa_pd", papd, md, tex))
@@ -388,6 +391,14 @@ def figures_2cd(ctx: Context) -> Item:
                    [render.write_csv(pl.concat(frames), ctx.out / "fig2cd_entropy_gap.csv"), *paths], notes, caption)
 
 
+def _in_sample_caption(frames: Sequence[pl.DataFrame], what: str) -> str:
+    """The caption's sentence on ‡ when a figure's frames (column `in_sample`) draw in-sample temperature scaling."""
+    if not any(f["in_sample"].any() for f in frames):
+        return ""
+    return (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in the legend (CSV column `in_sample`): {what} "
+            "(`--ts-source`), scored in-sample.")
+
+
 def figure_3(ctx: Context) -> Item:
     """Figure 3 (the paper's RN50 figure, for every backbone): average ECE and mean entropy per method."""
     cells, out = ctx.cells, ctx.out
@@ -397,6 +408,12 @@ def figure_3(ctx: Context) -> Item:
         present = cells.filter(pl.col("backbone") == bb)["dataset"].unique().to_list()
         datasets, preferred = builders.pick_datasets(present, layout.GROUPS["natural_shift"])
         sm = builders.backbone_summary(cells, bb, datasets, ts_in_sample=ctx.ts_in_sample)
+        gone = builders.summary_left_out(cells, bb, datasets, sm)
+        if gone.height:
+            notes.append(f"{bb}: {gone.height} of {gone.height + sm['method'].n_unique()} method(s) left out, "
+                         f"each without runs on a dataset the bars average ({', '.join(datasets)}): " + "; ".join(
+                             f"{layout.method_label(r['method'])} (no {r['missing'].replace(',', ', ')})"
+                             for r in gone.iter_rows(named=True)))
         if not sm.height:
             notes.append(f"{bb}: no method has every dataset")
             continue
@@ -405,14 +422,16 @@ def figure_3(ctx: Context) -> Item:
             notes.append(f"{bb}: the Temp. Scal. bars ({render.IN_SAMPLE_MARK}) average over {ctx.ts_in_sample}, "
                          "the labelled set T was fitted on, so they are partly scored on their own fitting data")
         where = "natural-shift datasets" if preferred else "all datasets"
-        paths.append(figures.plot_backbone_summary(sm, out / f"fig3_summary_{slug(bb)}.png",
-                                                   f"{bb}: average ECE and mean entropy over {where}"))
+        title = f"{bb}: average ECE and mean entropy over {where}" + (
+            f"\nleft out, without runs on every dataset: {', '.join(layout.method_label(m) for m in gone['method'])}"
+            if gone.height else "")
+        paths.append(figures.plot_backbone_summary(sm, out / f"fig3_summary_{slug(bb)}.png", title))
     if frames:
         caption = ("Average ECE (%) and mean entropy (nats) per method and calibrator over the natural-shift "
-                   "datasets, zero-shot first (the paper draws it for RN50; here for every backbone).")
-        if any(f["in_sample"].any() for f in frames):
-            caption += (f" {render.IN_SAMPLE_MARK} after Temp. Scal. in the legend (CSV column `in_sample`): its "
-                        "average includes the dataset its T was fitted on (`--ts-source`), scored in-sample.")
+                   "datasets, zero-shot first (the paper draws it for RN50; here for every backbone). Every bar "
+                   "averages the same datasets: a method without runs on one of them is left out, named with the "
+                   "datasets it lacks in the notes below.")
+        caption += _in_sample_caption(frames, "its average includes the dataset its T was fitted on")
         return written("Figure 3", what, [render.write_csv(pl.concat(frames), out / "fig3_summary.csv"), *paths],
                        notes, caption)
     return skipped("Figure 3", what, "; ".join(notes) if ctx.tta_methods else NO_TTA)
@@ -522,8 +541,8 @@ def _with_interval_text(t4: pl.DataFrame) -> pl.DataFrame:
     """Table 4 with the text columns `_ci` (the ECE's interval) and `_diff` (ZAEC minus the row, with its
     interval and † where it contains zero)."""
     return t4.with_columns(
-        pl.struct("ci_low", "ci_high").map_elements(
-            lambda r: f"[{render.fmt(r['ci_low'])}, {render.fmt(r['ci_high'])}]", return_dtype=pl.Utf8)
+        pl.struct("ece", "ci_low", "ci_high").map_elements(
+            lambda r: render.interval_text(r["ece"], r["ci_low"], r["ci_high"]), return_dtype=pl.Utf8)
         .alias("_ci"),
         pl.struct("diff_zaec", "diff_ci_low", "diff_ci_high", "diff_contains_zero").map_elements(
             lambda r: render.DASH if r["diff_zaec"] is None else
@@ -547,9 +566,9 @@ def table_4(ctx: Context) -> Item:
     if not frames:
         return skipped("Table 4", what,
                        "no method has every subset variant on its datasets" if ctx.tta_methods else NO_TTA)
-    t4 = pl.concat(frames)
-    cols = {"backbone": "Backbone", "method": "Method", "subset": "Corrected subset", "ece": "ECE", "nll": "NLL"}
-    fm = {"method": layout.method_label, "nll": lambda v: render.fmt(v, 3)}
+    t4 = render.with_partial_label(pl.concat(frames))
+    cols = {"backbone": "Backbone", "_label": "Method", "subset": "Corrected subset", "ece": "ECE", "nll": "NLL"}
+    fm = {"nll": lambda v: render.fmt(v, 3)}
     if boot is not None:
         t4 = _with_interval_text(t4)
         cols.update({"_ci": f"ECE {int(boot.level * 100)}% CI", "_diff": "ZAEC − row"})
@@ -558,8 +577,12 @@ def table_4(ctx: Context) -> Item:
     if boot is not None:
         text += (" Intervals: paired basic bootstrap (ZAEC − row: the ZAEC ECE minus this row's, points; "
                  "† the interval contains zero).")
+        if render.excludes_estimate(t4.rename({"ece": "value"})):
+            text += " " + render.BELOW_LEGEND
+    if render.partial_legend(t4, label="_label"):
+        text += " " + render.partial_legend(t4, label="_label")
     return written("Table 4", what, render.write_item(
-        ctx.out, "table4_subset_ablation", t4.drop("_ci", "_diff", strict=False),
+        ctx.out, "table4_subset_ablation", t4.drop("_ci", "_diff", "_label", strict=False),
         "# Table 4: ablation of the corrected subset\n\n" + text + "\n\n"
         + render.simple_markdown(t4, cols, fm, bold),
         render.simple_latex(t4, cols, fm, bold, caption=text, midrule_on="method")))
@@ -650,7 +673,7 @@ def risk_coverage_figure(ctx: Context) -> Item:
     refs, notes = _reference_runs(ctx)
     frames, paths = [], []
     for bb, ref, ref_runs in refs:
-        curves = trust_tables.risk_coverage_curves(ref_runs)
+        curves = trust_tables.risk_coverage_curves(ref_runs, ts_in_sample=ctx.ts_in_sample)
         if not curves.height:
             continue
         frames.append(curves)
@@ -662,7 +685,10 @@ def risk_coverage_figure(ctx: Context) -> Item:
     caption = ("Selective risk (error rate among the accepted samples) vs coverage when the most confident samples "
                "(max softmax probability) are accepted first, one panel per method (its lowest-seed run on the "
                "reference dataset, `--reference-dataset`), one line per prediction with its AURC (%) in the legend; "
-               "dotted: the oracle that accepts every correct sample first. Tied confidences are accepted together.")
+               "dotted: the oracle that accepts every correct sample first, over the whole coverage range (panel "
+               "`oracle` in the CSV). Tied confidences are accepted together, so a prediction's curve starts at the "
+               "share of its most confident tied group (e.g. every top probability exactly 1.0).")
+    caption += _in_sample_caption(frames, "scored on the labelled data its T was fitted on")
     return written("Risk-coverage figure", what,
                    [render.write_csv(pl.concat(frames), ctx.out / "risk_coverage.csv"), *paths], notes, caption,
                    beyond_paper=True)
@@ -710,13 +736,43 @@ def ood_table(ctx: Context) -> Item:
     return written(OOD_NAME, what, paths, notes, OOD_CAPTION, beyond_paper=True)
 
 
+OOD_FIGURE_NAME = "Out-of-distribution ROC figure"
+
+
+def ood_figure(ctx: Context) -> Item | None:
+    """Beyond the paper: ROC curves of in- vs out-of-distribution detection, raw vs ZAEC (and zero-shot), one panel
+    per OOD run and method (no entry without an OOD run: the OOD table's entry says why)."""
+    if not ctx.ood_runs:
+        return None
+    what = "in- vs out-of-distribution ROC curves of zero-shot, raw and ZAEC, one panel per OOD run and method"
+    frames, paths, notes = [], [], []
+    for bb in layout.order_backbones({s.key.backbone for s in ctx.ood_runs}):
+        curves = ood_tables.ood_roc_curves([s for s in ctx.ood_runs if s.key.backbone == bb],
+                                           ts_in_sample=ctx.ts_in_sample)
+        if not curves.height:
+            notes.append(f"{bb}: no OOD run holds both in- and out-of-distribution images")
+            continue
+        frames.append(curves)
+        paths.append(figures.plot_ood_roc(curves, ctx.out / f"ood_roc_{slug(bb)}.png",
+                                          f"{bb}: in- vs out-of-distribution ROC, score max softmax probability"))
+    if not frames:
+        return skipped(OOD_FIGURE_NAME, what, "; ".join(notes), beyond_paper=True)
+    caption = ("ROC of telling in-distribution images (positive) from OOD ones by the confidence (max softmax "
+               "probability), one panel per OOD run (its lowest seed) and method: the paired zero-shot, raw TTA "
+               "(None) and ZAEC, each with its AUROC (%) in the legend, equal to the OOD table's; dashed: chance. "
+               "Tied confidences are accepted together (one point per distinct confidence). The drawn points are "
+               "in ood_roc.csv (`fpr`, `tpr`, `threshold`, fractions).")
+    return written(OOD_FIGURE_NAME, what, [render.write_csv(pl.concat(frames), ctx.out / "ood_roc.csv"), *paths],
+                   notes, caption, beyond_paper=True)
+
+
 Builder = Callable[[Context], "Item | None"]
 
 #: every item of the report, in the order of the index (the paper's order). A new table or figure is one builder
 #: function `(Context) -> Item | None` plus one entry here; `write_report` runs them in this order.
 BUILDERS: list[Builder] = [
     figure_1, table_1, figure_2a, figure_2b, figures_2cd, figure_3, tables_2_3, tables_2_3_intervals, figure_4,
-    figure_5, table_4, figure_6, per_run_metrics, trust_table, risk_coverage_figure, ood_table,
+    figure_5, table_4, figure_6, per_run_metrics, trust_table, risk_coverage_figure, ood_table, ood_figure,
 ]
 
 
@@ -759,7 +815,9 @@ def write_index(
             f"{src}: T = {t:.4g}" for src, t in sorted(summaries.temperatures.items())) + "\n")
     if boot is not None:
         lines.append(f"Uncertainty: paired bootstrap over samples, {boot.n_resamples} resamples, seed {boot.seed}, "
-                     f"{int(boot.level * 100)}% basic (reverse-percentile) intervals.\n")
+                     f"{int(boot.level * 100)}% basic (reverse-percentile) intervals, which correct binned ECE's "
+                     "upward bias (Kumar et al., 2019), so an interval can lie wholly below its estimate (marked "
+                     f"{render.BELOW_MARK}; docs/tables.md, \"Uncertainty\").\n")
     else:
         lines.append("Uncertainty: bootstrap disabled (--bootstrap 0).\n")
     lines.append("## Paper items\n")

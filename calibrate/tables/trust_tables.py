@@ -26,7 +26,7 @@ import numpy as np
 import polars as pl
 
 from calibrate.classwise import CLASSWISE_NAMES, top_label_ece
-from calibrate.selective import SCORES, SelectiveStats, confidence_score, interval, risk_coverage
+from calibrate.selective import SCORES, SelectiveStats, confidence_score, interval, oracle_curve, risk_coverage
 from calibrate.tables import layout
 from calibrate.tables.bootstrap import ZERO_SHOT, BootstrapResult, dataset_seed, resample_counts
 from calibrate.tables.data import RunSummary
@@ -76,6 +76,8 @@ class TrustCell:
     values: dict[str, float]
     reasons: dict[str, str] = field(default_factory=dict)
     reps: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the run is partial (`RunSummary.partial`, e.g. `150 of 400`; seeds averaged: the distinct ones); None: whole
+    partial: str | None = None
 
 
 def _predictions(s: RunSummary, calibrators: Sequence[str]) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
@@ -110,7 +112,7 @@ def run_trust(
         reasons.update({} if cw is not None else {CLASSWISE_NAMES[0]: NO_PROBS})
         if not len(s):
             reasons.update({c: "no samples" for c in TRUST_NAMES})
-        cells[name] = TrustCell(values, reasons)
+        cells[name] = TrustCell(values, reasons, partial=s.partial)
     if boot is not None and boot.n_resamples and len(s):
         counts = resample_counts(len(s), boot.n_resamples,
                                  dataset_seed(boot.seed, s.key.backbone, s.key.dataset, s.sample_id))
@@ -131,7 +133,8 @@ def _mean_cells(cells: Sequence[TrustCell], names: Sequence[str]) -> TrustCell:
             reasons.setdefault(col, why if len(cells) == 1 else f"{name}: {why}")
     cols = set.intersection(*(set(x.reps) for x in cells))
     reps = {c: np.mean([x.reps[c] for x in cells], axis=0) for c in cols}
-    return TrustCell(values, reasons, reps)
+    partial = "; ".join(dict.fromkeys(x.partial for x in cells if x.partial)) or None
+    return TrustCell(values, reasons, reps, partial)
 
 
 def trust_cells(
@@ -166,7 +169,7 @@ _TABLE_SCHEMA = {
     "row_label": pl.Utf8, "row_pos": pl.Int64, "group": pl.Utf8, "dataset": pl.Utf8, "column_label": pl.Utf8,
     "metric": pl.Utf8, "metric_label": pl.Utf8, "score": pl.Utf8, "value": pl.Float64, "ci_low": pl.Float64,
     "ci_high": pl.Float64, "n_undefined": pl.Int64, "n_datasets": pl.Int64, "group_size": pl.Int64,
-    "in_sample": pl.Boolean, "missing_reason": pl.Utf8,
+    "in_sample": pl.Boolean, "missing_reason": pl.Utf8, "partial": pl.Utf8,
 }
 
 
@@ -220,7 +223,8 @@ def trust_table(
     (`n_datasets` of `group_size`), its replicates the mean of theirs. `ci_low`/`ci_high`: basic bootstrap interval
     (`calibrate.selective.interval`, clipped to [0, 100]), `n_undefined` resamples left out; null without replicates.
     `missing_reason`: why a null value is missing. `in_sample`: a temperature-scaling value scored on the dataset its
-    T was fitted on (`ts_in_sample`), or an average including it.
+    T was fitted on (`ts_in_sample`), or an average including it. `partial`: a partial run's count (`TrustCell`), an
+    average's partial datasets; null when whole.
     """
     present = {k[1] for k in cells if k[0] == backbone}
     out = []
@@ -229,7 +233,7 @@ def trust_table(
         pos = (block_label, block_pos.setdefault(block, len(block_pos)), row, row_label, row_pos)
         for group, datasets in layout.order_datasets(present):
             for metric in TRUST_NAMES:
-                parts, fitted = [], False
+                parts, fitted, partial = [], False, []
                 for d in datasets:
                     cell = cells.get((backbone, d, block, row))
                     raw = None if cell is None else cell.values[metric]
@@ -238,30 +242,35 @@ def trust_table(
                     own = row == "temperature" and d == ts_in_sample and v is not None
                     fitted |= own
                     why = "no run" if cell is None else cell.reasons.get(metric) if v is None else None
+                    part = cell.partial if cell is not None and v is not None else None
+                    partial += [f"{layout.dataset_label(d)} {part}"] if part else []
                     out.append(_table_row(backbone, block, *pos, group, d, metric, v,
-                                          _interval(v, rep, level, True), 1 if v is not None else 0, None, own, why))
+                                          _interval(v, rep, level, True), 1 if v is not None else 0, None, own, why,
+                                          part))
                     parts.append((v, rep))
                 v, rep, n = _average(parts)
                 out.append(_table_row(backbone, block, *pos, group, "avg", metric, v,
                                       _interval(v, rep, level, True), n, len(layout.GROUPS.get(group, datasets)),
-                                      fitted, None if v is not None else "undefined on every dataset of the group"))
+                                      fitted, None if v is not None else "undefined on every dataset of the group",
+                                      "; ".join(partial) or None))
     return pl.DataFrame(out, schema=_TABLE_SCHEMA)
 
 
 def _table_row(backbone, block, block_label, block_pos, row, row_label, row_pos, group, dataset, metric, value, ci,
-               n_datasets, group_size, in_sample, why) -> dict:
+               n_datasets, group_size, in_sample, why, partial=None) -> dict:
     return dict(backbone=backbone, block=block, block_label=block_label, block_pos=block_pos, row=row,
                 row_label=row_label, row_pos=row_pos, group=group, dataset=dataset,
                 column_label="Avg." if dataset == "avg" else layout.dataset_label(dataset), metric=metric,
                 metric_label=metric_label(metric), score=metric_score(metric), value=value, ci_low=ci[0],
                 ci_high=ci[1], n_undefined=ci[2], n_datasets=n_datasets, group_size=group_size,
-                in_sample=in_sample, missing_reason=why)
+                in_sample=in_sample, missing_reason=why, partial=partial)
 
 
 _DIFF_SCHEMA = {
     "backbone": pl.Utf8, "method": pl.Utf8, "group": pl.Utf8, "dataset": pl.Utf8, "column_label": pl.Utf8,
     "metric": pl.Utf8, "metric_label": pl.Utf8, "comparison": pl.Utf8, "estimate": pl.Float64, "ci_low": pl.Float64,
     "ci_high": pl.Float64, "contains_zero": pl.Boolean, "n_undefined": pl.Int64, "n_datasets": pl.Int64,
+    "partial": pl.Utf8,
 }
 
 
@@ -304,22 +313,24 @@ def trust_differences(
                         diff = paired_difference(cells, (backbone, d, m), a, b, metric)
                         if diff is None:
                             continue
-                        parts.append((d, *diff))
-                        out.append(_diff_row(backbone, m, group, d, metric, a, b, *diff, level, 1))
+                        part = cells[(backbone, d, m, a)].partial
+                        parts.append((d, *diff, part))
+                        out.append(_diff_row(backbone, m, group, d, metric, a, b, *diff, level, 1, part))
                     if parts:
-                        v, rep, n = _average([(v, r) for _, v, r in parts])
-                        out.append(_diff_row(backbone, m, group, "avg", metric, a, b, v, rep, level, n))
+                        v, rep, n = _average([(v, r) for _, v, r, _ in parts])
+                        partial = "; ".join(f"{layout.dataset_label(d)} {p}" for d, _, _, p in parts if p) or None
+                        out.append(_diff_row(backbone, m, group, "avg", metric, a, b, v, rep, level, n, partial))
     return pl.DataFrame(out, schema=_DIFF_SCHEMA)
 
 
-def _diff_row(backbone, method, group, dataset, metric, a, b, estimate, rep, level, n) -> dict:
+def _diff_row(backbone, method, group, dataset, metric, a, b, estimate, rep, level, n, partial=None) -> dict:
     lo, hi, und = _interval(estimate, rep, level, False)
     return dict(backbone=backbone, method=method, group=group, dataset=dataset,
                 column_label="Avg." if dataset == "avg" else layout.dataset_label(dataset), metric=metric,
                 metric_label=metric_label(metric),
                 comparison=f"{layout.calibrator_label(a)} − {layout.calibrator_label(b)}", estimate=estimate,
                 ci_low=lo, ci_high=hi, contains_zero=None if lo is None else bool(lo <= 0.0 <= hi),
-                n_undefined=und, n_datasets=n)
+                n_undefined=und, n_datasets=n, partial=partial)
 
 
 def missing_notes(table: pl.DataFrame) -> list[str]:
@@ -336,29 +347,45 @@ def missing_notes(table: pl.DataFrame) -> list[str]:
     return notes
 
 
+#: the risk-coverage figure's panel of the oracle (every correct sample of the raw prediction accepted first)
+ORACLE = "oracle"
+
+
 def risk_coverage_curves(
-    runs: dict[str, RunSummary], calibrators: Sequence[str] = TRUST_CALIBRATORS, score: str = "msp"
+    runs: dict[str, RunSummary], calibrators: Sequence[str] = TRUST_CALIBRATORS, score: str = "msp",
+    ts_in_sample: str | None = None,
 ) -> pl.DataFrame:
     """Risk-coverage curves of one run per method (`calibrate.selective.risk_coverage`): the paired zero-shot
-    prediction and each calibrator present, selected by `score`.
+    prediction and each calibrator present, selected by `score`, and panel "oracle": the oracle of the raw
+    prediction over the whole coverage range (`calibrate.selective.oracle_curve`; threshold and AURC null), which
+    a run's own points may not span (a tied group of top probabilities exactly 1.0 is accepted whole).
 
     Returns:
-        Columns backbone, dataset, method, seed, panel ("zero-shot" or a calibrator), score, point (0..G-1),
-        threshold, coverage, risk, oracle_risk (fractions), aurc (fraction, the panel's AURC), n (samples).
+        Columns backbone, dataset, method, seed, panel ("zero-shot", a calibrator or "oracle"), score, point
+        (0..G-1), threshold, coverage, risk, oracle_risk (fractions), aurc (fraction, the panel's AURC), n (samples),
+        in_sample (a temperature-scaling panel of dataset `ts_in_sample`, the labelled set its T was fitted on),
+        partial (`RunSummary.partial`).
     """
     frames = []
     for m in layout.order_methods(runs):
         s = runs[m]
         if not len(s):
             continue
+        key = {"backbone": s.key.backbone, "dataset": s.key.dataset, "method": m, "seed": s.key.seed}
         for name, pred, conf, ent in _predictions(s, calibrators):
             rc = risk_coverage(confidence_score(score, conf, ent), pred == s.label)
             frames.append(pl.DataFrame({
-                "backbone": s.key.backbone, "dataset": s.key.dataset, "method": m, "seed": s.key.seed,
-                "panel": name, "score": score, "point": np.arange(rc.coverage.size), "threshold": rc.threshold,
+                **key, "panel": name, "score": score, "point": np.arange(rc.coverage.size), "threshold": rc.threshold,
                 "coverage": rc.coverage, "risk": rc.risk, "oracle_risk": rc.oracle_risk, "aurc": rc.aurc,
-                "n": len(s)}))
+                "n": len(s), "in_sample": name == "temperature" and s.key.dataset == ts_in_sample,
+                "partial": s.partial}))
+        cov, risk = oracle_curve(len(s), int(s.tta_correct.sum()))
+        frames.append(pl.DataFrame({
+            **key, "panel": ORACLE, "score": score, "point": np.arange(cov.size), "threshold": None,
+            "coverage": cov, "risk": risk, "oracle_risk": risk, "aurc": None, "n": len(s), "in_sample": False,
+            "partial": s.partial}))
     schema = {"backbone": pl.Utf8, "dataset": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "panel": pl.Utf8,
               "score": pl.Utf8, "point": pl.Int64, "threshold": pl.Float64, "coverage": pl.Float64,
-              "risk": pl.Float64, "oracle_risk": pl.Float64, "aurc": pl.Float64, "n": pl.Int64}
+              "risk": pl.Float64, "oracle_risk": pl.Float64, "aurc": pl.Float64, "n": pl.Int64,
+              "in_sample": pl.Boolean, "partial": pl.Utf8}
     return pl.concat([f.cast(schema) for f in frames]) if frames else pl.DataFrame(schema=schema)

@@ -1,18 +1,13 @@
 """Test-time adaptation methods: one registry, one class per method (see `base.TTAMethod`).
 
-Adding a method is one new module plus one entry in `REGISTRY`; the tests are parametrised over it.
+Adding a method is one new module plus one entry in `REGISTRY`; the tests are parametrised over it. The base class,
+config and override helpers are imported from `extract.methods.base`, each method's names from its module.
 """
 
 from __future__ import annotations
 
 from extract.methods.atpt import ATPT
-from extract.methods.base import (
-    HPARAMS_KEYS,
-    MethodConfig,
-    TTAMethod,
-    apply_overrides,
-    backbone_family,
-)
+from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
@@ -47,8 +42,3 @@ def get_method(key: str) -> type[TTAMethod]:
         return REGISTRY[key]
     except KeyError:
         raise ValueError(f"unknown method {key!r}; available: {', '.join(REGISTRY)}") from None
-
-
-__all__ = [
-    "HPARAMS_KEYS", "REGISTRY", "MethodConfig", "TTAMethod", "apply_overrides", "backbone_family", "get_method",
-]

@@ -40,7 +40,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import MethodConfig, check_hparams_key
+from extract.methods.base import MethodConfig, check_hparams_key, setting
 from extract.methods.tpt import NATURAL_SHIFT, TPT, TPTConfig
 
 #: "paper": −λ·AD on every dataset; "official_head": the official scripts at HEAD (+λ·AD on ImageNet and the
@@ -92,10 +92,10 @@ class ATPTConfig(TPTConfig):
 
     # λ = 80: ImageNet + fine-grained (scripts/test_tpt_atpt_fg.sh `--lambda_term 80`); 10: A/V2/R/Sketch
     # (scripts/test_tpt_atpt_ds.sh `--lambda_term 10`). The same for RN50 and ViT-B/16 (one value per script).
-    lambda_term: float = 80.0
+    lambda_term: float = setting(80.0, ge=0)
     # τ = 0.99999: atpt_classification.py `--tau_term` default and fg script; hard-coded `tau_ = 0.99999` in
     # clip/custom_clip.py on the ds path (its `--tau_term` is parsed but unused)
-    tau: float = 0.99999
+    tau: float = setting(0.99999, gt=0, lt=1)
     # "paper" (default): −λ·AD everywhere (paper, ds script, TTABC `ttabc/model_selection/atpt.py`).
     # "official_head": +λ·AD under the fg script (atpt_classification.py at HEAD: `loss += (-lambda_) *
     # min_ang_norm_mean`, min_ang_norm_mean = −AD), −λ·AD under the ds script (tpt_classification.py at HEAD),
@@ -110,8 +110,6 @@ class ATPTConfig(TPTConfig):
         official_fg = self.sign == "official_head" and self.script == "fg"
         object.__setattr__(self, "direction", "contract" if official_fg else "expand")
         super().__post_init__()
-        if not 0.0 < self.tau < 1.0:
-            raise ValueError(f"{type(self).__qualname__}.tau must be in (0, 1), got {self.tau}")
 
 
 class ATPT(TPT):

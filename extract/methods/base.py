@@ -9,9 +9,11 @@ features of consecutive samples in stream order:
     >>> m = method_cls(cfg, text_features, logit_scale, backbone="ViT-B-16", dataset="dtd")  # doctest: +SKIP
     >>> logits = m.adapt(view_feats)  # (B, V, D) -> (B, K) float32   # doctest: +SKIP
 
-Online methods keep their state across `adapt` calls; episodic ones (the TPT family) reset it per sample. A
-method that needs the text encoder (TPT tunes prompt tokens) sets `needs_text_encoder = True` and receives it as
-the `text_encoder` keyword; adding such a method is one file plus one registry entry.
+Each number or text of a config declares its valid range next to its default (`setting(0.04, gt=0)`,
+`text_setting(...)`); `check_ranges` is the one validator (on construction, and in the run's plan with the facts of
+the model's architecture). Online methods keep their state across `adapt` calls; episodic ones (the TPT family)
+reset it per sample. A method that needs the text encoder (TPT tunes prompt tokens) sets `needs_text_encoder = True`
+and receives it as the `text_encoder` keyword; adding such a method is one file plus one registry entry.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 
 import torch
 
@@ -72,9 +75,200 @@ def check_hparams_key(hparams_key: str) -> None:
                          f"{', '.join(HPARAMS_KEYS)}")
 
 
+# ---------------------------------------------------------------------------------------------- valid ranges
+# Every settable number or text of a method config declares its valid range where it is declared, with `setting`
+# (numbers) or `text_setting`; bool and Literal fields are ranged by their type. `check_ranges` is the one validator:
+# every config runs it on construction (`MethodConfig.__post_init__`), the run's plan runs it again with the facts of
+# the model's architecture, and a method built on a loaded model with the facts of that model.
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A bound read from another field of the config (`of_model=False`) or from a fact about the model's
+    architecture (`of_model=True`, e.g. "vision_blocks"), plus `offset`, and at least `floor`.
+
+    >>> Ref("n_views", -1, floor=1).text()
+    'max(1, n_views - 1)'
+    """
+
+    name: str
+    offset: int = 0
+    of_model: bool = False
+    floor: int | None = None
+
+    def value(self, config: Any, facts: Mapping[str, int]) -> float | None:
+        """The bound for `config`, or None where it depends on a model fact that is not known yet."""
+        if self.of_model and self.name not in facts:
+            return None
+        base = facts[self.name] if self.of_model else getattr(config, self.name)
+        return base + self.offset if self.floor is None else max(self.floor, base + self.offset)
+
+    def text(self) -> str:
+        core = f"the model's {self.name.replace('_', ' ')}" if self.of_model else self.name
+        core += f" {'+' if self.offset > 0 else '-'} {abs(self.offset)}" if self.offset else ""
+        return core if self.floor is None else f"max({self.floor}, {core})"
+
+
+@dataclass(frozen=True)
+class Valid:
+    """The valid values of one config field: a closed or open interval of numbers (`lo`/`hi`: a number, a `Ref`, or
+    None for unbounded), or for a text field whether it may be empty. Floats must also be finite."""
+
+    lo: float | int | Ref | None = None
+    hi: float | int | Ref | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    text_field: bool = False
+    nonempty: bool = False
+
+    def violated(self, value: Any, config: Any, facts: Mapping[str, int], refs: bool = True) -> bool:
+        """True when `value` lies outside the range (a bound not known yet is not checked; `refs=False`: only the
+        fixed bounds)."""
+        if self.text_field:
+            return self.nonempty and not str(value).strip()
+        if isinstance(value, float) and not math.isfinite(value):
+            return True
+
+        def bound(b: Any) -> Any:
+            return (b.value(config, facts) if refs else None) if isinstance(b, Ref) else b
+
+        lo, hi = bound(self.lo), bound(self.hi)
+        return ((lo is not None and (value <= lo if self.lo_open else value < lo))
+                or (hi is not None and (value >= hi if self.hi_open else value > hi)))
+
+    def describe(self, name: str, config: Any = None, facts: Mapping[str, int] | None = None) -> str:
+        """The range in words: `0 <= beta <= 1`, `tau_i > 0`, `1 <= top_k <= max(1, n_views - 1) = 63`."""
+        if self.text_field:
+            return "a non-empty text" if self.nonempty else "any text"
+
+        def show(b: Any) -> str:
+            if not isinstance(b, Ref):
+                return repr(b)
+            v = b.value(config, facts or {}) if config is not None else None
+            return b.text() if v is None else f"{b.text()} = {v}"
+
+        if self.lo is None and self.hi is None:
+            return f"{name}: any finite number"
+        low = f"{show(self.lo)} {'<' if self.lo_open else '<='} " if self.lo is not None else ""
+        high = f" {'<' if self.hi_open else '<='} {show(self.hi)}" if self.hi is not None else ""
+        if self.lo is not None and self.hi is None:
+            return f"{name} {'>' if self.lo_open else '>='} {show(self.lo)}"
+        return f"{low}{name}{high}"
+
+
+def setting(default: Any, *, ge: Any = None, gt: Any = None, le: Any = None, lt: Any = None, **kw: Any) -> Any:
+    """A numeric config field with its valid range (`ge`/`gt`: lower bound, closed/open; `le`/`lt`: upper bound;
+    each a number or a `Ref`); other keywords go to `dataclasses.field`.
+
+    >>> @dataclass(frozen=True)
+    ... class C(MethodConfig):
+    ...     tau: float = setting(0.04, gt=0)  # a temperature: scores are divided by it
+    >>> C(tau=0.0)
+    Traceback (most recent call last):
+    ...
+    extract.methods.base.ConfigRangeError: C: tau=0.0 is out of range; valid: tau > 0
+    """
+    valid = Valid(lo=gt if gt is not None else ge, hi=lt if lt is not None else le, lo_open=gt is not None,
+                  hi_open=lt is not None)
+    return field(default=default, metadata={"valid": valid, **kw.pop("metadata", {})}, **kw)
+
+
+def text_setting(default: str, *, nonempty: bool = False) -> Any:
+    """A text config field: any text, or (`nonempty`) any text with a non-blank character."""
+    return field(default=default, metadata={"valid": Valid(text_field=True, nonempty=nonempty)})
+
+
+class ConfigRangeError(ValueError):
+    """A config value outside its declared range: one line naming the owner (the method's key where known, else the
+    config class), the key, the value and the valid range."""
+
+    def __init__(self, owner: str, key: str, value: Any, valid: str) -> None:
+        super().__init__(f"{owner}: {key}={value!r} is out of range; valid: {valid}")
+        self.owner, self.key, self.value, self.valid = owner, key, value, valid
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (a sweep job's error travels back to the manifest)
+        return ConfigRangeError, (self.owner, self.key, self.value, self.valid)
+
+    def for_method(self, method: str) -> "ConfigRangeError":
+        """The same error naming the method key instead of the config class."""
+        return ConfigRangeError(method, self.key, self.value, self.valid)
+
+
+def field_ranges(config_cls: type) -> dict[str, Valid | None]:
+    """Each settable field's declared `Valid` (None for bool and Literal fields, whose type is their range, and for
+    a field that declares none); a field redeclared in a subclass to change its default keeps its range.
+
+    Example:
+        >>> from extract.methods.onzeta import OnZetaConfig
+        >>> field_ranges(OnZetaConfig)["tau_i"].describe("tau_i")
+        'tau_i > 0'
+    """
+    return dict(_field_ranges(config_cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _field_ranges(config_cls: type) -> tuple[tuple[str, Valid | None], ...]:
+    out = []
+    for f in dataclasses.fields(config_cls):
+        meta: dict[str, Any] = {}
+        for klass in reversed(config_cls.__mro__):  # the parent's declaration first, a subclass's on top
+            own = klass.__dict__.get("__dataclass_fields__", {}).get(f.name)
+            if own is not None:
+                meta.update(own.metadata)
+        if not meta.get("fixed"):
+            out.append((f.name, meta.get("valid")))
+    return tuple(out)
+
+
+def check_ranges(config: Any, owner: str | None = None, facts: Mapping[str, int] | None = None) -> None:
+    """Check every field of `config` against its declared range (`setting`, `text_setting`), bounds that depend on
+    another field or on a model fact (`facts`, e.g. {"vision_blocks": 12}; unknown facts are not checked) included.
+
+    Raises:
+        ConfigRangeError: the first field out of range, naming `owner` (default: the config class).
+    """
+    facts = facts or {}
+    ranges = field_ranges(type(config))
+    for refs in (False, True):  # a value outside its own fixed bounds is named before one that only disagrees
+        for name, valid in ranges.items():  # with another field
+            value = getattr(config, name)
+            if valid is not None and valid.violated(value, config, facts, refs):
+                raise ConfigRangeError(owner or type(config).__qualname__, name, value,
+                                       valid.describe(name, config, facts))
+
+
+def fit_to_model(config: Any, facts: Mapping[str, int], keep: Collection[str] = ()) -> tuple[Any, list[str]]:
+    """`config` with every field above a bound that depends on a model fact lowered to that bound, except the
+    fields named in `keep` (values the user gave, which `check_ranges` refuses instead); and one note per change.
+
+    Example:
+        >>> from extract.methods.ttl import TTLConfig
+        >>> fit_to_model(TTLConfig(), {"vision_blocks": 2})[1]
+        ["lora_blocks=2 (the default 3 exceeds the model's vision blocks, 2)"]
+    """
+    changes, notes = {}, []
+    for name, valid in field_ranges(type(config)).items():
+        hi = None if valid is None else valid.hi
+        if name in keep or not isinstance(hi, Ref) or not hi.of_model:
+            continue
+        bound = hi.value(config, facts)
+        value = getattr(config, name)
+        if bound is not None and value > bound:
+            changes[name] = type(value)(bound)
+            notes.append(f"{name}={changes[name]} (the default {value} exceeds {hi.text()}, {bound})")
+    return (dataclasses.replace(config, **changes) if changes else config), notes
+
+
+def model_fact_names(config_cls: type) -> set[str]:
+    """The model facts some range of `config_cls` depends on (empty: the config alone decides)."""
+    return {b.name for v in field_ranges(config_cls).values() if v is not None
+            for b in (v.lo, v.hi) if isinstance(b, Ref) and b.of_model}
+
+
 @dataclass(frozen=True)
 class MethodConfig:
-    """Fields the runner reads; every method's `Config` extends this.
+    """Fields the runner reads; every method's `Config` extends this. Construction checks every field: Literal
+    choices, and each number or text against the range it declares (`setting`, `text_setting`; `check_ranges`).
 
     Attributes:
         n_views: views per sample: 1 (the original) or 1 + 63 augmented
@@ -85,7 +279,7 @@ class MethodConfig:
         episodic: the method resets its state after every sample (a property of the method, not a setting).
     """
 
-    n_views: int = 1
+    n_views: int = setting(1, ge=1)
     augmix: bool = False
     prompts: PromptSet = "single"
     cupl: bool = False
@@ -99,15 +293,13 @@ class MethodConfig:
             if choices is not None and value not in choices:
                 raise ValueError(f"{type(self).__qualname__}.{f.name}: expected one of "
                                  f"{', '.join(map(repr, choices))}, got {value!r}")
-            if hints[f.name] is float and not math.isfinite(value):
-                raise ValueError(f"{type(self).__qualname__}.{f.name} must be a finite number, got {value!r}")
-            if hints[f.name] is int and value < 0:
-                raise ValueError(f"{type(self).__qualname__}.{f.name} must be >= 0, got {value!r}")
-            # `*_p` fields are fractions of the views (selection_p: the confident views kept)
-            if f.name.endswith("_p") and hints[f.name] is float and not 0.0 < value <= 1.0:
-                raise ValueError(f"{type(self).__qualname__}.{f.name} is a fraction in (0, 1], got {value!r}")
-        if self.n_views < 1:
-            raise ValueError(f"{type(self).__qualname__}.n_views must be >= 1, got {self.n_views}")
+        check_ranges(self)
+
+    @property
+    def crop_scale(self) -> tuple[float, float]:
+        """Area range of the random resized crops of views 1.. (`extract.views.CROP_SCALE` picks the policy):
+        torchvision's default, which TPT and its followers use; a method whose official crops differ overrides it."""
+        return (0.08, 1.0)
 
 
 def _literal_choices(tp: Any) -> tuple[Any, ...] | None:
@@ -161,7 +353,8 @@ def apply_overrides(config: MethodConfig, overrides: dict[str, Any]) -> MethodCo
         A new config (the result passes the config's own validation).
 
     Raises:
-        ValueError: unknown key (the message lists the valid keys), a fixed field, or a value of the wrong type.
+        ValueError: unknown key (the message lists the valid keys), a fixed field, or a value of the wrong type;
+            ConfigRangeError (a ValueError): a value outside the field's declared range.
 
     Example:
         >>> from extract.methods.tda import TDAConfig

@@ -12,6 +12,9 @@ plus regional bootstrapping of the current sample (`runner.py` `run_test_tda`, `
    are read from that copy. With one view (ImageNet) no view is boosted and BoostAdapter is TDA with a FIFO
    negative cache.
 
+Numerics: float16 throughout by default (`fp16`), as the official run (`clip.load` weights, no autocast), with
+the official affinity order exp(-(β - β·a)) and the boosted scores of `get_output_entropy`; `fp16=False` is float32.
+
 Only the boosted classes (at most int(V·0.1)) differ from the positive cache, so the copy is never built: the
 positive-cache affinities are computed as TDA's, and the boosted classes' entries are recomputed from their
 union (positive items first, then the boosted views in selection order; stable sort by entropy; first 3 + δ), which
@@ -26,7 +29,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 
-from extract.methods.base import MethodConfig, PromptSet, check_hparams_key
+from extract.methods.base import MethodConfig, PromptSet, check_hparams_key, setting
 from extract.methods.common import ClassCache, ViewSummary, softmax_entropy, summarise_views
 from extract.methods.tda import TDA, TDA_ALPHA_BETA, TDA_IMAGENET80, TDA_MULTI_VIEW, TDAConfig
 
@@ -49,8 +52,13 @@ class BoostAdapterConfig(TDAConfig):
     n_views: int = 1  # ImageNet: the CLIP preprocess alone (`utils.py` `build_test_data_loader`)
     augmix: bool = False  # crop+flip views, never AugMix (`utils.py` `get_ood_preprocess`, `get_cross_dataset_...`)
     prompts: PromptSet = "dataset"  # TDA's per-dataset templates (`datasets/*.py`)
-    delta: int = 0  # extra boosted slots per class (`configs/*.yaml` delta)
+    delta: int = setting(0, ge=0)  # extra boosted slots per class (`configs/*.yaml` delta)
     summary: SampleSummary = "view0"  # "selected" on ImageNet-A/V/R/Sketch (`runner.py` `infer_ori_image`)
+    # True: float16 throughout, as the official run (`clip.load` gives fp16 weights on CUDA, no autocast): logits,
+    # entropies, summaries, cache keys and scores, affinities exp(-(β - β·a)) and cache logits are float16 tensors,
+    # the boosted views scored by `get_output_entropy`. False: float32 (zaec before issue 31); the difference
+    # measures the official fp16 rounding (which views are confident, cache order on entropies tied in fp16)
+    fp16: bool = True
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,28 @@ class BoostAdapter(TDA):
         super().__init__(config, text_features, logit_scale, **kwargs)
         self.neg_clock = 0  # items offered to the negative cache so far: its FIFO order
 
+    def compute_dtype(self, view_feats: torch.Tensor) -> torch.dtype:
+        # float64 inputs stay float64 (exact references in tests)
+        if self.config.fp16 and view_feats.dtype != torch.float64:
+            return torch.float16
+        return super().compute_dtype(view_feats)
+
+    def _init_caches(self, device: torch.device, dtype: torch.dtype) -> None:
+        super()._init_caches(device, dtype)
+        if dtype == torch.float16:
+            # the negative cache's FIFO scores -(arrival number) need float32 (fp16 integers stop at 2048); its
+            # keys and masks are fp16 values either way (cast back in `_cache_affinity`)
+            c, k, d = self.config, self.n_classes, self.dim
+            self.neg = ClassCache(k, c.neg_capacity, d, device=device, dtype=torch.float32,
+                                  extras={"mask": ((k,), torch.float32)})
+
+    def _cache_affinity(self, cache: ClassCache, f: torch.Tensor, beta: float) -> torch.Tensor:
+        if f.dtype != torch.float16:
+            return super()._cache_affinity(cache, f, beta)
+        k, cap, d = cache.keys.shape
+        aff = (cache.keys.reshape(k * cap, d).to(f.dtype) @ f).reshape(k, cap)
+        return official_affinity(aff, beta) * cache.valid
+
     def _summarise(self, feats: torch.Tensor, logits: torch.Tensor) -> ViewSummary:
         if self.config.summary == "view0":  # `get_clip_logits(..., infer_ori_image=True)`
             return summarise_views(feats[:, :1], logits[:, :1], self.config.selection_p)
@@ -102,15 +132,19 @@ class BoostAdapter(TDA):
         h = softmax_entropy(logits)  # (B, V)
         sel = torch.argsort(h, dim=1, stable=True)[:, :n]  # (B, n)
         picked = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
-        return _Boosted(torch.gather(feats, 1, sel[..., None].expand(-1, -1, feats.shape[-1])),
-                        torch.gather(h, 1, sel), picked.argmax(-1).tolist())
+        # the boosted items' scores: `get_output_entropy` (log-probabilities times their exp), which rounds
+        # differently from the selection's softmax entropy in float16; the same number in exact arithmetic
+        score = output_entropy(picked) if logits.dtype == torch.float16 else torch.gather(h, 1, sel)
+        return _Boosted(torch.gather(feats, 1, sel[..., None].expand(-1, -1, feats.shape[-1])), score,
+                        picked.argmax(-1).tolist())
 
     def _update_negative(self, y: int, f: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> None:
         # FIFO through TDA's sorted cache: score = -(arrival number), so a newcomer always scores lowest and
         # replaces the last slot, the oldest item of a full class
         assert self.neg is not None
         self.neg_clock += 1
-        self.neg.update(y, f, torch.tensor(-float(self.neg_clock), dtype=f.dtype, device=f.device), mask=mask)
+        score = torch.tensor(-float(self.neg_clock), dtype=self.neg.scores.dtype, device=f.device)
+        self.neg.update(y, f, score, mask=mask)
 
     def _positive_affinity(self, i: int, f: torch.Tensor, extra: _Boosted) -> torch.Tensor:
         assert self.pos is not None
@@ -121,6 +155,18 @@ class BoostAdapter(TDA):
             aff[c] = boosted_class_affinity(self.pos, c, extra.feats[i, mine], extra.entropy[i, mine], f,
                                             self.pos.capacity + self.config.delta, self.config.beta)
         return aff
+
+
+def official_affinity(aff: torch.Tensor, beta: float) -> torch.Tensor:
+    """exp(-(β - β·a)) in the order of `compute_cache_logits` (`((-1) * (beta - beta * affinity)).exp()`): the same
+    number as exp(-β(1 - a)), rounded differently in float16."""
+    return ((-1) * (beta - beta * aff)).exp()
+
+
+def output_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """`get_output_entropy`: l = z - logsumexp(z); -Σ l·exp(l) over the last axis."""
+    log_p = logits - logits.logsumexp(dim=-1, keepdim=True)
+    return -(log_p * torch.exp(log_p)).sum(dim=-1)
 
 
 def boosted_class_affinity(cache: ClassCache, c: int, keys: torch.Tensor, scores: torch.Tensor, query: torch.Tensor,
@@ -146,5 +192,8 @@ def boosted_class_affinity(cache: ClassCache, c: int, keys: torch.Tensor, scores
     all_keys = torch.cat([cache.keys[c, :n], keys])
     all_scores = torch.cat([cache.scores[c, :n], scores])
     kept = torch.sort(all_scores, stable=True).indices[:capacity]
-    return torch.exp(-beta * (1.0 - all_keys[kept] @ query)).sum()
+    aff = all_keys[kept] @ query
+    if query.dtype == torch.float16:
+        return official_affinity(aff, beta).sum()
+    return torch.exp(-beta * (1.0 - aff)).sum()
 

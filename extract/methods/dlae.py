@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import BackboneFamily, MethodConfig, backbone_family, check_hparams_key
+from extract.methods.base import BackboneFamily, MethodConfig, backbone_family, check_hparams_key, setting
 from extract.methods.common import ClassCache, ViewSummary, summarise_views
 from extract.methods.dpe import DPE, DUAL_PROTOTYPE_PROMPTS, DualPrototypeConfig
 
@@ -44,9 +44,11 @@ class DLAEConfig(DualPrototypeConfig):
     augmix: bool = False  # get_preprocess(is_augmix=False) for I/A/V/K/UCF101 (DLAE `utils.py`)
     # DLAE `configs/imagenet.yaml` positive.alpha/beta 6/5, learning_rate.text 6e-4, align 0.5 (DPE's values).
     # The cache residual uses lr_text: `main_dlae.py` builds both AdamW groups with learning_rate.text.
-    adjust_alpha: float = 0.8  # α_adj: `belta[0]` for ViT, `alpha[0]` for RN50 (imagenet.yaml lists alpha twice: 0.8)
-    reflection_alpha: float = 0.001  # α₁: `alpha1[1]` for ViT, `alpha1[0]` for RN50 (DLAE `configs/imagenet.yaml`)
-    doubt_rate: float = 0.0  # ε: `epoch[1]` for ViT, `epoch[0]` for RN50 (DLAE `configs/imagenet.yaml`)
+    # α_adj: `belta[0]` for ViT, `alpha[0]` for RN50 (imagenet.yaml lists alpha twice: 0.8)
+    adjust_alpha: float = setting(0.8, ge=0)
+    # α₁: `alpha1[1]` for ViT, `alpha1[0]` for RN50 (DLAE `configs/imagenet.yaml`)
+    reflection_alpha: float = setting(0.001, ge=0)
+    doubt_rate: float = setting(0.0, ge=0)  # ε: `epoch[1]` for ViT, `epoch[0]` for RN50 (DLAE `configs/imagenet.yaml`)
     # Which column of the per-backbone tables was applied: "rn" for RN*, "vit" for ViT-B-16 and every other
     # name (e.g. the demo's small models) [ASSUMPTION for non-OpenAI backbones]. Recorded, not read.
     backbone_family: BackboneFamily = "vit"

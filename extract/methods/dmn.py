@@ -27,12 +27,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, setting
 from extract.methods.common import n_confident
 
 # Entropy epsilons of the official code: view selection (`dmn_main.py` `select_confident_samples`) and the memory
@@ -50,6 +50,9 @@ DMN_MEMORY_WEIGHT: dict[str, float] = {
 }
 
 
+DMNCrops = Literal["official", "shared"]
+
+
 @dataclass(frozen=True)
 class DMNConfig(MethodConfig):
     """DMN's knobs; defaults are the zero-shot ImageNet run of `scripts/run.sh`."""
@@ -57,21 +60,26 @@ class DMNConfig(MethodConfig):
     # The runner's multi-view policy (original + 63); DMN reads views 0 .. used_views-1 (see `used_views`).
     n_views: int = 64
     augmix: bool = False  # crop+flip on the ImageNet family, AugMix elsewhere (`dmn_main.py`: augmix=len(set_id) > 1)
+    # "official": DMN's own crop + flip views on the ImageNet family, area U(0.5, 1) (`data/datautils.py`
+    # `get_preaugment`), cached as their own policy ("crop_flip_05"); "shared": the U(0.08, 1) crops every other
+    # crop + flip method uses (TPT's), read from the same cache, so no second encoding pass (zaec before issue 31).
+    # The difference measures DMN on larger, less varied crops. AugMix views (the other sets) keep 0.08-1 either way
+    crops: DMNCrops = "official"
+
+    @property
+    def crop_scale(self) -> tuple[float, float]:
+        """The `crops` setting's area range (`extract.views.CROP_SCALE`); AugMix views keep 0.08-1."""
+        return (0.5, 1.0) if self.crops == "official" and not self.augmix else (0.08, 1.0)
+
     prompts: PromptSet = "dataset"  # dataset templates (`data/imagnet_prompts.py` ID_to_prompts / tip templates)
     cupl: bool = True  # --text_prompt tip_cupl: templates + CuPL sentences (`scripts/run.sh`, `clip/fix_clip.py`)
-    used_views: int = 32  # -b 32: the original + 31 augmented views (`scripts/run.sh`)
-    selection_p: float = 0.1  # --selection_p 0.1 (`scripts/run.sh`)
-    memory_size: int = 50  # --memory_size 50 (`scripts/run.sh`)
-    beta: float = 5.5  # --beta 5.5 (`scripts/run.sh`)
-    mem_weight: float = 1.0  # w of p_text + w·p_mem; per dataset `DMN_MEMORY_WEIGHT` (searched on test labels)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.used_views < 1 or self.memory_size < 1:
-            raise ValueError(f"{type(self).__qualname__}: used_views and memory_size must be >= 1, got "
-                             f"{self.used_views}, {self.memory_size}")
-        if self.mem_weight < 0:
-            raise ValueError(f"{type(self).__qualname__}.mem_weight must be >= 0, got {self.mem_weight}")
+    # -b 32: the original + 31 augmented views (`scripts/run.sh`)
+    used_views: int = setting(32, ge=1, le=Ref("n_views"))
+    selection_p: float = setting(0.1, gt=0, le=1)  # --selection_p 0.1 (`scripts/run.sh`)
+    memory_size: int = setting(50, ge=1)  # --memory_size 50 (`scripts/run.sh`)
+    beta: float = setting(5.5, ge=0)  # --beta 5.5 (`scripts/run.sh`)
+    # w of p_text + w·p_mem; per dataset `DMN_MEMORY_WEIGHT` (searched on test labels)
+    mem_weight: float = setting(1.0, ge=0)
 
 
 class DMN(TTAMethod):
@@ -83,12 +91,13 @@ class DMN(TTAMethod):
     #: what `adapt` returns: log-probabilities, not logits (the shard's `zaec:output_kind`, docs/contract.md)
     output_kind: ClassVar[str] = "log_probs"
     _state_fields: ClassVar[tuple[str, ...]] = ("memory", "mem_entropy", "mem_count")
-    # Unseen data: ImageNet's row (w = 1, the value TTA-VLM uses everywhere) with one view, as every online cache
-    # method runs on data without official settings, the 80 CLIP templates and no CuPL (no sentences exist for
-    # unknown classes). With one view DMN is DMN-weak.
+    # Unseen data: ImageNet's row (w = 1, the value TTA-VLM uses everywhere: the other rows' w were searched on
+    # test labels) with DMN's own views, 32 of 64 as on every official set (`scripts/run.sh` `-b 32` for all 15),
+    # AugMix as on every set outside the ImageNet family (`augmix = len(set_id) > 1`), the 80 CLIP templates and
+    # no CuPL (no sentences exist for unknown classes). One view would make it DMN-weak (`dmn-weak` is that run).
     unseen_like: ClassVar[str] = "imagenet"
     unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType(
-        {"n_views": 1, "augmix": False, "prompts": "imagenet80", "cupl": False})
+        {"augmix": True, "prompts": "imagenet80", "cupl": False})
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> DMNConfig:
@@ -181,7 +190,10 @@ class DMNWeak(DMN):
 
     key: ClassVar[str] = "dmn-weak"
     prefix_stable: ClassVar[bool] = True  # as DMN
+    # Unseen data: DMN's (ImageNet's row, w = 1, the 80 CLIP templates, no CuPL) on its one view
+    unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompts": "imagenet80", "cupl": False})
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> DMNConfig:
-        return dataclasses.replace(DMN.default_config(hparams_key, backbone), n_views=1, augmix=False)
+        # used_views 1: the one view it reads (DMN's 32 cannot exceed n_views)
+        return dataclasses.replace(DMN.default_config(hparams_key, backbone), n_views=1, augmix=False, used_views=1)

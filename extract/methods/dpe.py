@@ -36,6 +36,7 @@ from extract.methods.base import (
     PromptSet,
     TTAMethod,
     check_hparams_key,
+    setting,
 )
 from extract.methods.common import (
     ClassCache,
@@ -58,16 +59,19 @@ class DualPrototypeConfig(MethodConfig):
     augmix: bool = True  # AugMix on even for ImageNet (DPE `utils.py:get_preprocess`)
     prompts: PromptSet = "dataset"  # TDA's templates (DPE `datasets/*.py`)
     cupl: bool = True  # plus the CuPL GPT-3 sentences (DPE `utils.py:clip_classifier`)
-    selection_p: float = 0.1  # top 10% lowest-entropy views (DPE `utils.py:get_clip_logits`)
-    shot_capacity: int = 3  # positive.shot_capacity (DPE `configs/*.yaml`)
-    alpha: float = 6.0  # positive.alpha, ImageNet (DPE `configs/imagenet.yaml`)
-    beta: float = 5.0  # positive.beta, ImageNet (DPE `configs/imagenet.yaml`)
-    lr_text: float = 6e-4  # learning_rate.text, ImageNet (DPE `configs/imagenet.yaml`)
-    align: float = 0.5  # learning_rate.align (λ of the InfoNCE term), ImageNet (DPE `configs/imagenet.yaml`)
-    temperature: float = 0.01  # InfoNCE temperature (DPE `main_dpe.py:InfoNCELoss`)
-    adamw_eps: float = 1e-3  # (DPE `main_dpe.py`); the step of small gradients (docs/methods.md, "DPE/DLAE numerics")
-    weight_decay: float = 0.1  # (DPE `main_dpe.py`); no effect on zero residuals (docs/methods.md, "DPE/DLAE numerics")
-    global_threshold: float = 0.1  # evolve W_g when H/log2(K) is below this (DPE `main_dpe.py`)
+    selection_p: float = setting(0.1, gt=0, le=1)  # top 10% lowest-entropy views (DPE `utils.py:get_clip_logits`)
+    shot_capacity: int = setting(3, ge=1)  # positive.shot_capacity (DPE `configs/*.yaml`)
+    alpha: float = setting(6.0, ge=0)  # positive.alpha, ImageNet (DPE `configs/imagenet.yaml`)
+    beta: float = setting(5.0, ge=0)  # positive.beta, ImageNet (DPE `configs/imagenet.yaml`)
+    lr_text: float = setting(6e-4, ge=0)  # learning_rate.text, ImageNet (DPE `configs/imagenet.yaml`)
+    # learning_rate.align (λ of the InfoNCE term), ImageNet (DPE `configs/imagenet.yaml`)
+    align: float = setting(0.5, ge=0)
+    temperature: float = setting(0.01, gt=0)  # InfoNCE temperature (DPE `main_dpe.py:InfoNCELoss`)
+    # (DPE `main_dpe.py`); the step of small gradients (docs/methods.md, "DPE/DLAE numerics")
+    adamw_eps: float = setting(1e-3, gt=0)
+    # (DPE `main_dpe.py`); no effect on zero residuals (docs/methods.md, "DPE/DLAE numerics")
+    weight_decay: float = setting(0.1, ge=0)
+    global_threshold: float = setting(0.1)  # evolve W_g when H/log2(K) is below this (DPE `main_dpe.py`)
     all_view_inference: bool = False  # ImageNet-A only: predict from all views (DPE `main_dpe.py`, dataset 'A')
     # How the residuals take their AdamW step. "official_fp16" (default, the numerics of the paper's numbers): the
     # residuals are fp16 parameters stepped by a real `torch.optim.AdamW`, whose fp16 second moment underflows for
@@ -85,7 +89,8 @@ class DualPrototypeConfig(MethodConfig):
 
 @dataclass(frozen=True)
 class DPEConfig(DualPrototypeConfig):
-    lr_image: float = 6e-4  # learning_rate.image, ImageNet (DPE `configs/imagenet.yaml`; equal to text everywhere)
+    # learning_rate.image, ImageNet (DPE `configs/imagenet.yaml`; equal to text everywhere)
+    lr_image: float = setting(6e-4, ge=0)
 
 
 # (alpha, beta, lr_text = lr_image, align) per dataset (DPE `configs/*.yaml`, same for both backbones;

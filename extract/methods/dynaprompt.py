@@ -37,7 +37,15 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import (
+    IMAGENET_FAMILY,
+    MethodConfig,
+    PromptSet,
+    TTAMethod,
+    check_hparams_key,
+    setting,
+    text_setting,
+)
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
 from extract.methods.tpt import AdamWState, adamw_step, amp_autocast, grad_scaler_update, prompt_encoder
 
@@ -86,34 +94,25 @@ class DynaPromptConfig(MethodConfig):
     prompts: PromptSet = field(default="single", metadata={"fixed": True})
     cupl: bool = field(default=False, metadata={"fixed": True})
     episodic: bool = field(default=False, metadata={"fixed": True})  # `--onlinetpt`: the buffer is never reset
-    ctx_init: str = "a photo of a"  # ctx_init=a_photo_of_a (scripts/test_dynap.sh), n_ctx 4 (run_dynap.sh `ntx=4`)
-    num_prompts: int = 12  # run_dynap.sh `num_p=12`
-    lr: float = 5e-3  # run_dynap.sh `lr=0.005`
-    weight_decay: float = 0.01  # torch.optim.AdamW default (dynap_classification.py passes only the lr)
-    beta1: float = 0.9  # AdamW defaults
-    beta2: float = 0.999
-    adam_eps: float = 1e-8
-    tta_steps: int = 1  # --tta_steps default 1
-    selection_p: float = 0.1  # run_dynap.sh `selection_p=0.1`: 6 of 64 views
+    # ctx_init=a_photo_of_a (scripts/test_dynap.sh), n_ctx 4 (run_dynap.sh `ntx=4`)
+    ctx_init: str = text_setting("a photo of a", nonempty=True)
+    num_prompts: int = setting(12, ge=1)  # run_dynap.sh `num_p=12`
+    lr: float = setting(5e-3, ge=0)  # run_dynap.sh `lr=0.005`
+    weight_decay: float = setting(0.01, ge=0)  # torch.optim.AdamW default (dynap_classification.py passes only the lr)
+    beta1: float = setting(0.9, ge=0, lt=1)  # AdamW defaults
+    beta2: float = setting(0.999, ge=0, lt=1)
+    adam_eps: float = setting(1e-8, gt=0)
+    tta_steps: int = setting(1, ge=0)  # --tta_steps default 1
+    selection_p: float = setting(0.1, gt=0, le=1)  # run_dynap.sh `selection_p=0.1`: 6 of 64 views
     # reset the least recently used prompt once all are used (l.396; the official skips it when the log name
     # contains "noapp", an ablation)
     reset_lru: bool = True
     amp: bool = True  # autocast + GradScaler on CUDA (l.102, l.230); ignored on the CPU (fp32, scale 1)
-    grad_scale_init: float = 1000.0  # GradScaler(init_scale=1000), l.230
-    grad_scale_growth_interval: int = 2000  # GradScaler default
+    grad_scale_init: float = setting(1000.0, gt=0)  # GradScaler(init_scale=1000), l.230
+    grad_scale_growth_interval: int = setting(2000, ge=1)  # GradScaler default
     # Execution only: run each prompt up to its end-of-text token and the shared start + context positions once
     # per context (exact under the causal mask; `text_encoder.py`). False runs the full 77-token sequences.
     text_shortcuts: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        name = type(self).__qualname__
-        if self.num_prompts < 1:
-            raise ValueError(f"{name}.num_prompts must be >= 1, got {self.num_prompts}")
-        if self.lr < 0 or self.weight_decay < 0 or self.adam_eps <= 0:
-            raise ValueError(f"{name}: lr and weight_decay must be >= 0 and adam_eps > 0")
-        if self.grad_scale_init <= 0 or self.grad_scale_growth_interval < 1:
-            raise ValueError(f"{name}: grad_scale_init and grad_scale_growth_interval must be positive")
 
 
 class DynaPrompt(TTAMethod):
@@ -187,7 +186,8 @@ class DynaPrompt(TTAMethod):
             ent = softmax_entropy(z).mean(0)  # (P,)  official `entropy(p_pred).mean(0)`
             top = z.max(-1).values  # (V, P)
             plpd = ((top[0] - top[1:]).mean(0) if feats.shape[0] > 1 else torch.zeros_like(ent))
-            selected = select_prompts(ent.float().cpu(), plpd.float().cpu(), self.ctx_order[0])
+            ent_plpd = torch.stack([ent.float(), plpd.float()]).cpu()  # one host sync for both (a GPU waits once)
+            selected = select_prompts(ent_plpd[0], ent_plpd[1], self.ctx_order[0])
             for i in selected:  # (a prompt selected twice moves and counts twice, as in the official loop)
                 self.ctx_order.remove(i)
                 self.ctx_order.append(i)
@@ -207,7 +207,7 @@ class DynaPrompt(TTAMethod):
         scale = float(self.loss_scale["scale"]) if amp else 1.0
         (grad,) = torch.autograd.grad(loss * scale, param)
         grad = grad.float() / scale
-        finite = bool(torch.isfinite(grad).all() and torch.isfinite(loss.detach()))
+        finite = bool(torch.isfinite(grad).all() & torch.isfinite(loss.detach()))  # one host sync
         self.residual = adamw_step(self.residual[None], grad[None], state, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                    active=torch.tensor([finite], device=dev))[0].detach()

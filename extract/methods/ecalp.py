@@ -20,8 +20,8 @@ also densifies the (N+K) × K label matrix every sample). Memory: the features (
 (N × (k+2) indices and similarities), the compact Y_0 (N values and indices) and the propagation's transients:
 at ImageNet's end (N = 50,000, D = 512, K = 1,000) the graph keeps about 147 MB, and one propagation step peaks at
 about 8.2 GB of float32 temporaries, most of it (7.6 GB) the K-wide label rows gathered along the E edges
-(measured by `python -m extract.bench --ecalp-n`; docs/benchmarks.md, "TTA-VLM methods: cost per sample"). Work over
-a stream of n samples grows as n²: ImageNet is about 3·10¹⁴ multiply-adds (a GPU's job).
+(measured by `python -m tools.bench_extract --ecalp-n`; docs/benchmarks.md, "TTA-VLM methods: cost per sample").
+Work over a stream of n samples grows as n²: ImageNet is about 3·10¹⁴ multiply-adds (a GPU's job).
 
 Output (`output_kind = "log_probs"`): log softmax(10⁴·pred) where its float32 value is positive, else the exact
 log-softmax (finite, below -103); pred itself is an even better score but the official code ranks with the softmax.
@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key, setting
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,14 @@ class ECALPConfig(MethodConfig):
     prompts: PromptSet = "dataset"  # [ASSUMPTION: the text features are pre-extracted; the repository does not say
     #                                 which templates; TDA's per-dataset templates as for the other online methods]
     cupl: bool = False
-    k_text: int = 3  # --k_text
-    k_image: int = 8  # --k_image
-    gamma: float = 10.0  # --gamma: edge weight = similarity ** gamma
-    alpha: float = 1.0  # --alpha: Y_t = α·W̃·Ŷ + (1-α)·Y_0
-    num_iterations: int = 3  # --num_iterations
-    y0_divisor: float = 5.0  # Y_0 = top-1 score / 5 (`iterative_label_propagation`)
-    output_scale: float = 1e4  # softmax(pred * 10000)
-    degree_eps: float = 1e-6  # 1 / (sqrt(W_sum) + 1e-6)
+    k_text: int = setting(3, ge=1)  # --k_text
+    k_image: int = setting(8, ge=1)  # --k_image
+    gamma: float = setting(10.0, gt=0)  # --gamma: edge weight = similarity ** gamma
+    alpha: float = setting(1.0, ge=0, le=1)  # --alpha: Y_t = α·W̃·Ŷ + (1-α)·Y_0
+    num_iterations: int = setting(3, ge=0)  # --num_iterations
+    y0_divisor: float = setting(5.0, gt=0)  # Y_0 = top-1 score / 5 (`iterative_label_propagation`)
+    output_scale: float = setting(1e4, gt=0)  # softmax(pred * 10000)
+    degree_eps: float = setting(1e-6, gt=0)  # 1 / (sqrt(W_sum) + 1e-6)
 
 
 class ECALP(TTAMethod):

@@ -22,7 +22,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hparams_key, setting
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,11 @@ class MTAConfig(MethodConfig):
     prompts: PromptSet = "single"  # CoOp learner with --ctx_init a_photo_of_a: "a photo of a {}." (`main.py`)
     cupl: bool = False
     episodic: bool = field(default=True, metadata={"fixed": True})
-    lambda_y: float = 0.2  # --lambda_y 0.2 (`main.py:347`, entropic term)
-    lambda_q: float = 4.0  # --lambda_q 4 (`main.py:346`, quadratic term)
-    neighbours_p: float = 0.3  # k = int(0.3 * (V - 1)) nearest views for the bandwidth (`mta.py`)
-    max_iter: int = 5  # outer rounds and the cap of each inner loop (`mta.py`: max_iter = 5)
-    threshold: float = 1e-6  # th: inner loops stop when the update's L2 norm falls below it (`mta.py`)
+    lambda_y: float = setting(0.2, gt=0)  # --lambda_y 0.2 (`main.py:347`, entropic term)
+    lambda_q: float = setting(4.0, ge=0)  # --lambda_q 4 (`main.py:346`, quadratic term)
+    neighbours_p: float = setting(0.3, gt=0, le=1)  # k = int(0.3 * (V - 1)) nearest views for the bandwidth (`mta.py`)
+    max_iter: int = setting(5, ge=0)  # outer rounds and the cap of each inner loop (`mta.py`: max_iter = 5)
+    threshold: float = setting(1e-6, ge=0)  # th: inner loops stop when the update's L2 norm falls below it (`mta.py`)
 
 
 def _masked_steps(value: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor], n_steps: int,

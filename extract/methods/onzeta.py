@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal, Mapping
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key, setting
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,13 @@ class OnZetaConfig(MethodConfig):
     # the TDA/Tip-Adapter per-dataset templates (the official code has no other dataset)
     prompts: PromptSet = "dataset"
     cupl: bool = False
-    tau_t: float = 0.01  # --tau_t
-    tau_i: float = 0.04  # --tau_i
-    cw: float = 0.5  # --cw: step size of the vision proxy
-    cr: float = 20.0  # --cr: step size of the dual ρ
-    alpha: float = 1.0  # --alpha: weight of the label-distribution constraint
-    beta: float = 0.8  # --beta: final weight of the vision proxy
-    stream_length: int = 0  # n; 0 = the run's length as the runner announces it (`set_stream_length`)
+    tau_t: float = setting(0.01, gt=0)  # --tau_t
+    tau_i: float = setting(0.04, gt=0)  # --tau_i
+    cw: float = setting(0.5, ge=0)  # --cw: step size of the vision proxy
+    cr: float = setting(20.0, ge=0)  # --cr: step size of the dual ρ
+    alpha: float = setting(1.0, ge=0)  # --alpha: weight of the label-distribution constraint
+    beta: float = setting(0.8, ge=0, le=1)  # --beta: final weight of the vision proxy
+    stream_length: int = setting(0, ge=0)  # n; 0 = the run's length as the runner announces it (`set_stream_length`)
     output: Literal["onzeta", "onlab"] = "onzeta"  # combo_label (OnZeta) or text_label (OnLab)
 
 

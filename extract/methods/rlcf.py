@@ -42,7 +42,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, check_hparams_key
+from extract.methods.base import IMAGENET_FAMILY, MethodConfig, check_hparams_key, setting, text_setting
 from extract.methods.tpt import TPT, TPTConfig
 
 #: `reward_backbone` value that makes the policy its own reward model (TTA-VLM `instance_method/rlcf.py`)
@@ -57,19 +57,17 @@ class RLCFConfig(TPTConfig):
     lr: float = 7e-3  # lr=7e-3 in both scripts (the fine script's 5e-3 is overridden in its `case 01`)
     weight_decay: float = 5e-4  # weight_decay=5e-4
     tta_steps: int = 3  # 3 (ImageNet family, rlcf-prompt.sh) / 5 (fine-grained, rlcf-prompt-fine.sh): default_config
-    sample_k: int = 3  # sample_k=3: classes rewarded per view (top-k of the current logits)
-    clipscore_weight: float = 2.5  # CLIPRewards(clipscore_weight=2.5) (clip_reward.py)
+    sample_k: int = setting(3, ge=1)  # sample_k=3: classes rewarded per view (top-k of the current logits)
+    clipscore_weight: float = setting(2.5, ge=0)  # CLIPRewards(clipscore_weight=2.5) (clip_reward.py)
     # the reward model (reward_arch=ViT-L/14, OpenAI weights); "policy" = the policy's own model (TTA-VLM)
-    reward_backbone: str = "ViT-L-14"
-    reward_pretrained: str = "openai"
+    reward_backbone: str = text_setting("ViT-L-14")
+    reward_pretrained: str = text_setting("openai", nonempty=True)
     # initial (and reset) context: "" = the token embeddings of `ctx_init`; else a file with a (n_ctx, width)
     # tensor: safetensors, or a torch file (CoOp's checkpoint: ["state_dict"]["ctx"]) read with weights_only=True
-    ctx_file: str = ""
+    ctx_file: str = text_setting("")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sample_k < 1:
-            raise ValueError(f"RLCFConfig.sample_k must be >= 1, got {self.sample_k}")
         if not self.reward_backbone.strip() and not self.reward_pretrained.startswith("local-dir:"):
             raise ValueError("RLCFConfig.reward_backbone is empty; give an open_clip model name, or 'policy'")
 

@@ -12,10 +12,12 @@ views (chosen at step 0; TPT tunes on their marginal entropy instead). The predi
 The `≥ 1.0` test is the official self-exclusion, and it depends on rounding: a unit vector's fp32 self-dot is 1
 within a few ulp, so some views exclude themselves and the others count themselves among their 20 neighbours (a
 score higher by about (1 − s_20)/20, several units after the division by 0.01). The official code runs fp32 (no
-autocast, no GradScaler) and so does this default: the view features are re-normalised in the compute dtype (fp32,
-as the official `image_features / image_features.norm(...)`; the cache may hold fp16-rounded features) and S is
-one fp32 matrix product per sample, so a sample's weights never depend on the other samples of a pass. Which
-diagonal entries reach 1.0 still depends on the matmul kernel (CPU vs CUDA, instruction set), as it does in the
+autocast, no GradScaler) and so does this default; it normalises the view features once
+(`clip/custom_clip.py:356-360`) and S is formed from exactly those, so S here is one fp32 matrix product per sample
+of the features as the encoder normalised them (`view_normalisation="once"`; a sample's weights never depend on the
+other samples of a pass); "twice" re-normalises them first (zaec before issue 31). Features cached in float16
+(an autocast encoding; the official run never holds them) are used as given. Which diagonal entries reach 1.0 still
+depends on the matmul kernel (CPU vs CUDA, instruction set), as it does in the
 official code; `self_exclusion="diagonal"` is the named deviation that always excludes the diagonal (and nothing
 else), which removes that dependence.
 
@@ -34,26 +36,29 @@ from typing import ClassVar, Literal
 
 import torch
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, check_hparams_key
+from extract.methods.base import IMAGENET_FAMILY, MethodConfig, Ref, check_hparams_key, setting
 from extract.methods.common import softmax_entropy
 from extract.methods.tpt import TPT, TPTConfig
 
 #: "official": S_ij ≥ 1.0 is excluded (R-TPT `rtpt.py:get_top_sim`); "diagonal": exactly the diagonal.
 SelfExclusion = Literal["official", "diagonal"]
+ViewNormalisation = Literal["once", "twice"]
 
 
 def reliability_weights(feats: torch.Tensor, top_k: int = 20, temperature: float = 0.01,
-                        self_exclusion: SelfExclusion = "official") -> torch.Tensor:
+                        self_exclusion: SelfExclusion = "official", renormalise: bool = False) -> torch.Tensor:
     """R-TPT's view weights (`rtpt.py:get_top_sim` and the softmax after it).
 
     Each sample's (V, V) cosine matrix is its own matrix product (not one batched product), so a sample's weights
     are the same whatever else is in the batch.
 
     Args:
-        feats: (G, V, D) view features (re-normalised here in their dtype, fp32 or fp64).
+        feats: (G, V, D) view features, L2-normalised once as the official code holds them
+            (`clip/custom_clip.py`: `image_features / image_features.norm(...)`); the `≥ 1.0` test reads their bits.
         top_k: neighbours averaged per view (20).
         temperature: softmax temperature of the scores (0.01).
         self_exclusion: "official" (entries ≥ 1.0 become −inf) or "diagonal" (the diagonal does).
+        renormalise: divide the features by their norm again first, in their dtype (`RTPTConfig.view_normalisation`).
 
     Returns:
         (G, V) weights, each row summing to 1.
@@ -67,7 +72,7 @@ def reliability_weights(feats: torch.Tensor, top_k: int = 20, temperature: float
     g, v, _ = feats.shape
     if v == 1:
         return torch.ones(g, 1, dtype=feats.dtype, device=feats.device)
-    f = feats / feats.norm(dim=-1, keepdim=True)  # as the official image_features / image_features.norm(...)
+    f = feats / feats.norm(dim=-1, keepdim=True) if renormalise else feats
     sim = torch.stack([fi @ fi.T for fi in f])  # (G, V, V), one product per sample
     score = neighbour_scores(sim, top_k, self_exclusion)
     w = torch.softmax(score / temperature, dim=-1)
@@ -108,19 +113,21 @@ class RTPTConfig(TPTConfig):
     # `convert_weights` is commented out in clip/model.py, so the weights are fp32
     amp: bool = False
     # 20 neighbours: `k = 20` hard-coded in `rtpt.py:get_top_sim`
-    top_k: int = 20
+    top_k: int = setting(20, ge=1, le=Ref("n_views", -1, floor=1))
     # softmax(score / 0.01): `rtpt.py:test_time_adapt_eval`
-    temperature: float = 0.01
+    temperature: float = setting(0.01, gt=0)
     # the `sim_matrix >= 1.0` test of `get_top_sim` ("official"), or always the diagonal (a named deviation)
     self_exclusion: SelfExclusion = "official"
+    # "once": S from the view features as the encoder normalised them, as the official code does (it normalises
+    # once, `clip/custom_clip.py:356-360`, and the `>= 1.0` self-exclusion reads exactly those bits). "twice":
+    # re-normalise in the compute dtype first (zaec before issue 31; on once-normalised fp32 features with CLIP-like
+    # cosines 39-51 of 64 self-similarities reach 1.0 where the official reaches 34-41, and the weights move by up
+    # to 0.55x the largest weight). Features cached in float16 reproduce neither
+    # (docs/methods.md, "R-TPT (`extract/methods/rtpt.py`)")
+    view_normalisation: ViewNormalisation = "once"
     # n_views 64 (`-b 64`, README), lr 5e-3 (`--lr` default), weight decay 0.01 (AdamW default: only the lr is
     # passed), tta_steps 1, selection_p 0.1 (argparse defaults in rtpt.py), ctx_init "a photo of a" (README
     # `--ctx_init a_photo_of_a`): TPTConfig's values
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.top_k < 1 or self.temperature <= 0:
-            raise ValueError(f"{type(self).__qualname__}: top_k must be >= 1 and temperature > 0")
 
 
 class RTPT(TPT):
@@ -144,8 +151,9 @@ class RTPT(TPT):
 
     def _predict(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         cfg: RTPTConfig = self.config  # type: ignore[assignment]
+        again = cfg.view_normalisation == "twice"
         with torch.autocast(device_type=feats.device.type, enabled=False):
-            w = reliability_weights(feats, cfg.top_k, cfg.temperature, cfg.self_exclusion)  # (G, V)
+            w = reliability_weights(feats, cfg.top_k, cfg.temperature, cfg.self_exclusion, again)  # (G, V)
         logits = self._logits(feats, text)  # (G, V, K): the tuned prompt on every view
         return (w.to(logits.dtype)[:, None] @ logits)[:, 0]
 

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, setting
 from extract.methods.common import ClassCache, ViewSummary, summarise_views
 
 
@@ -36,17 +36,20 @@ class TDAConfig(MethodConfig):
     augmix: bool = False
     prompts: PromptSet = "dataset"  # TDA per-dataset templates (TDA `datasets/*.py`)
     cupl: bool = False
-    selection_p: float = 0.1  # top 10% lowest-entropy views (TDA `utils.py:get_clip_logits`)
-    pos_capacity: int = 3  # positive.shot_capacity (TDA `configs/*.yaml`)
-    alpha: float = 2.0  # positive.alpha, ImageNet (TDA `configs/imagenet.yaml`)
-    beta: float = 5.0  # positive.beta, ImageNet (TDA `configs/imagenet.yaml`)
-    neg_capacity: int = 2  # negative.shot_capacity, per pseudo-class (TDA `configs/*.yaml`, `update_cache`)
-    neg_alpha: float = 0.117  # negative.alpha (TDA `configs/*.yaml`)
-    neg_beta: float = 1.0  # negative.beta (TDA `configs/*.yaml`)
-    neg_entropy_lower: float = 0.2  # negative.entropy_threshold.lower, on H/log2(K) (TDA `configs/*.yaml`)
-    neg_entropy_upper: float = 0.5  # negative.entropy_threshold.upper (TDA `configs/*.yaml`)
-    neg_mask_lower: float = 0.03  # negative.mask_threshold.lower (TDA `configs/*.yaml`)
-    neg_mask_upper: float = 1.0  # negative.mask_threshold.upper (TDA `configs/*.yaml`)
+    selection_p: float = setting(0.1, gt=0, le=1)  # top 10% lowest-entropy views (TDA `utils.py:get_clip_logits`)
+    pos_capacity: int = setting(3, ge=1)  # positive.shot_capacity (TDA `configs/*.yaml`)
+    alpha: float = setting(2.0, ge=0)  # positive.alpha, ImageNet (TDA `configs/imagenet.yaml`)
+    beta: float = setting(5.0, ge=0)  # positive.beta, ImageNet (TDA `configs/imagenet.yaml`)
+    # negative.shot_capacity, per pseudo-class (TDA `configs/*.yaml`, `update_cache`)
+    neg_capacity: int = setting(2, ge=1)
+    neg_alpha: float = setting(0.117, ge=0)  # negative.alpha (TDA `configs/*.yaml`)
+    neg_beta: float = setting(1.0, ge=0)  # negative.beta (TDA `configs/*.yaml`)
+    # negative.entropy_threshold.lower, on H/log2(K) (TDA `configs/*.yaml`)
+    neg_entropy_lower: float = setting(0.2, ge=0, le=Ref("neg_entropy_upper"))
+    neg_entropy_upper: float = setting(0.5, ge=0, le=1)  # negative.entropy_threshold.upper (TDA `configs/*.yaml`)
+    # negative.mask_threshold.lower (TDA `configs/*.yaml`)
+    neg_mask_lower: float = setting(0.03, ge=0, le=Ref("neg_mask_upper"))
+    neg_mask_upper: float = setting(1.0, ge=0, le=1)  # negative.mask_threshold.upper (TDA `configs/*.yaml`)
 
 
 # Positive-cache (alpha, beta) per dataset (TDA `configs/*.yaml`, same for both backbones;
@@ -121,8 +124,8 @@ class TDA(TTAMethod):
                 self._update_negative(y, f, s.entropy[i], neg_mask[i])
             out[i] += c.alpha * self._positive_affinity(i, f, extra)
             if len(self.neg):
-                a = self.neg.affinity_weights(f, c.neg_beta)  # (K, cap)
-                out[i] -= c.neg_alpha * torch.einsum("kj,kjc->c", a, self.neg.extras["mask"])
+                a = self._cache_affinity(self.neg, f, c.neg_beta)  # (K, cap)
+                out[i] -= c.neg_alpha * torch.einsum("kj,kjc->c", a, self.neg.extras["mask"].to(a.dtype))
         return out
 
     # Steps a method built on TDA's caches (BoostAdapter) replaces; TDA's own are below.
@@ -143,4 +146,9 @@ class TDA(TTAMethod):
     def _positive_affinity(self, i: int, f: torch.Tensor, extra: Any) -> torch.Tensor:
         """(K,) Σ_j exp(-β(1 - f·k_j)) over class c's positive-cache items, for sample i of the chunk."""
         assert self.pos is not None
-        return self.pos.affinity_weights(f, self.config.beta).sum(1)
+        return self._cache_affinity(self.pos, f, self.config.beta).sum(1)
+
+    def _cache_affinity(self, cache: ClassCache, f: torch.Tensor, beta: float) -> torch.Tensor:
+        """(K, capacity) exp(-β(1 - f·k)) over a cache's slots, zero in empty ones (BoostAdapter's fp16 path forms
+        it as its official code does)."""
+        return cache.affinity_weights(f, beta)

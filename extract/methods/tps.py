@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, check_hparams_key
+from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, check_hparams_key, text_setting
 from extract.methods.tpt import EpisodicConfig, EpisodicTuner
 
 
@@ -104,7 +104,7 @@ class TPSConfig(EpisodicConfig):
     prompts: PromptSet = "imagenet80"  # the 80 CLIP templates for every dataset (TPS `data/imagenet_prompts_clean.py`)
     lr: float = 1e-3  # per dataset: 5e-3 ImageNet family, 1e-3 fine-grained (TTA-VLM `instance_method/tps.py`)
     # A GPT-4 descriptor file (class -> descriptors, TPS `gpt4_descriptors/<dataset>.json`); "" = templates only.
-    descriptors: str = ""
+    descriptors: str = text_setting("")
     # Execution only: shifts are cheap (no text encoder), so many samples share one pass.
     pass_budget: int = 65536
 

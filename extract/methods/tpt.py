@@ -51,7 +51,15 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import (
+    IMAGENET_FAMILY,
+    MethodConfig,
+    PromptSet,
+    TTAMethod,
+    check_hparams_key,
+    setting,
+    text_setting,
+)
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
 
 # ImageNet-A/-V2/-R/-Sketch: the natural-shift ("ds") group of the C-TPT/O-TPT scripts
@@ -124,12 +132,13 @@ class AdamWState:
 
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: torch.Tensor  # (G,) float
+    step: torch.Tensor  # (G,) float64: the bias corrections are formed in double, as AdamW's Python floats
+    calls: int = 0  # steps offered so far: no row took more (sizes the table of bias corrections)
 
     @classmethod
     def zeros_like(cls, param: torch.Tensor) -> "AdamWState":
         return cls(torch.zeros_like(param), torch.zeros_like(param),
-                   torch.zeros(param.shape[0], dtype=param.dtype, device=param.device))
+                   torch.zeros(param.shape[0], dtype=torch.float64, device=param.device))
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr: float, betas: tuple[float, float],
@@ -137,7 +146,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr
     """One `torch.optim.AdamW` step (amsgrad off) applied independently to each row of a stacked parameter.
 
     p ← p·(1 − lr·wd); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + eps).
-    Rows with `active` False keep parameter and state unchanged (a step skipped by the gradient scaler).
+    Rows with `active` False keep parameter and state unchanged (a step skipped by the gradient scaler). The
+    operations and their order are torch's (`_single_tensor_adam`), in the parameter's dtype (fp32 or fp16), and
+    the bias corrections are its Python floats (double) rounded once to float32: the result equals AdamW's.
 
     Args:
         param: (G, ...) parameter values (not modified).
@@ -154,13 +165,21 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: AdamWState, *, lr
     a = act.view(shape)
     grad = torch.where(a, grad, torch.zeros_like(grad))
     b1, b2 = betas
-    step = state.step + act.to(state.step.dtype)
-    m = torch.where(a, state.exp_avg * b1 + grad * (1 - b1), state.exp_avg)
-    v = torch.where(a, state.exp_avg_sq * b2 + grad * grad * (1 - b2), state.exp_avg_sq)
-    t = step.clamp_min(1).view(shape)
-    bc1 = 1 - b1 ** t
-    bc2_sqrt = (1 - b2 ** t).sqrt()
-    new = param * (1 - lr * weight_decay) - (lr / bc1) * m / (v.sqrt() / bc2_sqrt + eps)
+    step = state.step.to(torch.float64) + act.to(torch.float64)
+    # torch's own operations in its order (lerp, mul + addcmul), with the Python-float factors it passes
+    m = torch.where(a, state.exp_avg.lerp(grad, 1 - b1), state.exp_avg)
+    v = torch.where(a, (state.exp_avg_sq * b2).addcmul_(grad, grad, value=1 - b2), state.exp_avg_sq)
+    # Bias corrections as AdamW forms them, from Python floats (b ** n in double: torch's float64 pow differs from
+    # Python's in the last bit for some n), one table entry per step count, then rounded once to the precision
+    # torch applies a Python scalar in: float32 for fp16/fp32 parameters (their opmath type)
+    state.calls += 1
+    opmath = torch.float64 if param.dtype == torch.float64 else torch.float32
+    table = torch.tensor([[lr / (1 - b1 ** n), (1 - b2 ** n) ** 0.5] for n in range(1, state.calls + 1)],
+                         dtype=torch.float64).to(device=param.device, dtype=opmath)
+    idx = (step.clamp_min(1) - 1).long()
+    step_size, bc2_sqrt = table[idx, 0].view(shape), table[idx, 1].view(shape)
+    denom = (v.sqrt() / bc2_sqrt).to(v.dtype) + eps
+    new = (param * (1 - lr * weight_decay) - step_size * m / denom).to(param.dtype)
     state.exp_avg, state.exp_avg_sq, state.step = m, v, step
     return torch.where(a, new, param)
 
@@ -226,38 +245,24 @@ class EpisodicConfig(MethodConfig):
     prompts: PromptSet = "single"
     cupl: bool = False
     episodic: bool = field(default=True, metadata={"fixed": True})
-    lr: float = 5e-3  # --lr 5e-3
-    weight_decay: float = 0.01  # torch.optim.AdamW default (the official code passes only the lr)
-    beta1: float = 0.9  # AdamW defaults
-    beta2: float = 0.999
-    adam_eps: float = 1e-8
-    tta_steps: int = 1  # --tta_steps 1
-    selection_p: float = 0.1  # --selection_p 0.1: 6 of 64 views
+    lr: float = setting(5e-3, ge=0)  # --lr 5e-3
+    weight_decay: float = setting(0.01, ge=0)  # torch.optim.AdamW default (the official code passes only the lr)
+    beta1: float = setting(0.9, ge=0, lt=1)  # AdamW defaults
+    beta2: float = setting(0.999, ge=0, lt=1)
+    adam_eps: float = setting(1e-8, gt=0)
+    tta_steps: int = setting(1, ge=0)  # --tta_steps 1
+    selection_p: float = setting(0.1, gt=0, le=1)  # --selection_p 0.1: 6 of 64 views
     amp: bool = True  # autocast (fp16) + dynamic loss scale on CUDA; ignored on the CPU (fp32)
-    grad_scale_init: float = 1000.0  # GradScaler(init_scale=1000)
-    grad_scale_growth_interval: int = 2000  # GradScaler default
+    grad_scale_init: float = setting(1000.0, gt=0)  # GradScaler(init_scale=1000)
+    grad_scale_growth_interval: int = setting(2000, ge=1)  # GradScaler default
     # Execution only: how many (sample x class) rows one tuning pass may stack (memory cap). Results equal the
     # one-at-a-time loop's, loss-scale updates included (see `_tune_in_order`).
-    pass_budget: int = 2048
+    pass_budget: int = setting(2048, ge=1)
     # Execution only, CUDA: size the passes from free GPU memory instead - this fraction of what is free (driver
     # free + the allocator's cached, unused blocks) over the peak bytes per sample measured on the previous pass
     # (the first pass uses `pass_budget`). `pass_budget // K` is 2 samples at K = 1,000, which leaves the GPU idle
     # on kernel launches. 0 uses `pass_budget` on CUDA too. Ignored on the CPU.
-    pass_memory_fraction: float = 0.7
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        name = type(self).__qualname__
-        if self.tta_steps < 0:
-            raise ValueError(f"{name}.tta_steps must be >= 0, got {self.tta_steps}")
-        if not 0.0 < self.selection_p <= 1.0:
-            raise ValueError(f"{name}.selection_p must be in (0, 1], got {self.selection_p}")
-        if self.lr < 0 or self.weight_decay < 0 or self.adam_eps <= 0:
-            raise ValueError(f"{name}: lr and weight_decay must be >= 0 and adam_eps > 0")
-        if self.pass_budget < 1 or self.grad_scale_init <= 0 or self.grad_scale_growth_interval < 1:
-            raise ValueError(f"{name}: pass_budget, grad_scale_init and grad_scale_growth_interval must be positive")
-        if not 0.0 <= self.pass_memory_fraction < 1.0:
-            raise ValueError(f"{name}.pass_memory_fraction must be in [0, 1), got {self.pass_memory_fraction}")
+    pass_memory_fraction: float = setting(0.7, ge=0, lt=1)
 
 
 class EpisodicTuner(TTAMethod):
@@ -551,7 +556,7 @@ class TPTConfig(EpisodicConfig):
     # the prompts are the learnable "{ctx_init} {class}." themselves: no prototype set to choose
     prompts: PromptSet = field(default="single", metadata={"fixed": True})
     cupl: bool = field(default=False, metadata={"fixed": True})
-    ctx_init: str = "a photo of a"  # --ctx_init a_photo_of_a: n_ctx = 4 context tokens
+    ctx_init: str = text_setting("a photo of a", nonempty=True)  # --ctx_init a_photo_of_a: n_ctx = 4 context tokens
     # Execution only: run each prompt only up to its end-of-text token, in length groups, and the class-independent
     # start + context positions once per sample (both exact under the causal mask; `text_encoder.py`); and step 0's
     # text forward once per pass, not once per sample (`EpisodicTuner._share_first_forward`). False runs open_clip's
@@ -600,7 +605,7 @@ class CTPTConfig(TPTConfig):
     """C-TPT (`hee-suk-yoon/C-TPT @085e6c2`): TPT − λ·ATFD."""
 
     # λ = 50: fine-grained sets and ImageNet (scripts/test_tpt_ctpt_fg.sh); 20: A/V2/R/Sketch (test_tpt_ctpt_ds.sh)
-    lambda_term: float = 50.0
+    lambda_term: float = setting(50.0, ge=0)
 
 
 class CTPT(TPT):
@@ -627,7 +632,7 @@ class OTPTConfig(TPTConfig):
 
     # λ = 18 fine-grained (scripts/test_tpt_otpt_fg.sh), 2 for A/V2/R/Sketch (test_tpt_otpt_ds.sh). ImageNet goes
     # with the fine-grained script as in C-TPT [ASSUMPTION: the O-TPT snapshot has no ImageNet script].
-    lambda_term: float = 18.0
+    lambda_term: float = setting(18.0, ge=0)
 
 
 class OTPT(TPT):

@@ -37,7 +37,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, check_ranges, setting
 
 
 @dataclass(frozen=True)
@@ -49,28 +49,25 @@ class TTLConfig(MethodConfig):
     prompts: PromptSet = field(default="single", metadata={"fixed": True})  # CTX_INIT a_photo_of_a, no grad
     cupl: bool = field(default=False, metadata={"fixed": True})
     episodic: bool = field(default=True, metadata={"fixed": True})
-    lr: float = 5e-3  # LR=5e-3
-    weight_decay: float = 0.01  # torch.optim.AdamW default (`AdamW(parameters_to_optimize, lr=args.lr)`)
-    beta1: float = 0.9
-    beta2: float = 0.999
-    adam_eps: float = 1e-8
-    tta_steps: int = 1  # TTA_STEPS=1; the loops nest (`test_time_tuning` x DeYO's steps): tta_steps² updates
-    rank: int = 16  # LoraConfig(r=16) (`get_coop` drops --rank, so always 16)
-    lora_alpha: float = 32.0  # LoraConfig(lora_alpha=32): scale alpha / r = 2
-    lora_blocks: int = 3  # LAYER_RANGE=9,11: the last 3 of ViT-B/16's 12 vision blocks
-    margin_e0: float = 0.4  # --deyo_margin_e0 0.4: weight 1 / exp(H - 0.4)
-    entropy_filter: float = math.log(1000)  # deyo.py: views with H <= ln 1000 (filter_ent=0, filter_plpd=0)
-    lora_seed: int = 0  # the generator of A (xavier_normal_); the official A comes from the global RNG, seed 0
+    lr: float = setting(5e-3, ge=0)  # LR=5e-3
+    weight_decay: float = setting(0.01, ge=0)  # torch.optim.AdamW default (`AdamW(parameters_to_optimize, lr=args.lr)`)
+    beta1: float = setting(0.9, ge=0, lt=1)
+    beta2: float = setting(0.999, ge=0, lt=1)
+    adam_eps: float = setting(1e-8, gt=0)
+    # TTA_STEPS=1; the loops nest (`test_time_tuning` x DeYO's steps): tta_steps² updates
+    tta_steps: int = setting(1, ge=0)
+    rank: int = setting(16, ge=1)  # LoraConfig(r=16) (`get_coop` drops --rank, so always 16)
+    lora_alpha: float = setting(32.0, ge=0)  # LoraConfig(lora_alpha=32): scale alpha / r = 2
+    # LAYER_RANGE=9,11: the last 3 of ViT-B/16's 12 vision blocks
+    lora_blocks: int = setting(3, ge=1, le=Ref("vision_blocks", of_model=True))
+    margin_e0: float = setting(0.4, ge=0)  # --deyo_margin_e0 0.4: weight 1 / exp(H - 0.4)
+    # deyo.py: views with H <= ln 1000 (filter_ent=0, filter_plpd=0)
+    entropy_filter: float = setting(math.log(1000), ge=0)
+    # the generator of A (xavier_normal_); the official A comes from the global RNG, seed 0
+    lora_seed: int = setting(0, ge=0)
     amp: bool = True  # autocast (fp16) + dynamic loss scale on CUDA; ignored on the CPU (fp32)
-    grad_scale_init: float = 1000.0  # GradScaler(init_scale=1000)
-    grad_scale_growth_interval: int = 2000  # GradScaler default
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.rank < 1 or self.lora_blocks < 1:
-            raise ValueError(f"TTLConfig: rank and lora_blocks must be >= 1, got {self.rank}, {self.lora_blocks}")
-        if self.grad_scale_init <= 0 or self.grad_scale_growth_interval < 1:
-            raise ValueError("TTLConfig: grad_scale_init and grad_scale_growth_interval must be positive")
+    grad_scale_init: float = setting(1000.0, gt=0)  # GradScaler(init_scale=1000)
+    grad_scale_growth_interval: int = setting(2000, ge=1)  # GradScaler default
 
 
 def _vision_tower(model: Any, backbone: str) -> Any:
@@ -140,7 +137,10 @@ class TTL(TTAMethod):
         cfg: TTLConfig = self.config  # type: ignore[assignment]
         self.visual = _vision_tower(getattr(text_encoder, "model", text_encoder), backbone)
         blocks = self.visual.transformer.resblocks
-        self.first_lora = max(0, len(blocks) - cfg.lora_blocks)
+        # the run's plan checked lora_blocks against the architecture's config where it could read one; this is the
+        # check for a model whose config it could not (one line, before any image is read)
+        check_ranges(cfg, self.key, {"vision_blocks": len(blocks)})  # as `extract.models.architecture_facts`
+        self.first_lora = len(blocks) - cfg.lora_blocks
         width = blocks[0].attn.embed_dim
         g = torch.Generator().manual_seed(cfg.lora_seed)
         std = math.sqrt(2.0 / (cfg.rank + width))  # xavier_normal_ on A (r, W), gain 1
@@ -151,6 +151,7 @@ class TTL(TTAMethod):
         self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
         self.skipped_steps = 0
         self._views: Callable[[int, int], torch.Tensor] | None = None
+        self._lora_dev: list[tuple[torch.Tensor, ...]] | None = None  # `lora_init` on the adapting device
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TTLConfig:
@@ -218,7 +219,7 @@ class TTL(TTAMethod):
         dev = images.device
         amp = self._use_amp(dev)
         tokens = self.prefix_tokens(images)
-        lora = [[p.to(dev).clone().requires_grad_(True) for p in ab] for ab in self.lora_init]
+        lora = [[p.clone().requires_grad_(True) for p in ab] for ab in self._lora_on(dev)]
         params = [p for ab in lora for p in ab]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                 weight_decay=cfg.weight_decay)
@@ -231,7 +232,9 @@ class TTL(TTAMethod):
             scale = float(self.loss_scale["scale"]) if amp else 1.0
             grads = torch.autograd.grad(loss * scale, params)
             grads = [g.float() / scale for g in grads]
-            finite = bool(torch.isfinite(loss.detach())) and all(bool(torch.isfinite(g).all()) for g in grads)
+            # one host sync for all 12 factors' checks (a GPU waits once per step, not once per tensor)
+            finite = bool(torch.stack([torch.isfinite(loss.detach()).all(),
+                                       *(torch.isfinite(g).all() for g in grads)]).all())
             if finite:
                 for p, g in zip(params, grads):
                     p.grad = g
@@ -248,13 +251,22 @@ class TTL(TTAMethod):
         if self._views is None:
             raise ValueError("ttl adapts the image encoder and needs the views' pixels; the runner attaches them "
                              "(`attach_views`)")
-        images = torch.as_tensor(self._views(self.n_seen, self.n_seen + b))
-        if images.ndim != 5 or images.shape[:2] != (b, v):
-            raise ValueError(f"ttl: view images of shape {tuple(images.shape)} for {b} samples of {v} views")
         dev = view_feats.device
         dtype = self.visual.conv1.weight.dtype
         text = self.text_features.to(dev, dtype)  # the encoder's dtype (float64 prototypes in exact tests)
-        return torch.stack([self._adapt_one(images[i].to(dev, dtype), text) for i in range(b)])
+        out = []
+        for i in range(b):  # one sample's views at a time: a batch of 64 x 64 views at 224 px would be 2.5 GB
+            images = torch.as_tensor(self._views(self.n_seen + i, self.n_seen + i + 1))
+            if images.ndim != 5 or images.shape[:2] != (1, v):
+                raise ValueError(f"ttl: view images of shape {tuple(images.shape)} for 1 sample of {v} views")
+            out.append(self._adapt_one(images[0].to(dev, dtype), text))
+        return torch.stack(out)
+
+    def _lora_on(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        """`lora_init` on `device`, copied there once (not 12 small copies per sample)."""
+        if self._lora_dev is None or self._lora_dev[0][0].device != device:
+            self._lora_dev = [tuple(p.to(device) for p in ab) for ab in self.lora_init]
+        return self._lora_dev
 
     def summary(self) -> dict[str, Any]:
         """Steps skipped for a non-finite loss or gradient, and the loss scale now."""

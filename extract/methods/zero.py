@@ -11,12 +11,14 @@ Per sample, from the V = 64 views (the original + 63 crop+flip):
    (`break_sample_tie`) runs on the first remaining view's logits.
 
 Numerics. The official model is OpenAI CLIP in fp16 (`clip.load` on CUDA) under autocast, so l is float16: ε = 2⁻¹⁰
-on cosines, a soft vote for near-tied views, and l / τ is rounded to float16 before the fp32 softmax. `logits_fp16`
-(default True) rounds l and l / τ to float16 the same way; False keeps them in the compute dtype (ε = 2⁻²³ in
+on cosines, a soft vote for near-tied views, and l / τ is rounded to float16 before the fp32 softmax, τ itself
+rounded to float16 first (CUDA casts the 0-dim operand to the tensor's dtype: 0.010002136). `logits_fp16`
+(default True) rounds l, τ and l / τ to float16 the same way; False keeps them in the compute dtype (ε = 2⁻²³ in
 float32: hard votes, TTA-VLM's reading).
 
-Output (`output_kind = "log_probs"`): log of the vote fractions p̄ / Σp̄ (tie bonus included, so the argmax is the
-official prediction). Where the official fp32 p̄ underflows to exactly 0, the row holds the exact log of that sum,
+Output (`output_kind = "log_probs"`): log of the vote fractions p̄ / Σp̄ (tie bonus included), formed in float64
+and rounded to float32 once, so equal fractions are stored equal; the argmax is the official prediction
+(`log_vote_fractions`). Where the official fp32 p̄ underflows to exactly 0, the row holds the exact log of that sum,
 computed in log space (always below log of the smallest positive float32, -103.3), so rows are finite and keep
 their order; exp in float32 gives the official zeros back.
 """
@@ -29,7 +31,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key
+from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key, setting
 from extract.methods.common import n_confident
 
 TieBreak = Literal["official", "fixed"]
@@ -44,9 +46,9 @@ class ZeroConfig(MethodConfig):
     prompts: PromptSet = "single"  # --ctx_init a_photo_of_a: "a photo of a {}." (`scripts/zero.sh`, `clip/custom_clip.py`)
     cupl: bool = False
     episodic: bool = field(default=True, metadata={"fixed": True})
-    selection_p: float = 0.3  # self.gamma = 0.3 (`ttas/zero.py:24`): 19 of 64 views
+    selection_p: float = setting(0.3, gt=0, le=1)  # self.gamma = 0.3 (`ttas/zero.py:24`): 19 of 64 views
     # l is float16 in the official run (fp16 CLIP weights, `torch.cuda.amp.autocast()` in `run.py`), which also sets
-    # the zero temperature eps = finfo(float16).eps = 2^-10
+    # the zero temperature eps = finfo(float16).eps = 2^-10; CUDA also rounds the temperature to float16 for l / temp
     logits_fp16: bool = True
     # "official": `utils/tools.py` as written, whose fallback `logit[~ties]` blanks classes K-1-t instead of the
     # non-tied ones; "fixed": the fallback picks the first remaining view's best tied class
@@ -76,8 +78,11 @@ class Zero(TTAMethod):
         if cfg.logits_fp16:
             cos = cos.half().to(dt)
             eps = torch.finfo(torch.float16).eps
-            # an fp16 tensor over an fp32 0-dim temperature stays fp16 (`l / self.model.temp` in `ttas/zero.py`)
-            scaled = (cos / temp).half().to(dt)
+            # `l / self.model.temp` (`ttas/zero.py:76`) on CUDA: the fp32 0-dim temperature is cast to the fp16
+            # operand's dtype (0.01 -> 0.010002136, a logit scale of 99.979), the quotient is formed in float32
+            # (opmath) and rounded to float16
+            temp16 = torch.tensor(temp, dtype=torch.float16).float()
+            scaled = (cos.float() / temp16).half().to(dt)
         else:  # l in float32, TTA-VLM's reading: eps = 2^-23, hard votes
             cos = cos.float().to(dt)
             eps = torch.finfo(torch.float32).eps
@@ -98,9 +103,7 @@ class Zero(TTAMethod):
         for b in torch.nonzero(tied.sum(-1) > 1).flatten().tolist():  # rare: Python per tied sample only
             rest = cos[b, order[b, n:]]  # (V - n, K) the less confident views, in entropy order
             bonus[b, self._break_tie(tied[b], rest, cfg.tie_break)] = 1.0
-        votes = p_bar + bonus
-        log_row = torch.where(votes > 0, votes.log(), log_votes)
-        return log_row - votes.sum(-1, keepdim=True).log()
+        return log_vote_fractions(p_bar + bonus, log_votes)
 
     @staticmethod
     def _break_tie(tied: torch.Tensor, rest: torch.Tensor, rule: TieBreak) -> int:
@@ -126,3 +129,35 @@ class Zero(TTAMethod):
         mask = torch.full_like(row, -math.inf)
         mask[classes] = 0.0
         return int((row + mask).argmax())
+
+
+def log_vote_fractions(votes: torch.Tensor, log_votes: torch.Tensor) -> torch.Tensor:
+    """The stored row: log(v_c / Σ_j v_j), rounded once to float32, whose argmax is the official prediction.
+
+    The fractions are formed in float64 from the float32 votes (the sum over the sorted row, so a permuted row gives
+    the same numbers) and rounded to float32 once: equal fractions in the method give equal stored values, so the
+    calibrate stage sees a tie where ZERO has one (`calibrate.functional.softmax.stored_probability_stats`).
+    Votes closer than a float32 log can tell apart (7.0 and 6.9999995) would round to the same value and hand
+    the argmax to the smaller class index: a class that collapsed onto the official winner is stored one float32
+    step below it instead. A vote of exactly 0 (an underflowed float32 sum) takes the exact log-space sum.
+
+    Args:
+        votes: (B, K) the official p̄ after the tie bonus (float32 values).
+        log_votes: (B, K) log of the unrounded vote sums (for the zeros).
+
+    Returns:
+        (B, K) float32 log vote fractions.
+
+    Example:
+        >>> out = log_vote_fractions(torch.tensor([[6.9999995, 7.0]]), torch.zeros(1, 2))
+        >>> int(out.argmax()), bool(out[0, 0] < out[0, 1])
+        (1, True)
+    """
+    v = votes.double()
+    total = v.sort(-1).values.sum(-1, keepdim=True)
+    out = torch.where(v > 0, (v / total).log(), log_votes.double() - total.log()).float()
+    winner = votes.argmax(-1, keepdim=True)  # unique: the bonus broke the official ties
+    top = out.gather(-1, winner)
+    below = torch.nextafter(top, torch.full_like(top, -math.inf))
+    others = torch.ones_like(out, dtype=torch.bool).scatter_(-1, winner, False)
+    return torch.where(others & (out >= top), below, out)

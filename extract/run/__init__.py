@@ -1,9 +1,11 @@
 """A run of the extractor as named steps over small objects (docs/architecture.md, "The objects of a run").
 
     options.py   RunOptions (what decides the result), ExecOptions (how it executes), plan() -> PlannedRun,
-                 and the one place where defaults live (backbone, seed, folders and their environment fallbacks)
-    settings.py  RunData (the listed test set and its identity), run_settings, the finished-run check
+                 and the run's defaults (seed, sizes, output folder; those the low floors need too, the backbone
+                 and the folders with their environment fallbacks, are in `extract.defaults`)
+    rundata.py   RunData (the listed test set and its identity), the resolved data root of a set
     ood.py       an out-of-distribution run's data: the mixed list of both sets, its identity, its shard keys
+    settings.py  load_run_data (a plain run's data, or ood's), run_settings, the finished-run check
     rundir.py    RunDir: where a run's parts and marker live
     lock.py      RunLock: one process per run folder (flock + an owner file with a heartbeat)
     resume.py    scan_resume (read-only) -> ResumePoint, then apply_resume (the rewrites it calls for)

@@ -4,7 +4,7 @@ docs/extract.md, "Out-of-distribution runs").
 
 The mixed list is indexed by sample id: [0, n_id) are the in-distribution set's test images in its canonical order
 (the ids its plain runs give them, so the two pair up), [n_id, n_id + n_ood) the OOD set's images in theirs, labels
-the in-distribution labels and `schemas.OOD_LABEL` (-1). The stream over it is the plain rule with the run's dataset
+the in-distribution labels and `schemas.shard.OOD_LABEL` (-1). The stream over it is the plain rule with the run's dataset
 key: `stream_permutation("<ood>@<id>", seed, n_id + n_ood)`, one permutation of the union per (OOD set, in-
 distribution set, seed), the same for every method, so in- and out-of-distribution images are interleaved at random
 as a deployed model would meet them.
@@ -19,8 +19,8 @@ import numpy as np
 
 from extract.datasets import TestSet, check_no_duplicates, load_ood_images, load_testset
 from extract.run.options import PlannedRun
-from extract.run.settings import RunData, resolved_root
-from schemas import OOD_LABEL
+from extract.run.rundata import RunData, resolved_root
+from schemas.shard import OOD_LABEL
 
 
 def mixed_testset(id_set: TestSet, ood_set: TestSet, key: str) -> TestSet:

@@ -2,10 +2,11 @@
 that only decide how it executes in `ExecOptions`, and `plan()` resolving names and the method config before any
 file is read.
 
-This module is the one place where defaults live (`DEFAULT_*`, and the environment fallbacks of the data root,
-feature cache and CuPL folders); the command lines, the sweep and the resolvers in `extract.datasets`,
-`extract.cache` and `extract.prompts` read them from here. It imports nothing heavy (no torch), so a command line
-can read its defaults before the model stack loads.
+The run's defaults live here (`DEFAULT_*`: seed, anchor, sizes, output folder); those the low floors need too (the
+default backbone, and the data root, feature cache and CuPL folders with their environment fallbacks) live one
+floor down in `extract.defaults`, so that `extract.datasets`, `extract.cache`, `extract.models` and
+`extract.prompts` never import this module. It imports nothing heavy (no torch), so a command line can read its
+defaults before the model stack loads.
 
 Example:
     >>> opts = RunOptions("tda", "dtd", seed=2, overrides=(("alpha", "2.0"),))
@@ -22,17 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
+from extract.defaults import DEFAULT_BACKBONE
 from schemas.atomic import check_output_dir as schemas_check_output_dir
 
 if TYPE_CHECKING:
-    from schemas import RunKey
+    from schemas.shard import RunKey
 
 Anchor = Literal["single", "method"]
 ANCHORS: tuple[str, ...] = ("single", "method")
 OnChanged = Literal["refuse", "recompute"]
 ON_CHANGED: tuple[str, ...] = ("refuse", "recompute")
 
-DEFAULT_BACKBONE = "ViT-B-16"
 DEFAULT_PRETRAINED = "openai"
 #: TDA, DPE and DLAE seed their stream with 1 (docs/methods.md, "Stream order and seeds")
 DEFAULT_SEED = 1
@@ -50,32 +51,9 @@ PART_SIZE_HELP = "rows per shard, a multiple of --adapt-batch"
 #: image-loading processes on CUDA when none are given: one per CPU core, at most this many (CPU: 0, in-process)
 MAX_CUDA_WORKERS = 16
 
-DATA_ROOT_ENV = "ZAEC_DATA_ROOT"
-DEFAULT_DATA_ROOT = Path("data")
-CACHE_DIR_ENV = "ZAEC_CACHE_DIR"
-DEFAULT_CACHE_DIR = Path("data") / "cache"
-CUPL_DIR_ENV = "ZAEC_CUPL_DIR"
-
 
 class RunError(ValueError):
     """A user-side problem with a run (bad argument, shards on disk from a different configuration)."""
-
-
-def default_data_root() -> Path:
-    """The data root when none is given: $ZAEC_DATA_ROOT, else ./data (not checked for existence)."""
-    return Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
-
-
-def default_cache_dir() -> Path:
-    """The feature cache when none is given: $ZAEC_CACHE_DIR, else data/cache."""
-    raw = os.environ.get(CACHE_DIR_ENV)
-    return Path(raw).expanduser() if raw else DEFAULT_CACHE_DIR
-
-
-def default_cupl_dir() -> Path | None:
-    """The CuPL prompt folder when none is given: $ZAEC_CUPL_DIR, else None (templates only)."""
-    raw = os.environ.get(CUPL_DIR_ENV)
-    return Path(raw).expanduser() if raw else None
 
 
 def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
@@ -107,8 +85,8 @@ class RunOptions:
         limit: only the first `limit` stream positions (None: all).
         overrides: (config field, value) pairs in the order given, as `--set` (strings converted to the field type).
         anchor: "single" = zero-shot logits from "a photo of a {}." on view 0; "method" = the method's own prompts.
-        data_root: datasets folder (None: `default_data_root()`).
-        cupl_dir: CuPL prompt files (None: `default_cupl_dir()`).
+        data_root: datasets folder (None: `extract.defaults.default_data_root()`).
+        cupl_dir: CuPL prompt files (None: `extract.defaults.default_cupl_dir()`).
         sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2, off by default
             (docs/methods.md, "TDA's file-listing quirk (sh_filter)").
         fingerprint: how image files are fingerprinted: "stat" (size and modification time) or "content" (sha256).
@@ -177,10 +155,10 @@ class RunOptions:
 
     def run_dataset(self) -> str:
         """The dataset key the run's shards record: `dataset`, or for an OOD run `<dataset>@<ood_for>`
-        (`schemas.ood_run_dataset`)."""
+        (`schemas.shard.ood_run_dataset`)."""
         if self.ood_for is None:
             return self.dataset
-        from schemas import ood_run_dataset
+        from schemas.shard import ood_run_dataset
 
         return ood_run_dataset(self.dataset, self.ood_for)
 
@@ -199,7 +177,7 @@ class ExecOptions:
 
     Attributes:
         out: shard root (`<out>/backbone=../dataset=../method=../seed=../part-00000.parquet`).
-        cache_dir: feature cache root (None: `default_cache_dir()`).
+        cache_dir: feature cache root (None: `extract.defaults.default_cache_dir()`).
         device: torch device (None: cuda if available).
         batch_size: images per encoder call. workers: image-loading processes (None: 0 on CPU, up to
             `MAX_CUDA_WORKERS` on CUDA).
@@ -238,10 +216,13 @@ class PlannedRun:
         options: what was asked for.
         method_cls: the method class; config: its config with the overrides applied.
         dataset: the dataset's canonical key; backbone: the model name the shards record.
-        policy: the view policy ("single", "crop_flip", "augmix"); key: RunKey(backbone, dataset, method, seed).
+        policy: the view policy ("single", "crop_flip", "augmix", "crop_flip_05");
+            key: RunKey(backbone, dataset, method, seed).
         settings_note: for a dataset without official settings: which settings apply (printed, kept in shards).
         ood_for: an OOD run's in-distribution key (None: a plain run); ood_dataset: its OOD set's key. `dataset` is
             then `<ood_dataset>@<ood_for>`.
+        model_notes: defaults lowered to fit the model (TTL's lora_blocks on a model with fewer vision blocks), one
+            line each (printed and kept in the shards' `zaec:warnings`).
     """
 
     options: RunOptions
@@ -254,6 +235,7 @@ class PlannedRun:
     settings_note: str = ""
     ood_for: str | None = None
     ood_dataset: str | None = None
+    model_notes: tuple[str, ...] = ()
 
     @property
     def class_dataset(self) -> str:
@@ -298,9 +280,9 @@ def plan(options: RunOptions) -> PlannedRun:
         or config key), DatasetError (unknown dataset).
     """
     from extract.datasets import get_dataset
-    from extract.methods import apply_overrides, get_method
+    from extract.methods import get_method
     from extract.views import view_policy
-    from schemas import RunKey
+    from schemas.shard import RunKey
 
     o = options
     cls = get_method(o.method)
@@ -321,20 +303,60 @@ def plan(options: RunOptions) -> PlannedRun:
     unseen = spec.hparams_from is None  # a user's dataset: the method's documented settings for unseen data
     config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
     overrides = o.overrides_dict()
-    if overrides:
-        config = apply_overrides(config, dict(overrides))
+    config, model_notes = _checked_config(o.method, config, overrides, name, o.pretrained)
     try:
-        policy = view_policy(int(config.n_views), bool(config.augmix))
+        policy = view_policy(int(config.n_views), bool(config.augmix), config.crop_scale)
     except ValueError as e:
         raise RunError(f"{o.method}: {e}") from None
     note = _unseen_note(o.method, cls, spec.key, config, overrides) if unseen else ""
     if ood is None:
-        return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note)
-    from schemas import ood_run_dataset
+        return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note,
+                          model_notes=model_notes)
+    from schemas.shard import ood_run_dataset
 
     key = ood_run_dataset(ood.key, spec.key)
     return PlannedRun(o, cls, config, key, name, policy, RunKey(name, key, o.method, int(o.seed)), note,
-                      ood_for=spec.key, ood_dataset=ood.key)
+                      ood_for=spec.key, ood_dataset=ood.key, model_notes=model_notes)
+
+
+def _checked_config(method: str, config: Any, overrides: Mapping[str, Any], backbone: str,
+                    pretrained: str) -> tuple[Any, tuple[str, ...]]:
+    """`config` with the overrides applied, every field within its declared range (`extract.methods.base.setting`),
+    ranges that depend on the model's architecture included where its config can be read without the weights
+    (`extract.models.architecture_facts`; otherwise the method checks them on the loaded model). A default (not a
+    `--set` value) above a bound of the model is lowered to it, with a note: TTL's last 3 of ViT-B/16's 12 blocks
+    on a model of 2 blocks adapts both.
+
+    Returns:
+        (config, notes): one note per default lowered.
+
+    Raises:
+        ConfigRangeError: one line naming the method, the key, the value and the valid range; ValueError (unknown
+            key, a value of the wrong type) naming the method.
+    """
+    from extract.methods.base import ConfigRangeError, apply_overrides, check_ranges, fit_to_model
+
+    try:
+        config = apply_overrides(config, dict(overrides)) if overrides else config
+    except ConfigRangeError as e:
+        raise e.for_method(method) from None
+    except ValueError as e:  # an unknown key, a value of the wrong type
+        raise RunError(f"{method}: {e}") from None
+    facts = _architecture_facts(type(config), backbone, pretrained)
+    config, notes = fit_to_model(config, facts, keep=overrides)
+    check_ranges(config, method, facts)
+    return config, tuple(f"{method} on {backbone}: {n}" for n in notes)
+
+
+def _architecture_facts(config_cls: type, backbone: str, pretrained: str) -> dict[str, int]:
+    """The model facts the config's ranges need (`extract.models.architecture_facts`), {} when they need none."""
+    from extract.methods.base import model_fact_names
+
+    if not model_fact_names(config_cls):
+        return {}
+    from extract.models import architecture_facts
+
+    return architecture_facts(backbone, pretrained)
 
 
 def _in_distribution(ood_for: str, ood_key: str) -> Any:

@@ -22,7 +22,7 @@ import numpy as np
 
 from extract.run.options import RunError
 from extract.run.rundir import RunDir
-from schemas import ShardError, ShardMeta, read_shard, write_shard
+from schemas.shard import ShardError, ShardMeta, read_shard, write_shard
 
 # Per-part metadata that follows the stream (the method's state and summary after the part's last row): left out
 # when a resumed run compares the settings of the parts on disk with its own.

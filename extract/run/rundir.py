@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from schemas import COMPLETE_MARKER, RunKey, shard_dir, shard_path
+from schemas.shard import COMPLETE_MARKER, RunKey, shard_dir, shard_path
 from schemas.atomic import write_json_atomic
 
 if TYPE_CHECKING:

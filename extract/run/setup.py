@@ -16,9 +16,9 @@ from extract.prompts import PromptSet, build_prompt_set
 from extract.run.ood import ood_meta
 from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun
 from extract.run.progress import Progress
-from extract.run.settings import RunData
+from extract.run.rundata import RunData
 from extract.run.stream import STREAM_RULE
-from schemas import ShardMeta
+from schemas.shard import ShardMeta
 
 
 def build_method(cls: type, config: Any, text_features: torch.Tensor, model: LoadedModel, *, backbone: str,

@@ -1,7 +1,7 @@
 """Writing a run: `PartWriter` turns the adapt loop's rows into one shard per part as the stream advances, and
 `marker_doc` is what the completion marker records once every part is on disk.
 
-Each part is written atomically (`schemas.write_shard`: a temporary name, then a rename), so an interrupted run
+Each part is written atomically (`schemas.shard.write_shard`: a temporary name, then a rename), so an interrupted run
 leaves whole parts only; the marker is written last, so a run without it is not finished.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from extract.run.rundir import RunDir
-from schemas import ShardMeta, write_shard
+from schemas.shard import ShardMeta, write_shard
 
 _COLUMNS = ("sid", "label", "zs", "tta", "pos")
 

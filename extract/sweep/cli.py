@@ -5,12 +5,12 @@
                [--executor local|slurm] [--partition P --gpus-per-job 1 --timeout-min N ...] [--dry-run]
     zaec-sweep --config grid.toml [any option above overrides the file]
     zaec-sweep status [--out DIR]         the manifest as a table, states refreshed from the jobs
-    zaec-sweep retry  [--out DIR]         resubmit the failed runs only
+    zaec-sweep retry  [--out DIR]         resubmit the failed and lost runs only
 
 Every name is resolved before anything is submitted. Runs whose shards are complete (the extractor's own
-`RunDir.is_complete`) are skipped, so re-running the same command submits only what is missing or failed. Runs that
-share a feature cache - same backbone, weights, dataset, view policy and seed - form one group; SLURM gets one array
-task per group, the local executor packs the groups into `--local-jobs` processes. The manifest lives in
+`RunDir.is_complete`) are skipped, so re-running the same command submits only what is missing, failed or lost. Runs
+that share a feature cache - same backbone, weights, dataset, view policy and seed - form one group; SLURM gets one
+array task per group, the local executor packs the groups into `--local-jobs` processes. The manifest lives in
 `<out>/_sweep/manifest.json`; calibrate the results with `zaec-calibrate <out>`.
 
 A user error ends in one line on stderr and exit status 2; `run --wait` and `retry --wait` exit with 1 when a run
@@ -29,7 +29,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 import typer
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
-from extract.sweep.cost import cost_notes, plan_frame
+from extract.sweep.cost import cost_notes
+from extract.sweep.grid import plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import (
     Grid,
@@ -42,19 +43,21 @@ from extract.sweep.grid import (
     split_list,
 )
 from extract.sweep.manifest import Manifest, locked_manifest, manifest_frame, sweep_dir
-from extract.run.options import (
-    ADAPT_BATCH_HELP,
-    ANCHORS,
+from extract.defaults import (
     CACHE_DIR_ENV,
     CUPL_DIR_ENV,
     DATA_ROOT_ENV,
+    DEFAULT_BACKBONE,
+    DEFAULT_CACHE_DIR,
+    DEFAULT_DATA_ROOT,
+)
+from extract.run.options import (
+    ADAPT_BATCH_HELP,
+    ANCHORS,
     DEFAULT_ADAPT_BATCH,
     DEFAULT_ANCHOR,
-    DEFAULT_BACKBONE,
     DEFAULT_BATCH_SIZE,
-    DEFAULT_CACHE_DIR,
     DEFAULT_CHUNK_SIZE,
-    DEFAULT_DATA_ROOT,
     DEFAULT_FINGERPRINT,
     DEFAULT_OUT,
     DEFAULT_PART_SIZE,
@@ -73,7 +76,7 @@ from extract.sweep.runspec import (
     sweep_exec_fields,
     sweep_run_fields,
 )
-from extract.sweep.state import ACTIVE_STATES, STATES
+from extract.sweep.state import ACTIVE_STATES, RETRY_STATES, STATES
 from extract.sweep.submit import ExecOptions, sbatch_preview, submit_and_record
 from extract.sweep.track import refresh, split_runs
 
@@ -89,7 +92,7 @@ POLL_S = 2.0
 # ---------------------------------------------------------------------------------------------------------------
 # rendering (rich) of the polars frames built in extract.sweep.cost and extract.sweep.manifest
 
-STATE_STYLE = {"done": "green", "failed": "bold red", "running": "cyan", "pending": "yellow"}
+STATE_STYLE = {"done": "green", "failed": "bold red", "lost": "bold magenta", "running": "cyan", "pending": "yellow"}
 
 
 def render_manifest(manifest: Manifest, console: Any, *, only: str | None = None) -> None:
@@ -103,7 +106,7 @@ def render_manifest(manifest: Manifest, console: Any, *, only: str | None = None
         t.add_column(h, overflow="fold")
     for r in df.iter_rows(named=True):
         style = STATE_STYLE.get(r["state"], "")
-        detail = r["error"] if r["state"] == "failed" else _relative(r["shard_dir"], manifest.out)
+        detail = r["error"] if r["state"] in RETRY_STATES else _relative(r["shard_dir"], manifest.out)
         t.add_row(r["backbone"], r["dataset"], r["method"], str(r["seed"]), r["job_id"] or "-",
                   f"[{style}]{r['state']}[/{style}]" if style else r["state"], _escape(detail))
     console.print(t)
@@ -169,16 +172,27 @@ def fmt_hours(h: float) -> str:
 
 def wait_for(out: Path, run_ids: Sequence[str], live: Mapping[str, Any], console: Any,
              poll_s: float = POLL_S) -> Manifest:
-    """Refresh until none of `run_ids` is pending or running, printing each change; returns the final manifest."""
+    """Refresh until none of `run_ids` is pending or running, printing each change (and once, a note on SLURM
+    accounting when it does not answer); returns the final manifest."""
+    said: set[str] = set()
     while True:
+        notes: list[str] = []
         with locked_manifest(out) as m:
-            for run_id, state, err in refresh(m, live):
+            for run_id, state, err in refresh(m, live, notes):
                 line = f"{state:8s} {run_id}" + (f": {err}" if err else "")
                 console.print(line, markup=False, highlight=False)
-            active = [r for r in run_ids if m.rows.get(r, {}).get("state") in ACTIVE_STATES]
+        _say_notes(notes, said, console)
+        active = [r for r in run_ids if m.rows.get(r, {}).get("state") in ACTIVE_STATES]
         if not active:
             return m
         time.sleep(poll_s)
+
+
+def _say_notes(notes: Sequence[str], said: set[str], console: Any) -> None:
+    for note in notes:
+        if note not in said:
+            said.add(note)
+            console.print(f"note: {note}", markup=False, highlight=False)
 
 
 def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run: bool, wait: bool,
@@ -211,31 +225,31 @@ def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run:
 def _finish(out: Path, run_ids: Sequence[str], live: Mapping[str, Any], console: Any) -> int:
     m = wait_for(out, run_ids, live, console)
     render_manifest(m, console)
-    failed = [r for r in run_ids if m.rows[r]["state"] == "failed"]
+    failed = [r for r in run_ids if m.rows[r]["state"] in RETRY_STATES]
     if failed:
-        console.print(f"{len(failed)} run(s) failed; see the error column, then: zaec-sweep retry --out {out}",
-                      highlight=False)
+        console.print(f"{len(failed)} run(s) failed or lost; see the error column, then: zaec-sweep retry --out "
+                      f"{out}", highlight=False)
         return 1
     return 0
 
 
 def sweep_retry(out: Path, overrides: Mapping[str, Any], *, dry_run: bool, wait: bool | None, console: Any) -> int:
-    """Resubmit the failed runs of the manifest (regrouped by feature cache), with the recorded executor settings
-    updated by `overrides`."""
+    """Resubmit the failed and lost runs of the manifest (regrouped by feature cache), with the recorded executor
+    settings updated by `overrides`."""
     out = Path(out).resolve()
     with locked_manifest(out, must_exist=True) as manifest:
         refresh(manifest)
-        failed = [manifest.spec(k) for k, r in sorted(manifest.rows.items()) if r.get("state") == "failed"]
+        failed = [manifest.spec(k) for k, r in sorted(manifest.rows.items()) if r.get("state") in RETRY_STATES]
         opts = ExecOptions.from_dict({**manifest.executor, **overrides})
         if not failed:
-            console.print("nothing to retry: no failed run in the manifest", highlight=False)
+            console.print("nothing to retry: no failed or lost run in the manifest", highlight=False)
             return 0
         groups = group_runs(failed)
         if dry_run:
             render_plan(groups, [], [], opts, out, console)
             return 0
         live = submit_and_record(manifest, groups, opts)
-    console.print(f"{len(failed)} failed run(s) resubmitted in {len(groups)} job group(s) ({opts.executor})",
+    console.print(f"{len(failed)} failed or lost run(s) resubmitted in {len(groups)} job group(s) ({opts.executor})",
                   highlight=False)
     if wait is None:
         wait = opts.executor == "local"
@@ -379,7 +393,7 @@ def run(
     slurm_setup: List[str] = typer.Option([], "--slurm-setup", help="shell line run before each SLURM job, e.g. "
                                                                     "'source .venv/bin/activate' (repeatable)"),
     local_jobs: Optional[int] = typer.Option(None, help="local processes side by side [default: 1]"),
-    rates: Optional[Path] = typer.Option(None, "--rates", help="JSON of `python -m extract.bench_gpu --json` (make "
+    rates: Optional[Path] = typer.Option(None, "--rates", help="JSON of `python -m tools.bench_gpu --json` (make "
                                                                "bench-gpu): price the plan with its measured rates"),
     wait: Optional[bool] = typer.Option(None, "--wait/--no-wait", help="wait for the jobs and show the result "
                                                                        "[default: wait with local, not with slurm]"),
@@ -449,18 +463,20 @@ def grid_runs(given: Mapping[str, Any], cfg: Mapping[str, Any]) -> tuple[list[Ru
 @app.command()
 def status(
     out: Path = typer.Option(DEFAULT_OUT, help="the sweep's shard root"),
-    state: Optional[str] = typer.Option(None, help="show only runs in this state: pending, running, done, failed"),
+    state: Optional[str] = typer.Option(None, help="show only runs in this state: " + ", ".join(STATES)),
 ) -> None:
     """Show the manifest as a table; states are refreshed from the jobs and the shards on disk."""
     console = _console()
+    notes: list[str] = []
     try:
         if state is not None and state not in STATES:
             raise SweepError(f"unknown state {state!r}; available: {', '.join(STATES)}")
         with locked_manifest(Path(out).resolve(), must_exist=True) as m:
-            refresh(m)
+            refresh(m, notes=notes)
     except USER_ERRORS as e:
         fail(PROG, e, full=True)
     render_manifest(m, console, only=state)
+    _say_notes(notes, set(), console)
 
 
 @app.command()

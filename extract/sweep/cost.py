@@ -1,12 +1,14 @@
 """The cost model of `zaec-sweep --dry-run`: images and views per group, GPU-seconds per view and per sample.
 
 An estimate, documented as such: fixed guesses per backbone family and method below, replaced by the rates measured
-on one device (`python -m extract.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
-plan table (`plan_frame`), the SLURM time limit and the local executor's packing all price groups with it.
+on one device (`python -m tools.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
+plan table (`extract.sweep.grid.plan_frame`), the SLURM time limit and the local executor's packing all price groups
+with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -17,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from extract.sweep.errors import SweepError
 
 if TYPE_CHECKING:
-    from extract.sweep.grid import Group
     from extract.sweep.runspec import RunSpec
 
 #: Test-set sizes (images) of the paper's 15 datasets: ImageNet val, the released ImageNet-A/-V2 (matched
@@ -117,14 +118,15 @@ NUM_CLASSES: dict[str, int] = {
 DEMO_NUM_CLASSES = 10
 
 
-#: Methods priced with another method's measured rate: C-TPT, O-TPT and A-TPT (and R-TPT) tune the same
-#: prompts with the same text-encoder passes per sample as TPT (their extra terms cost little next to them).
+#: Methods priced with another method's measured rate when a rates file lacks their own (files written before
+#: `bench-gpu` timed every method): C-TPT, O-TPT and A-TPT (and R-TPT) tune the same prompts with the same
+#: text-encoder passes per sample as TPT (their extra terms cost little next to them).
 RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt": "tpt"}
 
 
 @dataclass(frozen=True)
 class Rates:
-    """Rates measured on one device by `python -m extract.bench_gpu --json FILE`, by backbone: what `--rates FILE`
+    """Rates measured on one device by `python -m tools.bench_gpu --json FILE`, by backbone: what `--rates FILE`
     prices a sweep with instead of the fixed guesses above (backbones and methods it did not measure keep those).
 
     Attributes:
@@ -132,17 +134,28 @@ class Rates:
         encode_s: (backbone, view policy) -> seconds per view through loader and encoder.
         adapt_s: (backbone, method) -> ((K, seconds per sample), ...) sorted by K.
         overhead_s: backbone -> seconds of a process's fixed cost.
+        position: (backbone, method) -> mean stream position of the samples its rate was timed over (the bench's
+            `adapt_detail`; a method whose cost grows with the stream, ECALP, is priced from it).
     """
 
     source: str
     encode_s: Mapping[tuple[str, str], float]
     adapt_s: Mapping[tuple[str, str], tuple[tuple[int, float], ...]]
     overhead_s: Mapping[str, float]
+    position: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+
+    def measured(self, backbone: str, method: str) -> str | None:
+        """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None."""
+        for m in (method, RATE_PROXY.get(method)):
+            if m is not None and (backbone, m) in self.adapt_s:
+                return m
+        return None
 
     def adapt(self, backbone: str, method: str, k: int) -> float | None:
         """Seconds per sample at K classes: linear between the measured K, the end segments extended beyond them
         (the TPT family's cost grows linearly in K), never below zero; None when not measured."""
-        pts = self.adapt_s.get((backbone, RATE_PROXY.get(method, method)))
+        m = self.measured(backbone, method)
+        pts = self.adapt_s.get((backbone, m)) if m is not None else None
         if not pts:
             return None
         if len(pts) == 1:
@@ -161,7 +174,7 @@ def _positive(doc: Mapping[str, Any], key: str, where: str) -> float:
 
 @functools.lru_cache(maxsize=8)
 def load_rates(path: str) -> Rates:
-    """Read the JSON of `python -m extract.bench_gpu --json` (format version 1). Raises SweepError naming the file
+    """Read the JSON of `python -m tools.bench_gpu --json` (format version 1). Raises SweepError naming the file
     and the key when it is not such a file."""
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -169,11 +182,12 @@ def load_rates(path: str) -> Rates:
         raise SweepError(f"--rates {path}: cannot read a JSON file ({e})") from None
     if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("backbones"), dict) \
             or not doc["backbones"]:
-        raise SweepError(f"--rates {path}: expected the JSON of `python -m extract.bench_gpu --json` (version 1, "
+        raise SweepError(f"--rates {path}: expected the JSON of `python -m tools.bench_gpu --json` (version 1, "
                          "a 'backbones' object)")
     enc: dict[tuple[str, str], float] = {}
     adapt: dict[tuple[str, str], tuple[tuple[int, float], ...]] = {}
     over: dict[str, float] = {}
+    position: dict[tuple[str, str], float] = {}
     for bb, r in doc["backbones"].items():
         where = f"--rates {path}, backbone {bb}"
         if not isinstance(r, dict):
@@ -191,7 +205,24 @@ def load_rates(path: str) -> Rates:
             except ValueError:
                 raise SweepError(f"{where}: class counts of {method!r} must be integers, got {list(per_k)}") from None
             adapt[(bb, method)] = tuple(pts)
-    return Rates(str(path), enc, adapt, over)
+        position.update(_positions(r, bb, where))
+    return Rates(str(path), enc, adapt, over, position)
+
+
+def _positions(r: Mapping[str, Any], backbone: str, where: str) -> dict[tuple[str, str], float]:
+    """(backbone, method) -> mean stream position of the timed samples, from a backbone's `adapt_detail` (absent
+    in files written before it: then nothing), averaged over the K measured."""
+    detail = r.get("adapt_detail") or {}
+    if not isinstance(detail, dict):
+        raise SweepError(f"{where}: expected an object at 'adapt_detail', got {detail!r}")
+    out = {}
+    for method, per_k in detail.items():
+        pos = [v.get("mean_position") for v in (per_k.values() if isinstance(per_k, dict) else [])
+               if isinstance(v, dict) and not v.get("skipped")]
+        pos = [float(p) for p in pos if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0]
+        if pos:
+            out[(backbone, method)] = sum(pos) / len(pos)
+    return out
 
 
 def _listed_size(dataset: str) -> tuple[int, int] | None:
@@ -216,7 +247,7 @@ OOD_SIZES: dict[str, int] = {"inaturalist": 10000, "sun": 10000, "places": 10000
 
 
 def _table_size(dataset: str) -> tuple[int, int] | None:
-    from schemas import OOD_SEPARATOR
+    from schemas.shard import OOD_SEPARATOR
 
     if OOD_SEPARATOR in dataset:  # an OOD run: both sets' images, the in-distribution set's classes
         ood, _, ind = dataset.partition(OOD_SEPARATOR)
@@ -243,9 +274,15 @@ def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str 
     measured (`rates`, seconds per sample) where it holds the backbone and method, else `ADAPT_COSTS`."""
     k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
     measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
-    if measured is not None:
-        return n * measured
-    return adapt_cost(method).seconds(n, k, views_per_image(policy))
+    if measured is None:
+        return adapt_cost(method).seconds(n, k, views_per_image(policy))
+    cost = adapt_cost(method)
+    pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
+    if (cost.per_position or cost.per_position_class) and pos:
+        # its cost per sample grows in proportion to the samples seen (ECALP's graph): the rate measured around
+        # stream position `pos` scales to n (n + 1) / 2 positions in all, as the fixed guess does
+        return measured / pos * n * (n + 1) / 2
+    return n * measured
 
 
 def cost_notes(methods: Sequence[str]) -> list[str]:
@@ -267,7 +304,9 @@ def cost_notes(methods: Sequence[str]) -> list[str]:
 
 def encode_seconds(backbone: str, policy: str, rates: Rates | None = None) -> float:
     """Estimated GPU-seconds per encoded view: measured (`rates`) for this backbone and policy, else the table."""
-    measured = rates.encode_s.get((backbone, policy)) if rates is not None else None
+    # DMN's crop_flip_05 views cost what crop_flip views cost (the same operations on a larger area)
+    rate_policy = "crop_flip" if policy == "crop_flip_05" else policy
+    measured = rates.encode_s.get((backbone, rate_policy)) if rates is not None else None
     return measured if measured is not None else ENCODE_S_PER_VIEW[_family(backbone)]
 
 
@@ -311,19 +350,3 @@ def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> flo
     enc = n * views * encode_seconds(r0.backbone, r0.policy, rates)
     adapt = sum(adapt_seconds(r.method, r.dataset, n, r.policy, r.backbone, rates) for r in runs)
     return (overhead_seconds(r0.backbone, rates) + enc + adapt) / 3600.0
-
-
-def plan_frame(groups: Sequence["Group"], rates: Rates | None = None) -> "Any":
-    """One row per group: group, backbone, dataset, policy, seed, methods, runs, images, views, est. GPU-hours."""
-    import polars as pl
-
-    rows = []
-    for g in groups:
-        r0 = g.runs[0]
-        n = n_images(r0.dataset, r0.limit)
-        rows.append({"group": g.group_id, "backbone": r0.backbone, "dataset": r0.dataset, "policy": r0.policy,
-                     "seed": r0.seed, "methods": ",".join(g.methods), "runs": len(g.runs), "images": n,
-                     "views": n * views_per_image(r0.policy), "gpu_hours": g.estimate_hours(rates)})
-    schema = {"group": pl.Utf8, "backbone": pl.Utf8, "dataset": pl.Utf8, "policy": pl.Utf8, "seed": pl.Int64,
-              "methods": pl.Utf8, "runs": pl.Int64, "images": pl.Int64, "views": pl.Int64, "gpu_hours": pl.Float64}
-    return pl.DataFrame(rows, schema=schema)

@@ -14,9 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from extract.sweep.cost import Rates, estimate_hours
+from extract.sweep.cost import Rates, estimate_hours, n_images, views_per_image
 from extract.sweep.errors import SweepError
-from extract.run.options import DEFAULT_BACKBONE, DEFAULT_PRETRAINED, DEFAULT_SEED
+from extract.defaults import DEFAULT_BACKBONE
+from extract.run.options import DEFAULT_PRETRAINED, DEFAULT_SEED
 from extract.sweep.runspec import RunSpec, absolute_weights, is_local_dir, resolve_run, sweep_options
 
 
@@ -289,3 +290,19 @@ def pack_groups(groups: Sequence[Group], n_jobs: int, rates: Rates | None = None
         packs[i].append(g)
         loads[i] += g.estimate_hours(rates)
     return packs
+
+
+def plan_frame(groups: Sequence[Group], rates: Rates | None = None) -> "Any":
+    """One row per group: group, backbone, dataset, policy, seed, methods, runs, images, views, est. GPU-hours."""
+    import polars as pl
+
+    rows = []
+    for g in groups:
+        r0 = g.runs[0]
+        n = n_images(r0.dataset, r0.limit)
+        rows.append({"group": g.group_id, "backbone": r0.backbone, "dataset": r0.dataset, "policy": r0.policy,
+                     "seed": r0.seed, "methods": ",".join(g.methods), "runs": len(g.runs), "images": n,
+                     "views": n * views_per_image(r0.policy), "gpu_hours": g.estimate_hours(rates)})
+    schema = {"group": pl.Utf8, "backbone": pl.Utf8, "dataset": pl.Utf8, "policy": pl.Utf8, "seed": pl.Int64,
+              "methods": pl.Utf8, "runs": pl.Int64, "images": pl.Int64, "views": pl.Int64, "gpu_hours": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)

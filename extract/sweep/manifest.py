@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from extract.sweep.errors import SweepError
+from extract.sweep.errors import NotSubmitted, SweepError
 from extract.sweep.runspec import OLD_MANIFEST, RunSpec
+from schemas.atomic import write_json_atomic
 
 SWEEP_DIRNAME = "_sweep"
 MANIFEST_NAME = "manifest.json"
@@ -46,13 +47,6 @@ def result_path(out: str | os.PathLike, run_id: str) -> Path:
 
 def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def write_json_atomic(path: Path, obj: Any) -> Path:
-    """Write JSON under a temporary name in the same folder, then rename (never half-written)."""
-    from extract.cache import write_json_atomic as _w
-
-    return _w(path, obj)
 
 
 def read_json(path: Path) -> Any | None:
@@ -118,6 +112,11 @@ class Manifest:
             "spec": run.to_dict(),
         }
 
+    def record_not_submitted(self, run: RunSpec, *, error: str, executor: str) -> None:
+        """A run whose submission was refused: failed, with `error` (the scheduler's answer); no job id."""
+        self.record_submission(run, job_id="", token="", executor=executor)
+        self.rows[run.run_id].update(state="failed", error=f"not submitted: {error}")
+
     def record_done(self, run: RunSpec) -> None:
         """A run found complete at planning time (no submission)."""
         old = self.rows.get(run.run_id, {})
@@ -137,7 +136,8 @@ class Manifest:
 
 @contextlib.contextmanager
 def locked_manifest(out: str | os.PathLike, *, must_exist: bool = False) -> Iterator[Manifest]:
-    """Load, yield and save the manifest under an exclusive lock (`status` and `run` may run at the same time)."""
+    """Load, yield and save the manifest under an exclusive lock (`status` and `run` may run at the same time).
+    The manifest is not saved when the body raises, except for `NotSubmitted` (its rows say what was refused)."""
     d = sweep_dir(out)
     if must_exist and not manifest_path(out).exists():
         raise SweepError(f"no sweep manifest at {manifest_path(out)}; start a sweep with `zaec-sweep --out {out} ...`")
@@ -146,7 +146,11 @@ def locked_manifest(out: str | os.PathLike, *, must_exist: bool = False) -> Iter
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             m = Manifest.load(out, must_exist=must_exist)
-            yield m
+            try:
+                yield m
+            except NotSubmitted:
+                m.save()
+                raise
             m.save()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -18,17 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from extract.run.options import (
-    DEFAULT_BACKBONE,
-    DEFAULT_OUT,
-    ExecOptions,
-    RunOptions,
-    default_cache_dir,
-    default_cupl_dir,
-    default_data_root,
-)
+from extract.defaults import DEFAULT_BACKBONE, default_cache_dir, default_cupl_dir, default_data_root
+from extract.run.options import DEFAULT_OUT, ExecOptions, RunOptions
 from extract.sweep.errors import SweepError
-from schemas import RunKey, shard_dir
+from schemas.shard import RunKey, shard_dir
 
 #: a `--pretrained` value ending so (or holding a path separator) names a checkpoint file (as extract.models reads it)
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")

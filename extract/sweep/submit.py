@@ -7,24 +7,37 @@ worker is `extract.sweep.job`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
 import os
+import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from extract.sweep.cost import Rates, load_rates
-from extract.sweep.errors import SweepError
+from extract.sweep.errors import NotSubmitted, SweepError
 from extract.sweep.grid import Group, pack_groups
-from extract.sweep.manifest import Manifest, new_token, sweep_dir
+from extract.sweep.manifest import Manifest, manifest_path, new_token, sweep_dir
 
 Executor = Literal["local", "slurm"]
 EXECUTORS: tuple[str, ...] = ("local", "slurm")
 SLURM_JOB_NAME = "zaec-sweep"
 #: local jobs run until done unless `--timeout-min` says otherwise (submitit's local default is 2 minutes)
 LOCAL_TIMEOUT_MIN = 30 * 24 * 60
+#: seconds before its time limit SLURM signals a job (USR2) so submitit can checkpoint and requeue it
+REQUEUE_SIGNAL_S = 120
+#: below this limit (minutes) a job is not requeued at its limit but killed there (TIMEOUT; `retry` resumes it):
+#: SLURM may send the signal up to 60 s early, so a short job would be signalled at its start and requeue itself
+#: until submitit gives up, each time paying its start-up again
+REQUEUE_MIN_LIMIT_MIN = 10
+#: the signal those short jobs get instead of USR2: SIGURG, which SLURM accepts and every process ignores by
+#: default (submitit always writes a `--signal` line; this overrides it)
+NO_REQUEUE_SIGNAL = "URG@1"
 
 
 @dataclass(frozen=True)
@@ -40,7 +53,7 @@ class ExecOptions:
         array_parallelism: at most this many array tasks at once (SLURM `--array=0-N%P`).
         slurm_setup: shell lines run before the job (e.g. `source /path/.venv/bin/activate`).
         local_jobs: processes the local executor runs side by side (1 = the groups one after the other).
-        rates: JSON of `python -m extract.bench_gpu --json`: estimates (plan, SLURM time limit, local packing) use
+        rates: JSON of `python -m tools.bench_gpu --json`: estimates (plan, SLURM time limit, local packing) use
             its measured rates instead of the fixed guesses of `extract.sweep.cost`.
     """
 
@@ -102,17 +115,21 @@ def slurm_parameters(opts: ExecOptions, groups: Sequence[Group]) -> dict[str, An
     """Keyword arguments of `submitit.SlurmExecutor.update_parameters` for one job array over `groups`.
 
     One task per job (the groups are the array), `gpus_per_job` GPUs on one node, a `timeout_min` limit (default
-    from the estimate), the USR2 time-out signal 120 s early so submitit can requeue the job (it resumes).
+    from the estimate), the USR2 time-out signal 120 s early so submitit can requeue the job (it resumes); a limit
+    under `REQUEUE_MIN_LIMIT_MIN` minutes gets no such signal (the job ends as TIMEOUT, `retry` resumes it).
     """
+    time_min = opts.timeout_min if opts.timeout_min is not None else default_timeout_min(groups, opts.cost())
     params: dict[str, Any] = {
         "job_name": SLURM_JOB_NAME,
         "nodes": 1,
         "ntasks_per_node": 1,
         "cpus_per_task": opts.cpus_per_job,
-        "time": opts.timeout_min if opts.timeout_min is not None else default_timeout_min(groups, opts.cost()),
+        "time": time_min,
         "array_parallelism": opts.array_parallelism,
-        "signal_delay_s": 120,
+        "signal_delay_s": REQUEUE_SIGNAL_S,
     }
+    if time_min < REQUEUE_MIN_LIMIT_MIN:
+        params["additional_parameters"] = {"signal": NO_REQUEUE_SIGNAL}
     if opts.gpus_per_job:
         params["gpus_per_node"] = opts.gpus_per_job
     if opts.mem_gb is not None:
@@ -173,17 +190,48 @@ def _import_submitit() -> Any:
     return submitit
 
 
+def check_setup(lines: Sequence[str]) -> None:
+    """Refuse a `--slurm-setup` line that sources a file missing on this machine: the jobs would start without that
+    environment (the data, `--out` and the setup live on a file system the nodes share with this machine)."""
+    for line in lines:
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # unbalanced quotes: the job's shell will say so
+            continue
+        if len(words) < 2 or words[0] not in ("source", "."):
+            continue
+        path = os.path.expanduser(os.path.expandvars(words[1]))
+        if "$" not in path and not Path(path).exists():
+            raise NotSubmitted(f"--slurm-setup line {line!r}: {path} does not exist on this machine, so the jobs "
+                               "would start without that environment; give a path the compute nodes share")
+
+
+def _scheduler_answer(exc: BaseException) -> str:
+    """One line of what sbatch (or srun's check) answered: its error lines without the `sbatch: error:` prefix,
+    joined by "; " (submitit's exception holds sbatch's whole stderr)."""
+    lines = []
+    for ln in str(exc).strip().splitlines():
+        ln = re.sub(r"^\s*(sbatch|srun):\s*(error:\s*)?", "", ln).strip()
+        if ln and ln not in lines:
+            lines.append(ln)
+    return "; ".join(lines) if lines else type(exc).__name__
+
+
 def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: str) -> list[tuple[Group, Any]]:
-    """Submit the groups; returns (group, submitit job) pairs. Raises SweepError when the scheduler refuses."""
+    """Submit the groups; returns (group, submitit job) pairs. Raises NotSubmitted (one line) when the scheduler
+    refuses or a `--slurm-setup` line cannot work."""
     submitit = _import_submitit()
     from extract.sweep.job import GroupJob
 
     folder = sweep_dir(out) / "submitit"
     try:
         if opts.executor == "slurm":
+            check_setup(opts.slurm_setup)
             ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
             ex.update_parameters(**slurm_parameters(opts, groups))
-            jobs = ex.submit_array([GroupJob([g], token) for g in groups])
+            # submitit echoes sbatch's stderr before raising; the one line below says it instead
+            with contextlib.redirect_stderr(io.StringIO()):
+                jobs = ex.submit_array([GroupJob([g], token) for g in groups])
             return list(zip(groups, jobs))
         packs = pack_groups(groups, opts.local_jobs, opts.cost())
         ex = submitit.LocalExecutor(folder=folder, max_num_timeout=3)
@@ -197,21 +245,36 @@ def submit_groups(groups: Sequence[Group], opts: ExecOptions, out: Path, token: 
     except SweepError:
         raise
     except Exception as e:  # sbatch refused, srun missing, ...: one line, not a traceback
-        lines = str(e).strip().splitlines()
-        raise SweepError(f"submission failed ({opts.executor}): {lines[0] if lines else type(e).__name__}") from None
+        what = "sbatch refused the submission" if opts.executor == "slurm" else "submission failed (local)"
+        raise NotSubmitted(f"{what}: {_scheduler_answer(e)}") from None
 
 
 def submit_and_record(manifest: Manifest, groups: Sequence[Group], opts: ExecOptions) -> dict[str, Any]:
     """Submit the groups under a new token and record each run's job in the manifest (state pending); returns the
-    submitit job objects by job id (this process can ask them whether they are done)."""
+    local executor's submitit job objects by job id (this process can ask them whether their processes are done).
+    SLURM jobs are followed through squeue/sacct instead (`extract.sweep.track`): submitit's own watcher takes a
+    job sacct cannot tell about for a running one.
+
+    Raises:
+        NotSubmitted: the scheduler refused; every run of `groups` is recorded as failed with its answer.
+    """
     token = new_token()
-    pairs = submit_groups(groups, opts, manifest.out, token)
+    manifest.executor = opts.to_dict()
+    try:
+        pairs = submit_groups(groups, opts, manifest.out, token)
+    except NotSubmitted as e:
+        for group in groups:
+            for run in group.runs:
+                manifest.record_not_submitted(run, error=str(e), executor=opts.executor)
+        raise NotSubmitted(f"{e} ({sum(len(g.runs) for g in groups)} run(s) not submitted, recorded as failed in "
+                           f"{manifest_path(manifest.out)}; `zaec-sweep retry` with corrected options resubmits "
+                           "them)") from None
     live = {}
     for group, job in pairs:
         jid = str(job.job_id)
-        live[jid] = job
+        if opts.executor == "local":
+            live[jid] = job
         log = str(job.paths.stderr) if hasattr(job, "paths") else ""
         for run in group.runs:
             manifest.record_submission(run, job_id=jid, token=token, log=log, executor=opts.executor)
-    manifest.executor = opts.to_dict()
     return live

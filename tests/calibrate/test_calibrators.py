@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibrate import CALIBRATORS, parse_calibrator
-from calibrate.calibrators import SaLS, TemperatureScaling, parse_calibrators
-from calibrate.functional import fit_temperature
+from calibrate.calibrators import CALIBRATORS, SaLS, TemperatureScaling, parse_calibrator, parse_calibrators
+from calibrate.functional.temperature import fit_temperature
 
 from tests.support.calibrate import random_pair
 
@@ -99,9 +98,10 @@ def test_parse_calibrator_specs():
 
 
 def test_temperature_at_its_bound_is_not_reported_as_fitted(tmp_path, make_meta):
-    from calibrate.calibrators import TS_BETA_MIN, TemperatureScaling
+    from calibrate.calibrators import TemperatureScaling
+    from calibrate.functional.temperature import TS_BETA_MIN
     from calibrate.run import calibrate_paths
-    from schemas import shard_path, write_shard
+    from schemas.shard import shard_path, write_shard
 
     z = np.array([[5.0, 0.0], [0.0, 5.0], [4.0, 1.0]])
     wrong = TemperatureScaling().fit(z, np.array([1, 0, 1]))  # every prediction wrong: NLL falls as T grows

@@ -25,7 +25,7 @@ from calibrate.selective import selective_replicates
 from calibrate.synthetic import synthetic_logits
 from calibrate.tables.bootstrap import resample_counts
 from calibrate.trust import TRUST_NAMES, TrustStats, paired_replicates, point_metrics
-from schemas import shard_path, write_shard
+from schemas.shard import shard_path, write_shard
 
 EPS = np.finfo(np.float64).eps
 M = 15

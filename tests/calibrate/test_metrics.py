@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibrate.functional import softmax_stats
+from calibrate.functional.softmax import softmax_stats
 from calibrate.metrics import CalibrationStats, bin_index, ece, mass_bin_index, mce, reliability
 
 

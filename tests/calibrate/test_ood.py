@@ -16,9 +16,9 @@ import pytest
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from calibrate.cli import main
-from calibrate.functional import softmax_stats
+from calibrate.functional.softmax import softmax_stats
 from calibrate.ood import OOD_NAMES, OODStats, ood_from_counts, ood_metrics, ood_replicates
-from calibrate.run import METRIC_COLUMNS, calibrate_paths, write_metrics
+from calibrate.run import COUNT_COLUMNS, METRIC_COLUMNS, calibrate_paths, write_metrics
 from calibrate.selective import SCORES, confidence_score
 from calibrate.synthetic import synthetic_logits
 
@@ -168,8 +168,9 @@ def test_ood_run_metrics(tmp_path, rng):
     plain = calibrate_paths([tmp_path / "plain"], **kw)
     a, b = ood.metrics, plain.metrics
     assert a["dataset"].unique().to_list() == ["noise@dtd"] and a["n"].to_list() == [90] * 5
+    assert a["n_ood"].to_list() == [60] * 5 and b["n_ood"].null_count() == 5  # the OOD rows, apart from n
     for col in METRIC_COLUMNS[6:]:
-        if col not in OOD_NAMES:
+        if col not in (*OOD_NAMES, *COUNT_COLUMNS):
             assert np.allclose(a[col].to_numpy(), b[col].to_numpy(), rtol=1e-12, atol=1e-14, equal_nan=True), col
     assert b.select(OOD_NAMES).to_numpy().size and np.isnan(b.select(OOD_NAMES).to_numpy()).all()
     assert sum("ood_* columns missing" in n for n in plain.notes) == 1
@@ -257,3 +258,49 @@ def test_bad_ood_input_one_line_exit_2(name, tmp_path, rng, capsys):
     lines = [x for x in err.strip().splitlines() if x]
     assert len(lines) == 1 and fragment in lines[0] and str(path) in lines[0], err
     assert "Traceback" not in err
+
+
+def test_console_shows_trust_and_ood_columns_and_words_ood_counts_apart(tmp_path, rng, capsys):
+    """Issue 32 item 6: the console's views hold the selective and OOD columns (percent of metrics.csv), an OOD
+    run's count reads `90 ID + 60 OOD` (not `90 of 150`, a partial run's wording), and the last line names
+    notes.json too."""
+    from calibrate.cli import main
+    from calibrate.console import console_views, count_text
+
+    ood_run(tmp_path / "s" / "ood", rng)
+    y, zs, tta = synthetic_logits(40, 5, rng)
+    write_pa(tmp_path / "s" / "plain" / "p.parquet", _kv("dtd", 5, **{"zaec:n_total": "40", "zaec:limit": "none"}),
+             np.arange(40), y, zs, tta)
+    rep = calibrate_paths([tmp_path / "s"], calibrators="none,zaec", temperature=1.5)
+    m = rep.metrics
+    for score in SCORES:
+        views = console_views(m, score)
+        assert set(views) == {"calibration", "selective", "ood"}
+        sel, ood = views["selective"], views["ood"]
+        for head, col in (("AURC", f"aurc_{score}"), ("E-AURC", f"eaurc_{score}"), ("AUROC", f"auroc_{score}"),
+                          ("FPR95", f"fpr95_{score}"), ("cw-ECE", "cw_ece_15w"), ("tl-ECE", "tl_ece_15w")):
+            np.testing.assert_array_equal(sel[head].to_numpy(), 100.0 * m[col].to_numpy())
+        is_ood = m["dataset"] == "noise@dtd"
+        assert ood.height == int(is_ood.sum()) == 3  # the OOD run's rows only
+        for head in ("AUROC", "FPR95", "AUPR"):
+            np.testing.assert_array_equal(ood[f"OOD {head}"].to_numpy(),
+                                          100.0 * m.filter(is_ood)[f"ood_{head.lower()}_{score}"].to_numpy())
+    n = dict(zip(views["calibration"]["run"], views["calibration"]["n"]))
+    assert n == {"RN50/noise@dtd/tda/seed=1": "90 ID + 60 OOD", "RN50/dtd/tda/seed=1": "40"}
+    assert count_text({"n": 5, "n_ood": None, "n_total": 24, "partial": True}) == "5 of 24, partial"
+    assert count_text({"n": 80, "n_ood": 50, "n_total": 150, "partial": True}) == "80 ID + 50 OOD of 150, partial"
+    assert "ood" not in console_views(m.filter(~is_ood))  # no OOD run: no OOD view
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "s"), "--out", str(tmp_path / "o"), "--temperature", "1.5", "--score", "negent"])
+    out, err = capsys.readouterr()
+    assert e.value.code in (0, None), err
+    assert "90 ID + 60 OOD" in out and "90 of 150" not in out
+    assert "out-of-distribution detection" in out and "negative entropy" in out and "E-AURC" in out
+    last = " ".join(out.split()).rsplit("wrote ", 1)[1]  # the last line, however the console wrapped it
+    assert last == " ".join(f"{tmp_path / 'o' / f}," for f in ("metrics.parquet", "metrics.csv"))[:-1] + \
+        f" and {tmp_path / 'o' / 'notes.json'}"
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "s"), "--out", str(tmp_path / "o2"), "--score", "auroc"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "msp, negent" in err
+    assert not (tmp_path / "o2").exists()

@@ -12,8 +12,15 @@ import pytest
 from calibrate.cli import main
 from calibrate.run import calibrate_paths, check_complete
 from calibrate.synthetic import synthetic_logits
-from schemas import COMPLETE_MARKER, PartialRunError, find_shards, group_shards, run_completeness, shard_path, \
-    write_shard
+from schemas.shard import (
+    COMPLETE_MARKER,
+    PartialRunError,
+    find_shards,
+    group_shards,
+    run_completeness,
+    shard_path,
+    write_shard,
+)
 
 
 def _write_run(root, make_meta, rng, *, n=64, parts=4, dataset="imagenet", limit=None, announce=True,

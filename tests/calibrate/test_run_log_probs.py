@@ -7,7 +7,7 @@ import polars as pl
 
 from calibrate.run import calibrate_paths
 from calibrate.synthetic import synthetic_logits
-from schemas import write_shard
+from schemas.shard import write_shard
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:

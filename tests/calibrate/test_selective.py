@@ -26,7 +26,7 @@ from calibrate.selective import (
 )
 from calibrate.synthetic import synthetic_logits
 from calibrate.tables.bootstrap import resample_counts
-from schemas import shard_path, write_shard
+from schemas.shard import shard_path, write_shard
 
 EPS = np.finfo(np.float64).eps
 

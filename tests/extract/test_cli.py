@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from extract.cli import app
 from extract.methods import REGISTRY
-from schemas import find_shards, read_shard
+from schemas.shard import find_shards, read_shard
 
 from tests.support.extract import make_json_dataset, write_image
 

@@ -27,9 +27,10 @@ from extract.datasets import (
 )
 from extract.methods import REGISTRY as METHODS
 from extract.prompts import USER_PROMPT_POLICIES, PromptError, build_prompt_set
-from extract.runner import RunError, plan_run, run_extraction
+from extract.run.options import RunError
+from extract.runner import plan_run, run_extraction
 from extract.views import ViewGenerator
-from schemas import find_shards, read_shard
+from schemas.shard import find_shards, read_shard
 
 from tests.support.extract import make_imagenet_folders, write_image
 
@@ -303,8 +304,27 @@ def test_unseen_config_per_method(key):
         cfg = cls.unseen_config(backbone)
         assert cfg == dataclasses.replace(cls.default_config(cls.unseen_like, backbone), **cls.unseen_changes)
         assert cfg.prompts in USER_PROMPT_POLICIES and not cfg.cupl
-        if not cfg.episodic and not cls.needs_text_encoder:  # the online cache methods: one view, as on the
-            assert cfg.n_views == 1                              # fine-grained sets (DynaPrompt tunes on 64 views)
+        # the online cache methods: one view, as on the fine-grained sets (DynaPrompt tunes on 64 views); DMN keeps
+        # its 32 of 64 views, which its official code uses on every set (DMN-weak is DMN on one view)
+        if not cfg.episodic and not cls.needs_text_encoder and key != "dmn":
+            assert cfg.n_views == 1
+
+
+def test_dmn_on_unseen_data_is_not_dmn_weak(tmp_path):
+    """Issue 32 item 7: on a user's dataset `dmn` ran DMN-weak's config (one view; the settings line said
+    `n_views=1 ... used_views=32`). It now runs DMN's multi-view setting (the official 32 of 64 views, AugMix as on
+    every set outside the ImageNet family), DMN-weak its one view, and the settings line says which."""
+    key = resolve_dataset(f"folder:{make_folder(tmp_path / 'sat', {'a': ['a.png'], 'b': ['b.png']})}")
+    plans = {m: plan_run(m, key, backbone="ViT-B-16", pretrained="openai", seed=1, overrides=None,
+                         anchor="single", limit=None) for m in ("dmn", "dmn-weak")}
+    dmn, weak = plans["dmn"], plans["dmn-weak"]
+    assert (dmn.config.n_views, dmn.config.used_views, dmn.config.augmix, dmn.policy) == (64, 32, True, "augmix")
+    assert (weak.config.n_views, weak.config.used_views, weak.config.augmix, weak.policy) == (1, 1, False, "single")
+    for p in plans.values():
+        assert (p.config.prompts, p.config.cupl, p.config.mem_weight) == ("imagenet80", False, 1.0)
+    assert dataclasses.replace(dmn.config, n_views=1, used_views=1, augmix=False) == weak.config
+    assert dmn.settings_note == "dmn's settings for unseen data: imagenet's row, augmix=True, prompts=imagenet80, " \
+                                "cupl=False"
 
 
 def test_plan_for_unseen_data(tmp_path):

@@ -10,8 +10,9 @@ import pytest
 
 from extract.datasets import load_testset
 from extract.fingerprint import fingerprint
-from extract.runner import RunError, run_extraction
-from schemas import read_shard
+from extract.run.options import RunError
+from extract.runner import run_extraction
+from schemas.shard import read_shard
 
 from tests.support.extract import make_json_dataset
 
@@ -97,7 +98,7 @@ def test_changed_image_in_place_recomputes(tmp_path, two_roots, tiny_model):
 
 def test_writer_announces_counts_and_resumed_parts_agree(tmp_path, tiny_model):
     from calibrate.run import check_complete
-    from schemas import PartialRunError, find_shards, group_shards
+    from schemas.shard import PartialRunError, find_shards, group_shards
 
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=3, per_class=6)  # 18 samples; parts of 8 rows
@@ -166,11 +167,14 @@ BAD_INPUTS = [
                                             "--backbone": "zaec-tiny-vit"},
      "does not fit the architecture zaec-tiny-vit: Unexpected key(s) in state_dict (12): visual.transformer."),
     ("folder-without-local-dir", lambda t, r, m: {"--pretrained": str(m)}, "pass --pretrained local-dir:"),
-    ("set-nan", lambda t, r, m: {"--set": "alpha=nan"}, "TDAConfig.alpha must be a finite number, got nan"),
-    ("set-inf", lambda t, r, m: {"--set": "beta=inf"}, "TDAConfig.beta must be a finite number, got inf"),
-    ("set-fraction-0", lambda t, r, m: {"--set": "selection_p=0"}, "selection_p is a fraction in (0, 1], got 0.0"),
-    ("set-fraction-2", lambda t, r, m: {"--set": "selection_p=2"}, "selection_p is a fraction in (0, 1], got 2.0"),
-    ("set-capacity-neg", lambda t, r, m: {"--set": "pos_capacity=-1"}, "pos_capacity must be >= 0, got -1"),
+    ("set-nan", lambda t, r, m: {"--set": "alpha=nan"}, "tda: alpha=nan is out of range; valid: alpha >= 0"),
+    ("set-inf", lambda t, r, m: {"--set": "beta=inf"}, "tda: beta=inf is out of range; valid: beta >= 0"),
+    ("set-fraction-0", lambda t, r, m: {"--set": "selection_p=0"},
+     "tda: selection_p=0.0 is out of range; valid: 0 < selection_p <= 1"),
+    ("set-fraction-2", lambda t, r, m: {"--set": "selection_p=2"},
+     "tda: selection_p=2.0 is out of range; valid: 0 < selection_p <= 1"),
+    ("set-capacity-neg", lambda t, r, m: {"--set": "pos_capacity=-1"},
+     "tda: pos_capacity=-1 is out of range; valid: pos_capacity >= 1"),
     ("limit-abc", lambda t, r, m: {"--limit": "abc"}, "Invalid value for '--limit'"),
     ("limit-0", lambda t, r, m: {"--limit": "0"}, "--limit must be >= 1, got 0"),
     ("unknown-option", lambda t, r, m: {"--bogus": "1"}, "No such option: --bogus"),
@@ -244,8 +248,9 @@ def test_nonfinite_logits_fail_the_run_naming_the_sample(tmp_path, tiny_model, m
     import torch
     import extract.methods as methods
     from extract.methods.zero_shot import ZeroShot
-    from extract.runner import run_is_complete, stream_permutation
-    from schemas import RunKey
+    from extract.run.rundir import run_is_complete
+    from extract.run.stream import stream_permutation
+    from schemas.shard import RunKey
 
     class Poisoned(ZeroShot):
         """Zero-shot logits, but NaN from stream position 10 on (a method whose state went bad)."""
@@ -343,7 +348,7 @@ def test_runs_from_before_fingerprints_are_recomputed(tmp_path, tiny_model):
     import dataclasses
     import json as _json
 
-    from schemas import write_shard
+    from schemas.shard import write_shard
     marker = paths[0].parent / "_zaec_complete.json"
     info = _json.loads(marker.read_text())
     for k in ("data_root", "data_fingerprint"):

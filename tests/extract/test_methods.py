@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 
 
-from extract.methods import HPARAMS_KEYS, REGISTRY, apply_overrides, get_method
+from extract.methods import REGISTRY, get_method
+from extract.methods.base import HPARAMS_KEYS, apply_overrides
 from extract.methods.common import ClassCache, adamw_first_step, info_nce, marginal_entropy, torch_adamw_step
 from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.zero_shot import ZeroShot
+from tests.support.extract import with_views
 
 K, D = 5, 16  # D = the embedding width of the tiny open_clip model of `tests.support.extract`
 NAMES = ("cat", "dog", "sea_lion", "car", "tree")
@@ -47,7 +49,8 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
     """A method on the random prototypes of `make_text`; methods that tune prompts also get the tiny model."""
     if getattr(cls, "needs_reward_model", False):  # RLCF: the policy as its own reward model (no second model)
         changes.setdefault("reward_backbone", "policy")
-    cfg = dataclasses.replace(cls.default_config(dataset, "ViT-B-16"), n_views=v, **changes)
+    facts = {"vision_blocks": len(encoder.model.visual.transformer.resblocks)} if encoder is not None else {}
+    cfg = with_views(cls.default_config(dataset, "ViT-B-16"), v, facts, **changes)
     extra = {"text_encoder": encoder, "class_names": NAMES} if cls.needs_text_encoder else {}
     m = cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset, **extra)
     if getattr(cls, "needs_view_images", False):  # TTL adapts the image encoder: fixed random pixels per position
@@ -174,7 +177,7 @@ def test_apply_overrides_rejects_bad_input():
         apply_overrides(cfg, {"prompts": "gpt4"})
     with pytest.raises(ValueError, match="property of the method"):
         apply_overrides(cfg, {"episodic": "true"})
-    with pytest.raises(ValueError, match="n_views must be >= 1"):
+    with pytest.raises(ValueError, match="n_views=0 is out of range; valid: n_views >= 1"):
         apply_overrides(cfg, {"n_views": "0"})
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.alpha = 1.0  # type: ignore[misc]

@@ -15,12 +15,15 @@ import extract.methods as methods
 from extract import runner
 from extract.run import encode as run_encode
 from extract.run import writer as run_writer
-from extract.datasets import imagenet_synsets, load_testset
-from extract.methods.base import MethodConfig, TTAMethod
-from extract.runner import RunError, run_extraction, run_is_complete, stream_permutation
-from schemas import RunKey, find_shards, group_shards, read_shard, validate_shard
+from extract.datasets import imagenet_synsets, load_testset, open_image
+from extract.methods.base import MethodConfig, TTAMethod, apply_overrides
+from extract.run.options import RunError
+from extract.run.rundir import run_is_complete
+from extract.run.stream import stream_permutation
+from extract.runner import run_extraction
+from schemas.shard import RunKey, find_shards, group_shards, read_shard, validate_shard
 
-from tests.support.extract import interrupt_nth_write, make_imagenet_folders, make_json_dataset
+from tests.support.extract import interrupt_nth_write, make_imagenet_folders, make_json_dataset, with_views
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
 
@@ -263,9 +266,15 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
     assert all(validate_shard(p) == [] for p in paths)
-    cfg = methods.apply_overrides(methods.get_method(method).default_config("dtd", "tiny-clip"), overrides)
+    default = apply_overrides(methods.get_method(method).default_config("dtd", "tiny-clip"), overrides)
+    # a default above a bound of the model (TTL's 3 LoRA blocks; the tiny model has 1) is lowered to it, with a note
+    cfg = with_views(default, default.n_views, {"vision_blocks": len(tiny_model.model.visual.transformer.resblocks)})
     meta = read_shard(paths[0]).meta
     assert meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    lowered = [f"{method} on tiny-clip: {k}={v} (the default {getattr(default, k)} exceeds" for k, v in
+               dataclasses.asdict(cfg).items() if v != getattr(default, k)]
+    warnings = json.loads(meta.extra["zaec:warnings"])
+    assert all(any(w.startswith(n) for w in warnings) for n in lowered) and (method != "ttl" or lowered)
     # what the rows are: written only when they are not logits, so shards of the logit methods keep their bytes
     kind = methods.get_method(method).output_kind
     assert meta.output_kind == kind and ("zaec:output_kind" in meta.extra) == (kind != "logits")
@@ -411,13 +420,13 @@ def test_encode_pass_equals_host_concatenated_micro_batches(tmp_path, tiny_model
     dim = tiny_model.encode_images(torch.zeros(1, 3, *tiny_model.preprocess.size)).shape[1]
     cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), dim, np.dtype(np.float32), "s",
                          chunk_size=chunk)
-    encoded = runner.encode_pass(tiny_model, ts, perm, cache, policy, n_pos, seed=1, batch_size=batch_size,
+    encoded = run_encode.encode_pass(tiny_model, ts, perm, cache, policy, n_pos, seed=1, batch_size=batch_size,
                                  device_chains=device_chains)
     assert encoded == n_pos
     gen = ViewGenerator(tiny_model.preprocess, policy, seed=1)
     for c in range(3):
         lo, hi = c * chunk, min((c + 1) * chunk, n_pos)
-        imgs = [runner.open_image(ts.paths[int(perm[p])]) for p in range(lo, hi)]
+        imgs = [open_image(ts.paths[int(perm[p])]) for p in range(lo, hi)]
         parts = {"view0": torch.stack([gen.original(im) for im in imgs])}
         if policy != "single":
             parts[policy] = torch.cat([gen.augmented(im, int(perm[p])) for im, p in zip(imgs, range(lo, hi))])
@@ -442,8 +451,8 @@ def test_cuda_encode_pass_equals_host_micro_batches(tmp_path, tiny_model_dir, da
     gen = ViewGenerator(gpu.preprocess, "augmix", seed=1)
     dim = gpu.encode_images(torch.zeros(1, 3, *gpu.preprocess.size)).shape[1]
     cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), dim, gpu.cache_dtype, "s", chunk_size=4)
-    runner.encode_pass(gpu, ts, perm, cache, "augmix", 4, seed=1, batch_size=64, workers=2)
-    imgs = [runner.open_image(ts.paths[int(perm[p])]) for p in range(4)]
+    run_encode.encode_pass(gpu, ts, perm, cache, "augmix", 4, seed=1, batch_size=64, workers=2)
+    imgs = [open_image(ts.paths[int(perm[p])]) for p in range(4)]
     for part, views in (("view0", torch.stack([gen.original(im) for im in imgs])),
                         ("augmix", torch.cat([gen.augmented(im, int(perm[p])) for p, im in enumerate(imgs)]))):
         want = torch.cat([gpu.encode_images(views[i:i + 64]) for i in range(0, len(views), 64)]).cpu().numpy()
@@ -468,16 +477,16 @@ def test_device_chains_default_on_cuda_unless_disabled(tmp_path, tiny_model, dat
 
     monkeypatch.setattr(run_encode, "_ViewData", spy)
     if env is None:
-        monkeypatch.delenv(runner.DEVICE_CHAINS_ENV, raising=False)
+        monkeypatch.delenv(run_encode.DEVICE_CHAINS_ENV, raising=False)
     else:
-        monkeypatch.setenv(runner.DEVICE_CHAINS_ENV, env)
+        monkeypatch.setenv(run_encode.DEVICE_CHAINS_ENV, env)
     ts = load_testset("dtd", data_root)
     perm = stream_permutation("dtd", 1, len(ts))
     cache = FeatureCache(tmp_path, "m", "dtd", "k", 1, len(ts), 16, np.dtype(np.float32), "s", chunk_size=4)
     for device, want in (("cuda", expected), ("cpu", False)):
         model = dataclasses.replace(tiny_model, device=torch.device(device))
         with pytest.raises(Stop):
-            runner.encode_pass(model, ts, perm, cache, "augmix", 2, seed=1)
+            run_encode.encode_pass(model, ts, perm, cache, "augmix", 2, seed=1)
         assert seen.pop() is want
 
 

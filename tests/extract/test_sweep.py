@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from extract.sweep import cli as sweep
 from extract.datasets import PAPER_DATASETS, get_dataset
 from extract.methods import REGISTRY, get_method
-from extract.runner import run_is_complete
+from extract.run.rundir import run_is_complete
 from extract.sweep import submit, track
 from extract.run.options import ExecOptions, RunOptions
 from extract.sweep.cost import (
@@ -28,14 +28,14 @@ from extract.sweep.cost import (
     TEST_SIZES,
     adapt_seconds,
     load_rates,
-    plan_frame,
 )
+from extract.sweep.grid import plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import Grid, expand_grid, group_runs, method_overrides, pack_groups
 from extract.sweep.manifest import Manifest, error_line, manifest_frame, manifest_path, result_path, sweep_dir
 from extract.sweep.runspec import RunSpec
 from extract.views import view_policy
-from schemas import read_shard
+from schemas.shard import read_shard
 
 from tests.support.extract import make_json_dataset
 
@@ -75,7 +75,7 @@ def _grid_args(model_dir, data_root, out, cache, *extra):
 
 def _expected_policy(method: str, dataset: str, backbone: str) -> str:
     cfg = get_method(method).default_config(get_dataset(dataset).hparams_from, backbone)
-    return view_policy(cfg.n_views, cfg.augmix)
+    return view_policy(cfg.n_views, cfg.augmix, cfg.crop_scale)
 
 
 @pytest.mark.parametrize("method", sorted(REGISTRY))
@@ -85,6 +85,16 @@ def test_every_registered_method_expands(method, tmp_path):
     for r in runs:
         assert r.policy == _expected_policy(method, r.dataset, r.backbone)
         assert Path(r.out).is_absolute()
+
+
+def test_dmn_own_crops_are_priced_as_crop_flip_views():
+    """DMN's `crop_flip_05` views (issue 31 item 4) cost what the measured crop_flip views cost per view."""
+    from extract.sweep.cost import Rates, encode_seconds
+
+    rates = Rates(source="test", encode_s={("ViT-B-16", "crop_flip"): 0.25, ("ViT-B-16", "augmix"): 0.5},
+                  adapt_s={}, overhead_s={})
+    assert encode_seconds("ViT-B-16", "crop_flip_05", rates) == 0.25
+    assert encode_seconds("ViT-B-16", "augmix", rates) == 0.5
 
 
 def test_grouping_puts_the_methods_of_one_cache_key_in_one_group(tmp_path):
@@ -208,7 +218,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
-# rates as `python -m extract.bench_gpu --json` writes them (tests/extract/test_bench_gpu.py checks that writer)
+# rates as `python -m tools.bench_gpu --json` writes them (tests/tools/test_bench_gpu.py checks that writer)
 RATES_DOC = {"version": 1, "device": "test", "backbones": {
     "ViT-B-16": {"encoder_images_per_s": 6000.0, "single_view_images_per_s": 4000.0, "crop_flip_views_per_s": 5000.0,
                  "augmix_views_per_s": 2000.0, "fixed_cost": {"process_s": 10.0},
@@ -263,7 +273,7 @@ def test_measured_rates_price_the_plan(tmp_path):
 
 @pytest.mark.parametrize("doc,message", [
     ("not json", "cannot read a JSON file"),
-    (json.dumps({"version": 2, "backbones": {}}), "expected the JSON of `python -m extract.bench_gpu --json`"),
+    (json.dumps({"version": 2, "backbones": {}}), "expected the JSON of `python -m tools.bench_gpu --json`"),
     (json.dumps({"version": 1, "backbones": {"RN50": {"single_view_images_per_s": 0}}}),
      "backbone RN50: expected a positive number at 'single_view_images_per_s', got 0"),
     (json.dumps({"version": 1, "backbones": {"RN50": {**RATES_DOC["backbones"]["ViT-B-16"],
@@ -311,7 +321,7 @@ def test_config_file_equals_the_options(tmp_path):
     (["run", "--methods", "tda", "--datasets", "dtd", "--set", "tda.nope=1", "--dry-run"], "valid keys: "),
     (["run", "--datasets", "dtd", "--dry-run"], "no methods given"),
     (["run", "--config", "/no/such/grid.toml"], "config file /no/such/grid.toml does not exist"),
-    (["status", "--state", "weird"], "unknown state 'weird'; available: pending, running, done, failed"),
+    (["status", "--state", "weird"], "unknown state 'weird'; available: pending, running, done, failed, lost"),
 ])
 def test_user_errors_are_one_line(args, message, tmp_path):
     res = runner.invoke(sweep.app, args + (["--out", str(tmp_path)] if "--out" not in args else []))
@@ -363,9 +373,11 @@ def test_status_and_retry_without_manifest(command, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # SLURM: the generated submission, without a cluster
 
-def _fake_slurm(bin_dir: Path, capture: Path, job_id: int = 4242, sacct: str | None = None) -> None:
+def _fake_slurm(bin_dir: Path, capture: Path, job_id: int = 4242, sacct: str | None = None,
+                squeue: str | None = None) -> None:
     """`srun` (submitit only checks it exists), an `sbatch` that keeps the script and answers like SLURM, and
-    optionally an `sacct` printing fixed job states."""
+    optionally an `sacct` and a `squeue` printing fixed job states (tests/extract/sweep/test_slurm_real.py meets
+    the real ones)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     scripts = {
         "srun": "#!/bin/sh\nexit 0\n",
@@ -373,6 +385,8 @@ def _fake_slurm(bin_dir: Path, capture: Path, job_id: int = 4242, sacct: str | N
     }
     if sacct is not None:
         scripts["sacct"] = f"#!/bin/sh\ncat <<'EOF'\n{sacct}EOF\n"
+    if squeue is not None:
+        scripts["squeue"] = f"#!/bin/sh\ncat <<'EOF'\n{squeue}EOF\n"
     for name, text in scripts.items():
         p = bin_dir / name
         p.write_text(text)
@@ -405,7 +419,7 @@ def test_slurm_parameters(tmp_path):
 
 def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, monkeypatch):
     capture = tmp_path / "captured.sbatch"
-    _fake_slurm(tmp_path / "bin", capture)
+    _fake_slurm(tmp_path / "bin", capture, squeue="4242_0|PENDING\n4242_1|PENDING\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     out = tmp_path / "out"
     res = _cli(*_grid_args(tiny_model_dir, data_root, out, tmp_path / "cache"), "--executor", "slurm",
@@ -424,17 +438,18 @@ def test_slurm_submission_through_sbatch(tmp_path, tiny_model_dir, data_root, mo
     assert jobs[("dtd", "zero-shot")] == jobs[("dtd", "tda")] != jobs[("eurosat", "tda")]
     assert {jobs[("dtd", "tda")], jobs[("eurosat", "tda")]} == {"4242_0", "4242_1"}
     assert m.executor["executor"] == "slurm" and m.executor["partition"] == "gpu"
-    # a second submission while the array is pending (sacct unknown here) submits nothing
+    # a second submission while squeue lists the array as pending submits nothing
     capture.unlink()
     again = _cli(*_grid_args(tiny_model_dir, data_root, out, tmp_path / "cache"), "--executor", "slurm")
     assert again.exit_code == 0 and not capture.exists()
     assert "0 run(s) submitted" in " ".join(again.output.split())
 
-    # sacct says task 0 timed out and task 1 still runs: status marks the first group failed, leaves the second
+    # squeue lists task 1 running, no longer task 0, which sacct says timed out: status marks the first group
+    # failed, leaves the second
     timed_out = "dtd" if jobs[("dtd", "tda")] == "4242_0" else "eurosat"
     running = "eurosat" if timed_out == "dtd" else "dtd"
-    _fake_slurm(tmp_path / "bin", capture, job_id=5000,
-                sacct="JobID|State|NodeList\n4242_0|TIMEOUT|n1\n4242_1|RUNNING|n2\n")
+    _fake_slurm(tmp_path / "bin", capture, job_id=5000, squeue="4242_1|RUNNING\n",
+                sacct="4242_0|TIMEOUT\n4242_0.batch|CANCELLED\n4242_1|RUNNING\n")
     status = _cli("status", "--out", str(out))
     assert status.exit_code == 0, status.output + status.stderr
     rows = _manifest_states(out)
@@ -711,4 +726,29 @@ def test_help_keeps_the_example_block_as_written(capsys):
         sweep_main(["--help"])
     out = capsys.readouterr().out
     assert "      zaec-sweep --config grid.toml [any option above overrides the file]\n" in out
-    assert "      zaec-sweep retry  [--out DIR]         resubmit the failed runs only\n" in out
+    assert "      zaec-sweep retry  [--out DIR]         resubmit the failed and lost runs only\n" in out
+
+
+def test_every_registered_method_is_priced_from_its_own_bench_rate(tmp_path):
+    """A rates file that times every registered method (`bench-gpu --methods all`) prices each with its own rate,
+    never a proxy's or a guess: n / rate, linear in K between the measured K; ECALP, whose cost per sample grows
+    with the samples seen, from its rate at the mean stream position timed (`adapt_detail`), scaled to n (n + 1) / 2
+    positions. A file without a method's own rate still prices C-TPT with TPT's."""
+    from extract.sweep import cost
+
+    per = {m: {"47": 10.0 + i, "1000": 1.0 + i / 10} for i, m in enumerate(REGISTRY)}
+    detail = {m: {k: {"mean_position": 128.0, "skipped": ""} for k in v} for m, v in per.items()}
+    vit = {**RATES_DOC["backbones"]["ViT-B-16"], "adapt_samples_per_s": per, "adapt_detail": detail}
+    rates = load_rates(str(_write_rates(tmp_path / "all.json", {"version": 1, "backbones": {"ViT-B-16": vit}})))
+    rel = 16 * sys.float_info.epsilon
+    n = TEST_SIZES["dtd"]
+    for m, v in per.items():
+        assert rates.measured("ViT-B-16", m) == m
+        got = cost.adapt_seconds(m, "dtd", n, "augmix", "ViT-B-16", rates)
+        want = 1 / v["47"] / 128.0 * n * (n + 1) / 2 if m == "ecalp" else n / v["47"]
+        assert got == pytest.approx(want, rel=rel, abs=0), m
+        s1000 = cost.adapt_seconds(m, "imagenet", 10, "augmix", "ViT-B-16", rates) / 10
+        assert s1000 == pytest.approx(1 / v["1000"] / 128.0 * 11 / 2 if m == "ecalp" else 1 / v["1000"],
+                                      rel=rel, abs=0), m
+    only_tpt = load_rates(str(_write_rates(tmp_path / "tpt.json")))
+    assert only_tpt.measured("ViT-B-16", "ctpt") == "tpt" and only_tpt.measured("ViT-B-16", "dynaprompt") is None

@@ -117,6 +117,31 @@ def test_crop_flip_view_matches_torchvision_resized_crop():
     torch.testing.assert_close(got, ref, atol=PIXEL_TOL, rtol=0)
 
 
+def test_dmn_crops_at_half_the_area_or_more():
+    """"crop_flip_05" (DMN's official `RandomResizedCrop(224, scale=(0.5, 1))`): every view is torchvision's
+    resized crop with boxes drawn at area U(0.5, 1), a reference that draws them in the test's own loop; no box
+    covers less than half the image (ten tries), where the 0.08-1 policy does."""
+    import torchvision.transforms.functional as TF
+    img = _img(6, size=(64, 48))
+    got = ViewGenerator(PRE, "crop_flip_05", seed=2).augmented(img, sample_id=3)
+    rng = np.random.default_rng([2, 3])
+    areas = []
+    for v in range(N_AUG_VIEWS):
+        left, top, w, h = random_resized_crop_box(rng, *img.size, scale=(0.5, 1.0))
+        areas.append(w * h / (64 * 48))
+        ref = TF.resized_crop(img, top, left, h, w, [32, 32], interpolation=TF.InterpolationMode.BILINEAR)
+        if rng.uniform() < 0.5:
+            ref = TF.hflip(ref)
+        torch.testing.assert_close(got[v], TF.normalize(TF.to_tensor(ref), PRE.mean, PRE.std), atol=PIXEL_TOL,
+                                   rtol=0)
+    assert min(areas) > 0.45  # 0.5 of the area, less the rounding of w and h to pixels
+    small = ViewGenerator(PRE, "crop_flip", seed=2).augmented(img, sample_id=3)
+    assert not torch.equal(small, got)
+    assert view_policy(64, False, (0.5, 1.0)) == "crop_flip_05" and view_policy(64, False) == "crop_flip"
+    with pytest.raises(ValueError, match=r"no augmix view policy crops at scale \(0.5, 1.0\)"):
+        view_policy(64, True, (0.5, 1.0))
+
+
 @pytest.mark.parametrize("policy", ["crop_flip", "augmix"])
 @pytest.mark.parametrize("size,mode,seed", [((45, 37), "RGB", 0), ((120, 90), "RGB", 3), ((31, 64), "L", 5),
                                             ((500, 375), "RGB", 11)])

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import schemas.shard as shard_mod
-from schemas import (
+from schemas.shard import (
     META_KEYS,
     REQUIRED_COLUMNS,
     RunKey,
@@ -198,7 +198,7 @@ def test_grouping_and_disagreement(tmp_path, make_meta):
 
 def test_output_kind_key(tmp_path):
     """`zaec:output_kind`: absent means logits; "log_probs" round-trips; any other value is a ShardError."""
-    from schemas import OUTPUT_KINDS, ShardMeta
+    from schemas.shard import OUTPUT_KINDS, ShardMeta
 
     assert OUTPUT_KINDS == ("logits", "log_probs")
     base = ShardMeta("RN50", "openai", "dtd", "zero", 1, ("a", "b"))

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas import ShardError, read_shard
+from schemas.shard import ShardError, read_shard
 from schemas.shard import read_meta
 
 K, N = 4, 6
@@ -78,3 +78,23 @@ def test_disagreeing_copies_of_a_key_are_refused(tmp_path, rng):
     writer.close()
     with pytest.raises(ShardError, match="zaec:method"):
         read_shard(tmp_path / "d.parquet")
+
+
+def test_polars_list_float64_refusal_names_the_cast_that_fixes_it(tmp_path, rng):
+    """Issue 32 item 13: polars writes (N, K) numpy rows as `List(Float64)`; the refusal names the fix, and the cast it
+    names gives a shard the reader accepts."""
+    cols = _columns(rng)
+    df = pl.DataFrame({"sample_id": cols["sample_id"], "label": cols["label"],
+                       "zs_logits": cols["zs_logits"].astype(np.float64).tolist(),
+                       "tta_logits": cols["tta_logits"].astype(np.float64).tolist()})
+    assert df.schema["zs_logits"] == pl.List(pl.Float64)
+    df.write_parquet(tmp_path / "list.parquet", metadata=_kv())
+    with pytest.raises(ShardError) as e:
+        read_shard(tmp_path / "list.parquet")
+    msg = str(e.value)
+    assert "column 'zs_logits' must be fixed_size_list<float32>[4]" in msg
+    fix = f"pl.col('zs_logits').cast(pl.Array(pl.Float32, {K}))"
+    assert fix in msg
+    fixed = df.with_columns(pl.col(c).cast(pl.Array(pl.Float32, K)) for c in ("zs_logits", "tta_logits"))
+    fixed.write_parquet(tmp_path / "fixed.parquet", metadata=_kv())
+    np.testing.assert_array_equal(read_shard(tmp_path / "fixed.parquet").zs_logits, cols["zs_logits"])

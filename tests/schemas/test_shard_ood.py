@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from schemas import (
+from schemas.shard import (
     ShardError,
     find_shards,
     group_shards,

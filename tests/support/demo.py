@@ -1,4 +1,4 @@
-"""Shared helpers of the demo tests (tests/extract/demo/): Fashion-MNIST idx files written by hand."""
+"""Shared helpers of the demo tests (tests/tools/demo/): Fashion-MNIST idx files written by hand."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ fixtures at the end (`tiny_model_dir`, `tiny_model`, `one_thread`) are registere
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -139,6 +140,33 @@ def make_tiny_checkpoint(path: Path, *, seed: int = 0, fmt: str = "safetensors")
     else:
         torch.save(sd, path)
     return path
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# method configs
+
+def with_views(config, n_views: int, facts: dict | None = None, **changes):
+    """`dataclasses.replace(config, n_views=n_views, **changes)`, with every field whose declared range is bounded
+    by `n_views` (R-TPT's top_k, DMN's used_views) or by a model fact in `facts` (TTL's lora_blocks and
+    {"vision_blocks": N}) lowered to that bound unless `changes` sets it: the config a test on fewer views or a
+    smaller model means (the methods used to clamp these silently, so the logits are those of before). Found
+    through the declared ranges, so a new bounded field needs no edit here."""
+    import dataclasses
+
+    from extract.methods.base import Ref, field_ranges
+
+    facts = facts or {}
+    trial = {**dataclasses.asdict(config), "n_views": n_views, **changes}
+    for name, valid in field_ranges(type(config)).items():
+        hi = None if valid is None else valid.hi
+        if name in changes or not isinstance(hi, Ref) or (hi.of_model and hi.name not in facts):
+            continue
+        base = facts[hi.name] if hi.of_model else trial[hi.name]
+        bound = max(hi.floor or -math.inf, base + hi.offset)
+        if trial[name] > bound:
+            trial[name] = type(trial[name])(bound)
+    settable = {f.name for f in dataclasses.fields(config) if f.init}
+    return dataclasses.replace(config, **{k: v for k, v in trial.items() if k in settable})
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from calibrate.tables.cli import main as tables_main
-from schemas import ShardMeta, shard_path, write_shard
+from schemas.shard import ShardMeta, shard_path, write_shard
 
 
 def slow_ece(conf, correct, n_bins):

@@ -43,7 +43,9 @@ def stream(model, n: int, v: int = 64, seed: int = 0, noise: float = 0.4) -> tor
     g = torch.Generator().manual_seed(seed)
     text = zs_text(model)
     y = torch.randint(0, K, (n,), generator=g)
-    return F.normalize(text[y][:, None] + noise * torch.randn(n, v, text.shape[1], generator=g), dim=-1)
+    # the noise is drawn on the CPU (the same values for a seed on every device) and follows the features' device
+    eps = torch.randn(n, v, text.shape[1], generator=g).to(device=text.device, dtype=text.dtype)
+    return F.normalize(text[y.to(text.device)][:, None] + noise * eps, dim=-1)
 
 
 def make(key: str, model, dataset: str = "dtd", **changes):

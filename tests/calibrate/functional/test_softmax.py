@@ -8,12 +8,9 @@ import numpy as np
 import pytest
 
 import calibrate.functional.softmax as F
-from calibrate.functional import (
-    entropy_from_logits,
-    nll_derivatives,
-    softmax_stats,
-    solve_zaec,
-)
+from calibrate.functional.softmax import entropy_from_logits, softmax_stats
+from calibrate.functional.temperature import nll_derivatives
+from calibrate.functional.zaec import solve_zaec
 from calibrate.functional.softmax import _centred, _cumulants
 
 from tests.support.calibrate import slow_entropy, slow_moments

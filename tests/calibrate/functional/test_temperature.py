@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from calibrate.functional import TS_BETA_MIN, fit_temperature, nll_derivatives, softmax_stats
+from calibrate.functional.softmax import softmax_stats
+from calibrate.functional.temperature import TS_BETA_MIN, fit_temperature, nll_derivatives
 
 from tests.support.calibrate import slow_moments
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.optimize import brentq
 
-from calibrate import entropy_from_logits, softmax_stats, solve_zaec, zaec_temperature
-from calibrate.functional import ZAEC_RTOL, ZAEC_T_MAX, ZAEC_T_MIN
+from calibrate.functional.softmax import entropy_from_logits, softmax_stats
+from calibrate.functional.zaec import ZAEC_RTOL, ZAEC_T_MAX, ZAEC_T_MIN, solve_zaec, zaec_temperature
 from calibrate.functional.softmax import _centred
 from calibrate.functional.zaec import _moments, _moments32
 

@@ -10,7 +10,7 @@ import pytest
 
 from calibrate.tables import builders, layout
 from calibrate.tables.data import merge_summaries, summarise_arrays, summarise_run
-from schemas import RunKey, ShardError, find_shards, group_shards, shard_path, write_shard
+from schemas.shard import RunKey, ShardError, find_shards, group_shards, shard_path, write_shard
 
 from tests.support.tables import cells as _cells, slow_ece
 

@@ -10,7 +10,7 @@ from calibrate.run import run_counts
 from calibrate.synthetic import synthetic_logits
 from calibrate.tables.cli import main as tables_main
 from calibrate.tables.data import check_same_test_sets, load_summaries
-from schemas import ShardError, find_shards, group_shards, shard_path, write_shard
+from schemas.shard import ShardError, find_shards, group_shards, shard_path, write_shard
 
 
 def _write(root, make_meta, rng, *, dataset="dtd", method="tda", seed=1, n=40, k=5, n_total=None, limit=None):

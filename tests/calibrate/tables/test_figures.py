@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from calibrate.tables import builders, figures, render
 from calibrate.tables.data import summarise_arrays
-from schemas import RunKey
+from schemas.shard import RunKey
 
 from tests.support.tables import cells as _cells
 from tests.support.tables import index_items as _items
@@ -293,3 +293,19 @@ def test_ts_source_among_the_tabulated_datasets_is_marked_everywhere(tmp_path, c
     per_run = pl.read_csv(out / "per_run_metrics.csv").filter(pl.col("in_sample"))
     assert set(zip(per_run["dataset"], per_run["calibrator"])) == {("imagenet_a", "temperature")}
     assert per_run.height == 2  # TDA and DPE
+
+
+def test_figure_6_legend_names_every_method_drawn_in_any_panel(tmp_path, monkeypatch):
+    """A method with runs only on the second panel's dataset used to be drawn without a legend entry (the legend was
+    the first panel's); and a partial run's method carries § in it."""
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, path, dpi=130: drawn.setdefault("fig", fig))
+    st = pl.DataFrame({"backbone": "RN50", "dataset": ["dtd"] * 2 + ["imagenet_v2"] * 4,
+                       "method": ["tda", "tda", "tda", "tda", "mta", "mta"], "strength": [0.0, 1.0] * 3,
+                       "calibrator": ["none", "zaec"] * 3, "ece": [5.0, 2.0, 6.0, 3.0, 7.0, 4.0],
+                       "partial": [None, None, None, None, "10 of 20", "10 of 20"]})
+    figures.plot_strength(st, ["dtd", "imagenet_v2"], tmp_path / "f.png", "t")
+    fig = drawn["fig"]
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["TDA", "MTA§"]
+    assert "MTA I-V 10 of 20" in fig._suptitle.get_text()

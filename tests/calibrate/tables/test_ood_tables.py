@@ -21,7 +21,7 @@ from calibrate.tables import ood_tables as ot
 from calibrate.tables import report
 from calibrate.tables.bootstrap import BootstrapResult, dataset_seed, resample_counts
 from calibrate.tables.data import load_summaries, summarise_arrays
-from schemas import RunKey
+from schemas.shard import RunKey
 
 K = 4
 EPS = np.finfo(np.float64).eps
@@ -134,7 +134,13 @@ def test_the_item_is_written_and_the_paper_items_never_see_ood_runs(shards, tmp_
     assert summaries.runs[RunKey("RN50", "noise@dtd", "tda", 1)].ood_for == "dtd"
     rep = report.write_report(summaries, tmp_path, None, report.ReportOptions(temperature_fixed=True))
     item = next(it for it in rep.items if it.name == report.OOD_NAME)
-    assert item.skipped is None and item.beyond_paper and rep.items[-1] is item
+    assert item.skipped is None and item.beyond_paper and rep.items[-2] is item
+    fig = rep.items[-1]  # issue 32 item 12: the OOD figure follows the OOD table
+    assert fig.name == report.OOD_FIGURE_NAME and fig.skipped is None and fig.beyond_paper
+    assert [p.name for p in fig.paths] == ["ood_roc.csv", "ood_roc_RN50.png"]
+    roc = pl.read_csv(tmp_path / "ood_roc.csv")
+    assert set(roc["panel"]) == {"zero-shot", "none", "zaec"} and set(roc["method"]) == {"tda"}
+    assert "ood_roc_RN50.png" in (tmp_path / "README.md").read_text()
     table = pl.read_csv(tmp_path / "ood_RN50.csv")
     assert set(table["dataset"]) == {"noise@dtd", "avg"} and table["value"].null_count() == 0
     assert "noise@dtd" not in set(pl.read_csv(tmp_path / "per_run_metrics.csv")["dataset"])
@@ -153,3 +159,30 @@ def test_no_ood_runs_skips_the_item_with_one_line(shards, tmp_path):
     rep = report.write_report(summaries, tmp_path, None, report.ReportOptions(temperature_fixed=True))
     item = next(it for it in rep.items if it.name == report.OOD_NAME)
     assert item.skipped is not None and "no OOD runs" in item.skipped and "\n" not in item.skipped
+    assert report.OOD_FIGURE_NAME not in [it.name for it in rep.items]  # the table's line says it for both
+
+
+def test_roc_points_are_sklearns_and_their_area_the_auroc():
+    """Issue 32 item 12: the OOD figure's ROC points equal sklearn's roc_curve at every distinct threshold (ties as
+    one step), and the trapezoid area under them is the table's AUROC, for every drawn prediction."""
+    from sklearn.metrics import roc_curve
+
+    runs = [make_ood_run("noise", seed=1), make_ood_run("noise", seed=2), make_ood_run("blobs", method="dpe")]
+    curves = ot.ood_roc_curves(runs)
+    assert curves.select("dataset", "method", "seed").unique().sort("dataset").rows() == [
+        ("blobs@dtd", "dpe", 1), ("noise@dtd", "tda", 1)]  # the lowest seed per OOD run and method
+    for s in (runs[0], runs[2]):
+        ind = s.label >= 0
+        for panel, conf in (("zero-shot", s.zs_confidence), ("none", s.calibrated["none"].confidence),
+                            ("zaec", s.calibrated["zaec"].confidence)):
+            p = curves.filter((pl.col("dataset") == s.key.dataset) & (pl.col("panel") == panel)).sort("point")
+            fpr, tpr, thr = roc_curve(ind, conf, drop_intermediate=False)
+            np.testing.assert_array_equal(p["fpr"].to_numpy(), fpr)
+            np.testing.assert_array_equal(p["tpr"].to_numpy(), tpr)
+            np.testing.assert_array_equal(p["threshold"].to_numpy()[1:], thr[1:])
+            area = float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))
+            n = len(s)
+            assert p["auroc"][0] == pytest.approx(area, abs=8 * n * EPS)
+            assert p["auroc"][0] == pytest.approx(roc_auc_score(ind, conf), abs=8 * n * EPS)
+    with pytest.raises(ValueError, match="needs in-distribution and out-of-distribution"):
+        ot.roc_points([0.5, 0.4], [True, True])

@@ -74,3 +74,29 @@ def test_a_skipped_item_is_listed_with_its_reason(summaries, tmp_path, monkeypat
     rep = report.write_report(summaries, tmp_path, None, report.ReportOptions(ts_source=None))
     assert "- **Figure 8**: never drawn. Skipped: no inputs" in (tmp_path / "README.md").read_text()
     assert rep.outputs == [] and "Figure 8 skipped: no inputs" in rep.notes
+
+
+def test_figure_3_names_the_methods_it_leaves_out_and_why(tmp_path):
+    """Issue 32 item 8: Figure 3 averages every bar over the same datasets, so a method without a run on one of them
+    is left out; the index's notes name it (display name) with the datasets it lacks."""
+    from tests.support.tables import write_run
+
+    for ds in ("imagenet_a", "imagenet_v2"):
+        for m in ("zero-shot", "tda"):
+            write_run(tmp_path / "s", "ViT-B-16", ds, m, 40, 4)
+    write_run(tmp_path / "s", "ViT-B-16", "imagenet_a", "onzeta", 40, 4)
+    write_run(tmp_path / "s", "ViT-B-16", "imagenet_v2", "dmn-weak", 40, 4)
+    s = load_summaries([tmp_path / "s"], report.ALL_SPECS, ts_source=None)
+    ctx = report.prepare(s, tmp_path / "o", None, report.ReportOptions(ts_source=None))
+    item = report.figure_3(ctx)
+    drawn = pl.read_csv(tmp_path / "o" / "fig3_summary.csv")
+    assert drawn["method"].unique().to_list() == ["tda"]
+    assert item.notes == ["ViT-B-16: 2 of 3 method(s) left out, each without runs on a dataset the bars average "
+                          "(imagenet_a, imagenet_v2): DMN-weak (no imagenet_a); OnZeta (no imagenet_v2)"]
+    from calibrate.tables import builders
+
+    sm = builders.backbone_summary(ctx.cells, "ViT-B-16", ["imagenet_a", "imagenet_v2"])
+    gone = builders.summary_left_out(ctx.cells, "ViT-B-16", ["imagenet_a", "imagenet_v2"], sm)
+    assert gone.select("method", "missing").rows() == [("dmn-weak", "imagenet_a"), ("onzeta", "imagenet_v2")]
+    report.write_report(s, tmp_path / "o", None, report.ReportOptions(ts_source=None))
+    assert "OnZeta (no imagenet_v2)" in (tmp_path / "o" / "README.md").read_text()

@@ -15,7 +15,7 @@ from calibrate.selective import confidence_score, risk_coverage
 from calibrate.tables import trust_tables as tt
 from calibrate.tables.bootstrap import bootstrap_runs, dataset_seed, resample_counts
 from calibrate.tables.data import summarise_arrays
-from schemas import RunKey
+from schemas.shard import RunKey
 
 K = 4
 M = 15  # the classwise / top-label binning of the column names
@@ -254,3 +254,34 @@ def test_classwise_statistics_merge_across_shards():
         got, want = merged.classwise[spec].compute(), stats.compute()
         for col in want:  # sums of 100 float64 values in another order
             assert got[col] == pytest.approx(want[col], abs=1e-13), (spec, col)
+
+
+def test_oracle_spans_the_whole_coverage_range_when_top_probabilities_tie_at_one():
+    """Issue 32 item 9: ECALP-like rows whose top probability is exactly 1.0 form one tied group, so the raw curve
+    starts at their share; the oracle panel still covers every level k/N, with risk max(0, k - C) / k."""
+    labels, zs, tta = make_arrays("imagenet", 1, n=200)
+    tta = (tta.astype(np.float64) * 400.0).astype(np.float32)  # most rows one-hot in float64
+    s = summarise_arrays(RunKey("ViT-B-16", "imagenet", "ecalp", 1), np.arange(200), labels, zs, tta,
+                         {"temperature": lambda z, t: np.full(z.shape[0], 300.0)})
+    assert (s.tta_confidence == 1.0).mean() > 0.5
+    curves = tt.risk_coverage_curves({"ecalp": s}, ts_in_sample="imagenet")
+    raw = curves.filter(pl.col("panel") == "none")
+    assert raw["coverage"].min() > 0.5  # the run's own curve: no point below the tied group's share
+    oracle = curves.filter(pl.col("panel") == tt.ORACLE).sort("point")
+    k = np.arange(1, 201)
+    c = int(s.tta_correct.sum())
+    assert np.array_equal(oracle["coverage"].to_numpy(), k / 200)
+    assert np.array_equal(oracle["risk"].to_numpy(), np.maximum(0, k - c) / k)
+    # in-sample temperature scaling (the reference run is the --ts-source set): flagged for its ‡, nothing else
+    flagged = curves.filter(pl.col("in_sample"))["panel"].unique().to_list()
+    assert flagged == ["temperature"]
+    assert not tt.risk_coverage_curves({"ecalp": s}, ts_in_sample="dtd")["in_sample"].any()
+
+
+def test_oracle_curve_on_a_grid_keeps_the_bend():
+    from calibrate.selective import oracle_curve
+
+    cov, risk = oracle_curve(10_000, 3_333, max_points=100)
+    k = np.round(cov * 10_000)
+    assert cov[0] == 1e-4 and cov[-1] == 1.0 and 3_333 in k and np.all(np.diff(cov) > 0)
+    np.testing.assert_array_equal(risk, np.maximum(0, k - 3_333) / k)

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract.methods import REGISTRY, apply_overrides
+from extract.methods import REGISTRY
+from extract.methods.base import apply_overrides
 from extract.methods.atpt import ATPT, ATPTConfig, angular_diversity
 from extract.methods.base import HPARAMS_KEYS
 from extract.methods.tpt import NATURAL_SHIFT
@@ -177,7 +178,7 @@ def test_config_errors():
         apply_overrides(cfg, {"sign": "flipped"})
     with pytest.raises(ValueError, match="cannot be overridden"):
         apply_overrides(cfg, {"direction": "contract"})
-    with pytest.raises(ValueError, match=r"tau must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match="tau=1.0 is out of range; valid: 0 < tau < 1"):
         apply_overrides(cfg, {"tau": "1.0"})
     moved = apply_overrides(cfg, {"script": "ds", "sign": "official_head", "lambda_term": "3"})
     assert (moved.direction, moved.lambda_term) == ("expand", 3.0)
@@ -249,7 +250,7 @@ def test_batched_tuning_equals_one_sample_at_a_time(tiny_model):
 
 def test_shard_metadata_records_the_sign(tmp_path, tiny_model):
     from extract.runner import run_extraction
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=3, per_class=1)
@@ -271,7 +272,7 @@ def test_cli_runs_atpt_and_rejects_a_bad_sign(tmp_path, tiny_model_dir):
     from typer.testing import CliRunner
 
     from extract.cli import app
-    from schemas import find_shards, read_shard
+    from schemas.shard import find_shards, read_shard
 
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=2, per_class=1)

@@ -59,11 +59,11 @@ def cache_logits(f, cache, alpha, beta, mask_thresholds=None):
         for item in cache[c]:
             keys.append(item[0])
             if mask_thresholds:
-                values.append(((item[2] > mask_thresholds[0]) & (item[2] < mask_thresholds[1])).double())
+                values.append(((item[2] > mask_thresholds[0]) & (item[2] < mask_thresholds[1])).to(f.dtype))
             else:
-                values.append(F.one_hot(torch.tensor(c), K).double())
+                values.append(F.one_hot(torch.tensor(c), K).to(f.dtype))
     if not keys:
-        return torch.zeros(K, dtype=torch.float64)
+        return torch.zeros(K, dtype=f.dtype)
     affinity = f @ torch.stack(keys).T
     return alpha * (((-1) * (beta - beta * affinity)).exp() @ torch.stack(values))
 
@@ -79,14 +79,23 @@ def avg_entropy(outputs):
     return -(avg * torch.exp(avg)).sum(dim=-1)
 
 
+def output_entropy(outputs):
+    """`get_output_entropy`, the boosted views' scores."""
+    logits = outputs - outputs.logsumexp(dim=-1, keepdim=True)
+    return -(logits * torch.exp(logits)).sum(dim=-1)
+
+
 def official_boost(stream, text, scale, cfg: BoostAdapterConfig):
+    """The official loop on `stream` and `text` in their dtype (float16 for the official numerics: every tensor
+    op below then rounds as the official fp16 run does). `argsort` is taken stable (zaec's tie rule; the official
+    CUDA argsort leaves ties unspecified)."""
     pos, neg, out = {}, {}, []
     events = {"fifo_evicted": 0, "truncated": 0, "boosted": 0}
     for views in stream:
         logits = scale * views @ text.T  # ori_output, (V, K)
         v = views.shape[0]
         if v > 1 and cfg.summary == "selected":
-            idx = torch.argsort(softmax_entropy(logits))[:int(v * 0.1)]
+            idx = torch.argsort(softmax_entropy(logits), stable=True)[:int(v * 0.1)]
             feat, logit = views[idx].mean(0), logits[idx].mean(0)
             loss, prob = avg_entropy(logits[idx]), logits[idx].softmax(-1).mean(0)
         else:  # infer_ori_image, or one view
@@ -94,11 +103,12 @@ def official_boost(stream, text, scale, cfg: BoostAdapterConfig):
             loss, prob = softmax_entropy(logits[0]), logits[0].softmax(-1)
         pred = int(logit.argmax())
         update_cache(pos, pred, [feat, loss], cfg.pos_capacity, False, events)
-        idx = torch.argsort(softmax_entropy(logits))[:int(v * 0.1)]  # select_confident_samples(ori_feat, ...)
+        idx = torch.argsort(softmax_entropy(logits), stable=True)[:int(v * 0.1)]  # select_confident_samples
+        select_entropy = output_entropy(logits[idx])
         current = copy.deepcopy(pos)
-        for j in idx.tolist():
+        for i, j in enumerate(idx.tolist()):
             events["boosted"] += 1
-            update_cache(current, int(logits[j].argmax()), [views[j], float(softmax_entropy(logits[j]))],
+            update_cache(current, int(logits[j].argmax()), [views[j], float(select_entropy[i])],
                          cfg.pos_capacity + cfg.delta, False, events)
         h_norm = float(loss / math.log2(K))
         if cfg.neg_entropy_lower < h_norm < cfg.neg_entropy_upper:
@@ -134,10 +144,29 @@ def test_equals_official_loop(dataset, v):
         assert events["boosted"] == 80 * int(v * 0.1) and events["truncated"] > 0
 
 
+@pytest.mark.parametrize("dataset,v", [("stanford_cars", 64), ("imagenet_a", 64), ("imagenet", 1)])
+def test_fp16_default_equals_the_official_float16_loop(dataset, v):
+    """Issue 31 item 5: the official code runs float16 throughout; the default (`fp16=True`) equals the official
+    loop run on float16 tensors (the same features and prototypes rounded to fp16)."""
+    text = make_text(2).float()
+    cfg = dataclasses.replace(BoostAdapter.default_config(dataset, "ViT-B-16"), n_views=v)
+    assert cfg.fp16
+    x = make_stream(80, v, text.double(), seed=3 + v, noise=3.0 if cfg.summary == "selected" else 1.5).float()
+    want, events = official_boost(x.half(), text.half(), SCALE, cfg)
+    assert want.dtype == torch.float16 and events["fifo_evicted"] > 0
+    got = BoostAdapter(cfg, text, SCALE, backbone="ViT-B-16", dataset=dataset).adapt(x)
+    # the same float16 operations in the same order: equal but for the order of float accumulation inside the
+    # fp16 products and sums (a cache's items are summed per class here, over all items there): 2 fp16 ulps
+    torch.testing.assert_close(got, want.float(), rtol=2 * torch.finfo(torch.float16).eps, atol=0)
+    f32 = BoostAdapter(dataclasses.replace(cfg, fp16=False), text, SCALE, backbone="ViT-B-16",
+                       dataset=dataset).adapt(x)
+    assert float((f32 - want.float()).abs().max()) > float((got - want.float()).abs().max())
+
+
 def test_batched_equals_one_at_a_time_float32():
     text = make_text().float()
     x = make_stream(40, 64, text.double(), seed=4, noise=1.5).float()
-    cfg = BoostAdapter.default_config("imagenet_a", "RN50")
+    cfg = dataclasses.replace(BoostAdapter.default_config("imagenet_a", "RN50"), fp16=False)
     whole = BoostAdapter(cfg, text, 100.0, backbone="RN50", dataset="imagenet_a").adapt(x)
     for chunk in (1, 7):
         m = BoostAdapter(cfg, text, 100.0, backbone="RN50", dataset="imagenet_a")

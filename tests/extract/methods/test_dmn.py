@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from extract.methods import REGISTRY
 from extract.methods.dmn import DMN, DMN_MEMORY_WEIGHT, DMNConfig, mix_log_probs
+from tests.support.extract import with_views
 
 K, D = 5, 16
 EPS64 = torch.finfo(torch.float64).eps
@@ -102,8 +103,7 @@ def tol(cfg: DMNConfig, eps: float = EPS64) -> float:
 def test_equals_official_loop(v, memory_size, weight):
     text = make_text()
     x = make_stream(60, v, text, seed=v + memory_size, noise=1.5)
-    cfg = dataclasses.replace(DMN.default_config("dtd", "ViT-B-16"), n_views=v, memory_size=memory_size,
-                              mem_weight=weight)
+    cfg = with_views(DMN.default_config("dtd", "ViT-B-16"), v, memory_size=memory_size, mem_weight=weight)
     want, events = official_dmn(x.clone(), text, SCALE, cfg)
     got = run(cfg, text, x, scale=SCALE)  # float32 output of a float64 computation
     # the stored value is the log of the official score divided by its sum 1 + w, rounded to float32
@@ -138,7 +138,7 @@ def test_views_past_used_views_are_ignored():
 def test_output_is_a_finite_log_distribution():
     text = make_text().float()
     x = make_stream(30, 20, text.double(), seed=7, noise=0.2).float()  # confident views: tiny probabilities
-    out = run(dataclasses.replace(DMN.default_config("dtd", "RN50"), n_views=20), text, x)
+    out = run(with_views(DMN.default_config("dtd", "RN50"), 20), text, x)
     assert torch.isfinite(out).all() and (out <= 1e-6).all()
     torch.testing.assert_close(out.exp().sum(-1), torch.ones(30), rtol=0, atol=K * 4 * torch.finfo(torch.float32).eps)
     assert DMN.output_kind == "log_probs"
@@ -169,10 +169,28 @@ def test_default_config_tables():
 
 # ---------------------------------------------------------------------------------------------- DMN-weak
 
+def test_official_crops_on_the_imagenet_family_are_their_own_policy():
+    """Issue 31 item 4: DMN's crop + flip views crop at area 0.5-1 (`data/datautils.py` `get_preaugment`): a view
+    policy and cache part of their own by default; `crops="shared"` reads TPT's 0.08-1 crops (no second encoding);
+    AugMix sets and DMN-weak's single view are unchanged, and so is every other method."""
+    from extract.run.options import RunOptions, plan
+
+    for ds in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"):
+        assert plan(RunOptions.make("dmn", ds)).policy == "crop_flip_05"
+        assert plan(RunOptions.make("dmn", ds, overrides={"crops": "shared"})).policy == "crop_flip"
+        assert plan(RunOptions.make("dmn-weak", ds)).policy == "single"
+        assert plan(RunOptions.make("tpt", ds)).policy == "crop_flip"
+    assert plan(RunOptions.make("dmn", "dtd")).policy == "augmix"
+    assert DMN.default_config("imagenet_a", "ViT-B-16").crop_scale == (0.5, 1.0)
+    others = [k for k in REGISTRY if k not in ("dmn", "dmn-weak")]  # dmn-weak: one view, no crops
+    assert all(REGISTRY[k].default_config("imagenet", "ViT-B-16").crop_scale == (0.08, 1.0) for k in others)
+
+
 def test_dmn_weak_is_dmn_on_view_0():
     cfg = REGISTRY["dmn-weak"].default_config("flowers102", "ViT-B-16")
     assert (cfg.n_views, cfg.augmix, cfg.mem_weight) == (1, False, 10.0)
-    assert cfg == dataclasses.replace(DMN.default_config("flowers102", "ViT-B-16"), n_views=1, augmix=False)
+    assert cfg == dataclasses.replace(DMN.default_config("flowers102", "ViT-B-16"), n_views=1, augmix=False,
+                                      used_views=1)
     text = make_text()
     x = make_stream(50, 1, text, seed=9, noise=1.5)
     small = dataclasses.replace(cfg, memory_size=2)
@@ -184,3 +202,19 @@ def test_dmn_weak_is_dmn_on_view_0():
     assert events["replaced"] > 0 and events["kept"] > 0
     # the pseudo-label is view 0's own argmax: the memory read-out never sees another view
     assert torch.equal(weak, run(dataclasses.replace(small, n_views=1), text, x, scale=SCALE))
+
+
+def test_dmn_on_unseen_data_reads_its_views():
+    """Issue 32 item 7: DMN's settings for unseen data keep its views, so its logits are not DMN-weak's: the
+    pseudo-label that picks the memory slot comes from the confident views, not from view 0 alone."""
+    dmn, weak = DMN.unseen_config("ViT-B-16"), REGISTRY["dmn-weak"].unseen_config("ViT-B-16")
+    assert (dmn.n_views, dmn.used_views, weak.n_views, weak.used_views) == (64, 32, 1, 1)
+    text = make_text()
+    x = make_stream(40, 64, text, seed=4, noise=1.5)
+    small = {"memory_size": 2}
+    multi = run(dataclasses.replace(dmn, **small), text, x, scale=SCALE)
+    single = run(dataclasses.replace(weak, **small), text, x[:, :1], scale=SCALE)
+    assert (multi - single).abs().max() > 0.1  # far beyond rounding: other memory contents
+    # and DMN on view 0 alone is DMN-weak exactly: the difference is the views
+    assert torch.equal(run(dataclasses.replace(dmn, n_views=1, used_views=1, augmix=False, **small), text,
+                           x[:, :1], scale=SCALE), single)

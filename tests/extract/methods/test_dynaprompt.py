@@ -228,7 +228,7 @@ def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeyp
     methods) and gives the uninterrupted rows bit for bit; the shards validate."""
     from extract.run import writer
     from extract.runner import run_extraction
-    from schemas import read_shard, validate_shard
+    from schemas.shard import read_shard, validate_shard
 
     make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=4)  # 12 samples
     kw = dict(data_root=tmp_path / "data", cache_dir=tmp_path / "cache", model=tiny_model, progress=False,

@@ -201,7 +201,7 @@ def test_registered_with_official_defaults():
 def test_runner_encodes_the_reward_model_into_its_own_cache(tmp_path, tiny_model, tiny_model_dir):
     from extract.models import load_model
     from extract.runner import run_extraction
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=2)
     other = make_tiny_model_dir(tmp_path / "reward-model", seed=1)  # another model: its own feature cache
@@ -223,7 +223,8 @@ def test_runner_encodes_the_reward_model_into_its_own_cache(tmp_path, tiny_model
 
 def test_missing_reward_model_fails_before_any_image(tmp_path, tiny_model, monkeypatch):
     from extract.run import encode
-    from extract.runner import RunError, run_extraction
+    from extract.run.options import RunError
+    from extract.runner import run_extraction
 
     make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=2)
 

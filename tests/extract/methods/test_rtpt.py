@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from extract.methods import REGISTRY, get_method
 from extract.methods.base import HPARAMS_KEYS, IMAGENET_FAMILY
+import extract.methods.rtpt as rtpt_module
 from extract.methods.rtpt import RTPT, neighbour_scores, reliability_weights
 
 NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
@@ -69,8 +70,9 @@ def ref_entropy(z: torch.Tensor) -> torch.Tensor:
 
 
 def ref_top_sim(feats: torch.Tensor, k: int = 20) -> list[float]:
-    """`get_top_sim` with Python loops: per view, the mean of the k largest similarities below 1.0."""
-    f = [x / torch.sqrt((x * x).sum()) for x in feats]
+    """`get_top_sim` with Python loops: per view, the mean of the k largest similarities below 1.0, on the features
+    as given (the official code normalised them once, before)."""
+    f = list(feats)
     out = []
     for i in range(len(f)):
         row = [float((f[i] * f[j]).sum()) for j in range(len(f))]
@@ -149,6 +151,56 @@ def test_weights_are_per_sample_and_rounding_dependent():
     assert 0.0 < reached < 1.0, float(reached)
     torch.testing.assert_close(w.sum(-1), torch.ones(7), rtol=0, atol=64 * EPS32)
     assert not torch.equal(w, reliability_weights(feats, self_exclusion="diagonal"))
+
+
+def official_weights(f: torch.Tensor, k: int = 20, temperature: float = 0.01) -> torch.Tensor:
+    """`rtpt.py` on one sample's (V, D) features as the official code holds them (normalised once, fp32): S = the
+    fp32 product, `S[S >= 1.0] = -inf`, the mean of the k largest per row, softmax(score / temperature)."""
+    sim = f @ f.T
+    sim[sim >= 1.0] = float("-inf")
+    return (sim.topk(k, dim=-1).values.mean(-1) / temperature).softmax(-1)
+
+
+def clip_like_views(n: int, seed: int) -> torch.Tensor:
+    """(n, 64, 512) fp32 view features with CLIP-like cosines (0.6-0.9 between views), normalised once."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, 1, 512, generator=g)
+    x = base + 0.6 * torch.randn(n, 64, 512, generator=g)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def test_weights_from_the_features_normalised_once():
+    """Issue 31 item 3: the official code normalises the view features once and its `>= 1.0` test reads those bits;
+    a second normalisation changes which self-similarities reach 1.0 and so the weights. On the same fp32 features
+    the weights equal the official computation (the same fp32 product per sample: bit-identical S, so the same
+    exclusions; the softmax of 64 scores: a few eps)."""
+    f = clip_like_views(6, seed=11)
+    got = reliability_weights(f)
+    want = torch.stack([official_weights(fi) for fi in f])
+    torch.testing.assert_close(got, want, rtol=0, atol=64 * EPS32)
+    # the second normalisation is a different computation, with a visible effect on these weights
+    twice = reliability_weights(f, renormalise=True)
+    assert float((twice - want).abs().max()) > 0.1 * float(want.max())
+
+
+def test_rtpt_view_normalisation_option(tiny_model, monkeypatch):
+    """`view_normalisation="twice"` is the earlier computation (re-normalised features); the default reads the
+    features as given."""
+    with pytest.raises(ValueError, match="view_normalisation: expected one of 'once', 'twice'"):
+        make(tiny_model, view_normalisation="thrice")
+    x = sign_stream(tiny_model, 3, seed=2)
+    x = x / x.norm(dim=-1, keepdim=True)
+    calls = []
+    real = rtpt_module.reliability_weights
+
+    def spy(feats, *args):
+        calls.append(args[-1])
+        return real(feats, *args)
+
+    monkeypatch.setattr(rtpt_module, "reliability_weights", spy)
+    make(tiny_model).adapt(x)
+    make(tiny_model, view_normalisation="twice").adapt(x)
+    assert calls == [False, True]
 
 
 def test_small_view_counts_and_degenerate_rows():

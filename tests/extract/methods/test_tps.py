@@ -130,7 +130,7 @@ def test_tps_imagenet_names_are_tps_own():
 def test_run_records_tps_imagenet_names_and_descriptor_warning(tmp_path, tiny_model):
     from extract.datasets import imagenet_classnames, imagenet_synsets
     from extract.runner import run_extraction
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     syn = imagenet_synsets()
     make_imagenet_folders(tmp_path / "data", "imagenet", [syn[744], syn[836]], per_class=1)

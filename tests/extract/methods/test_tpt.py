@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract.methods import REGISTRY, apply_overrides, get_method
+from extract.methods import REGISTRY, get_method
+from extract.methods.base import apply_overrides
 from extract.methods.base import HPARAMS_KEYS
 from extract.methods.tpt import (
     CTPT,
@@ -145,6 +146,73 @@ def test_stacked_adamw_equals_torch_adamw_per_row():
                 opt.step()
         # float64, about ten roundings per step at |p| <= max|init| + 3 lr: three steps
         torch.testing.assert_close(p[r], q.detach(), rtol=0, atol=3 * 16 * EPS64 * float(init.abs().max() + 1))
+
+
+def _ulps_apart(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| in units of the last place of `want` (its dtype's eps times |want|, floored at tiny)."""
+    fi = torch.finfo(want.dtype)
+    unit = fi.eps * want.double().abs().clamp_min(fi.tiny)
+    return float(((got.double() - want.double()).abs() / unit).max())
+
+
+@pytest.mark.parametrize("dtype,eps,foreach", [(torch.float32, 1e-8, False), (torch.float32, 1e-8, True),
+                                               (torch.float16, 1e-3, False)])
+def test_adamw_step_is_torch_adamw_over_steps(dtype, eps, foreach):
+    """Eight steps on fp32 (TPT family) and fp16 parameters (moments in fp16, eps 1e-3 as the fp16 optimisers use):
+    the bias corrections are formed in double as AdamW's Python floats (issue 31 item 1; in float32 0.999 became
+    0.99900001 and each step was ~6.5e-6 relative smaller). Rows skip steps (a GradScaler skip), so rows are at
+    different step counts. The same operations in the same order: a few ulps (rounding of the op order only)."""
+    g = torch.Generator().manual_seed(1)
+    rows, n_steps = 5, 8
+    init = (0.02 * torch.randn(rows, 4, 32, generator=g)).to(dtype)
+    # gradients over four decades, as entropy gradients of a prompt context are
+    grads = [(torch.randn(rows, 4, 32, generator=g) * 10 ** torch.empty(rows, 1, 1).uniform_(-4, 0, generator=g))
+             .to(dtype) for _ in range(n_steps)]
+    masks = [torch.rand(rows, generator=g) > 0.25 for _ in range(n_steps)]
+    kw = dict(lr=5e-3, betas=(0.9, 0.999), eps=eps, weight_decay=0.01)
+    p, state = init.clone(), AdamWState.zeros_like(init)
+    for gr, mk in zip(grads, masks):
+        p = adamw_step(p, gr, state, active=mk, **kw)
+    assert p.dtype == dtype and state.exp_avg.dtype == dtype and state.exp_avg_sq.dtype == dtype
+    for r in range(rows):
+        q = torch.nn.Parameter(init[r].clone())
+        opt = torch.optim.AdamW([q], lr=5e-3, eps=eps, weight_decay=0.01, foreach=foreach)
+        for gr, mk in zip(grads, masks):
+            if mk[r]:
+                q.grad = gr[r].clone()
+                opt.step()
+        if not any(bool(mk[r]) for mk in masks):
+            continue
+        st = opt.state[q]
+        assert _ulps_apart(p[r], q.detach()) <= 2
+        assert _ulps_apart(state.exp_avg[r], st["exp_avg"]) <= 2
+        assert _ulps_apart(state.exp_avg_sq[r], st["exp_avg_sq"]) <= 2
+        assert float(state.step[r]) == float(st["step"])
+
+
+def test_adamw_step_bias_corrections_in_double():
+    """Where the float32 bias corrections of the old step showed most: one step from zero moves each coordinate by
+    lr·g/(|g| + eps·√(1-β₂)), whose float32 factor √(1-0.99900001) is off by 5e-6 relative."""
+    g = torch.full((1, 3), 0.5)
+    p = adamw_step(torch.zeros(1, 3), g, AdamWState.zeros_like(g), lr=5e-3, betas=(0.9, 0.999), eps=1e-8,
+                   weight_decay=0.0)
+    q = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([q], lr=5e-3, weight_decay=0.0)
+    q.grad = g[0].clone()
+    opt.step()
+    assert _ulps_apart(p[0], q.detach()) <= 2
+
+
+def test_stream_noise_follows_the_features_device():
+    """tests/support/tpt.py's `stream` added CPU noise to CUDA text features (issue 31 item 6: the CUDA pass-sizing
+    test never ran). The meta device stands in for CUDA: any device but the CPU's shows the mismatch."""
+
+    class MetaModel:
+        def encode_texts(self, names):
+            return torch.zeros(len(names), 16, device="meta")
+
+    x = stream(MetaModel(), 3, v=4)
+    assert x.device.type == "meta" and tuple(x.shape) == (3, 4, 16)
 
 
 def test_loss_scale_follows_grad_scaler_rule(tiny_model):
@@ -548,7 +616,7 @@ def test_methods_need_encoder_and_class_names(tiny_model):
 @pytest.mark.parametrize("key", EPISODIC)
 def test_run_extraction_writes_valid_shards(tmp_path_factory, tiny_model, key):
     from extract.runner import run_extraction
-    from schemas import read_shard, validate_shard
+    from schemas.shard import read_shard, validate_shard
 
     shared = tmp_path_factory.getbasetemp() / "tpt-e2e"
     root = shared / "data"
@@ -572,7 +640,7 @@ def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):
     tracker and the skip count come back from the last kept part (issue 10)."""
     from extract.run import writer
     from extract.runner import run_extraction
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=6)  # 18 samples
 
@@ -624,7 +692,7 @@ def test_resume_restores_the_loss_scale(tmp_path, tiny_model, monkeypatch):
     # a kept part without its state (an older extractor) is recomputed, not resumed from a guess
     import dataclasses as dc
 
-    from schemas import write_shard
+    from schemas.shard import write_shard
 
     last = sorted((tmp_path / "r").rglob("part-*.parquet"))
     sh = read_shard(last[1])

@@ -200,3 +200,16 @@ def test_runner_views_are_the_encoding_pass_views(tmp_path, tiny_model):
     assert images.shape == (3, 64, 3, 32, 32)
     feats = tiny_model.encode_images(images.flatten(0, 1)).reshape(3, 64, -1).numpy()
     np.testing.assert_allclose(feats, cached, rtol=0, atol=float(FEAT_TOL))
+
+
+def test_views_are_read_one_sample_at_a_time(deep_model):
+    """`adapt` reads each sample's views alone (a call of 64 samples of 64 views at 224 px would hold 2.5 GB of
+    pixels at once), and the rows equal those of single-sample calls."""
+    text, pixels = data(3, v=4, seed=4)
+    m = make(deep_model, text, pixels, n_views=4)
+    asked = []
+    m.attach_views(lambda a, b: asked.append((a, b)) or pixels[a:b])
+    rows = m.adapt(torch.zeros(3, 4, 16))
+    assert asked == [(0, 1), (1, 2), (2, 3)]
+    one = make(deep_model, text, pixels, n_views=4)
+    torch.testing.assert_close(torch.cat([one.adapt(torch.zeros(1, 4, 16)) for _ in range(3)]), rows, rtol=0, atol=0)

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 
+import numpy as np
+import polars as pl
 import pytest
 import torch
 import torch.nn.functional as F
 
-
-from extract.methods.zero import Zero
+from calibrate.functional.softmax import adapted_stats
+from calibrate.run import calibrate_paths
+from extract.methods.zero import Zero, log_vote_fractions
+from schemas.shard import write_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K, D = 5, 16
@@ -26,7 +31,13 @@ def ref_zero(x: torch.Tensor, text: torch.Tensor, scale: float, gamma: float, fp
     if fp16:
         l = l.half()
     temp = torch.tensor(1.0 / scale, dtype=torch.float32)
-    p = (l / temp).float().softmax(1)
+    if fp16:
+        # `l / self.model.temp` as CUDA runs it: the fp32 0-dim temperature cast to float16 (the operand's dtype),
+        # the quotient of the two float16 values in float32, rounded to float16
+        t16 = temp.half()
+        p = (l.float() / t16.float()).half().float().softmax(1)
+    else:
+        p = (l / temp).softmax(1)
     ent = -(p * p.log()).sum(1)
     # torch.argsort puts NaN (0 * log 0 of an underflowed probability) last
     full_idx = sorted(range(len(ent)), key=lambda v: math.inf if math.isnan(ent[v]) else float(ent[v]))
@@ -147,3 +158,92 @@ def test_batched_equals_one_at_a_time():
     # per-sample independent; the batched matmul may sum in another order: a few eps x D on cosines, x 1/eps16
     torch.testing.assert_close(whole, single, rtol=0, atol=4 * D * EPS32 * 1024)
     assert torch.equal(whole.argmax(-1), single.argmax(-1))
+
+
+def test_temperature_rounded_to_float16_as_on_cuda():
+    """`l / self.model.temp` on CUDA divides by the fp16-rounded temperature (0.01 -> 0.010002136, a logit scale of
+    99.979): the views kept, and so the votes, follow it (issue 31 item 2). Many samples, so that some row's kept
+    set differs between the two temperatures; every row equals the explicit float16 transcription."""
+    text = make_text(2)
+    x = make_views(200, 64, text, seed=5, noise=2.0)
+    got = build(64, text=text).adapt(x)
+    tol = 4 * (int(64 * 0.3) + K) * EPS32
+    for i in range(len(x)):
+        want, p_bar = ref_zero(x[i], text, 100.0, 0.3, True, "official")
+        torch.testing.assert_close(got[i].double(), want, rtol=tol, atol=tol)
+        assert int(got[i].argmax()) == int(p_bar.argmax())
+
+
+def test_stored_argmax_is_the_official_prediction_where_float32_logs_collapse():
+    """Votes one float32 step apart (13 and its predecessor; 7 and 6.9999995) whose float32 logs round to the same
+    value: the official winner (the larger vote) stays the stored argmax, wherever it sits."""
+    below13 = float(torch.nextafter(torch.tensor(13.0), torch.tensor(0.0)))
+    rows = torch.tensor([[below13, 13.0, 4.0, 2.0, 0.0], [13.0, below13, 4.0, 2.0, 0.0],
+                         [1.0, 6.9999995, 7.0, 4.0, 1.0], [17.0, below13 + 4.0, 0.0, 0.0, 0.0]])
+    assert torch.tensor(below13).log() == torch.tensor(13.0).log()  # the collapse: one float32 log for both
+    out = log_vote_fractions(rows, torch.full_like(rows, -200.0))
+    assert out.dtype == torch.float32
+    assert out.argmax(-1).tolist() == rows.argmax(-1).tolist()
+    for r in range(len(rows)):  # the winner is strictly above every other class
+        assert int((out[r] == out[r].max()).sum()) == 1
+    # elsewhere the fractions are the float64 ones rounded once
+    want = (rows.double() / rows.double().sum(-1, keepdim=True)).log().float()
+    nonzero = rows > 0
+    assert int((out != want)[nonzero].sum()) <= 2  # only the two collapsed losers moved, one step each
+    # a zero vote takes the exact log of the unrounded sum, less the log of the total
+    assert float(out[0, 4]) == pytest.approx(-200.0 - math.log(float(rows[0].double().sum())), rel=1e-7)
+
+
+def test_stored_argmax_through_the_method_where_the_logs_collapse():
+    """The collapse through ZERO itself: 13 views vote for class 1, 12 for class 0 plus one view whose soft vote
+    gives class 0 all but ~5e-7, so class 0 sums to the float32 just below 13 (no tie: the official prediction is
+    class 1); the float32 logs of the two votes are equal, and the old stored row handed the argmax to class 0."""
+    text = torch.eye(K, D, dtype=torch.float32)
+    split = torch.zeros(D)
+    split[0], split[2] = 0.6, 0.6 - 24 * 2 ** -11
+    views = [text[1]] * 13 + [text[0]] * 12 + [split] + [text[3]] * 4 + [torch.ones(D)] * 70
+    x = torch.stack(views)
+    x = (x / x.norm(dim=-1, keepdim=True))[None]
+    _, p_bar = ref_zero(x[0], text, 100.0, 0.3, True, "official")
+    assert float(p_bar[1]) == 13.0 and float(p_bar[0]) == float(torch.nextafter(torch.tensor(13.0),
+                                                                                  torch.tensor(0.0)))
+    got = build(100, text=text).adapt(x)[0]
+    assert int(got.argmax()) == 1 and float(got[1]) > float(got[0])
+
+def _exact_aurc(conf: list, correct: list[bool]) -> Fraction:
+    """AURC with exact ties: the mean over coverages k/N of the expected error rate of the k most confident
+    samples, a tied group entered in a uniformly random order (so its j first members hold j/n of its errors)."""
+    total, errs, pos = Fraction(0), 0, 0
+    for score in sorted(set(conf), reverse=True):
+        group = [c for c, s in zip(correct, conf) if s == score]
+        e = sum(not c for c in group)
+        for j in range(1, len(group) + 1):
+            total += (errs + Fraction(e * j, len(group))) / (pos + j)
+        errs, pos = errs + e, pos + len(group)
+    return total / len(conf)
+
+
+def test_vote_ties_reach_the_tie_exact_metrics(tmp_path, make_meta):
+    """Issue 32 item 3: ZERO's vote fractions (j/19, (j+1)/20 after a tie bonus) are equal in many rows; through a
+    float32 shard and zaec-calibrate, the AURC equals the one computed on the exact fractions (Fractions of the
+    official float32 votes, ties by expectation), and the run has as many distinct confidences as the method."""
+    text = make_text(4)
+    n = 240
+    x = make_views(n, 64, text, seed=7, noise=3.0)
+    y = torch.randint(0, K, (n,), generator=torch.Generator().manual_seed(8)).numpy()
+    lp = build(64, text=text).adapt(x).float().numpy()
+    conf, correct = [], []
+    for i in range(n):
+        _, p_bar = ref_zero(x[i], text, 100.0, 0.3, True, "official")
+        v = [Fraction(float(t)) for t in p_bar]
+        conf.append(max(v) / sum(v))
+        correct.append(int(p_bar.argmax()) == int(y[i]))
+    assert len(set(conf)) < n // 4  # the test needs ties
+    meta = make_meta(method="zero", k=K, extra={"zaec:output_kind": "log_probs"})
+    zs = (100.0 * x[:, 0] @ text.T).float().numpy()
+    write_shard(tmp_path / "z" / "part-00000.parquet", meta, np.arange(n), y, zs, lp)
+    r = calibrate_paths([tmp_path / "z"], calibrators="none")
+    row = r.metrics.filter(pl.col("calibrator") == "none")
+    assert float(row["aurc_msp"][0]) == pytest.approx(float(_exact_aurc(conf, correct)), rel=1e-12, abs=1e-15)
+    s = adapted_stats(lp, np.ones(n), y, "log_probs")
+    assert len(np.unique(s.confidence)) == len(set(conf))

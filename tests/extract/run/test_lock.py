@@ -18,7 +18,7 @@ from extract.run import lock as run_lock
 from extract.run.lock import OWNER_FILE, RunLock
 from extract.run.options import RunError
 from extract.run.rundir import RunDir
-from schemas import RunKey
+from schemas.shard import RunKey
 
 from tests.support.extract import make_json_dataset, make_tiny_model_dir
 

@@ -17,7 +17,7 @@ from extract.cli import app
 from extract.datasets import DatasetError, load_ood_images, load_testset
 from extract.run import writer as run_writer
 from extract.runner import run_extraction
-from schemas import OOD_LABEL, read_shard, validate_shard
+from schemas.shard import OOD_LABEL, read_shard, validate_shard
 
 from tests.extract.test_runner import RunningMean
 from tests.support.extract import interrupt_nth_write, make_json_dataset, write_image

@@ -9,19 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from extract.run import options as run_options
-from extract.run.options import (
-    DEFAULT_BACKBONE,
-    ExecOptions,
-    RunError,
-    RunOptions,
-    check_options,
-    default_cache_dir,
-    default_cupl_dir,
-    default_data_root,
-    plan,
-)
-from schemas import RunKey
+from extract import defaults
+from extract.defaults import DEFAULT_BACKBONE, default_cache_dir, default_cupl_dir, default_data_root
+from extract.run.options import ExecOptions, RunError, RunOptions, check_options, plan
+from schemas.shard import RunKey
 
 FULL = RunOptions("tda", "dtd", backbone="RN50", pretrained="openai", seed=3, limit=7,
                   overrides=(("alpha", "2.0"), ("beta", 5)), anchor="method", data_root="/d", cupl_dir="/c",
@@ -54,6 +45,7 @@ def test_defaults_live_in_one_place(monkeypatch, tmp_path):
     import extract.models
     import extract.runner
 
+    # the model loader and the options read the one default backbone, at the bottom of the house
     assert extract.models.DEFAULT_BACKBONE is DEFAULT_BACKBONE == "ViT-B-16"
     sig = inspect.signature(extract.runner.run_extraction).parameters
     opts, execution = RunOptions("m", "d"), ExecOptions()
@@ -64,9 +56,9 @@ def test_defaults_live_in_one_place(monkeypatch, tmp_path):
             assert param.default == getattr(opts, name), name
         elif hasattr(execution, name):
             assert param.default == getattr(execution, name), name
-    monkeypatch.delenv(run_options.DATA_ROOT_ENV, raising=False)
-    monkeypatch.delenv(run_options.CACHE_DIR_ENV, raising=False)
-    monkeypatch.delenv(run_options.CUPL_DIR_ENV, raising=False)
+    monkeypatch.delenv(defaults.DATA_ROOT_ENV, raising=False)
+    monkeypatch.delenv(defaults.CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv(defaults.CUPL_DIR_ENV, raising=False)
     assert (default_data_root(), default_cache_dir(), default_cupl_dir()) == (Path("data"), Path("data/cache"), None)
     monkeypatch.setenv("ZAEC_DATA_ROOT", str(tmp_path / "d"))
     monkeypatch.setenv("ZAEC_CACHE_DIR", str(tmp_path / "c"))

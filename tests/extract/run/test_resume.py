@@ -1,5 +1,5 @@
 """extract/run/resume.py: the read-only resume scan against a table of directory states, then the rewrites it calls
-for (`apply_resume`). No model: parts are written with `schemas.write_shard` from random logits."""
+for (`apply_resume`). No model: parts are written with `schemas.shard.write_shard` from random logits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from extract.run.options import RunError
 from extract.run.resume import ResumeScope, apply_resume, scan_resume, settings_kv
 from extract.run.rundir import RunDir
-from schemas import RunKey, ShardMeta, read_shard, write_shard
+from schemas.shard import RunKey, ShardMeta, read_shard, write_shard
 
 KEY = RunKey("tiny", "dtd", "tda", 1)
 K, PART, N_RUN = 3, 4, 10  # parts: [0, 4), [4, 8), [8, 10)

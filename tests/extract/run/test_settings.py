@@ -6,7 +6,7 @@ from pathlib import Path
 
 from extract.run.rundir import RunDir
 from extract.run.settings import FinishedRun
-from schemas import RunKey
+from schemas.shard import RunKey
 
 RD = RunDir(Path("out"), RunKey("tiny", "dtd", "tda", 1))
 

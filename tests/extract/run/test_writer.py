@@ -14,7 +14,7 @@ from extract.run.rundir import RunDir, run_is_complete
 from extract.run.settings import FinishedRun, finished_run
 from extract.run.stream import RunState
 from extract.run.writer import PartWriter, marker_doc
-from schemas import RunKey, ShardMeta, read_shard
+from schemas.shard import RunKey, ShardMeta, read_shard
 
 KEY = RunKey("tiny", "dtd", "tda", 1)
 META = ShardMeta(backbone="tiny", pretrained="x", dataset="dtd", method="tda", seed=1, class_names=("a", "b", "c"),

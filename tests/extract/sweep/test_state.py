@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from extract.sweep.state import STATES, Facts, transition
+from extract.sweep.state import STATES, Facts, slurm_log_end, transition
 
 ENDED = "shards incomplete or removed since the run finished"
+LOST = ("job 4242_0 left the queue without a result and nothing says how it ended (no accounting record, no end in "
+        "its log)")
+STEPD_TIMEOUT = "*** JOB 4243 ON n1 CANCELLED AT 2026-11-26T19:34:12 DUE TO TIME LIMIT ***"
+STEPD_CANCEL = "*** JOB 4243 ON n1 CANCELLED AT 2026-11-26T19:16:20 ***"
 
 
 def _row(state="pending", *, job_id="77", executor="local", token="t", error=""):
@@ -76,6 +80,19 @@ CASES = [
      Facts(slurm_state="FAILED", pid_alive=True), ("failed", "job 4242_0 ended as FAILED")),
     ("a held slurm job decides before sacct", _row("pending", job_id="4242_0", executor="slurm"),
      Facts(live_done=False, slurm_state="TIMEOUT"), ("pending", "")),
+    # issue 30: a job gone from squeue that accounting does not know is not pending for ever
+    ("slurm gone, nothing names its end: lost", _row("running", job_id="4242_0", executor="slurm"),
+     Facts(result=_res("running"), slurm_state="GONE"), ("lost", LOST)),
+    ("slurm gone, its log names the time limit", _row("running", job_id="4242_0", executor="slurm"),
+     Facts(slurm_state="GONE", log_end=("TIMEOUT", STEPD_TIMEOUT)),
+     ("failed", f"job 4242_0 ended as TIMEOUT (its log: {STEPD_TIMEOUT})")),
+    ("sacct's end with slurmstepd's line", _row("pending", job_id="4242_0", executor="slurm"),
+     Facts(slurm_state="CANCELLED", log_end=("CANCELLED", STEPD_CANCEL)),
+     ("failed", f"job 4242_0 ended as CANCELLED ({STEPD_CANCEL})")),
+    ("a log line of another end is not appended", _row("pending", job_id="4242_0", executor="slurm"),
+     Facts(slurm_state="FAILED", log_end=("CANCELLED", STEPD_CANCEL)), ("failed", "job 4242_0 ended as FAILED")),
+    ("lost stays lost", _row("lost", error="E"), Facts(slurm_state="RUNNING"), ("lost", "E")),
+    ("a lost run found complete is done", _row("lost", error="E"), Facts(complete=True), ("done", "")),
 ]
 
 
@@ -106,9 +123,34 @@ class _Recorder:
     (_row("pending"), Facts(live_done=True), ["complete", "result", "live_done", "outcome", "live_state"]),
     (_row("pending"), Facts(), ["complete", "result", "live_done", "outcome", "pid_alive"]),
     (_row("pending", executor="slurm"), Facts(), ["complete", "result", "live_done", "outcome", "slurm_state"]),
+    (_row("pending", executor="slurm"), Facts(slurm_state="GONE"),
+     ["complete", "result", "live_done", "outcome", "slurm_state", "log_end"]),
+    (_row("pending", executor="slurm"), Facts(slurm_state="RUNNING"),
+     ["complete", "result", "live_done", "outcome", "slurm_state"]),
     (_row("pending", job_id=""), Facts(), ["complete", "result"]),
 ])
 def test_facts_are_read_only_as_far_as_needed(row, facts, reads):
     rec = _Recorder(facts)
     assert transition(row, rec) == transition(row, facts)
     assert rec.reads == reads
+
+
+START = "submitit INFO (2026-11-26 19:29:31,518) - Starting with JobEnvironment(job_id=7_0, hostname=n1)"
+
+
+@pytest.mark.parametrize("log, expected", [
+    (f"{START}\nslurmstepd-n1: error: {STEPD_TIMEOUT}\nsrun: error: n1: task 0: Terminated\n",
+     ("TIMEOUT", STEPD_TIMEOUT)),
+    (f"{START}\nsrun: got SIGCONT\nslurmstepd-n1: error: {STEPD_CANCEL}\n"
+     "slurmstepd-n1: error: *** STEP 4243.0 ON n1 CANCELLED AT 2026-11-26T19:16:20 ***\n", ("CANCELLED", STEPD_CANCEL)),
+    # an end before the job's last start (it was requeued and started again) is not this start's end
+    (f"slurmstepd-n1: error: {STEPD_TIMEOUT}\n{START}\nsrun: error: n1: task 0: Killed\n", ("", "")),
+    # a requeue is no end; steps' lines are not the job's
+    (f"{START}\nslurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-11-26T19:00:00 DUE TO JOB REQUEUE ***\n",
+     ("", "")),
+    ("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-11-26T19:00:00 DUE TO PREEMPTION ***",
+     ("PREEMPTED", "*** JOB 9 ON n1 CANCELLED AT 2026-11-26T19:00:00 DUE TO PREEMPTION ***")),
+    ("", ("", "")),
+])
+def test_slurm_log_end(log, expected):
+    assert slurm_log_end(log) == expected

@@ -14,8 +14,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from extract.demo import fmnist
-from extract.demo.run import CALIBRATORS, DemoConfig, run_demo
+from tools.demo import fmnist
+from tools.demo.run import CALIBRATORS, DemoConfig, run_demo
 
 REPO = Path(__file__).resolve().parents[2]
 FMNIST_DIR = Path(os.environ.get("FMNIST_DIR", REPO / "data" / "fashion-mnist"))
@@ -76,7 +76,7 @@ def test_models_saved_in_local_dir_format(demo_run):
 
 
 def test_shards_valid_for_every_run(demo_run):
-    from schemas import find_shards, read_shard
+    from schemas.shard import find_shards, read_shard
 
     cfg, _, _ = demo_run
     runs = {}
@@ -129,8 +129,8 @@ def test_summary_and_outputs(demo_run):
 def test_ood_pair(demo_run):
     """The OOD pair: valid OOD shards for zero-shot and TDA on both backbones, and the printed sentence is the one
     `ood_sentence` computes from its metrics."""
-    from extract.demo.ood import OOD_METHODS, ood_sentence
-    from schemas import find_shards, read_shard
+    from tools.demo.ood import OOD_METHODS, ood_sentence
+    from schemas.shard import find_shards, read_shard
 
     cfg, _, printed = demo_run
     runs = {}
@@ -160,7 +160,7 @@ def test_second_run_skips_finished_work(demo_run):
 def test_cli_user_error_is_one_line(tmp_path):
     from typer.testing import CliRunner
 
-    from extract.demo.__main__ import app
+    from tools.demo.__main__ import app
 
     res = CliRunner().invoke(app, ["--fmnist-dir", str(tmp_path / "missing")])
     assert res.exit_code == 2

@@ -1,12 +1,12 @@
-"""The demo's summary (extract/demo/run.py: `summarise`, `summary_markdown`) on hand-made metrics tables (the demo
-end to end is tests/extract/test_demo.py)."""
+"""The demo's summary (tools/demo/run.py: `summarise`, `summary_markdown`) on hand-made metrics tables (the demo
+end to end is tests/tools/test_demo.py)."""
 
 from __future__ import annotations
 
 import polars as pl
 import pytest
 
-from extract.demo.run import CALIBRATORS, summarise, summary_markdown
+from tools.demo.run import CALIBRATORS, summarise, summary_markdown
 
 
 def _metrics(rows):
@@ -97,7 +97,7 @@ def test_calibrators_match_zaec_calibrate_names():
 
 
 def test_demo_method_selection():
-    from extract.demo.run import DEMO_METHODS, _resolve_methods
+    from tools.demo.run import DEMO_METHODS, _resolve_methods
     from extract.methods import REGISTRY
 
     assert _resolve_methods(None) == DEMO_METHODS and set(DEMO_METHODS) <= set(REGISTRY)
@@ -117,7 +117,7 @@ def _with_selective(df, aurc, auroc):
 
 
 def test_selective_sentence_helps_hurts_and_undecided():
-    from extract.demo.run import selective_sentence
+    from tools.demo.run import selective_sentence
 
     helps = selective_sentence(_with_selective(_paper_like(), {"none": 0.30, "zaec": 0.25},
                                                {"none": 0.70, "zaec": 0.75}))

@@ -1,4 +1,4 @@
-"""The method lines of `make bench-extract` (extract.bench_methods): every registered method runs through the
+"""The method lines of `make bench-extract` (tools.bench_methods): every registered method runs through the
 runner on a tiny setting (so a new method cannot be left out of the bench), the timer counts what it says and leaves
 the classes as it found them, and ECALP's byte count is that of its real data structures."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from extract import bench, bench_methods
+from tools import bench_extract, bench_methods
 from extract.methods import REGISTRY, get_method
 
 
@@ -17,9 +17,9 @@ def test_every_registered_method_runs_in_the_bench(tmp_path):
     from extract.models import load_model
 
     before = {k: dict(vars(c)).get("adapt") for k, c in REGISTRY.items()}
-    model_dir = bench._model_dir(tmp_path / "model", 32)
+    model_dir = bench_extract._model_dir(tmp_path / "model", 32)
     model = load_model(None, f"local-dir:{model_dir}", "cpu")
-    root = bench.write_image_set(tmp_path / "data", 8, n_classes=4, size=(40, 40))
+    root = bench_extract.write_image_set(tmp_path / "data", 8, n_classes=4, size=(40, 40))
     costs = bench_methods.method_costs(model, model_dir, root, tmp_path / "work", list(REGISTRY),
                                        single_positions=8, multi_positions=4, adapt_batch=2, budget_s=0.0)
     assert [c.key for c in costs] == list(dict.fromkeys([*bench_methods.REFERENCES, *REGISTRY]))
@@ -113,6 +113,6 @@ def test_parse_methods_and_cli_user_errors():
     with pytest.raises(ValueError, match="unknown method.*nope"):
         bench_methods.parse_methods("tda,nope", list(REGISTRY))
     for args in (["--methods", "nope"], ["--ecalp-n", "10,x"], ["--ecalp-stream", "0"]):
-        res = CliRunner().invoke(bench.app, ["--only-methods", *args])
+        res = CliRunner().invoke(bench_extract.app, ["--only-methods", *args])
         assert res.exit_code == 2, res.output
         assert res.output.startswith("error: --") and len(res.output.strip().splitlines()) == 1, res.output

@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 
 from extract.datasets import DatasetError, load_ood_images
-from extract.demo.ood import OOD_KEY, ood_sentence, shapes, write_shapes
+from tools.demo.ood import OOD_KEY, ood_sentence, shapes, write_shapes
 
 
 def _metrics(pairs):

@@ -26,11 +26,11 @@ from typing import Sequence
 
 import polars as pl
 
-from extract.demo import ood as ood_mod  # [OOD pair]
-from extract.demo.verdict import raw_vs_zaec
-from extract.demo import shifts as shifts_mod
-from extract.demo import train as train_mod
-from extract.demo.fmnist import check_dir
+from tools.demo import ood as ood_mod  # [OOD pair]
+from tools.demo.verdict import raw_vs_zaec
+from tools.demo import shifts as shifts_mod
+from tools.demo import train as train_mod
+from tools.demo.fmnist import check_dir
 
 #: the method key of plain zero-shot prediction (its adapted logits are the zero-shot logits: nothing to calibrate)
 ZERO_SHOT_METHOD = "zero-shot"
@@ -455,7 +455,7 @@ def _calibration_notes(notes: Sequence[str], temperatures: dict[str, float], cap
 
 
 def _accuracy(paths: Sequence[Path]) -> tuple[float, float]:
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     hit_tta = hit_zs = n = 0
     for p in paths:
@@ -481,7 +481,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
     from calibrate.run import calibrate_paths, write_metrics  # noqa: F401
     from extract.models import load_model  # noqa: F401
     from extract.runner import run_extraction  # noqa: F401
-    from schemas import find_shards  # noqa: F401
+    from schemas.shard import find_shards  # noqa: F401
 
     console = console or Console(emoji=False)
     say = console.print
@@ -514,7 +514,7 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, console=None) -> DemoResult:
         (cfg.metrics_dir / _METRICS_STAMP).write_text(fingerprint + "\n")
     timings["tables"] = time.perf_counter() - t
 
-    # [OOD pair] issue 24: fmnist against synthetic shapes, zero-shot and TDA only (extract/demo/ood.py)
+    # [OOD pair] issue 24: fmnist against synthetic shapes, zero-shot and TDA only (tools/demo/ood.py)
     t = time.perf_counter()
     say("[bold]OOD pair[/] (beyond the paper: fmnist against synthetic shapes, zero-shot and TDA)")
     ood_line = ood_mod.run_ood_pair(cfg, model_dirs, say=say, log=notes.append)
@@ -667,7 +667,7 @@ def _calibrate(cfg: DemoConfig, say) -> tuple[str, bool]:
     The caller stamps the fingerprint once the tables are written too.
     """
     from calibrate.run import calibrate_paths, write_metrics
-    from schemas import find_shards
+    from schemas.shard import find_shards
 
     say("[bold]\\[4/5] calibration[/] (zaec-calibrate: none, temperature fitted on fmnist, SaLS, ZAEC)")
     shard_files = [Path(p) for p in find_shards([cfg.shards])]

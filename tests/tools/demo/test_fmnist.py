@@ -1,4 +1,4 @@
-"""The demo's Fashion-MNIST reader (extract/demo/fmnist.py): idx files round trip, byte order, bad inputs, and the
+"""The demo's Fashion-MNIST reader (tools/demo/fmnist.py): idx files round trip, byte order, bad inputs, and the
 folder check (the shifts, images and summary are tested in test_shifts.py, test_images.py, test_run.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gzip
 import numpy as np
 import pytest
 
-from extract.demo import fmnist
+from tools.demo import fmnist
 
 from tests.support.demo import idx_bytes as _idx_bytes
 from tests.support.demo import write_fake_fmnist as _write_fake_fmnist

@@ -1,4 +1,4 @@
-"""`make bench-gpu` (extract.bench_gpu): the CPU smoke run with a small model exercises every measurement, writes
+"""`make bench-gpu` (tools.bench_gpu): the CPU smoke run with a small model exercises every measurement, writes
 a JSON that `zaec-sweep --rates` reads, and the ratios are the rates over the ceiling of the same run; without
 CUDA the GPU run stops with one line."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from extract import bench_gpu
+from tools import bench_gpu
 from extract.sweep.cost import load_rates
 
 runner = CliRunner()
@@ -21,9 +21,9 @@ EPS64 = sys.float_info.epsilon
 def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
     out = tmp_path / "rates.json"
     res = runner.invoke(bench_gpu.app, ["run", "--device", "cpu", "--tiny", "--backbones", "ViT-B-16", "--ks", "5,12",
-                                        "--methods", "tps", "--images", "3", "--multi-view-images", "1",
+                                        "--methods", "tps,zero-shot", "--images", "3", "--multi-view-images", "1",
                                         "--no-fixed-cost", "--seconds", "0.05", "--pass-budgets", "12,24",
-                                        "--json", str(out)])
+                                        "--method-positions", "70,66", "--json", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     r = doc["backbones"]["ViT-B-16"]
@@ -34,6 +34,11 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
     assert r["augmix_chains_host_ms_per_sample"] > 0
     assert "AugMix chains" in res.output
     assert set(r["adapt_samples_per_s"]["tps"]) == {"5", "12"}
+    # timed as runs adapt: the calls after the first of the runner's 64 (the warm-up), up to the positions asked
+    detail = r["adapt_detail"]
+    assert detail["tps"]["5"]["samples"] == 66 - 64 and detail["zero-shot"]["12"]["samples"] == 70 - 64
+    assert detail["tps"]["12"]["mean_position"] == 64.5 and detail["tps"]["12"]["policy"] == "augmix"
+    assert r["adapt_samples_per_s"]["tps"]["5"] == 1 / (detail["tps"]["5"]["seconds"] / 2)
     q = r["ratios"]
     # JSON round-trips floats exactly: the same float64 division is bit for bit the same; v·64/c against the
     # writer's v/(c/64) differs by its two roundings
@@ -49,7 +54,7 @@ def test_cpu_smoke_run_writes_rates_the_sweep_reads(tmp_path):
 
 
 def test_probe_times_the_phases_of_a_process(tmp_path):
-    from extract.bench import write_image_set
+    from tools.bench_extract import write_image_set
     model_dir = bench_gpu.write_model_dir(tmp_path / "m", "ViT-B-16", tiny=True)
     root = write_image_set(tmp_path / "d", 2, size=(50, 40), ext="jpg")
     res = runner.invoke(bench_gpu.app, ["probe", str(model_dir), str(root), "--device", "cpu"])
@@ -75,7 +80,20 @@ def test_bad_class_counts_are_one_line():
 def test_loader_rates_of_make_bench_extract():
     """The loader line of `make bench-extract`: the runner's loader with worker processes and one thread doing the
     same items both deliver views (the values depend on the machine; only that they are measured is checked)."""
-    from extract.bench import loader_rates, view_rate
+    from tools.bench_extract import loader_rates, view_rate
     many, one = loader_rates("crop_flip", 1, 3, size=32)
     assert many > 0 and one > 0
     assert view_rate("crop_flip", seconds=0.01, reference=True) > 0
+
+
+def test_agreement_check_times_the_bench_and_two_runs(tmp_path):
+    """`agree` prints, per method, the bench's rate, the marginal rate of two timed runs and their ratio (values
+    depend on the machine: only that each is measured, and that the JSON holds them, is checked here)."""
+    out = tmp_path / "agree.json"
+    res = runner.invoke(bench_gpu.app, ["agree", "--methods", "zero-shot,ttl", "--ks", "3",
+                                        "--method-positions", "66,66", "--tolerance", "1e9", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = {r["key"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"zero-shot", "ttl"} and rows["ttl"]["policy"] == "crop_flip"
+    assert all(r["bench"] > 0 and r["run"] > 0 and r["whole"] > 0 and not r["skipped"] for r in rows.values())
+    assert "bench rate vs timed runs" in res.output

@@ -93,6 +93,26 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], limits: dict[str, int],
+               timer: contextlib.AbstractContextManager[Any]) -> tuple[str, str, Any]:
+    """Plan `key`'s view policy and run it over `limits[policy]` positions inside `timer`: (policy, why it failed
+    or "", what the timer recorded). A run the timer ends (`_Enough`) has not failed."""
+    from extract.run.options import RunOptions, plan
+
+    try:
+        policy = plan(RunOptions.make(key, "dtd", overrides=overrides)).policy
+    except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
+        return "", _one_line(e), None
+    with timer as rec:
+        try:
+            run(key, overrides=overrides, limit=limits[policy])
+        except _Enough:
+            pass
+        except Exception as e:  # noqa: BLE001
+            return policy, _one_line(e), rec
+    return policy, "", rec
+
+
 def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict[str, int], *,
                 budget_s: float) -> MethodCost:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
@@ -106,21 +126,12 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
         budget_s: CPU seconds of timed `adapt` calls after which the run is ended.
     """
     from extract.methods import get_method
-    from extract.run.options import RunOptions, plan
 
     cls = get_method(key)
     overrides = bench_overrides(cls, model_dir)
-    try:
-        policy = plan(RunOptions.make(key, "dtd", overrides=overrides)).policy
-    except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
-        return MethodCost(key, skipped=_one_line(e))
-    with _adapt_timer(cls, budget_s) as calls:
-        try:
-            run(key, overrides=overrides, limit=limits[policy])
-        except _Enough:
-            pass
-        except Exception as e:  # noqa: BLE001
-            return MethodCost(key, policy, skipped=_one_line(e))
+    policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s))
+    if failed:
+        return MethodCost(key, policy, skipped=failed)
     if len(calls) < 2:
         return MethodCost(key, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
     return MethodCost(key, policy, sum(n for n, _ in calls[1:]), sum(s for _, s in calls[1:]))
@@ -178,6 +189,259 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
             log(f"timing {key}")
             results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s))
     return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# samples/s of every method as a run adapts (wall time): what `bench-gpu` prices sweeps with
+
+@dataclass(frozen=True)
+class RunRate:
+    """One method's steady adaptation rate in a real run at K classes.
+
+    `samples` stream positions were adapted in `seconds` (`bench_clock`), from the end of the run's first batch
+    (its `adapt` call is the warm-up: lazy set-up, first kernels, allocator) to the end of its last timed one, so the
+    loop's own work for each batch (cache read, the zero-shot anchor, shard rows and parts) is in it; `encode_s` the seconds per sample of a second
+    model's encoding pass inside the run (RLCF's reward model: 64 views of every position, before the loop), else 0;
+    `mean_position` the mean stream position of the timed samples (ECALP's cost grows with it); `skipped` the reason
+    when it could not run.
+    """
+
+    key: str
+    k: int
+    policy: str = ""
+    samples: int = 0
+    seconds: float = 0.0
+    encode_s: float = 0.0
+    mean_position: float = 0.0
+    skipped: str = ""
+
+    @property
+    def samples_per_s(self) -> float:
+        """Samples per second of the run's steady state, the reward model's encoding included (nan: not timed)."""
+        if not self.samples or self.seconds <= 0:
+            return math.nan
+        return 1.0 / (self.seconds / self.samples + self.encode_s)
+
+
+def _sync_all() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def bench_clock() -> float:
+    """The clock of the rates: wall seconds where CUDA runs (the GPU works beside the process), else the CPU seconds
+    of this process, which a loaded machine moves far less (with one torch thread and in-process loading, as a CPU
+    run loads, they are all of a run's work; `one_torch_thread`)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return time.perf_counter()
+    return time.process_time()
+
+
+@contextlib.contextmanager
+def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tuple[int, float]]]]:
+    """Time the adapt loop of a run of `cls`, and the reward model's encoding pass (`RewardPass.encode`).
+
+    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`, the device
+    synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
+    anchor, and the part write when the batch completes one), and each reward encoding. Once `budget_s` seconds
+    passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
+    batch)."""
+    from extract.run.reward import RewardPass
+    from extract.run.writer import PartWriter
+
+    rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": []}
+    had_own = "adapt" in cls.__dict__
+    original, encode, add = cls.adapt, RewardPass.encode, PartWriter.add
+
+    def adapt(self: Any, view_feats: Any) -> Any:
+        done = rec["rows"]
+        if budget_s is not None and len(done) > 1 and bench_clock() - done[0][1] >= budget_s:
+            raise _Enough
+        return original(self, view_feats)
+
+    def timed_add(self: Any, sample_id: Any, *args: Any) -> Any:
+        out = add(self, sample_id, *args)
+        _sync_all()
+        rec["rows"].append((len(sample_id), bench_clock()))
+        return out
+
+    def timed_encode(self: Any, *args: Any, **kwargs: Any) -> int:
+        _sync_all()
+        t = bench_clock()
+        n = encode(self, *args, **kwargs)
+        _sync_all()
+        rec["encode"].append((int(n), bench_clock() - t))
+        return n
+
+    cls.adapt, RewardPass.encode, PartWriter.add = adapt, timed_encode, timed_add  # type: ignore[method-assign]
+    try:
+        yield rec
+    finally:
+        RewardPass.encode, PartWriter.add = encode, add  # type: ignore[method-assign]
+        if had_own:
+            cls.adapt = original
+        else:
+            del cls.adapt
+
+
+def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str], limits: dict[str, int], *,
+             budget_s: float | None) -> RunRate:
+    """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
+    bench's model, K-class set, caches and the runner's default adapt batch bound in): `RunRate` of its adapt loop
+    after the first call, until `budget_s` seconds of it (None: the whole run) or the cached positions end.
+
+    Args:
+        key: registry key; k: the set's classes (recorded).
+        run: the bound run function.
+        overrides: `--set` values (`run_overrides`).
+        limits: view policy -> stream positions cached for it (the run's `limit`).
+        budget_s: seconds (`bench_clock`) after the first batch after which the run is ended.
+    """
+    from extract.methods import get_method
+
+    policy, failed, rec = _timed_run(key, run, overrides, limits, _wall_timer(get_method(key), budget_s))
+    if failed:
+        return RunRate(key, k, policy, skipped=failed)
+    calls = rec["rows"]
+    if len(calls) < 2:
+        return RunRate(key, k, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
+    n = sum(c for c, _ in calls[1:])
+    first = calls[0][0]
+    enc_n = sum(c for c, _ in rec["encode"])
+    enc_s = sum(s for _, s in rec["encode"]) / enc_n if enc_n else 0.0
+    return RunRate(key, k, policy, n, calls[-1][1] - calls[0][1], enc_s, first + (n - 1) / 2)
+
+
+def run_overrides(cls: type, reward_dir: Path | None) -> dict[str, str]:
+    """The `--set` values a method needs to run in a bench of rates: a method with a reward model (RLCF) gets
+    `reward_dir`'s model as its reward model (another model than the policy, so that the run encodes the 64 views
+    a second time, as with its official ViT-L-14), or the policy's own when `reward_dir` is None."""
+    if getattr(cls, "needs_reward_model", False):
+        if reward_dir is None:
+            return {"reward_backbone": "policy"}
+        return {"reward_backbone": "", "reward_pretrained": f"local-dir:{reward_dir}"}
+    return {}
+
+
+def fill_caches(model: Any, root: Path, cache_dir: Path, limits: dict[str, int], *, adapt_batch: int,
+                policies: Sequence[str] = tuple(POLICY_OVERRIDES), log: Callable[[str], None] = lambda s: None) \
+        -> None:
+    """Fill the feature caches of `policies` (zero-shot runs of `limits[policy]` positions on the dtd-layout set
+    under `root`), so that timed runs never encode the policy's views."""
+    from extract.runner import run_extraction
+
+    for policy in policies:
+        log(f"filling the feature cache: {policy}, {limits[policy]} positions")
+        out = cache_dir.parent / f"fill-{cache_dir.name}-{policy}"
+        run_extraction("zero-shot", "dtd", data_root=root, model=model, progress=False, cache_dir=cache_dir,
+                       out=out, overrides=POLICY_OVERRIDES[policy], limit=limits[policy], adapt_batch=adapt_batch,
+                       log=lambda s: None)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _policies(keys: Sequence[str]) -> set[str]:
+    """The view policies the methods of `keys` read on the dtd layout (a method that cannot plan adds none)."""
+    from extract.run.options import RunOptions, plan
+
+    out = set()
+    for key in keys:
+        with contextlib.suppress(Exception):
+            out.add(plan(RunOptions.make(key, "dtd")).policy)
+    return out
+
+
+class RateRuns:
+    """Runs of registered methods on one K-class dtd-layout set, the feature caches of the view policies they read
+    filled once (`fill_caches`) and copied afresh for every run, so a reward model's cache starts empty as in a
+    first run (`run(key, overrides=..., limit=...)`, the shape `run_rate` calls). Text prototypes a run encodes are
+    kept for the later runs, as a sweep's cache folder keeps them (TPS's 80 templates x K classes at 77 tokens
+    cost seconds per run that are not adaptation)."""
+
+    def __init__(self, model: Any, root: Path, work: Path, keys: Sequence[str], limits: dict[str, int], *,
+                 adapt_batch: int, log: Callable[[str], None] = lambda s: None) -> None:
+        self.model, self.root, self.work, self.adapt_batch = model, root, work, adapt_batch
+        self.base_cache = work / "cache"
+        fill_caches(model, root, self.base_cache, limits, adapt_batch=adapt_batch, log=log,
+                    policies=[p for p in POLICY_OVERRIDES if p in _policies(keys)])
+        self._ids = iter(range(1_000_000))
+
+    def __call__(self, key: str, *, overrides: dict[str, str], limit: int) -> float:
+        """Run `key` over `limit` positions; returns the run's seconds (`bench_clock`, the copy of the caches
+        excluded)."""
+        from extract.runner import run_extraction
+
+        i = next(self._ids)
+        out, cache = self.work / f"out-{i}", self.work / f"cache-run-{i}"
+        shutil.copytree(self.base_cache, cache)
+        try:
+            _sync_all()
+            t = bench_clock()
+            run_extraction(key, "dtd", data_root=self.root, model=self.model, progress=False, cache_dir=cache,
+                           out=out, overrides=overrides, limit=limit, adapt_batch=self.adapt_batch,
+                           log=lambda s: None)
+            _sync_all()
+            took = bench_clock() - t
+            for text in cache.glob("*/text"):  # text prototypes stay cached for later runs, as in a sweep's folder
+                shutil.copytree(text, self.base_cache / text.relative_to(cache), dirs_exist_ok=True)
+            return took
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """A method's bench rate against timed runs at K classes: `bench` samples/s (`run_rate` over all positions),
+    `run` the marginal samples/s of two timed `run_extraction` calls ((N - B) / (T(N) - T(B)), B the adapt batch:
+    what a run pays per sample beyond its first call, fixed costs cancelled), `whole` N / T(N) of the longer run
+    (its set-up, warm-up call and reward model load included); `skipped` the reason when one could not run."""
+
+    key: str
+    k: int
+    policy: str = ""
+    bench: float = math.nan
+    run: float = math.nan
+    whole: float = math.nan
+    skipped: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """bench / run (1.0: the bench prices the method as the run pays it)."""
+        return self.bench / self.run
+
+
+def agreement(model: Any, root: Path, work: Path, keys: Sequence[str], k: int, *, limits: dict[str, int],
+              adapt_batch: int, reward_dir: Path | None, repeat: int = 1,
+              log: Callable[[str], None] = lambda s: None) -> list[Agreement]:
+    """For every method of `keys`: its bench rate and two timed runs of it (`Agreement`), one after the other on
+    the same caches, so that the load of the machine moves them alike; with `repeat` > 1 each of the three is
+    measured that many times, interleaved, and the fastest kept (a loaded machine only ever slows a run down)."""
+    from extract.methods import get_method
+
+    runs = RateRuns(model, root, work, keys, limits, adapt_batch=adapt_batch, log=log)
+    out = []
+    for key in keys:
+        log(f"bench and runs of {key} at K = {k}")
+        overrides = run_overrides(get_method(key), reward_dir)
+        rates, t_first, t_all = [], [], []
+        for _ in range(max(1, repeat)):
+            rates.append(run_rate(key, k, runs, overrides, limits, budget_s=None))
+            if rates[-1].skipped:
+                break
+            n = limits[rates[-1].policy]
+            t_first.append(runs(key, overrides=overrides, limit=adapt_batch))
+            t_all.append(runs(key, overrides=overrides, limit=n))
+        if rates[-1].skipped:
+            out.append(Agreement(key, k, rates[-1].policy, skipped=rates[-1].skipped))
+            continue
+        bench, policy = max(r.samples_per_s for r in rates), rates[0].policy
+        n = limits[policy]
+        out.append(Agreement(key, k, policy, bench, (n - adapt_batch) / (min(t_all) - min(t_first)), n / min(t_all)))
+    return out
 
 
 def parse_methods(raw: str, registry: Sequence[str]) -> list[str]:

@@ -21,8 +21,8 @@ encoder's pace), the fixed cost as the images the encoder could have encoded mea
 encoder's time for its 64 views over the adaptation's time (above 1: adapting is faster than encoding). `--json`
 writes every figure; `zaec-sweep --dry-run --rates FILE` prices a sweep with them (docs/sweep.md).
 
-    python -m extract.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
-    python -m extract.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
+    python -m tools.bench_gpu [--json bench-gpu.json] [--backbones ViT-B-16,RN50] [--workers 16]
+    python -m tools.bench_gpu --device cpu --tiny        # a small model on the CPU: the code path in seconds
 
 Without CUDA (and without `--device cpu`) it stops with one line and exit status 2.
 """
@@ -37,12 +37,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import typer
 
-from extract.bench import view_rate, write_image_set
+from tools.bench_extract import view_rate, write_image_set
 from extract.run.options import MAX_CUDA_WORKERS
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -65,8 +66,9 @@ def _fail(msg: str) -> typer.Exit:
 # ---------------------------------------------------------------------------------------------------------------
 # inputs built on the spot: weights and JPEGs
 
-def write_model_dir(path: Path, backbone: str, tiny: bool) -> Path:
-    """A random open_clip model (the named architecture, or TINY_CFG) as `local-dir:` files; fixed seed."""
+def write_model_dir(path: Path, backbone: str, tiny: bool, seed: int = 0) -> Path:
+    """A random open_clip model (the named architecture, or TINY_CFG) as `local-dir:` files, weights drawn from
+    `seed` (another seed: another model with the same preprocessing, such as a reward model)."""
     import open_clip
     import torch
     from safetensors.torch import save_file
@@ -74,7 +76,7 @@ def write_model_dir(path: Path, backbone: str, tiny: bool) -> Path:
     cfg = TINY_CFG if tiny else open_clip.get_model_config(backbone)
     if cfg is None:
         raise ValueError(f"unknown open_clip architecture {backbone!r}")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = open_clip.CLIP(**cfg)
     path.mkdir(parents=True, exist_ok=True)
     name = f"bench-tiny-{backbone}" if tiny else backbone
@@ -121,7 +123,8 @@ def encode_rate(model: Any, root: Path, policy: str, n: int, cache_dir: Path, *,
     chains in the loader processes, as before they ran on the device."""
     from extract.cache import FeatureCache
     from extract.datasets import load_testset
-    from extract.runner import encode_pass, stream_permutation
+    from extract.run.encode import encode_pass
+    from extract.run.stream import stream_permutation
 
     ts = load_testset("dtd", root)
     perm = stream_permutation("dtd", 1, len(ts))
@@ -147,7 +150,7 @@ def chains_rate(model: Any, min_seconds: float) -> tuple[float, float]:
     import torch
 
     from extract.augmix_device import pack_program, run_packed
-    from extract.bench import VIEW_IMAGE, photo
+    from tools.bench_extract import VIEW_IMAGE, photo
     from extract.views import N_AUG_VIEWS, ViewGenerator
 
     gen = ViewGenerator(model.preprocess, "augmix", seed=0)
@@ -173,56 +176,79 @@ def chains_rate(model: Any, min_seconds: float) -> tuple[float, float]:
             return n * N_AUG_VIEWS / (time.perf_counter() - t0), 1e3 * host / n
 
 
-def adapt_rate(model: Any, method: str, k: int, min_seconds: float, pass_budget: int | None = None) -> float:
-    """Samples/s of `method.adapt` on random 64-view features of K classes (the adaptation alone, as the runner
-    feeds it from the feature cache). Calls of up to 64 samples (the runner's `adapt_batch`), sized from a timed
-    2-sample warm-up so that K = 1000 stays within the time budget."""
-    import torch
-    import torch.nn.functional as F
+def _cpu_one_thread(model: Any) -> Any:
+    """One torch thread on the CPU (the rates' clock there is the process's CPU time: `bench_methods.bench_clock`),
+    nothing on CUDA (a GPU run's main thread uses what torch gives it)."""
+    import contextlib
 
+    from tools.bench_methods import one_torch_thread
+
+    return one_torch_thread() if model.device.type != "cuda" else contextlib.nullcontext()
+
+
+def write_rate_set(root: Path, k: int, n: int, tiny: bool) -> Path:
+    """A dtd-layout set of K classes and max(n, K) JPEGs (500x375, tiny 80x60: TTL reads the pixels of its views
+    and pays for the image size); returns the data root. The classes are named after ImageNet's (cycled past 1000):
+    the prompt tuners' text passes run one transformer call per group of prompt lengths (`text_encoder.py`), so
+    real names price them as real runs, where "class c" would make one group."""
+    from extract.datasets import imagenet_classnames
+
+    inet = imagenet_classnames()
+    names = [inet[c % len(inet)] + ("" if c < len(inet) else f" {c // len(inet)}") for c in range(k)]
+    return write_image_set(root, max(n, k), n_classes=k, size=(80, 60) if tiny else (500, 375), ext="jpg", seed=k,
+                           names=names)
+
+
+def method_rates(model: Any, work: Path, rates: "RateSettings", *, tiny: bool, say: Any) -> dict[str, Any]:
+    """Samples/s of each method at each K as a run adapts (`bench_methods.run_rate`: `run_extraction` on a
+    K-class set, features cached first, the runner's `adapt_batch`, its pass sizing, RLCF's reward model encoding
+    its views in the run, TTL reading its view pixels, warm-up call excluded); at the largest K also TPT with each
+    of `rates.pass_budgets` alone sizing its passes (`pass_memory_fraction=0`), with its peak device memory.
+
+    Returns:
+        {"by_method": {method: {str(K): RunRate}}, "by_budget": {str(budget): {...}}}.
+    """
+    from tools.bench_methods import RateRuns, run_overrides, run_rate
     from extract.methods import get_method
-    from extract.runner import build_method
+    from extract.run.options import DEFAULT_ADAPT_BATCH
 
-    names = [f"class {c}" for c in range(k)]
-    text = model.text_prototypes([[f"a photo of a {n}."] for n in names])
-    cls = get_method(method)
-    config = cls.default_config("dtd", model.backbone)
-    if pass_budget is not None:
-        config = dataclasses.replace(config, pass_budget=pass_budget)
-    obj = build_method(cls, config, text, model, backbone=model.backbone, dataset="dtd", class_names=names)
-    gen = torch.Generator().manual_seed(0)
-
-    def feats(b: int) -> torch.Tensor:
-        return F.normalize(torch.randn(b, 64, text.shape[1], generator=gen), dim=-1).to(model.device)
-
-    t0 = time.perf_counter()
-    obj.adapt(feats(2))  # warm-up, also sizes the timed calls
-    _sync(model.device)
-    per_sample = (time.perf_counter() - t0) / 2
-    b = int(min(64, max(2, min_seconds / 3 / max(per_sample, 1e-9))))
-    n, t0 = 0, time.perf_counter()
-    while n == 0 or time.perf_counter() - t0 < min_seconds:
-        obj.adapt(feats(b))
-        _sync(model.device)
-        n += b
-    return n / (time.perf_counter() - t0)
+    out: dict[str, Any] = {"by_method": {}, "by_budget": {}}
+    keys = list(rates.methods) + (["tpt"] if rates.pass_budgets else [])
+    for k in rates.ks:
+        root = write_rate_set(work / f"data-k{k}", k, rates.limits["single"], tiny)
+        with _cpu_one_thread(model):
+            runs = RateRuns(model, root, work / f"rates-k{k}", keys, rates.limits, adapt_batch=DEFAULT_ADAPT_BATCH)
+            for key in rates.methods:
+                r = run_rate(key, k, runs, run_overrides(get_method(key), rates.reward_dir), rates.limits,
+                             budget_s=rates.budget_s)
+                out["by_method"].setdefault(key, {})[str(k)] = r
+                say(f"  {key} K = {k}: " + (f"skipped: {r.skipped}" if r.skipped
+                                            else f"{r.samples_per_s:,.2f} samples/s over {r.samples} samples"))
+            if k == max(rates.ks):
+                for b in rates.pass_budgets:
+                    out["by_budget"][str(b)] = _budget_rate(model, runs, k, b, rates)
+        shutil.rmtree(work / f"data-k{k}", ignore_errors=True)
+        shutil.rmtree(work / f"rates-k{k}", ignore_errors=True)
+    return out
 
 
-def pass_budget_rate(model: Any, k: int, pass_budget: int, min_seconds: float) -> dict[str, Any]:
-    """TPT samples/s at K classes with `pass_budget` (sample x class rows per tuning pass), and the peak device
-    memory of the measurement: what sizing the passes from free memory (issue 13, item 3) would gain."""
+def _budget_rate(model: Any, runs: Any, k: int, pass_budget: int, rates: "RateSettings") -> dict[str, Any]:
+    """TPT samples/s at K classes with `pass_budget` (sample x class rows per tuning pass) alone sizing its passes
+    (`pass_memory_fraction=0`), and the peak device memory of the run."""
     import torch
+
+    from tools.bench_methods import run_rate
 
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(model.device)
-    try:
-        rate = adapt_rate(model, "tpt", k, min_seconds, pass_budget=pass_budget)
-    except torch.cuda.OutOfMemoryError:
-        return {"samples_per_s": None, "error": "out of memory"}
+    r = run_rate("tpt", k, runs, {"pass_budget": str(pass_budget), "pass_memory_fraction": "0"}, rates.limits,
+                 budget_s=rates.budget_s)
+    if r.skipped:
+        return {"samples_per_s": None, "error": r.skipped}
     peak = torch.cuda.max_memory_allocated(model.device) / 2**30 if cuda else None
-    return {"samples_per_s": rate, "samples_per_pass": max(1, pass_budget // k), "peak_gib": peak}
+    return {"samples_per_s": r.samples_per_s, "samples_per_pass": max(1, pass_budget // k), "peak_gib": peak}
 
 
 def fixed_cost(model_dir: Path, root: Path, work: Path, device: str, workers: int) -> dict[str, float]:
@@ -236,7 +262,7 @@ def fixed_cost(model_dir: Path, root: Path, work: Path, device: str, workers: in
         t0 = time.perf_counter()
         subprocess.run(cmd + ["--out", str(work / f"out{i}")], check=True, env=env, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-    probe = subprocess.run([sys.executable, "-m", "extract.bench_gpu", "probe", str(model_dir), str(root),
+    probe = subprocess.run([sys.executable, "-m", "tools.bench_gpu", "probe", str(model_dir), str(root),
                             "--device", device, "--workers", str(workers)],
                            check=True, env=env, capture_output=True, text=True)
     return {"process_s": wall, **json.loads(probe.stdout.strip().splitlines()[-1])}
@@ -248,31 +274,68 @@ def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), worke
     t0 = time.perf_counter()
     import torch  # noqa: F401
 
-    from extract import runner
+    import extract.runner  # noqa: F401  (timed: the modules a run imports, the whole run stack)
+    from extract.datasets import load_testset
+    from extract.models import load_model
+    from extract.prompts import build_prompt_set
+    from extract.run.encode import _ViewData
+    from extract.run.stream import stream_permutation
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = runner.load_model(None, f"local-dir:{model_dir}", device)
+    model = load_model(None, f"local-dir:{model_dir}", device)
     t_weights = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ts = runner.load_testset("dtd", root)
-    prompts = runner.build_prompt_set("dtd", ts.class_names, policy="single")
+    ts = load_testset("dtd", root)
+    prompts = build_prompt_set("dtd", ts.class_names, policy="single")
     model.text_prototypes(prompts.per_class)
     _sync(model.device)
     t_protos = time.perf_counter() - t0
     from extract.views import ViewGenerator
     t0 = time.perf_counter()
     gen = ViewGenerator(model.preprocess, "single", seed=1)
-    data = runner._ViewData(ts, runner.stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
+    data = _ViewData(ts, stream_permutation("dtd", 1, len(ts)), [(0, True, False)], gen)
     next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
     t_loader = time.perf_counter() - t0
     print(json.dumps({"import_s": t_import, "weights_s": t_weights, "prototypes_s": t_protos,
                       "loader_start_s": t_loader}))
 
 
+@dataclass(frozen=True)
+class RateSettings:
+    """What the adaptation lines time: `methods` at each K of `ks`, runs of up to `limits[policy]` stream positions
+    (a method stops after `budget_s` wall seconds past its warm-up call; None: all positions), RLCF's reward model
+    (`reward_dir`, None: the policy as its own), and TPT at the largest K with each of `pass_budgets`."""
+
+    ks: tuple[int, ...]
+    methods: tuple[str, ...]
+    limits: dict[str, int]
+    budget_s: float | None
+    reward_dir: Path | None = None
+    pass_budgets: tuple[int, ...] = ()
+
+
+def adapt_section(model: Any, work: Path, rates: RateSettings, *, tiny: bool, say: Any) -> dict[str, Any]:
+    """The adaptation lines of one backbone: `adapt_samples_per_s` {method: {K: samples/s}} (the rates
+    `zaec-sweep --rates` prices with), `adapt_detail` (samples timed, seconds, reward encoding per sample, mean
+    stream position, or why a method was skipped), and `tpt_by_pass_budget`."""
+    r: dict[str, Any] = {"adapt_samples_per_s": {}, "adapt_detail": {}}
+    if not rates.ks or not (rates.methods or rates.pass_budgets):  # `--methods none`: no K-class set to write
+        return r
+    measured = method_rates(model, work, rates, tiny=tiny, say=say)
+    for m, per_k in measured["by_method"].items():
+        r["adapt_detail"][m] = {k: dataclasses.asdict(v) for k, v in per_k.items()}
+        timed = {k: v.samples_per_s for k, v in per_k.items() if not v.skipped}
+        if timed:
+            r["adapt_samples_per_s"][m] = timed
+    if measured["by_budget"]:
+        r["tpt_by_pass_budget"] = {"k": max(rates.ks), **measured["by_budget"]}
+        say(f"TPT at K = {max(rates.ks)} by pass_budget {r['tpt_by_pass_budget']}")
+    return r
+
+
 def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_single: Path, root_multi: Path,
-                   n_single: int, n_multi: int, batch_size: int, workers: int, ks: Sequence[int],
-                   methods: Sequence[str], min_seconds: float, with_fixed_cost: bool,
-                   say: Any, pass_budgets: Sequence[int] = ()) -> dict[str, Any]:
+                   n_single: int, n_multi: int, batch_size: int, workers: int, rates: "RateSettings",
+                   min_seconds: float, with_fixed_cost: bool, say: Any) -> dict[str, Any]:
     from extract.models import load_model
 
     model_dir = write_model_dir(work / f"model-{backbone}", backbone, tiny)
@@ -292,12 +355,7 @@ def bench_backbone(backbone: str, *, tiny: bool, device: str, work: Path, root_s
     r["augmix_chains_views_per_s"], r["augmix_chains_host_ms_per_sample"] = chains_rate(model, min_seconds)
     say(f"{backbone}: single {r['single_view_images_per_s']:,.0f} images/s, crop+flip "
         f"{r['crop_flip_views_per_s']:,.0f} views/s, AugMix {r['augmix_views_per_s']:,.0f} views/s")
-    r["adapt_samples_per_s"] = {m: {str(k): adapt_rate(model, m, k, min_seconds) for k in ks} for m in methods}
-    say(f"{backbone}: adaptation samples/s {r['adapt_samples_per_s']}")
-    if pass_budgets and ks:
-        r["tpt_by_pass_budget"] = {"k": max(ks), **{str(b): pass_budget_rate(model, max(ks), b, min_seconds)
-                                                     for b in pass_budgets}}
-        say(f"{backbone}: TPT at K = {max(ks)} by pass_budget {r['tpt_by_pass_budget']}")
+    r.update(adapt_section(model, work / f"adapt-{backbone}", rates, tiny=tiny, say=say))
     del model
     if with_fixed_cost:
         r["fixed_cost"] = fixed_cost(model_dir, root_single, work / f"fc-{backbone}", device, workers)
@@ -377,6 +435,39 @@ def _check_options(device: str, tiny: bool, ks: str, pass_budgets: str) -> tuple
     return k_list, budgets
 
 
+def _check_method_options(methods: str, positions: Optional[str], tiny: bool) -> tuple[list[str], dict[str, int]]:
+    """`--methods` (registry keys, 'all' or 'none') and `--method-positions` (one-view,64-view positions; more than
+    the runner's adapt batch, so that a call follows the warm-up call); a user error exits with one line."""
+    from tools.bench_methods import parse_methods
+    from extract.methods import REGISTRY
+    from extract.run.options import DEFAULT_ADAPT_BATCH
+
+    try:
+        keys = parse_methods(methods, list(REGISTRY))
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    raw = positions if positions is not None else ("256,192" if tiny else "512,192")
+    try:
+        single, multi = (int(p) for p in raw.split(","))
+    except ValueError:
+        raise _fail(f"--method-positions expects two integers 'one-view,64-view', got {raw!r}") from None
+    if min(single, multi) <= DEFAULT_ADAPT_BATCH:
+        raise _fail(f"--method-positions must exceed the runner's adapt batch ({DEFAULT_ADAPT_BATCH}): the first "
+                    f"call is the untimed warm-up; got {raw!r}")
+    return keys, {"single": single, "crop_flip": multi, "augmix": multi}
+
+
+def _rate_settings(work: Path, tiny: bool, ks: Sequence[int], methods: Sequence[str], limits: dict[str, int],
+                   seconds: Optional[float], pass_budgets: Sequence[int]) -> RateSettings:
+    """The adaptation lines' settings; writes RLCF's reward model when it is timed (tiny: another seed of the tiny
+    model; else a random ViT-L-14, the official reward model's architecture, with the policy's preprocessing)."""
+    reward_dir = None
+    if "rlcf" in methods:
+        reward_dir = write_model_dir(work / "model-reward", "ViT-L-14", tiny, seed=1)
+    budget = seconds if seconds is not None else (None if tiny else 10.0)
+    return RateSettings(tuple(ks), tuple(methods), limits, budget, reward_dir, tuple(pass_budgets))
+
+
 def _print_loader(results: dict[str, Any], nw: int, console: Any) -> None:
     """One loader thread's view rates, and how well `nw` loader processes scaled against them."""
     per_core = results["views_per_core"]
@@ -402,7 +493,11 @@ def run(
     batch_size: Optional[int] = typer.Option(None, help="images per encoder call (default 256; tiny 64)"),
     workers: Optional[int] = typer.Option(None, help=f"loader processes (default up to {MAX_CUDA_WORKERS}; tiny 0)"),
     ks: str = typer.Option(",".join(map(str, DEFAULT_KS)), help="class counts of the TPT/TPS measurement"),
-    methods: str = typer.Option("tpt,tps", help="adaptation methods to time"),
+    methods: str = typer.Option("all", help="adaptation methods to time at each K: 'all', 'none' or keys"),
+    method_positions: Optional[str] = typer.Option(
+        None, help="stream positions run per method, one-view,64-view (default 512,192; tiny 256,192)"),
+    method_seconds: Optional[float] = typer.Option(
+        None, help="wall seconds per method after its warm-up call (default 10; tiny: all positions)"),
     seconds: Optional[float] = typer.Option(None, help="least seconds per timed rate (default 3; tiny 0.2)"),
     fixed_cost_: bool = typer.Option(True, "--fixed-cost/--no-fixed-cost", help="time a fresh process"),
     pass_budgets: str = typer.Option("2048,8192", help="TPT pass_budget values timed at the largest K (empty: none)"),
@@ -412,6 +507,7 @@ def run(
     from rich.console import Console
 
     k_list, budgets = _check_options(device, tiny, ks, pass_budgets)
+    method_keys, positions = _check_method_options(methods, method_positions, tiny)
     bbs = [b.strip() for b in backbones.split(",") if b.strip()]
     n_single = images if images is not None else (8 if tiny else 4096)
     n_multi = multi_view_images if multi_view_images is not None else (2 if tiny else 96)
@@ -425,6 +521,7 @@ def run(
     try:
         root_single = write_jpeg_set(work / "data-single", max(n_single, 2))  # two classes at least: one is refused
         root_multi = write_jpeg_set(work / "data-multi", max(n_multi, 2), seed=1)  # (a pass encodes the first n)
+        rate_settings = _rate_settings(work, tiny, k_list, method_keys, positions, method_seconds, budgets)
         dev = torch.device(device)
         results: dict[str, Any] = {
             "version": RATES_VERSION, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -432,8 +529,7 @@ def run(
         for bb in bbs:
             r = bench_backbone(bb, tiny=tiny, device=device, work=work, root_single=root_single,
                                root_multi=root_multi, n_single=n_single, n_multi=n_multi, batch_size=bs, workers=nw,
-                               ks=k_list, methods=[m.strip() for m in methods.split(",") if m.strip()],
-                               min_seconds=secs, with_fixed_cost=fixed_cost_, say=say, pass_budgets=budgets)
+                               rates=rate_settings, min_seconds=secs, with_fixed_cost=fixed_cost_, say=say)
             r["ratios"] = ratios(r)
             results["backbones"][bb] = r
         # the CPU side alone: views/s of one thread, to read the loader's efficiency against
@@ -455,11 +551,71 @@ def run(
         console.print(f"wrote {json_out}")
 
 
+@app.command("agree")
+def agree(
+    device: str = typer.Option("cpu", help="torch device (the CPU runs the tiny model)"),
+    backbone: str = typer.Option("ViT-B-16", help="open_clip architecture (random weights; tiny on the CPU)"),
+    methods: str = typer.Option("all", help="methods to check: 'all' or comma-separated keys"),
+    ks: str = typer.Option("47", help="class counts"),
+    method_positions: Optional[str] = typer.Option(None, help="positions run, one-view,64-view (default 256,192)"),
+    tolerance: float = typer.Option(0.2, help="largest accepted |bench / run - 1|"),
+    repeat: int = typer.Option(1, help="measurements of each rate and run, interleaved; the fastest is kept"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows to this JSON file"),
+) -> None:
+    """Check the adaptation rates against timed runs: per method and K, the bench's rate and the marginal rate of
+    two timed `run_extraction` calls of the same method (B and N positions, B the adapt batch), and their ratio.
+    Exits 1 when a ratio is off by more than `--tolerance` (on a loaded machine, read the ratios, not the exit)."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from tools.bench_methods import agreement
+    from extract.models import load_model
+    from extract.run.options import DEFAULT_ADAPT_BATCH
+
+    tiny = not device.startswith("cuda")
+    k_list, _ = _check_options(device, tiny, ks, "")
+    keys, limits = _check_method_options(methods, method_positions, tiny)
+    console = Console(emoji=False)
+    work = Path(tempfile.mkdtemp(prefix="zaec-bench-agree-"))
+    rows = []
+    try:
+        model = load_model(None, f"local-dir:{write_model_dir(work / 'model', backbone, tiny)}", device)
+        settings = _rate_settings(work, tiny, k_list, keys, limits, None, ())
+        for k in k_list:
+            root = write_rate_set(work / f"data-k{k}", k, limits["single"], tiny)
+            with _cpu_one_thread(model):
+                rows += agreement(model, root, work / f"runs-k{k}", keys, k, limits=limits,
+                                  adapt_batch=DEFAULT_ADAPT_BATCH, reward_dir=settings.reward_dir, repeat=repeat,
+                                  log=lambda line: console.print(line, highlight=False))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    t = Table(title=f"bench rate vs timed runs ({torch.cuda.get_device_name() if not tiny else 'cpu, tiny model'})")
+    for col in ("method", "K", "views", "bench samples/s", "run samples/s", "bench / run", "whole run samples/s"):
+        t.add_column(col, justify="right")
+    for a in rows:
+        if a.skipped:
+            t.add_row(a.key, str(a.k), a.policy, f"skipped: {a.skipped}", "", "", "")
+        else:
+            t.add_row(a.key, str(a.k), a.policy, f"{a.bench:,.2f}", f"{a.run:,.2f}", f"{a.ratio:.3f}",
+                      f"{a.whole:,.2f}")
+    console.print(t)
+    if json_out is not None:
+        from schemas.atomic import atomic_path
+        with atomic_path(json_out) as tmp:
+            Path(tmp).write_text(json.dumps([dataclasses.asdict(a) for a in rows], indent=1) + "\n")
+    off = [a for a in rows if not a.skipped and not abs(a.ratio - 1) <= tolerance]
+    if off:
+        console.print(f"{len(off)} method(s) off by more than {tolerance:.0%}: "
+                      + ", ".join(f"{a.key} K = {a.k} ({a.ratio:.2f})" for a in off))
+        raise typer.Exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("run", "probe", "--help"):
-        args = ["run"] + args  # `python -m extract.bench_gpu [options]` runs the benchmark
-    app(args=args, prog_name="python -m extract.bench_gpu")
+    if not args or args[0] not in ("run", "probe", "agree", "--help"):
+        args = ["run"] + args  # `python -m tools.bench_gpu [options]` runs the benchmark
+    app(args=args, prog_name="python -m tools.bench_gpu")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The demo's distribution shifts (extract/demo/shifts.py): deterministic, in range, as defined, and their on-disk
+"""The demo's distribution shifts (tools/demo/shifts.py): deterministic, in range, as defined, and their on-disk
 layout read back through the dataset loader."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from extract.demo import shifts
-from extract.demo.images import IMAGE_SIZE, upsample
+from tools.demo import shifts
+from tools.demo.images import IMAGE_SIZE, upsample
 
 from tests.support.demo import write_fake_fmnist as _write_fake_fmnist
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from extract.demo.fmnist import load_split
-from extract.demo.images import IMAGE_SIZE, to_rgb_uint8, upsample
+from tools.demo.fmnist import load_split
+from tools.demo.images import IMAGE_SIZE, to_rgb_uint8, upsample
 from schemas.atomic import atomic_dir
 
 CONFIG_FILE = "open_clip_config.json"

@@ -1,10 +1,10 @@
-"""The demo's image conversion (extract/demo/images.py): upsampling and grey to RGB."""
+"""The demo's image conversion (tools/demo/images.py): upsampling and grey to RGB."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from extract.demo.images import IMAGE_SIZE, to_rgb_uint8, upsample
+from tools.demo.images import IMAGE_SIZE, to_rgb_uint8, upsample
 
 EPS32 = np.finfo(np.float32).eps  # float32 tolerances below are multiples of it
 

@@ -8,7 +8,7 @@ is a question for a trained model on a GPU: this command runs a TPT-family metho
 with the defaults and with `text_shortcuts=false, pass_memory_fraction=0` (the full 77-token text tower and the
 `pass_budget` pass sizes), and prints accuracy, ECE and how far the logits moved.
 
-    python -m extract.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
+    python -m tools.check_shortcuts --pretrained local-dir:data/models/fmnist-ViT --dataset fmnist_blur \
         --data-root data/datasets --device cuda --limit 1000 [--methods tpt,atpt] [--json FILE]
 
 The demo's trained models and sets (`make demo`) are small real models with real accuracy and calibration; any
@@ -35,7 +35,7 @@ ECE_BINS = 20
 
 def _logits(paths: Sequence[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sample_id, label, adapted logits) of a run's shards, sorted by sample id."""
-    from schemas import read_shard
+    from schemas.shard import read_shard
 
     shards = [read_shard(p) for p in paths]
     ids = np.concatenate([s.sample_id for s in shards])
@@ -136,7 +136,7 @@ def run(argv: list[str] | None = None) -> None:
 
     from calibrate.cli_errors import run_app
 
-    run_app(app, list(argv if argv is not None else sys.argv[1:]) or ["--help"], "python -m extract.check_shortcuts")
+    run_app(app, list(argv if argv is not None else sys.argv[1:]) or ["--help"], "python -m tools.check_shortcuts")
 
 
 if __name__ == "__main__":

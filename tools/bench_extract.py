@@ -9,11 +9,11 @@ Measured in one process, one run each (ratios, not absolute speeds, are the poin
     * the loader: views/s of `--loader-workers` processes from JPEGs against that many times one thread's rate;
     * TPT and A-TPT samples/s from cached 64-view features (the text encoder's cost per sample);
     * every registered method's adaptation cost per sample through the runner, as ratios to TDA's and TPT's, and
-      ECALP's growth with the stream and its graph's bytes (`extract.bench_methods`).
+      ECALP's growth with the stream and its graph's bytes (`tools.bench_methods`).
 
-    python -m extract.bench [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
-                            [--methods all|none|KEY,...] [--only-methods] [--method-classes 100]
-                            [--ecalp-stream 64,128,256] [--ecalp-n 2000,8000]
+    python -m tools.bench_extract [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
+                                  [--methods all|none|KEY,...] [--only-methods] [--method-classes 100]
+                                  [--ecalp-stream 64,128,256] [--ecalp-n 2000,8000]
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import typer
 
-from extract.bench_methods import (MethodCost, costs_table, ecalp_report, method_costs, one_torch_thread,
+from tools.bench_methods import (MethodCost, costs_table, ecalp_report, method_costs, one_torch_thread,
                                    parse_methods)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -62,8 +62,9 @@ def photo(rng: np.random.Generator, size: tuple[int, int]) -> Any:
 
 
 def write_image_set(root: Path, n: int, *, n_classes: int = 10, size: tuple[int, int] = (96, 96),
-                    ext: str = "png", seed: int = 0) -> Path:
-    """`n` images of `size` (w, h) in the dtd layout under `root` (JPEG quality 90 for ext="jpg"); returns root."""
+                    ext: str = "png", seed: int = 0, names: Sequence[str] | None = None) -> Path:
+    """`n` images of `size` (w, h) in the dtd layout under `root` (JPEG quality 90 for ext="jpg"), class c named
+    `names[c]` (default "class c"); returns root."""
     rng = np.random.default_rng(seed)
     img_dir = root / "dtd" / "images"
     test = []
@@ -72,7 +73,7 @@ def write_image_set(root: Path, n: int, *, n_classes: int = 10, size: tuple[int,
         rel = f"c{c}/{i}.{ext}"
         (img_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         photo(rng, size).save(img_dir / rel, quality=90)
-        test.append([rel, c, f"class {c}"])
+        test.append([rel, c, f"class {c}" if names is None else names[c]])
     (root / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps({"train": [], "val": [],
                                                                                   "test": test}))
     return root
@@ -128,7 +129,8 @@ def loader_rates(policy: str, workers: int, n_images: int, size: int = VIEW_SIZE
     import torch
 
     from extract.datasets import load_testset
-    from extract.runner import _ViewData, stream_permutation
+    from extract.run.encode import _ViewData
+    from extract.run.stream import stream_permutation
     from extract.views import ViewGenerator
 
     tmp = Path(tempfile.mkdtemp(prefix="zaec-loader-"))
@@ -277,7 +279,9 @@ def extraction_section(console: Any, *, images: int, multi_view_images: int, ima
     from extract.cache import FeatureCache
     from extract.datasets import load_testset
     from extract.models import load_model
-    from extract.runner import encode_pass, run_extraction, stream_permutation
+    from extract.run.encode import encode_pass
+    from extract.run.stream import stream_permutation
+    from extract.runner import run_extraction
 
     tmp = Path(tempfile.mkdtemp(prefix="zaec-bench-"))
     try:

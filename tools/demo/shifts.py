@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from extract.demo.fmnist import load_split
-from extract.demo.images import to_rgb_uint8, upsample
+from tools.demo.fmnist import load_split
+from tools.demo.images import to_rgb_uint8, upsample
 from schemas.atomic import atomic_dir
 
 SPLIT_FILE = "split_zhou_FashionMNIST.json"

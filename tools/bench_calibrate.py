@@ -11,7 +11,7 @@
 Times are CPU seconds (best of several runs, the solver and its floor measured alternately): on a machine shared
 with other jobs they are far steadier than wall time, and the timed work is single-threaded NumPy.
 
-    python -m calibrate.bench [--scale 0.1] [--n 10000] [--out bench-out]
+    python -m tools.bench_calibrate [--scale 0.1] [--n 10000] [--out bench-out]
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy.optimize import brentq
 
-from calibrate.functional import ZAEC_T_MAX, entropy_from_logits, solve_zaec
+from calibrate.functional.softmax import entropy_from_logits
+from calibrate.functional.zaec import ZAEC_T_MAX, solve_zaec
 from calibrate.synthetic import PAPER_DATASETS, synthetic_logits, write_synthetic_benchmark
 
 
@@ -113,7 +114,7 @@ def bench_solver(n: int, ks: Sequence[int], seed: int = 0, naive_repeat: int = 2
 
 def _child(mode: str, root: str) -> None:
     """Runs in a fresh process so that its peak RSS is its own: prints {seconds, logits, maxrss_mb}."""
-    from schemas import find_shards, read_shard
+    from schemas.shard import find_shards, read_shard
 
     files = find_shards([root])
     t0 = _cpu()
@@ -138,7 +139,7 @@ def _child(mode: str, root: str) -> None:
 
 def _run_child(mode: str, root: Path) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "calibrate.bench", "--child", mode, str(root)], capture_output=True, text=True
+        [sys.executable, "-m", "tools.bench_calibrate", "--child", mode, str(root)], capture_output=True, text=True
     )
     if r.returncode != 0:
         raise RuntimeError(f"benchmark child {mode} failed:\n{r.stderr}")
@@ -166,7 +167,7 @@ def bench_cli(scale: float, out: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m calibrate.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=10000, help="samples for the solver benchmarks")
     p.add_argument("--ks", default="10,100,1000", help="class counts for the solver benchmarks")
     p.add_argument("--scale", type=float, default=0.1, help="fraction of the real test sizes (1 = paper scale)")

@@ -3,7 +3,7 @@
 No second image set ships with Debian besides Fashion-MNIST itself (`apt-cache search mnist` lists only
 `dataset-fashion-mnist`), so the OOD images are generated here: on a black 32x32 canvas, one to three filled
 rectangles, discs or rings of random size, place and grey level, seeded, stored as RGB like the demo's sets
-(`extract.demo.images.to_rgb_uint8`). They are the registered OOD set `demo_shapes`::
+(`tools.demo.images.to_rgb_uint8`). They are the registered OOD set `demo_shapes`::
 
     <data_root>/demo-ood/shapes/images/<index:05d>.png      32x32 RGB
     <data_root>/demo-ood/shapes/shapes.json                 how many, the seed
@@ -23,8 +23,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import polars as pl
 
-from extract.demo.verdict import raw_vs_zaec
-from extract.demo.images import IMAGE_SIZE, to_rgb_uint8
+from tools.demo.verdict import raw_vs_zaec
+from tools.demo.images import IMAGE_SIZE, to_rgb_uint8
 from schemas.atomic import atomic_dir
 
 OOD_KEY = "demo_shapes"
@@ -126,7 +126,7 @@ def run_ood_pair(cfg: Any, model_dirs: Mapping[str, Path], *, say: Callable[...,
     """
     from calibrate.run import calibrate_paths, write_metrics
     from extract.datasets import load_testset
-    from extract.demo.shifts import is_written
+    from tools.demo.shifts import is_written
     from extract.runner import run_extraction
 
     if not is_written(cfg.data_root, "clean"):

@@ -1,4 +1,4 @@
-"""``python -m extract.demo``: the embedded demo (what ``make demo`` runs). See ``extract.demo``.
+"""``python -m tools.demo``: the embedded demo (what ``make demo`` runs). See ``tools.demo``.
 
 A user error (missing Fashion-MNIST files, an unknown method or set) ends in one line on stderr and exit status 2.
 """
@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from extract.demo.run import DemoConfig
+from tools.demo.run import DemoConfig
 
 _DEFAULTS = DemoConfig()
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -45,8 +45,8 @@ def demo(
     """Train two small CLIP-architecture models on Fashion-MNIST and run the whole zaec pipeline on them."""
     from rich.console import Console
 
-    from extract.demo.fmnist import FashionMNISTError
-    from extract.demo.run import DemoError, run_demo
+    from tools.demo.fmnist import FashionMNISTError
+    from tools.demo.run import DemoError, run_demo
 
     err = Console(stderr=True, emoji=False)
     cfg = DemoConfig(
@@ -77,7 +77,7 @@ def demo(
 
 
 def main() -> None:
-    app(prog_name="python -m extract.demo")
+    app(prog_name="python -m tools.demo")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m extract.check_shortcuts`: a TPT-family method with and without its execution-only shortcuts."""
+"""`python -m tools.check_shortcuts`: a TPT-family method with and without its execution-only shortcuts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from extract import check_shortcuts
-from extract.check_shortcuts import _metrics
+from tools import check_shortcuts
+from tools.check_shortcuts import _metrics
 
 from tests.support.extract import make_json_dataset
 from tests.support.tpt import tuned_tol

@@ -1,6 +1,6 @@
 """Interim demo on SYNTHETIC data: generate a small fake shard set, then run `zaec-calibrate` on it.
 
-    python -m calibrate.demo_synthetic OUT
+    python -m tools.demo_synthetic OUT
 
 The logits are synthetic (CLIP-like numbers drawn at random, see `calibrate.synthetic`), not the output of any model:
 the demo shows the pipeline and the output format, not results. The real demo (a small CLIP on Fashion-MNIST) is
@@ -21,7 +21,7 @@ DEMO_DATASETS = ("imagenet", "dtd", "eurosat", "oxford_pets")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m calibrate.demo_synthetic", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.demo_synthetic", description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, help="folder for the synthetic shards (OUT/shards) and results (OUT/results)")
     p.add_argument("--scale", type=float, default=0.2, help="fraction of the real test-set sizes")
     a = p.parse_args(argv)
