@@ -4,6 +4,7 @@
                  [--data-root DIR] [--out DIR] [--seed S] [--device D] [--limit N] [--set key=value ...]
     zaec-extract --method tda --dataset folder:PATH [--dataset-name NAME] [--class-names FILE] ...
     zaec-extract --method tda --dataset inaturalist|folder:PATH --ood-for imagenet ...   (out-of-distribution run)
+    zaec-extract --method tda --dataset folder:OOD --ood-for folder:PATH [--ood-for-name NAME] [--class-names FILE]
 
 User errors (unknown names, missing data or weights, bad `--set`) end in one line on stderr and exit status 2.
 """
@@ -19,13 +20,17 @@ import typer
 from extract.method_keys import METHOD_KEYS
 from extract.defaults import DEFAULT_BACKBONE
 from extract.run.options import (
+    ADAPT_BATCH_HELP,
+    DEFAULT_ADAPT_BATCH,
     DEFAULT_ANCHOR,
     DEFAULT_BATCH_SIZE,
     DEFAULT_FINGERPRINT,
     DEFAULT_OUT,
+    DEFAULT_PART_SIZE,
     DEFAULT_PRETRAINED,
     DEFAULT_SEED,
     MAX_CUDA_WORKERS,
+    PART_SIZE_HELP,
 )
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -52,11 +57,15 @@ def extract(
     dataset_name: Optional[str] = typer.Option(None, help="name of a folder:/split: dataset in the shards "
                                                           "(default: the folder's name)"),
     class_names: Optional[Path] = typer.Option(None, help="class names of a folder:/split: dataset, label order: "
-                                                          "one per line or a JSON list"),
+                                                          "one per line or a JSON list (an OOD run: of its "
+                                                          "in-distribution set, --ood-for)"),
     ood_for: Optional[str] = typer.Option(None, "--ood-for", metavar="KEY",
                                           help="an out-of-distribution run: DATASET's images (label -1) mixed into "
-                                               "the stream of the in-distribution set KEY (e.g. imagenet), all "
-                                               "classified with KEY's classes, prompts and settings"),
+                                               "the stream of the in-distribution set KEY (e.g. imagenet, or "
+                                               "folder:PATH / split:FILE.json), all classified with KEY's classes, "
+                                               "prompts and settings"),
+    ood_for_name: Optional[str] = typer.Option(None, help="name of a folder:/split: in-distribution set of an OOD "
+                                                          "run (default: the folder's name)"),
     backbone: Optional[str] = typer.Option(
         None, help=f"open_clip model name (ViT-B-16, RN50); default {DEFAULT_BACKBONE}, or the local-dir's model"),
     pretrained: str = typer.Option(DEFAULT_PRETRAINED, help="pretrained tag, checkpoint file, or local-dir:DIR"),
@@ -84,6 +93,8 @@ def extract(
                                         help="turn photos as their EXIF orientation tag says (off by default: the "
                                              "official code and torchvision ignore EXIF)"),
     batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="images per encoder call"),
+    adapt_batch: int = typer.Option(DEFAULT_ADAPT_BATCH, help=ADAPT_BATCH_HELP),
+    part_size: int = typer.Option(DEFAULT_PART_SIZE, help=PART_SIZE_HELP),
     workers: Optional[int] = typer.Option(None, help="image-loading processes (default: up to "
                                                            f"{MAX_CUDA_WORKERS} on CUDA, 0 on CPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (warnings and errors still print)"),
@@ -92,19 +103,20 @@ def extract(
                                                    "SECONDS, then stop (0: stop at once; default: wait until it "
                                                    "finishes)"),
 ) -> None:
-    """Run METHOD over DATASET and write shards under OUT."""
+    """Run METHOD over DATASET and write shards under OUT.
+    \f
+    Length: a typer command declares each of its options as a parameter (one per line, with its help); the body
+    resolves the names and hands them to `run_extraction`.
+    """
     from rich.console import Console
 
     err = Console(stderr=True, emoji=False)
     try:
-        from extract.datasets import resolve_dataset
         from extract.run.options import parse_overrides
         from extract.runner import plan_run, run_extraction
 
         overrides = parse_overrides(set_)
-        dataset = resolve_dataset(dataset, name=dataset_name, class_names=class_names)
-        if ood_for is not None and ood_for.startswith(("folder:", "split:")):
-            ood_for = resolve_dataset(ood_for)  # a user's in-distribution set: registered under its folder's name
+        dataset, ood_for = resolve_sets(dataset, dataset_name, class_names, ood_for, ood_for_name)
         # resolve every name before any file is read (run_extraction repeats it; it is cheap)
         plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
                  anchor=anchor, limit=limit, ood_for=ood_for)
@@ -113,7 +125,7 @@ def extract(
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
             cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
             exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet,
-            wait_lock=wait_lock, ood_for=ood_for)
+            wait_lock=wait_lock, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 
@@ -123,6 +135,30 @@ def extract(
         raise typer.Exit(130)
     where = paths[0].parent if paths else out
     print(f"{len(paths)} shard(s) in {where}")  # plain: never wrapped, so scripts can parse the path
+
+
+def resolve_sets(dataset: str, dataset_name: str | None, class_names: Path | None, ood_for: str | None,
+                 ood_for_name: str | None) -> tuple[str, str | None]:
+    """The registered keys of `--dataset` and `--ood-for`, registering a user's `folder:`/`split:` sets.
+
+    In an OOD run the set with classes is the in-distribution one: `--class-names` (and `--ood-for-name`) go to
+    `--ood-for`, `--dataset-name` names the OOD set. Nothing given is dropped: `--class-names` for a registered
+    in-distribution key, or `--ood-for-name` without `--ood-for`, is a DatasetError.
+    """
+    from extract.datasets import DatasetError, resolve_dataset
+
+    if ood_for is None:
+        if ood_for_name is not None:
+            raise DatasetError("--ood-for-name names the folder:/split: in-distribution set of an OOD run; no "
+                               "--ood-for was given (name the dataset itself with --dataset-name)")
+        return resolve_dataset(dataset, name=dataset_name, class_names=class_names), None
+    if not ood_for.startswith(("folder:", "split:")) and (class_names is not None or ood_for_name is not None):
+        given = "--class-names" if class_names is not None else "--ood-for-name"
+        raise DatasetError(f"{given} applies to a folder:PATH or split:FILE.json in-distribution set; --ood-for "
+                           f"{ood_for!r} is a registered key with its own class names (an OOD set has no classes)")
+    if ood_for.startswith(("folder:", "split:")):
+        ood_for = resolve_dataset(ood_for, name=ood_for_name, class_names=class_names)
+    return resolve_dataset(dataset, name=dataset_name), ood_for  # a registered key: `plan` names a bad one
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -773,9 +773,36 @@ def _load_image_folder(spec: DatasetSpec, folder: Path
     return [folder / rel for rel, _ in items], [y for _, y in items], names, notes
 
 
+def split_image_dir(split_path: Path) -> str:
+    """The folder a user's split file's relative paths start at, relative to the file's folder ("" for the folder
+    itself): the file's folder when its first test image lies there, else the one sub-folder that holds it.
+
+    CoOp's own split files follow the second convention: `split_zhou_*.json` lies in the dataset folder beside the
+    image folder its paths start at (`images/` for DTD, Pets, Food-101 and the demo's sets, `jpg/` for Flowers102,
+    `2750/` for EuroSAT, `101_ObjectCategories/` for Caltech101, `SUN397/`, `UCF-101-midframes/`; CoOp
+    `DATASETS.md` and `datasets/*.py`). A first image found under no candidate leaves the file's folder (the
+    missing image is reported with the others).
+
+    Raises:
+        DatasetError: the first test image lies under several sub-folders (which one is meant cannot be told).
+    """
+    first = _first_test_path(split_path)
+    base = split_path.parent
+    if first is None or (base / first).is_file():
+        return ""
+    holders = sorted(d.name for d in base.iterdir()
+                     if not d.name.startswith(".") and d.is_dir() and (d / first).is_file())
+    if len(holders) > 1:
+        raise DatasetError(f"{split_path}: its first test image {first!r} lies under several sub-folders "
+                           f"({', '.join(holders)}); keep one image folder beside the split file, or write the paths "
+                           "relative to the split file's folder")
+    return holders[0] if holders else ""
+
+
 def _load_split_file(spec: DatasetSpec, split_path: Path) -> tuple[list[Path], list[int], tuple[str, ...]]:
-    """`split:FILE.json`: the registered sets' CoOp reader, relative paths starting at the file's folder."""
-    lay = Layout("split file", "", "", split_path.name)
+    """`split:FILE.json`: the registered sets' CoOp reader, relative paths starting at the file's folder or at the
+    image folder beside it (`split_image_dir`)."""
+    lay = Layout("split file", "", split_image_dir(split_path), split_path.name)
     paths, labels, names = _load_json_split(dataclasses.replace(spec, class_names=None), split_path.parent, lay)
     if spec.class_names is not None:
         if len(spec.class_names) != len(names):
@@ -802,6 +829,9 @@ def _load_user(spec: DatasetSpec) -> TestSet:
             raise DatasetError(f"dataset {spec.key!r}: split file {path} does not exist")
         ddir = path.parent
         paths, labels, names = _load_split_file(spec, path)
+        image_dir = split_image_dir(path)
+        if image_dir:  # CoOp's convention: say where the paths start (recorded as zaec:split_image_dir)
+            notes["split_image_dir"] = image_dir
     if spec.class_names_file is not None:
         notes["class_names_file"] = spec.class_names_file
     ts = TestSet(key=spec.key, dataset_dir=ddir, layout=spec.layouts[0].name, paths=tuple(paths),

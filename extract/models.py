@@ -49,6 +49,20 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class WeightFlags:
+    """How messages spell the settings that choose a model and its weights, each followed by its value:
+    `zaec-extract`'s own options (the default), or the `--set` keys of a second model a method loads (RLCF's
+    reward model: `WeightFlags("--set reward_backbone=", "--set reward_pretrained=")`)."""
+
+    backbone: str = "--backbone "
+    pretrained: str = "--pretrained "
+
+
+#: the main model's options
+MAIN_FLAGS = WeightFlags()
+
+
+@dataclass(frozen=True)
 class Preprocess:
     """Image preprocessing of a model (from its own open_clip config, never hard-coded)."""
 
@@ -364,12 +378,12 @@ def _cached_tag_file(cfg: dict[str, Any]) -> tuple[str | None, list[str]]:
     return None, looked
 
 
-def _local_dir_config(path: Path) -> dict[str, Any]:
+def _local_dir_config(path: Path, flags: WeightFlags = MAIN_FLAGS) -> dict[str, Any]:
     cfg_path = path / "open_clip_config.json"
     if not path.is_dir():
-        raise ModelError(f"--pretrained local-dir:{path}: no such directory")
+        raise ModelError(f"{flags.pretrained}local-dir:{path}: no such directory")
     if not cfg_path.is_file():
-        raise ModelError(f"--pretrained local-dir:{path}: {cfg_path.name} is missing (expected "
+        raise ModelError(f"{flags.pretrained}local-dir:{path}: {cfg_path.name} is missing (expected "
                          f"{cfg_path} and {path / LOCAL_DIR_WEIGHTS[0]})")
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -397,7 +411,7 @@ def _arch_diff(known: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     return diff
 
 
-def local_dir_name(path: Path, backbone: str | None) -> str:
+def local_dir_name(path: Path, backbone: str | None, flags: WeightFlags = MAIN_FLAGS) -> str:
     """The backbone name a `local-dir:` model is recorded under: the folder's model decides.
 
     Its `open_clip_config.json` names the model (`model_name`): a `backbone` must then equal it. Without a
@@ -411,22 +425,23 @@ def local_dir_name(path: Path, backbone: str | None) -> str:
         >>> local_dir_name(Path("models/tiny"), None)  # doctest: +SKIP
         'tiny-clip'
     """
-    cfg = _local_dir_config(path)
+    cfg = _local_dir_config(path, flags)
     own = cfg.get("model_name")
     if backbone is None or backbone == own:
         return str(own or path.resolve().name)
-    where = f"--pretrained local-dir:{path}"
+    where = f"{flags.pretrained}local-dir:{path}"
+    bb = flags.backbone
     if own:
-        raise ModelError(f"--backbone {backbone} disagrees with {where}, which holds {own} (model_name in its "
-                         f"open_clip_config.json); drop --backbone or pass --backbone {own}")
+        raise ModelError(f"{bb}{backbone} disagrees with {where}, which holds {own} (model_name in its "
+                         f"open_clip_config.json); drop {bb.strip()} or pass {bb}{own}")
     import open_clip
 
     known = open_clip.get_model_config(backbone)
     diff = _arch_diff(known, cfg["model_cfg"]) if known else []
     if diff:
-        raise ModelError(f"--backbone {backbone} is not the model in {where}: its open_clip_config.json differs "
+        raise ModelError(f"{bb}{backbone} is not the model in {where}: its open_clip_config.json differs "
                          f"from open_clip's {backbone} in {', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}; "
-                         f"drop --backbone (the folder's name {path.resolve().name!r} is recorded) or set "
+                         f"drop {bb.strip()} (the folder's name {path.resolve().name!r} is recorded) or set "
                          "model_name in the config")
     return backbone
 
@@ -520,7 +535,7 @@ def guess_architectures(shapes: dict[str, tuple[int, ...]]) -> list[str]:
 
 
 def _state_dict_error(e: BaseException, name: str, pretrained: str, weights: Path | None,
-                      state: dict[str, torch.Tensor] | None) -> str:
+                      state: dict[str, torch.Tensor] | None, flags: WeightFlags = MAIN_FLAGS) -> str:
     """One line for a checkpoint that does not fit the architecture: a few missing / unexpected / mismatched keys
     and the architectures the file looks like."""
     lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
@@ -534,7 +549,7 @@ def _state_dict_error(e: BaseException, name: str, pretrained: str, weights: Pat
         elif keys:
             parts.append(f"{head.strip()} ({len(keys)}): {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}")
     guess = guess_architectures(checkpoint_shapes(weights, state)) if weights is not None else []
-    looks = (f"; the file looks like {', '.join(guess[:4])} (pass it as --backbone)" if guess
+    looks = (f"; the file looks like {', '.join(guess[:4])} (pass it as {flags.backbone.strip()})" if guess
              else "; the file does not match any open_clip architecture by its vision tower")
     detail = "; ".join(parts) or (str(e).strip().splitlines() or [type(e).__name__])[0]
     return f"{pretrained} does not fit the architecture {name}: {detail}{looks}"
@@ -547,6 +562,7 @@ def load_model(
     *,
     quick_gelu: bool | None = None,
     precision: Precision | None = None,
+    flags: WeightFlags = MAIN_FLAGS,
 ) -> LoadedModel:
     """Build an open_clip model and load its weights (offline-safe, weights-only).
 
@@ -558,6 +574,7 @@ def load_model(
         device: torch device; None = cuda if available.
         quick_gelu: None = automatic (see the module docstring).
         precision: "amp" (autocast fp16) or "fp32"; None = amp on CUDA, fp32 on CPU.
+        flags: how the messages name the settings that chose the model (`WeightFlags`).
 
     Raises:
         ModelError: unknown backbone or tag, missing file, weights absent from the caches while the hub is offline.
@@ -575,14 +592,15 @@ def load_model(
     if precision not in ("amp", "fp32"):
         raise ModelError(f"precision must be 'amp' or 'fp32', got {precision!r}")
     if pretrained.startswith(LOCAL_DIR):
-        src = _local_dir_source(backbone, pretrained, quick_gelu)
+        src = _local_dir_source(backbone, pretrained, quick_gelu, flags)
     else:
-        src = _named_source(backbone, pretrained, quick_gelu)
+        src = _named_source(backbone, pretrained, quick_gelu, flags)
+    assert src is not None
     # the weights file's digest (sha256, for the fingerprint) in a thread while the model is built and loaded:
     # hashlib leaves the GIL while it hashes, so the file's second read costs no wall time of its own
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         digest = pool.submit(_file_digest, Path(src.weights_file)) if src.weights_file else None
-        model = _build_model(src, pretrained, dev).eval()
+        model = _build_model(src, pretrained, dev, flags).eval()
         file_digest = [digest.result()] if digest is not None else []
     for p in model.parameters():
         p.requires_grad_(False)
@@ -598,6 +616,28 @@ def load_model(
                        logit_bias=0.0 if bias is None else float(bias.float().mean().item()))
 
 
+def check_weights(backbone: str | None, pretrained: str, *, flags: WeightFlags = MAIN_FLAGS) -> None:
+    """What `load_model` would refuse before it reads a weight: an unknown architecture or pretrained tag, a
+    missing checkpoint file or `local-dir:` folder (or its config or weights file), a folder whose model disagrees
+    with `backbone`, and a tag's weights absent from this machine while the hub is offline. Reads and downloads no
+    weights (with the hub online, absent weights are left for the run to download).
+
+    Raises:
+        ModelError: the line `load_model` would raise (`flags` names the settings).
+    """
+    import open_clip  # noqa: F401  (a missing extra fails here)
+
+    if pretrained.startswith(LOCAL_DIR):
+        ddir = Path(pretrained[len(LOCAL_DIR):]).expanduser()
+        if not any((ddir / n).is_file() for n in LOCAL_DIR_WEIGHTS):
+            _local_dir_config(ddir, flags)  # a missing folder or config first, as `load_model` reports them
+            raise ModelError(f"{flags.pretrained}local-dir:{ddir}: no weights file; expected one of "
+                             f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
+        local_dir_name(ddir, backbone, flags)
+    else:
+        _named_source(backbone, pretrained, None, flags, fetch=False)
+
+
 @dataclass
 class _WeightSource:
     """Where a model's architecture and weights come from, resolved before anything is built."""
@@ -611,15 +651,16 @@ class _WeightSource:
     kwargs: dict[str, Any] = field(default_factory=dict)  # force_quick_gelu, force_preprocess_cfg
 
 
-def _local_dir_source(backbone: str | None, pretrained: str, quick_gelu: bool | None) -> _WeightSource:
+def _local_dir_source(backbone: str | None, pretrained: str, quick_gelu: bool | None,
+                      flags: WeightFlags = MAIN_FLAGS) -> _WeightSource:
     """A `local-dir:DIR` folder: its config decides the architecture and (with `local_dir_name`) the name."""
     ddir = Path(pretrained[len(LOCAL_DIR):]).expanduser()
-    cfg = _local_dir_config(ddir)
+    cfg = _local_dir_config(ddir, flags)
     weights = next((ddir / n for n in LOCAL_DIR_WEIGHTS if (ddir / n).is_file()), None)
     if weights is None:
-        raise ModelError(f"--pretrained local-dir:{ddir}: no weights file; expected one of "
+        raise ModelError(f"{flags.pretrained}local-dir:{ddir}: no weights file; expected one of "
                          f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
-    name = local_dir_name(ddir, backbone)
+    name = local_dir_name(ddir, backbone, flags)
     arch = f"{LOCAL_DIR}{ddir}"
     kwargs: dict[str, Any] = {}
     qg = bool(cfg["model_cfg"].get("quick_gelu", False))
@@ -630,8 +671,10 @@ def _local_dir_source(backbone: str | None, pretrained: str, quick_gelu: bool | 
                          [json.dumps(cfg, sort_keys=True)], kwargs)
 
 
-def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None) -> _WeightSource:
-    """An open_clip architecture with a checkpoint file or a pretrained tag (from the caches, else downloaded)."""
+def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None, flags: WeightFlags = MAIN_FLAGS,
+                  *, fetch: bool = True) -> _WeightSource | None:
+    """An open_clip architecture with a checkpoint file or a pretrained tag (from the caches, else downloaded).
+    `fetch=False` only checks (`check_weights`): nothing is downloaded or hashed, and None is returned."""
     import open_clip
     from open_clip.pretrained import get_pretrained_cfg
 
@@ -641,22 +684,27 @@ def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None
                          f"{', '.join(m for m in open_clip.list_models() if m in OPENAI_ARCHS)}, ... "
                          "(see open_clip.list_models())")
     looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
+    fp = flags.pretrained
     if Path(pretrained).expanduser().is_dir() and (looks_like_path or not get_pretrained_cfg(name, pretrained)):
-        raise ModelError(f"--pretrained {pretrained} is a folder; for a folder holding open_clip_config.json "
-                         f"and the weights pass --pretrained local-dir:{pretrained}")
+        raise ModelError(f"{fp}{pretrained} is a folder; for a folder holding open_clip_config.json "
+                         f"and the weights pass {fp}local-dir:{pretrained}")
     if looks_like_path or Path(pretrained).is_file():
         path = Path(pretrained).expanduser()
         if not path.is_file():
-            raise ModelError(f"checkpoint file {path} does not exist (--pretrained takes a tag such as "
+            raise ModelError(f"checkpoint file {path} does not exist ({fp.strip()} takes a tag such as "
                              f"'openai', a checkpoint file, or local-dir:DIR)")
         qg = name in OPENAI_ARCHS if quick_gelu is None else quick_gelu
         weights_file, pre_force = str(path), None
     else:
         tag_cfg = get_pretrained_cfg(name, pretrained)
-        found = _tag_weights(name, pretrained, tag_cfg)
+        found = _tag_weights(name, pretrained, tag_cfg, flags, fetch=fetch)
+        if found is None:
+            return None
         qg = bool(tag_cfg.get("quick_gelu", False)) if quick_gelu is None else quick_gelu
         weights_file = str(found)
         pre_force = {k: tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
+    if not fetch:
+        return None
     kwargs: dict[str, Any] = {}
     if qg:
         kwargs["force_quick_gelu"] = True
@@ -665,9 +713,11 @@ def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None
     return _WeightSource(name, name, qg, dict(model_name=name, pretrained=weights_file), weights_file, [], kwargs)
 
 
-def _tag_weights(name: str, pretrained: str, tag_cfg: dict[str, Any]) -> Any:
+def _tag_weights(name: str, pretrained: str, tag_cfg: dict[str, Any], flags: WeightFlags = MAIN_FLAGS, *,
+                 fetch: bool = True) -> Any:
     """The weights file of a pretrained tag: from the caches, else downloaded unless the hub is offline or its
-    host cannot be reached (one line each, naming where it looked)."""
+    host cannot be reached (one line each, naming where it looked). `fetch=False`: None instead of a download
+    (the offline refusal stands)."""
     from open_clip.pretrained import list_pretrained_tags_by_model
 
     if not tag_cfg:
@@ -677,18 +727,21 @@ def _tag_weights(name: str, pretrained: str, tag_cfg: dict[str, Any]) -> Any:
     found, looked = _cached_tag_file(tag_cfg)
     if found is not None:
         return found
+    fp = flags.pretrained
     if _hub_offline():
         raise ModelError(
             f"weights for {name}/{pretrained} are not on this machine and the hub is offline "
-            f"(HF_HUB_OFFLINE=1); looked for: {'; '.join(looked)}. Provide them with --pretrained "
-            f"/path/to/checkpoint or --pretrained local-dir:DIR, or download them once with network "
+            f"(HF_HUB_OFFLINE=1); looked for: {'; '.join(looked)}. Provide them with {fp}"
+            f"/path/to/checkpoint or {fp}local-dir:DIR, or download them once with network "
             f"access (unset HF_HUB_OFFLINE)")
+    if not fetch:
+        return None
     host = _unreachable_host(tag_cfg)
     if host is not None:
         raise ModelError(
             f"weights for {name}/{pretrained} are not on this machine and {host} cannot be reached; "
-            f"looked for: {'; '.join(looked)}. Provide them with --pretrained /path/to/checkpoint or "
-            f"--pretrained local-dir:DIR, or download them once on a machine with network access")
+            f"looked for: {'; '.join(looked)}. Provide them with {fp}/path/to/checkpoint or "
+            f"{fp}local-dir:DIR, or download them once on a machine with network access")
     from open_clip.pretrained import download_pretrained
     try:
         return download_pretrained(tag_cfg)
@@ -743,7 +796,8 @@ def read_safetensors_into(model: torch.nn.Module, path: Path) -> bool:
     return True
 
 
-def _build_model(src: _WeightSource, pretrained: str, device: torch.device) -> torch.nn.Module:
+def _build_model(src: _WeightSource, pretrained: str, device: torch.device,
+                 flags: WeightFlags = MAIN_FLAGS) -> torch.nn.Module:
     """open_clip.create_model with the source's weights on `device` (weights-only loading; TorchScript archives by
     their own loader); every loading failure is one ModelError line.
 
@@ -782,7 +836,7 @@ def _build_model(src: _WeightSource, pretrained: str, device: torch.device) -> t
         # AssertionError: open_clip's resize helpers assert on mismatched widths
         if "Error(s) in loading state_dict" in str(e) or isinstance(e, AssertionError):
             raise ModelError(_state_dict_error(e, name, pretrained, Path(weights_file) if weights_file else None,
-                                               jit_state)) from None
+                                               jit_state, flags)) from None
         raise ModelError(f"cannot build {name} from {pretrained}: {str(e).splitlines()[0] if str(e) else e}") from None
     except (ValueError, KeyError, OSError, pickle.UnpicklingError) as e:
         # UnpicklingError: a .pt holding Python objects beyond tensors, refused by weights_only loading

@@ -61,7 +61,7 @@ from extract.run.options import (
 from extract.run.progress import Progress, warn
 from extract.run.resume import ResumePoint, ResumeScope, apply_resume, scan_resume, settings_kv
 from extract.run.pixels import attach_views
-from extract.run.reward import attach_reward
+from extract.run.reward import attach_reward, check_reward_model
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
 from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
@@ -158,6 +158,11 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         if done is not None:
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
+        elif not force:
+            shorter = shorter_note(planned, run_dir, data.n_total, run_settings(planned, data))
+            if shorter is not None:
+                note(shorter, log)
+        check_reward_model(planned)  # [reward model] RLCF's second model, checked before the policy loads
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
         parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)
@@ -192,7 +197,8 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         warnings = [*planned.model_notes, *prompts.method.warnings, *method.warnings]
         meta = shard_meta(planned, data, model, prompts, warnings)
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
-                            _state_keys(method) if planned.episodic else None)
+                            _state_keys(method) if planned.episodic else None,
+                            planned.method_cls.prefix_dependence(planned.config))
         run_dir.remove_marker()
         # force: every part is rewritten; the old ones go only now that the model loaded
         point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
@@ -221,7 +227,8 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
                                 + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return writer.written, marker_doc(n_run=n_run, n_total=data.n_total, limit=options.limit,
                                       settings=run_settings(planned, data), parts=writer.written,
-                                      method_summary=method.summary(), accuracies=state.accuracies(n_run))
+                                      method_summary=method.summary(), accuracies=state.accuracies(n_run),
+                                      prefix_dependence=scope.prefix_dependence, adapt_batch=options.adapt_batch)
 
 
 def note(line: str, log: Callable[[str], None] | None) -> None:
@@ -247,9 +254,26 @@ def reuse_note(planned: PlannedRun, done: FinishedRun, n_total: int) -> str:
     n_run = planned.n_run(n_total)
     if n_done > n_run:
         line += (f". --limit {o.limit} asks for the first {n_run} samples of the stream: this finished run covers "
-                 f"them and its shards hold all {n_done} (stream_pos < {n_run} are the ones asked for); --force "
-                 "would replace it with the shorter run, --out elsewhere keeps both")
+                 f"them ({o.method} reads neither the stream's length nor a later sample, and {n_run} ends one of "
+                 f"its adapt calls) and its shards hold all {n_done} (stream_pos < {n_run} are the ones asked for); "
+                 "--force would replace it with the shorter run, --out elsewhere keeps both")
     return line
+
+
+def shorter_note(planned: PlannedRun, run_dir: RunDir, n_total: int, settings: Mapping[str, Any]) -> str | None:
+    """The line a limited run prints when it computes its samples although a finished longer run with the same
+    `settings` lies in its folder (`RunDir.shorter_refusal` says why that run's first rows are not this run's);
+    None otherwise (a run with other settings is refused or recomputed by the resume scan, which says so)."""
+    counts = run_dir.finished_counts()
+    n_run = planned.n_run(n_total)
+    if counts is None or counts[0] <= n_run or (run_dir.read_marker() or {}).get("settings") != settings:
+        return None
+    why = run_dir.shorter_refusal(n_run)
+    if why is None:  # served (or refused for its settings) by the finished-run check
+        return None
+    return (f"{planned.options.method} on {planned.dataset}: the finished run under {run_dir.path} holds "
+            f"{counts[0]} samples, but its first {n_run} are not what a {n_run}-sample run computes ({why}); "
+            f"computing the {n_run}-sample run, which replaces it (--out elsewhere keeps both)")
 
 
 def _recompute_or_refuse(done: FinishedRun, on_changed: str, log: Callable[[str], None] | None) -> None:

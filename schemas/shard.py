@@ -633,10 +633,12 @@ def check_ood_runs(groups: Mapping[RunKey, Sequence[tuple[Path, ShardMeta]]]) ->
         if id_meta.class_names != meta.class_names:
             diff = next((i for i, (a, b) in enumerate(zip(meta.class_names, id_meta.class_names)) if a != b),
                         min(meta.num_classes, id_meta.num_classes))
+            here, there = (repr(n[diff]) if diff < len(n) else "no name" for n in (meta.class_names,
+                                                                                  id_meta.class_names))
             raise ShardError(
                 f"{path}: OOD run {key} must use the class names of its in-distribution set {meta.ood_for!r}, but "
                 f"they differ from {id_path}'s ({meta.num_classes} vs {id_meta.num_classes} names, first difference "
-                f"at index {diff})")
+                f"at index {diff}: {here} here, {there} there)")
 
 
 def iter_run(members: Sequence[tuple[Path, ShardMeta]]) -> Iterator[Shard]:

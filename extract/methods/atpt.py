@@ -116,6 +116,7 @@ class ATPT(TPT):
     """TPT with A-TPT's angular-diversity term: loss = marginal entropy ∓ λ·AD(T̂) (− by default, see `sign`)."""
 
     key: ClassVar[str] = "atpt"
+    prefix_stable: ClassVar[bool] = True  # episodic, as TPT
     Config: ClassVar[type[MethodConfig]] = ATPTConfig
 
     @classmethod

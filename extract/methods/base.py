@@ -399,6 +399,12 @@ class TTAMethod(abc.ABC):
     output_kind: ClassVar[OutputKind] = "logits"
     # Attributes holding the online state, saved by `state_dict` (so that an interrupted run can resume).
     _state_fields: ClassVar[tuple[str, ...]] = ()
+    # Whether the first n rows of a run are the first n rows of any longer run of the same stream: the method reads
+    # neither the stream's length nor a sample after the ones it is given. Only then does a finished longer run
+    # serve a shorter `--limit` (extract/run/settings.py, `longer_run_refusal`). Every registered method declares it
+    # in its own class (tests/extract/test_methods.py checks the declaration against the method's rows); False here,
+    # so that an undeclared method is recomputed rather than served another run's rows.
+    prefix_stable: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -478,6 +484,18 @@ class TTAMethod(abc.ABC):
         out = self._adapt(view_feats)
         self.n_seen += b
         return out.detach().float()
+
+    @classmethod
+    def prefix_dependence(cls, config: MethodConfig) -> str | None:
+        """Why the first rows of a run with `config` depend on what follows them, or None when they do not
+        (`prefix_stable`; a method whose dependence is a setting, OnZeta's `stream_length`, overrides this).
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> get_method("tda").prefix_dependence(get_method("tda").default_config("dtd", "RN50")) is None
+            True
+        """
+        return None if cls.prefix_stable else f"{cls.key}'s rows depend on the samples after them"
 
     def set_stream_length(self, n: int) -> None:
         """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods

@@ -72,6 +72,7 @@ class _Boosted:
 
 class BoostAdapter(TDA):
     key: ClassVar[str] = "boostadapter"
+    prefix_stable: ClassVar[bool] = True  # TDA's caches plus the sample's own boosting views
     Config: ClassVar[type[MethodConfig]] = BoostAdapterConfig
     _state_fields: ClassVar[tuple[str, ...]] = ("pos", "neg", "neg_clock")
     # Unseen data: as TDA (ImageNet's row: one view, alpha 2, beta 5, where BoostAdapter is TDA with a FIFO

@@ -81,6 +81,7 @@ DLAE_AUGMIX: frozenset[str] = frozenset({"imagenet_r", "dtd", "fgvc_aircraft", "
 
 class DLAE(DPE):
     key: ClassVar[str] = "dlae"
+    prefix_stable: ClassVar[bool] = True  # DPE's state plus running counts of samples already seen
     Config: ClassVar[type[MethodConfig]] = DLAEConfig
     _state_fields: ClassVar[tuple[str, ...]] = DPE._state_fields + ("w0", "counter", "count", "conf_mean", "conf_count")
 

@@ -86,6 +86,7 @@ class DMN(TTAMethod):
     """Zero-shot DMN with the official 32 views; returns log((p_text + w·p_mem) / (1 + w)) (module docstring)."""
 
     key: ClassVar[str] = "dmn"
+    prefix_stable: ClassVar[bool] = True  # the memory holds only samples already seen
     Config: ClassVar[type[MethodConfig]] = DMNConfig
     #: what `adapt` returns: log-probabilities, not logits (the shard's `zaec:output_kind`, docs/contract.md)
     output_kind: ClassVar[str] = "log_probs"
@@ -188,6 +189,7 @@ class DMNWeak(DMN):
     """
 
     key: ClassVar[str] = "dmn-weak"
+    prefix_stable: ClassVar[bool] = True  # as DMN
     # Unseen data: DMN's (ImageNet's row, w = 1, the 80 CLIP templates, no CuPL) on its one view
     unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompts": "imagenet80", "cupl": False})
 

@@ -111,6 +111,7 @@ DUAL_PROTOTYPE_PROMPTS: dict[str, PromptSet] = {
 
 class DPE(TTAMethod):
     key: ClassVar[str] = "dpe"
+    prefix_stable: ClassVar[bool] = True  # the prototypes move with samples already seen
     Config: ClassVar[type[MethodConfig]] = DPEConfig
     _state_fields: ClassVar[tuple[str, ...]] = ("cache", "w_global", "n_global_updates")
     # Unseen data (DLAE inherits this): ImageNet's row (DPE: alpha 6, beta 5, lr 6e-4, align 0.5 - TTABC's global

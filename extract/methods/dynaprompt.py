@@ -120,6 +120,7 @@ class DynaPrompt(TTAMethod):
     prediction drop, one AdamW step on the selected prompts' marginal entropy, predict with their mean logits."""
 
     key: ClassVar[str] = "dynaprompt"
+    prefix_stable: ClassVar[bool] = True  # the prompt buffer holds updates of samples already seen
     Config: ClassVar[type[MethodConfig]] = DynaPromptConfig
     needs_text_encoder: ClassVar[bool] = True
     _state_fields: ClassVar[tuple[str, ...]] = ("residual", "ctx_order", "ctx_use", "loss_scale", "skipped_steps")

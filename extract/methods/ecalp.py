@@ -60,6 +60,7 @@ class ECALPConfig(MethodConfig):
 
 class ECALP(TTAMethod):
     key: ClassVar[str] = "ecalp"
+    prefix_stable: ClassVar[bool] = True  # the graph at sample i holds samples 0..i only
     Config: ClassVar[type[MethodConfig]] = ECALPConfig
     output_kind: ClassVar[OutputKind] = "log_probs"
     _state_fields: ClassVar[tuple[str, ...]] = ("graph",)

@@ -68,6 +68,7 @@ class MTA(TTAMethod):
     """MeanShift mode of the view features with inlierness scores. Stateless; every sample is independent."""
 
     key: ClassVar[str] = "mta"
+    prefix_stable: ClassVar[bool] = True  # each row is its own sample's mode
     Config: ClassVar[type[MethodConfig]] = MTAConfig
     unseen_like: ClassVar[str] = "imagenet"  # one setting for every dataset
 

@@ -54,6 +54,7 @@ class OnZetaConfig(MethodConfig):
 
 class OnZeta(TTAMethod):
     key: ClassVar[str] = "onzeta"
+    prefix_stable: ClassVar[bool] = False  # β_i = β·√((i+1)/n) reads the stream's length n (`prefix_dependence`)
     Config: ClassVar[type[MethodConfig]] = OnZetaConfig
     output_kind: ClassVar[OutputKind] = "log_probs"
     _state_fields: ClassVar[tuple[str, ...]] = ("w", "rho")
@@ -65,6 +66,15 @@ class OnZeta(TTAMethod):
     def default_config(cls, hparams_key: str, backbone: str) -> OnZetaConfig:
         check_hparams_key(hparams_key)
         return OnZetaConfig()
+
+    @classmethod
+    def prefix_dependence(cls, config: MethodConfig) -> str | None:
+        """With the run's length as n, the first rows of a shorter run follow another schedule; a fixed
+        `stream_length` makes every run's schedule the same (None)."""
+        if config.stream_length:  # type: ignore[attr-defined]
+            return None
+        return ("onzeta's schedule beta_i = beta*sqrt((i+1)/n) reads the stream's length n (fix it with --set "
+                "stream_length=N)")
 
     def __init__(self, config: OnZetaConfig, text_features: torch.Tensor, logit_scale: float, **kwargs: Any) -> None:
         super().__init__(config, text_features, logit_scale, **kwargs)

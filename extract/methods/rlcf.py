@@ -138,6 +138,7 @@ class RLCF(TPT):
     """RLCF with a tuned prompt: TPT's tuner with the CLIP-reward loss, several steps per sample, episodic."""
 
     key: ClassVar[str] = "rlcf"
+    prefix_stable: ClassVar[bool] = True  # episodic; the reward features are read at the sample's own position
     Config: ClassVar[type[MethodConfig]] = RLCFConfig
     #: the runner loads the reward model and calls `attach_reward` before the first image (extract/run/reward.py)
     needs_reward_model: ClassVar[bool] = True

@@ -134,6 +134,7 @@ class RTPT(TPT):
     """TPT with R-TPT's per-view entropy loss and reliability-weighted ensemble over the tuned views."""
 
     key: ClassVar[str] = "rtpt"
+    prefix_stable: ClassVar[bool] = True  # episodic, as TPT
     Config: ClassVar[type[MethodConfig]] = RTPTConfig
     # unseen data: the fine-grained settings (AugMix views), as TPT
 

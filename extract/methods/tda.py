@@ -69,6 +69,7 @@ TDA_IMAGENET80: frozenset[str] = frozenset({"imagenet_r", "imagenet_sketch"})
 
 class TDA(TTAMethod):
     key: ClassVar[str] = "tda"
+    prefix_stable: ClassVar[bool] = True  # the caches hold only samples already seen
     Config: ClassVar[type[MethodConfig]] = TDAConfig
     _state_fields: ClassVar[tuple[str, ...]] = ("pos", "neg")
     # Unseen data: ImageNet's row (alpha 2, beta 5, one view), the one config TTABC applies to every dataset

@@ -113,6 +113,7 @@ class TPS(EpisodicTuner):
     """Test-time prototype shifting: a per-class shift of cached prototypes, one AdamW step per sample."""
 
     key: ClassVar[str] = "tps"
+    prefix_stable: ClassVar[bool] = True  # episodic (the run's loss scale follows the samples already seen)
     Config: ClassVar[type[MethodConfig]] = TPSConfig
     # The text encoder builds the descriptor prototypes when `descriptors` is set; unused otherwise.
     needs_text_encoder: ClassVar[bool] = True

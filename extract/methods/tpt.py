@@ -568,6 +568,7 @@ class TPT(EpisodicTuner):
     """Test-time prompt tuning: a shared learnable context, one AdamW step per sample, episodic."""
 
     key: ClassVar[str] = "tpt"
+    prefix_stable: ClassVar[bool] = True  # episodic (the run's loss scale follows the samples already seen)
     Config: ClassVar[type[MethodConfig]] = TPTConfig
     needs_text_encoder: ClassVar[bool] = True
 
@@ -611,6 +612,7 @@ class CTPT(TPT):
     """TPT with C-TPT's dispersion reward: loss = marginal entropy − λ·ATFD(T̂)."""
 
     key: ClassVar[str] = "ctpt"
+    prefix_stable: ClassVar[bool] = True  # episodic, as TPT
     Config: ClassVar[type[MethodConfig]] = CTPTConfig
 
     @classmethod
@@ -637,6 +639,7 @@ class OTPT(TPT):
     """TPT with O-TPT's orthogonality penalty: loss = marginal entropy + λ·householder_orthogonality(T̂)."""
 
     key: ClassVar[str] = "otpt"
+    prefix_stable: ClassVar[bool] = True  # episodic, as TPT
     Config: ClassVar[type[MethodConfig]] = OTPTConfig
 
     @classmethod

@@ -121,6 +121,7 @@ class TTL(TTAMethod):
     """TTL: per sample, LoRA on the last vision blocks tuned on DeYO-weighted entropy of the 64 views, episodic."""
 
     key: ClassVar[str] = "ttl"
+    prefix_stable: ClassVar[bool] = True  # episodic; the views' pixels are read at the sample's own position
     Config: ClassVar[type[MethodConfig]] = TTLConfig
     needs_text_encoder: ClassVar[bool] = True  # the runner passes the model (its image encoder is adapted)
     #: the runner attaches a reader of the views' pixels (`attach_views`; extract/run/pixels.py)

@@ -59,6 +59,7 @@ class Zero(TTAMethod):
     """ZERO: confident views, zero-temperature softmax, vote. Stateless; every sample is independent."""
 
     key: ClassVar[str] = "zero"
+    prefix_stable: ClassVar[bool] = True  # each row is its own sample's vote
     Config: ClassVar[type[MethodConfig]] = ZeroConfig
     output_kind: ClassVar[OutputKind] = "log_probs"
     unseen_like: ClassVar[str] = "imagenet"  # one setting for every dataset

@@ -22,6 +22,7 @@ class ZeroShot(TTAMethod):
     """logits = logit_scale · f̂₀ · t̂ᵀ for the original view f̂₀; stateless."""
 
     key: ClassVar[str] = "zero-shot"
+    prefix_stable: ClassVar[bool] = True  # each row is its own sample's zero-shot logits
     Config: ClassVar[type[MethodConfig]] = ZeroShotConfig
     unseen_like: ClassVar[str] = "imagenet"  # the same config for every dataset
 

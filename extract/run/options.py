@@ -44,6 +44,10 @@ DEFAULT_BATCH_SIZE = 256
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_ADAPT_BATCH = 64
 DEFAULT_PART_SIZE = 4096
+#: the help of `--adapt-batch` and `--part-size`, one text for zaec-extract and zaec-sweep
+ADAPT_BATCH_HELP = ("samples per adapt call; recorded with the run (a call's rows may round with its width, and "
+                    "a finished run serves a shorter --limit only where the limit ends one of its calls)")
+PART_SIZE_HELP = "rows per shard, a multiple of --adapt-batch"
 #: image-loading processes on CUDA when none are given: one per CPU core, at most this many (CPU: 0, in-process)
 MAX_CUDA_WORKERS = 16
 
@@ -392,6 +396,10 @@ def _unseen_note(method: str, cls: type, dataset: str, config: Any, overrides: M
 
 def check_options(options: RunOptions, execution: ExecOptions) -> None:
     """The numeric options and the output folders of a run, checked before any image is read (RunError)."""
+    for name in ("adapt_batch", "part_size"):
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RunError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if options.part_size % options.adapt_batch:
         raise RunError(f"part_size ({options.part_size}) must be a multiple of adapt_batch ({options.adapt_batch})")
     if execution.batch_size < 1:

@@ -51,6 +51,9 @@ class ResumeScope:
         recompute_changed: a part with other settings ends the kept prefix (True) or is refused (False).
         state_keys: for an episodic method, the keys its recorded state must hold (`n_seen` and its fields);
             None for an online method (its state is rebuilt by replay).
+        prefix_dependence: why the method's rows depend on the run's length or later samples
+            (`TTAMethod.prefix_dependence`); a part written by a run of another length then ends the kept prefix.
+            None: parts of a longer or shorter run of the same settings are kept.
     """
 
     expected: Mapping[bytes, bytes]
@@ -58,6 +61,7 @@ class ResumeScope:
     part_size: int
     recompute_changed: bool = False
     state_keys: tuple[str, ...] | None = None
+    prefix_dependence: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,10 @@ def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
             return dataclasses.replace(point, refusal=f"{path} was written by a run with different settings "
                                        f"({', '.join(diff)}); use --force to overwrite it or write elsewhere "
                                        "with --out")
+        written_for = _run_length(sh.meta.extra)
+        if scope.prefix_dependence is not None and written_for != scope.n_run:
+            return _ends_at(point, path, f"was written by a run of {written_for} samples, this run has "
+                            f"{scope.n_run} ({scope.prefix_dependence})")
         lo, hi = p * scope.part_size, min((p + 1) * scope.part_size, scope.n_run)
         if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
             return _ends_at(point, path, f"does not hold stream positions {lo}..{hi - 1} (another --limit or part "
@@ -132,6 +140,16 @@ def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
                             point.correct_zs + int((sh.zs_logits.argmax(1) == sh.label).sum()), state,
                             point.restamp + ((path,) if kv != scope.expected else ()))
     return point
+
+
+def _run_length(extra: Mapping[str, str]) -> int | None:
+    """The stream positions of the run that wrote a part: min(`zaec:limit`, `zaec:n_total`) (None: unreadable)."""
+    try:
+        n_total = int(extra["zaec:n_total"])
+        limit = extra.get("zaec:limit", "none")
+        return n_total if limit == "none" else min(int(limit), n_total)
+    except (KeyError, ValueError):
+        return None
 
 
 def _ends_at(point: ResumePoint, path: Path, why: str) -> ResumePoint:

@@ -19,7 +19,7 @@ import numpy as np
 
 from extract.cache import FeatureCache
 from extract.datasets import TestSet
-from extract.models import LoadedModel, ModelError, load_model
+from extract.models import LoadedModel, ModelError, WeightFlags, check_weights, load_model
 from extract.run.encode import FeatureReader, encode_pass, open_feature_cache
 from extract.run.options import PlannedRun, RunError
 from extract.run.progress import Progress
@@ -28,6 +28,38 @@ from extract.views import ViewPolicy
 
 #: `reward_backbone` value that makes the policy its own reward model (no second model)
 REWARD_POLICY = "policy"
+#: how messages about the reward model name its settings (not `--pretrained`: that is the policy's)
+REWARD_FLAGS = WeightFlags(backbone="--set reward_backbone=", pretrained="--set reward_pretrained=")
+
+
+def _needs_second_model(method_cls: type, config: Any) -> bool:
+    return bool(getattr(method_cls, "needs_reward_model", False)) and config.reward_backbone != REWARD_POLICY
+
+
+def _reward_error(planned: PlannedRun, e: ModelError) -> RunError:
+    """One line: which reward model, what is wrong (in `--set` terms), and the way to run without it."""
+    cfg = planned.config
+    return RunError(f"{planned.options.method}: reward model {cfg.reward_backbone}/{cfg.reward_pretrained} (set by "
+                    f"--set reward_backbone=NAME reward_pretrained=WEIGHTS): {e}; or --set "
+                    f"reward_backbone={REWARD_POLICY} (the policy as its own reward model)")
+
+
+def check_reward_model(planned: PlannedRun) -> None:
+    """The reward model a run's method asks for, checked as `load_model` would check it before reading a weight
+    (`extract.models.check_weights`: names, files, weights absent while the hub is offline): `zaec-extract` asks
+    before the policy loads, `zaec-sweep` before anything is submitted. Nothing for methods without one or with
+    `reward_backbone=policy`.
+
+    Raises:
+        RunError: one line naming the `--set reward_backbone=` / `reward_pretrained=` keys.
+    """
+    if not _needs_second_model(planned.method_cls, planned.config):
+        return
+    cfg = planned.config
+    try:
+        check_weights(cfg.reward_backbone or None, cfg.reward_pretrained, flags=REWARD_FLAGS)
+    except ModelError as e:
+        raise _reward_error(planned, e) from None
 
 
 @dataclass(frozen=True)
@@ -57,16 +89,14 @@ def attach_reward(method: Any, planned: PlannedRun, policy_model: LoadedModel, c
         RunError: the reward model cannot be loaded (one line naming the --set keys), or it preprocesses images
             differently from the policy.
     """
-    if not getattr(method, "needs_reward_model", False):
-        return None
     cfg = method.config
-    if cfg.reward_backbone == REWARD_POLICY:
+    if not _needs_second_model(type(method), cfg):
         return None
     try:
-        reward = load_model(cfg.reward_backbone or None, cfg.reward_pretrained, policy_model.device)
+        reward = load_model(cfg.reward_backbone or None, cfg.reward_pretrained, policy_model.device,
+                            flags=REWARD_FLAGS)
     except ModelError as e:
-        raise RunError(f"{planned.options.method}: reward model {cfg.reward_backbone}/{cfg.reward_pretrained} "
-                       f"(--set reward_backbone=... reward_pretrained=..., or reward_backbone=policy): {e}") from None
+        raise _reward_error(planned, e) from None
     if reward.preprocess != policy_model.preprocess:
         raise RunError(f"{planned.options.method}: the reward model preprocesses images as {reward.preprocess}, the "
                        f"policy as {policy_model.preprocess}; the reward model must see the policy's views (choose "

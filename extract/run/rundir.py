@@ -92,23 +92,50 @@ class RunDir:
 
         return RunLock(self.path, wait=wait, on_wait=on_wait)
 
+    def finished_counts(self) -> tuple[int, int] | None:
+        """(samples done, samples in the test set) of a finished run whose listed parts are all on disk, else
+        None."""
+        info = self.read_marker()
+        try:
+            n_done, n_total = int(info["n_samples"]), int(info["n_total"])  # type: ignore[index]
+            parts = [self.marker.parent / p for p in info["parts"]]  # type: ignore[index]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return (n_done, n_total) if all(p.is_file() for p in parts) else None
+
     def is_complete(self, limit: int | None = None) -> bool:
-        """Whether the run finished: its marker exists and every listed part is on disk.
+        """Whether the run finished with the samples `limit` asks for: its marker exists, every listed part is on
+        disk, and it holds exactly the first min(limit, n_total) stream positions, or more of them where its first
+        rows are those of the shorter run (`shorter_refusal`).
 
         Args:
-            limit: the `--limit` asked for; a finished full run also satisfies a limited request, a limited run
-                satisfies only the same or a smaller limit.
+            limit: the `--limit` asked for (None: the whole test set); a limited run never finishes a longer one.
         """
-        try:
-            info = json.loads(self.marker.read_text(encoding="utf-8"))
-            n_done, n_total = int(info["n_samples"]), int(info["n_total"])
-            parts = [self.marker.parent / p for p in info["parts"]]
-        except (OSError, ValueError, KeyError, TypeError):
+        counts = self.finished_counts()
+        if counts is None:
             return False
-        if not all(p.is_file() for p in parts):
-            return False
+        n_done, n_total = counts
         wanted = n_total if limit is None else min(int(limit), n_total)
-        return n_done >= wanted
+        return n_done == wanted or (n_done > wanted and self.shorter_refusal(wanted) is None)
+
+    def shorter_refusal(self, n_run: int) -> str | None:
+        """Why the finished run here, of more than `n_run` samples, cannot serve a run of its first `n_run`
+        stream positions (one clause), or None when it can.
+
+        It can when its marker says that the method's rows read neither the stream's length nor a later sample
+        (`prefix_dependence`: null, `TTAMethod.prefix_dependence`) and `n_run` ends an `adapt` call of both runs (a
+        multiple of its `adapt_batch`): a shorter last call holds fewer samples, and a call's rows may round
+        differently with its width (a GPU's matrix products pick their kernels by shape)."""
+        info = self.read_marker() or {}
+        if "prefix_dependence" not in info or "adapt_batch" not in info:
+            return "it predates the record of whether its first rows are those of a shorter run"
+        if info["prefix_dependence"] is not None:
+            return str(info["prefix_dependence"])
+        batch = int(info["adapt_batch"])
+        if n_run % batch:
+            return (f"{n_run} is not a multiple of its adapt_batch {batch}: a {n_run}-sample run ends with an "
+                    f"adapt call of {n_run % batch} samples where it had {batch}, whose rows may round differently")
+        return None
 
 
 def run_is_complete(out: str | os.PathLike, key: RunKey, *, limit: int | None = None) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from extract.run.options import PlannedRun, RunOptions
+from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun, RunOptions
 from extract.run.rundata import RunData, set_identity
 from extract.run.rundir import RunDir
 
@@ -59,8 +59,13 @@ def data_identity(dataset: str, data_root: str | os.PathLike | None = None, *, s
 def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
     """What a finished run must match to be reused without --force (recorded in its marker)."""
     o = planned.options
-    return {"method_config": planned.config_dict(), "pretrained": o.pretrained, "anchor": o.anchor,
-            "sh_filter": bool(o.sh_filter), "samples": data.testset.fingerprint(), **data.identity}
+    settings = {"method_config": planned.config_dict(), "pretrained": o.pretrained, "anchor": o.anchor,
+                "sh_filter": bool(o.sh_filter), "samples": data.testset.fingerprint(), **data.identity}
+    # an adapt call's width may change the rounding of its rows; absent at the default, so that the runs made
+    # before it was recorded still match
+    if o.adapt_batch != DEFAULT_ADAPT_BATCH:
+        settings["adapt_batch"] = o.adapt_batch
+    return settings
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from extract.cache import TextCache
 from extract.models import LoadedModel
 from extract.prompts import PromptSet, build_prompt_set
 from extract.run.ood import ood_meta
-from extract.run.options import PlannedRun
+from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun
 from extract.run.progress import Progress
 from extract.run.rundata import RunData
 from extract.run.stream import STREAM_RULE
@@ -115,6 +115,10 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
         extra["zaec:method_settings"] = planned.settings_note
     if ts.exif_transpose:  # written only when on: the default's shards keep their bytes
         extra["zaec:exif_transpose"] = "true"
+    # an adapt call's width may change the rounding of its rows (a resumed run compares it); written only away
+    # from the default, so the default's shards keep their bytes
+    if o.adapt_batch != DEFAULT_ADAPT_BATCH:
+        extra["zaec:adapt_batch"] = str(o.adapt_batch)
     extra.update(ood_meta(planned, data))  # an OOD run's keys (docs/contract.md, "Out-of-distribution runs")
     if planned.method_cls.output_kind != "logits":  # absent means logits (docs/contract.md): older shards stay valid
         extra["zaec:output_kind"] = planned.method_cls.output_kind

@@ -64,8 +64,12 @@ class PartWriter:
 
 
 def marker_doc(*, n_run: int, n_total: int, limit: int | None, settings: Mapping[str, Any], parts: Sequence[Path],
-               method_summary: Mapping[str, Any], accuracies: Mapping[str, float]) -> dict[str, Any]:
+               method_summary: Mapping[str, Any], accuracies: Mapping[str, float], prefix_dependence: str | None,
+               adapt_batch: int) -> dict[str, Any]:
     """The completion marker's document: how much of the stream is done, the settings a later run is checked
-    against, the parts in order, the method's summary and the accuracies."""
+    against, the parts in order, the method's summary and the accuracies; and whether a shorter `--limit` may be
+    served by this run's first rows (`prefix_dependence`: None, or why not; `adapt_batch`: the width of its adapt
+    calls; `RunDir.shorter_refusal`)."""
     return {"n_samples": n_run, "n_total": n_total, "limit": limit, "settings": dict(settings),
-            "parts": [p.name for p in parts], "method_summary": dict(method_summary), **accuracies}
+            "parts": [p.name for p in parts], "method_summary": dict(method_summary), **accuracies,
+            "prefix_dependence": prefix_dependence, "adapt_batch": int(adapt_batch)}

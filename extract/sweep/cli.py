@@ -52,6 +52,7 @@ from extract.defaults import (
     DEFAULT_DATA_ROOT,
 )
 from extract.run.options import (
+    ADAPT_BATCH_HELP,
     ANCHORS,
     DEFAULT_ADAPT_BATCH,
     DEFAULT_ANCHOR,
@@ -63,11 +64,13 @@ from extract.run.options import (
     DEFAULT_PRETRAINED,
     DEFAULT_SEED,
     MAX_CUDA_WORKERS,
+    PART_SIZE_HELP,
 )
 from extract.sweep.runspec import (
     RunSpec,
     check_data,
     check_finished_settings,
+    check_models,
     default_backbones,
     is_complete,
     sweep_exec_fields,
@@ -364,10 +367,8 @@ def run(
                                                          f"[default: {DEFAULT_FINGERPRINT}]"),
     exif_transpose: Optional[bool] = typer.Option(None, "--exif-transpose/--no-exif-transpose",
                                                   help="turn photos as their EXIF orientation says [default: off]"),
-    adapt_batch: Optional[int] = typer.Option(None, help="samples per adapt call (an online method's result depends "
-                                                         f"on it) [default: {DEFAULT_ADAPT_BATCH}]"),
-    part_size: Optional[int] = typer.Option(None, help="rows per shard, a multiple of --adapt-batch "
-                                                       f"[default: {DEFAULT_PART_SIZE}]"),
+    adapt_batch: Optional[int] = typer.Option(None, help=f"{ADAPT_BATCH_HELP} [default: {DEFAULT_ADAPT_BATCH}]"),
+    part_size: Optional[int] = typer.Option(None, help=f"{PART_SIZE_HELP} [default: {DEFAULT_PART_SIZE}]"),
     device: Optional[str] = typer.Option(None, help="torch device inside each job [default: cuda if available]"),
     workers: Optional[int] = typer.Option(None, help="image-loading processes per job [default: up to "
                                                      f"{MAX_CUDA_WORKERS} on CUDA, 0 on CPU]"),
@@ -401,7 +402,7 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (runs, groups, GPU-hours); submit nothing"),
 ) -> None:
     """Run a grid (the default command: `zaec-sweep --methods ...` is `zaec-sweep run --methods ...`).
-
+    \f
     Length: a typer command declares each of its options as a parameter (one per line, with its help); the body
     is a few lines handing them to `grid_runs` and `sweep_run`.
     """
@@ -422,8 +423,10 @@ def _run_grid(given: Mapping[str, Any], console: Any) -> int:
     """The `run` command on its options (`given`, by parameter name) over the config file's; returns the exit code."""
     cfg = load_config(given["config"]) if given["config"] is not None else {}
     runs, opts, out_dir = grid_runs(given, cfg)
+    pending = [r for r in runs if not is_complete(r)]
+    check_models(pending)  # a dry run too: what this machine can check never waits for a job to fail on it
     if not given["dry_run"] and not (given["skip_data_check"] or cfg.get("skip_data_check", False)):
-        check_data([r for r in runs if not is_complete(r)])
+        check_data(pending)
     do_wait = _pick(given["wait"], cfg, "wait")
     if do_wait is None:
         do_wait = opts.executor == "local"

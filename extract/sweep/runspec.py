@@ -165,8 +165,9 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     and every folder is made absolute: a worker shares neither our environment nor our working directory.
 
     Raises:
-        SweepError: an unknown setting, a value of the wrong type, adapt_batch or part_size below 1.
-        RunError, ValueError: the extractor's own checks (`check_options`, the fingerprint mode).
+        SweepError: an unknown setting, a value of the wrong type.
+        RunError, ValueError: the extractor's own checks (`check_options`: adapt_batch and part_size, folders;
+            the fingerprint mode).
     """
     from extract.fingerprint import check_mode
     from extract.run.options import check_options
@@ -185,9 +186,6 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     exec_kw["out"] = _abs(exec_kw.get("out") or DEFAULT_OUT)
     options = RunOptions("", "", **run_kw)
     execution = ExecOptions(**exec_kw, **FIXED_EXECUTION)
-    for name in ("adapt_batch", "part_size"):
-        if getattr(options, name) < 1:
-            raise SweepError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
     check_mode(options.fingerprint)
     check_options(options, execution)
     return options, execution
@@ -262,6 +260,31 @@ def check_data(runs: Sequence[RunSpec]) -> None:
             else:  # an OOD run: both of its sets
                 load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
                 load_ood_images(o.dataset, o.data_root, sh_filter=o.sh_filter)
+
+
+def check_models(runs: Sequence[RunSpec]) -> None:
+    """Check the second model each run's method loads (RLCF's reward model) as `zaec-extract` does before its
+    policy loads (`extract.run.reward.check_reward_model`: names, files, weights absent while the hub is offline),
+    each (model, weights) pair once, so that no job is submitted to fail on it. The runs' own backbones are
+    loaded by the jobs.
+
+    Raises:
+        RunError: one line naming the method and its `--set reward_*` keys.
+    """
+    from extract.methods import get_method
+    from extract.run.options import plan
+    from extract.run.reward import check_reward_model
+
+    seen = set()
+    for r in runs:
+        if not getattr(get_method(r.method), "needs_reward_model", False):
+            continue
+        r.register_dataset()
+        planned = plan(r.options)
+        pair = (planned.config.reward_backbone, planned.config.reward_pretrained)
+        if pair not in seen:
+            seen.add(pair)
+            check_reward_model(planned)
 
 
 def is_complete(run: RunSpec) -> bool:

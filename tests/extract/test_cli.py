@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -9,7 +10,7 @@ from extract.cli import app
 from extract.methods import REGISTRY
 from schemas.shard import find_shards, read_shard
 
-from tests.support.extract import make_json_dataset
+from tests.support.extract import make_json_dataset, write_image
 
 runner = CliRunner()
 
@@ -106,3 +107,116 @@ def test_every_method_runs_on_a_siglip_model_or_says_why(key, tmp_path, data_roo
     s = read_shard(path)
     assert len(s) == 3 and s.meta.backbone == "tiny-siglip" and s.meta.method == key
     assert s.zs_logits.shape == s.tta_logits.shape == (3, 2)
+
+
+# --- issue 32 item 2: the options of a folder:/split: set reach the in-distribution set of an OOD run -------------
+
+@pytest.fixture(scope="module")
+def user_sets(tmp_path_factory):
+    """A 2-class folder set (`fash`), a folder of 3 unlabelled images (`noise`) and a class-names file."""
+    root = tmp_path_factory.mktemp("user-sets")
+    rng = np.random.default_rng(3)
+    for cls in ("shirt_x", "shoe_y"):
+        for i in range(3):
+            write_image(root / "fash" / cls / f"{i}.png", rng)
+    for i in range(3):
+        write_image(root / "noise" / f"n{i}.png", rng)
+    (root / "names.txt").write_text("T-shirt\nsneaker\n")
+    return root
+
+
+def _rows(out):
+    shards = [read_shard(p) for p in find_shards([out])]
+    sid = np.concatenate([s.sample_id for s in shards])
+    order = np.argsort(sid)
+    return shards[0].meta, sid[order], np.concatenate([s.zs_logits for s in shards])[order]
+
+
+def test_ood_run_gives_class_names_to_its_in_distribution_set(tmp_path, user_sets, tiny_model_dir):
+    names = user_sets / "names.txt"
+    ood = ["--method", "zero-shot", "--dataset", f"folder:{user_sets / 'noise'}", "--ood-for",
+           f"folder:{user_sets / 'fash'}", "--class-names", str(names)]
+    r = _invoke(ood + _base(tmp_path / "ood", user_sets, tiny_model_dir))
+    assert r.exit_code == 0, r.output
+    meta, sid, zs = _rows(tmp_path / "ood" / "out")
+    assert meta.dataset == "noise@fash" and meta.class_names == ("T-shirt", "sneaker")
+    assert meta.extra["zaec:class_names_file"] == str(names.resolve())  # recorded in the shards
+    # the in-distribution rows are those of a plain run of the set under the same names, not the folder names
+    plain = ["--method", "zero-shot", "--dataset", f"folder:{user_sets / 'fash'}"]
+    r = _invoke(plain + ["--class-names", str(names)] + _base(tmp_path / "named", user_sets, tiny_model_dir))
+    assert r.exit_code == 0, r.output
+    _, id_sid, id_zs = _rows(tmp_path / "named" / "out")
+    r = _invoke(plain + _base(tmp_path / "folders", user_sets, tiny_model_dir))
+    assert r.exit_code == 0, r.output
+    _, _, folder_zs = _rows(tmp_path / "folders" / "out")
+    n_id = len(id_sid)
+    np.testing.assert_array_equal(sid[:n_id], id_sid)
+    # features of the same pixels encoded in batches of another width: a few float32 eps per component, times
+    # the logit scale (100) and the width D = 16 of the tiny model
+    tol = 4 * 16 * 100 * np.finfo(np.float32).eps
+    np.testing.assert_allclose(zs[:n_id], id_zs, rtol=0, atol=tol)
+    assert np.abs(zs[:n_id] - folder_zs).max() > 100 * tol  # the folder names give other logits
+    # the in-distribution set's own name, as --dataset-name gives a plain run's
+    r = _invoke(ood + ["--ood-for-name", "clothes"] + _base(tmp_path / "named-ood", user_sets, tiny_model_dir))
+    assert r.exit_code == 0, r.output
+    assert _rows(tmp_path / "named-ood" / "out")[0].dataset == "noise@clothes"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--ood-for", "dtd", "--class-names", "NAMES"], "--class-names applies to a folder:PATH or split:FILE.json "
+                                                     "in-distribution set; --ood-for 'dtd' is a registered key"),
+    (["--ood-for-name", "x"], "--ood-for-name names the folder:/split: in-distribution set of an OOD run"),
+])
+def test_ood_set_options_never_dropped(tmp_path, user_sets, data_root, tiny_model_dir, extra, needle):
+    extra = [str(user_sets / "names.txt") if a == "NAMES" else a for a in extra]
+    r = _invoke(["--method", "zero-shot", "--dataset", f"folder:{user_sets / 'noise'}"] + extra
+                + _base(tmp_path, data_root, tiny_model_dir))
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+
+
+# --- issue 32 item 13: --adapt-batch and --part-size, as zaec-sweep and the API take them ----------------------
+
+def test_cli_adapt_batch_and_part_size(tmp_path, data_root, tiny_model_dir):
+    r = _invoke(["--method", "tda", "--dataset", "dtd", "--adapt-batch", "2", "--part-size", "4"]
+                + _base(tmp_path, data_root, tiny_model_dir))
+    assert r.exit_code == 0, r.output
+    shards = [read_shard(p) for p in find_shards([tmp_path / "out"])]
+    assert [len(s) for s in shards] == [4, 2]  # 6 samples in parts of 4 rows
+    assert shards[0].meta.extra["zaec:adapt_batch"] == "2"  # recorded: a resumed run compares it
+    # another width of the adapt calls is another run: the finished one is not served for it
+    again = _invoke(["--method", "tda", "--dataset", "dtd", "--part-size", "4", "--adapt-batch", "4"]
+                    + _base(tmp_path, data_root, tiny_model_dir))
+    assert again.exit_code == 2 and "adapt_batch" in again.output and "--force" in again.output
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--adapt-batch", "0"], "--adapt-batch must be >= 1, got 0"),
+    (["--part-size", "0"], "--part-size must be >= 1, got 0"),
+    (["--adapt-batch", "3", "--part-size", "8"], "part_size (8) must be a multiple of adapt_batch (3)"),
+])
+def test_cli_adapt_batch_and_part_size_checked_as_the_sweep_does(tmp_path, data_root, tiny_model_dir, extra,
+                                                                 needle):
+    from extract.sweep import cli as sweep
+
+    r = _invoke(["--method", "tda", "--dataset", "dtd"] + extra + _base(tmp_path, data_root, tiny_model_dir))
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+    s = runner.invoke(sweep.app, ["run", "--methods", "tda", "--datasets", "dtd", "--out", str(tmp_path / "sw"),
+                                  "--dry-run", *extra])
+    assert s.exit_code == 2 and needle in " ".join(s.output.split())
+
+
+def test_cli_help_of_adapt_batch_and_part_size_is_the_sweeps():
+    import inspect
+
+    from extract import cli
+    from extract.run.options import ADAPT_BATCH_HELP, DEFAULT_ADAPT_BATCH, DEFAULT_PART_SIZE, PART_SIZE_HELP
+    from extract.sweep import cli as sweep
+
+    mine = inspect.signature(cli.extract).parameters
+    theirs = inspect.signature(sweep.run).parameters
+    for name, text, default in (("adapt_batch", ADAPT_BATCH_HELP, DEFAULT_ADAPT_BATCH),
+                                ("part_size", PART_SIZE_HELP, DEFAULT_PART_SIZE)):
+        assert mine[name].default.help == text and theirs[name].default.help.startswith(text)
+        assert mine[name].default.default == default and f"[default: {default}]" in theirs[name].default.help
+    shown = _invoke(["--help"]).output
+    assert "--adapt-batch" in shown and "--part-size" in shown

@@ -94,6 +94,34 @@ def test_finite_deterministic_and_chunk_invariant(key, v, encoder):
 
 
 @pytest.mark.parametrize("key", METHODS)
+def test_prefix_stable_declared_and_true(key, encoder):
+    """Issue 32 item 1: each method declares whether its first rows depend on the stream's length or a later
+    sample (a finished longer run serves a shorter --limit only when they do not). The declaration is checked
+    against the rows: the first 8 rows of a 24-sample stream, announced as such, against an 8-sample stream."""
+    cls = REGISTRY[key]
+    assert "prefix_stable" in vars(cls), f"{key} must declare prefix_stable in its own class"
+    x = make_stream(24, 20, make_text(dtype=torch.float32), seed=5).float()
+
+    def rows(n):
+        m = build(cls, 20, dtype=torch.float32, encoder=encoder)
+        m.set_stream_length(n)
+        return torch.cat([m.adapt(x[i:min(i + 4, n)]) for i in range(0, n, 4)])[:8]
+
+    same = torch.equal(rows(24), rows(8))
+    why = cls.prefix_dependence(build(cls, 20, dtype=torch.float32, encoder=encoder).config)
+    assert (why is None) == cls.prefix_stable
+    assert same == cls.prefix_stable, f"{key}: prefix_stable={cls.prefix_stable} but the rows say {same}"
+
+
+def test_onzeta_with_a_fixed_stream_length_is_prefix_stable():
+    from extract.methods.onzeta import OnZeta
+
+    cfg = dataclasses.replace(OnZeta.default_config("dtd", "ViT-B-16"), stream_length=24)
+    assert OnZeta.prefix_dependence(cfg) is None
+    assert "stream_length=N" in OnZeta.prefix_dependence(OnZeta.default_config("dtd", "ViT-B-16"))
+
+
+@pytest.mark.parametrize("key", METHODS)
 def test_default_config_all_datasets_both_backbones(key):
     cls = REGISTRY[key]
     for ds in HPARAMS_KEYS:

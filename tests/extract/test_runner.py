@@ -539,9 +539,10 @@ def test_finished_run_reuse_says_so_and_a_smaller_limit_is_told_it_gets_the_whol
     assert "already finished" in lines[0] and "18 of 18 samples" in lines[0] and "--force" in lines[0]
     assert "alpha=2.0" in lines[0]  # the settings it was made with
     lines.clear()
-    limited = _run("tda", tmp_path, tiny_model, data_root, limit=5, log=lines.append)
-    assert limited == first  # the superset is reused, not replaced by 5 rows
-    assert len(lines) == 1 and "--limit 5" in lines[0] and "hold all 18" in lines[0]
+    # 8 ends an adapt call (adapt_batch 4) and TDA reads no later sample: its first 8 rows are the 8-sample run's
+    limited = _run("tda", tmp_path, tiny_model, data_root, limit=8, log=lines.append)
+    assert limited == first  # the superset is reused, not replaced by 8 rows
+    assert len(lines) == 1 and "--limit 8" in lines[0] and "hold all 18" in lines[0]
     assert sum(len(read_shard(p).sample_id) for p in limited) == 18
 
 
@@ -594,3 +595,45 @@ def test_switching_fingerprint_mode_does_not_blame_the_files(tmp_path, tiny_mode
         _run("zero-shot", tmp_path, tiny_model, data_root, fingerprint="content")
     msg = str(e.value)
     assert "--fingerprint stat" in msg and "the image files changed" not in msg
+
+
+# --- issue 32 item 1: a longer finished run serves a --limit only where its first rows are the limited run's -----
+
+def test_limit_after_a_full_onzeta_run_computes_the_limited_run(tmp_path, tiny_model, data_root):
+    """OnZeta's schedule reads the stream's length: the full run's first 8 rows are not an 8-sample run's."""
+    full = _table(_run("onzeta", tmp_path, tiny_model, data_root))
+    lines: list[str] = []
+    limited = _table(_run("onzeta", tmp_path, tiny_model, data_root, limit=8, log=lines.append))
+    fresh = _table(_run("onzeta", tmp_path / "fresh", tiny_model, data_root, limit=8, cache_dir=tmp_path / "cache"))
+    assert len(limited["sample_id"]) == 8
+    for k, v in fresh.items():
+        np.testing.assert_array_equal(limited[k], v)
+    assert not np.array_equal(full["tta_logits"][:8], fresh["tta_logits"])  # what reusing it would have served
+    said = [ln for ln in lines if "computing the 8-sample run" in ln]
+    assert len(said) == 1 and "holds 18 samples" in said[0] and "stream's length" in said[0]
+    assert not any("already finished" in ln for ln in lines)
+
+
+def test_a_full_onzeta_run_keeps_no_part_of_a_limited_one(tmp_path, tiny_model, data_root):
+    """The resume scan: part 0 of an 8-sample OnZeta run holds positions 0..7, but with another schedule."""
+    _run("onzeta", tmp_path, tiny_model, data_root, limit=8)
+    lines: list[str] = []
+    extended = _table(_run("onzeta", tmp_path, tiny_model, data_root, log=lines.append))
+    fresh = _table(_run("onzeta", tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
+    for k, v in fresh.items():
+        np.testing.assert_array_equal(extended[k], v)
+    assert any("was written by a run of 8 samples, this run has 18" in ln for ln in lines)
+
+
+def test_a_limit_that_ends_inside_an_adapt_call_is_computed(tmp_path, tiny_model, data_root):
+    """TDA reads no later sample, but 5 samples end inside the longer run's second adapt call (adapt_batch 4): the
+    5-sample run is computed, keeping the longer run's whole first part only where it holds the same calls."""
+    _run("tda", tmp_path, tiny_model, data_root, part_size=4)
+    lines: list[str] = []
+    limited = _table(_run("tda", tmp_path, tiny_model, data_root, limit=5, part_size=4, log=lines.append))
+    fresh = _table(_run("tda", tmp_path / "fresh", tiny_model, data_root, limit=5, part_size=4,
+                        cache_dir=tmp_path / "cache"))
+    for k, v in fresh.items():
+        np.testing.assert_array_equal(limited[k], v)
+    said = [ln for ln in lines if "computing the 5-sample run" in ln]
+    assert len(said) == 1 and "5 is not a multiple of its adapt_batch 4" in said[0]

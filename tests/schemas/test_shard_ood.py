@@ -92,6 +92,8 @@ def test_class_names_checked_against_the_in_distribution_runs(tmp_path, make_met
                                          r"index 2") as e:
         group_shards(find_shards([tmp_path]))
     assert str(e.value).startswith(str(bp))
+    # the names themselves, so the user sees which list is which (issue 32 item 2)
+    assert f"index 2: 'x' here, {plain.class_names[2]!r} there)" in str(e.value)
     # without the in-distribution runs among the inputs there is nothing to compare with
     assert len(group_shards([bp])) == 1
 

@@ -237,3 +237,71 @@ def test_missing_reward_model_fails_before_any_image(tmp_path, tiny_model, monke
                        model=tiny_model, limit=2, progress=False,
                        overrides={"reward_backbone": "ViT-B-16", "reward_pretrained": "nope"})
     assert "\n" not in str(e.value)
+
+
+# --- issue 32 item 5: the reward model's settings are named in its errors and checked before anything else ------
+
+@pytest.fixture
+def no_reward_weights(monkeypatch):
+    """The default reward model's weights (ViT-L-14, openai) absent from this machine, the hub offline."""
+    from extract import models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(models, "_cached_tag_file", lambda cfg: (None, ["/nowhere/ViT-L-14.pt"]))
+
+
+def _names_the_reward_settings(msg: str) -> None:
+    assert "--set reward_pretrained=" in msg and "reward_backbone=policy" in msg
+    assert "--pretrained" not in msg  # the policy's option, which would not help
+    assert "\n" not in msg
+
+
+def test_missing_reward_weights_name_its_own_settings_before_the_policy_loads(tmp_path, tiny_model_dir, monkeypatch,
+                                                                              no_reward_weights):
+    from extract import runner
+    from extract.runner import RunError, run_extraction
+
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=2)
+
+    def no_policy(*a, **k):
+        raise AssertionError("the policy model was loaded before the reward model was checked")
+
+    monkeypatch.setattr(runner, "load_model", no_policy)
+    with pytest.raises(RunError) as e:
+        run_extraction("rlcf", "dtd", pretrained=f"local-dir:{tiny_model_dir}", data_root=tmp_path / "data",
+                       out=tmp_path / "out", cache_dir=tmp_path / "c", limit=2, progress=False)
+    msg = str(e.value)
+    assert msg.startswith("rlcf: reward model ViT-L-14/openai") and "not on this machine" in msg
+    _names_the_reward_settings(msg)
+
+
+def test_reward_model_load_error_names_its_own_settings(tmp_path, tiny_model):
+    """The error of `load_model` itself (a local-dir without weights), raised where the runner attaches it."""
+    from extract.run.reward import REWARD_FLAGS
+    from extract.models import ModelError, load_model
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "open_clip_config.json").write_text('{"model_cfg": {}}')
+    with pytest.raises(ModelError) as e:
+        load_model(None, f"local-dir:{empty}", "cpu", flags=REWARD_FLAGS)
+    assert str(e.value).startswith(f"--set reward_pretrained=local-dir:{empty}: no weights file")
+
+
+@pytest.mark.parametrize("extra, ok", [((), False), (("--set", "rlcf.reward_backbone=policy"), True),
+                                       (("--set", "rlcf.reward_pretrained=local-dir:/no/such/dir"), False)])
+def test_sweep_dry_run_checks_the_reward_model(tmp_path, no_reward_weights, extra, ok):
+    from typer.testing import CliRunner
+
+    from extract.sweep import cli as sweep
+
+    res = CliRunner().invoke(sweep.app, ["run", "--methods", "rlcf,tda", "--datasets", "dtd", "--out",
+                                         str(tmp_path / "out"), "--dry-run", *extra])
+    if ok:
+        assert res.exit_code == 0, res.output
+        return
+    msg = " ".join(res.output.split())
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "rlcf: reward model ViT-L-14/" in msg
+    _names_the_reward_settings(msg)
+    assert "run(s) to submit" not in msg and not (tmp_path / "out").exists()

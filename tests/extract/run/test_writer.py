@@ -94,7 +94,7 @@ def test_marker_and_finished_run(tmp_path):
     rd.path.mkdir(parents=True)
     rd.part(0).write_bytes(b"x")
     doc = marker_doc(n_run=6, n_total=10, limit=6, settings=settings, parts=[rd.part(0)], method_summary={},
-                     accuracies=RunState(6, 3, 2).accuracies(6))
+                     accuracies=RunState(6, 3, 2).accuracies(6), prefix_dependence=None, adapt_batch=1)
     assert doc["accuracy"] == 0.5 and doc["zero_shot_accuracy"] == pytest.approx(2 / 6)
     rd.write_marker(doc)
     assert rd.read_marker() == doc
@@ -114,6 +114,29 @@ def test_marker_and_finished_run(tmp_path):
     assert finished_run(rd, settings, 6) is None  # a listed part is missing
     rd.remove_marker()
     assert not rd.marker.exists()
+
+
+def test_a_longer_finished_run_serves_a_shorter_limit_only_where_its_first_rows_are_that_run(tmp_path):
+    """Issue 32 item 1: the marker says whether the method's first rows depend on what follows them and the width
+    of its adapt calls; a shorter run is served only when neither can change its rows."""
+    rd = RunDir(tmp_path, KEY)
+    rd.path.mkdir(parents=True)
+    rd.part(0).write_bytes(b"x")
+
+    def finished(**kw):
+        rd.write_marker(marker_doc(n_run=8, n_total=8, limit=None, settings={}, parts=[rd.part(0)], method_summary={},
+                                   accuracies={}, **kw))
+
+    finished(prefix_dependence=None, adapt_batch=4)
+    assert rd.is_complete(None) and rd.is_complete(8) and rd.is_complete(4)
+    assert not rd.is_complete(6) and "6 is not a multiple of its adapt_batch 4" in rd.shorter_refusal(6)
+    assert rd.shorter_refusal(4) is None
+    finished(prefix_dependence="onzeta's schedule reads the stream's length", adapt_batch=4)
+    assert rd.is_complete(None) and rd.is_complete(8) and not rd.is_complete(4)
+    assert rd.shorter_refusal(4) == "onzeta's schedule reads the stream's length"
+    old = {k: v for k, v in (rd.read_marker() or {}).items() if k not in ("prefix_dependence", "adapt_batch")}
+    rd.write_marker(old)  # a marker written before the record: it proves nothing about its first rows
+    assert rd.is_complete(None) and not rd.is_complete(4) and "predates" in rd.shorter_refusal(4)
 
 
 def test_writer_module_is_where_parts_are_written():

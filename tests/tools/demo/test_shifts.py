@@ -80,3 +80,29 @@ def test_write_set_layout_and_loader(tmp_path):
     before = np.asarray(Image.open(d / "images" / split["test"][3][0]))
     shifts.write_set("blur", src, root, limit=6, force=True)
     np.testing.assert_array_equal(before, np.asarray(Image.open(d / "images" / split["test"][3][0])))
+
+
+def test_the_demo_split_file_loads_as_a_user_split(tmp_path):
+    """Issue 32 item 13: the demo writes CoOp's layout (paths relative to `images/` beside the split file), which
+    `split:FILE.json` reads as CoOp's own split files, giving the registered set's samples."""
+    from extract.datasets import DatasetError, load_testset, resolve_dataset
+
+    src = tmp_path / "fm"
+    src.mkdir()
+    data = _write_fake_fmnist(src, n_test=80)
+    assert len(set(data["t10k-labels-idx1-ubyte"].tolist())) == 10  # a user split's labels have no gaps
+    root = tmp_path / "datasets"
+    d = shifts.write_set("blur", src, root)
+    registered = load_testset("fmnist_blur", root)
+    key = resolve_dataset(f"split:{d / shifts.SPLIT_FILE}", name="my_blur")
+    mine = load_testset(key)
+    assert mine.paths == registered.paths and all(p.is_file() for p in mine.paths)
+    np.testing.assert_array_equal(mine.labels, registered.labels)
+    assert mine.class_names == registered.class_names and mine.notes["split_image_dir"] == "images"
+    # the same images under a second sub-folder: which one the paths start at cannot be told
+    (d / "images").rename(d / "jpg")
+    import shutil
+
+    shutil.copytree(d / "jpg", d / "images")
+    with pytest.raises(DatasetError, match=r"lies under several sub-folders \(images, jpg\)"):
+        load_testset(key)
