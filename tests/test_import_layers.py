@@ -1,4 +1,5 @@
-"""Every import inside the project points down (issue 28): no import circle, and the two stages keep their contract.
+"""Every import inside the project points down (issue 28): no import circle, the two stages keep their contract, the
+core never imports the tools beside it, and every name is imported from the module that defines it.
 
 The graph is read from the source with `ast`, without importing anything. Its nodes are the modules of the
 project's packages (extract, calibrate, schemas, tools); an arrow A -> B means module A imports module B:
@@ -151,6 +152,55 @@ def circle_through(graph: dict[str, dict[str, int]], component: set[str], start:
     raise AssertionError(f"{start} is in a component without a circle back to it")
 
 
+def imports_into(modules: dict[str, Path], sources: tuple[str, ...], targets: tuple[str, ...],
+                 root: Path = REPO) -> list[str]:
+    """`file:line imports target` for every import, anywhere in a module of the packages `sources`, of a module of
+    the top-level packages `targets` (outside ones too: `torch`, `open_clip.model`)."""
+    return [f"{modules[m].relative_to(root)}:{line} imports {target}"
+            for m in modules if m.split(".")[0] in sources
+            for target, line in imports_of(m, modules) if target.split(".")[0] in targets]
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    """Names a module defines at its top level (def, class, assignment, also under if/try/with/for), not those it
+    imports."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                names.update(x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name))
+            elif isinstance(n, ast.Try):
+                for part in (n.body, n.orelse, n.finalbody, *(h.body for h in n.handlers)):
+                    visit(part)
+            elif isinstance(n, (ast.If, ast.With, ast.For, ast.While)):
+                visit(n.body)
+                visit(getattr(n, "orelse", []))
+
+    visit(tree.body)
+    return names
+
+
+def forwarded_imports(modules: dict[str, Path], importers: dict[str, Path], root: Path = REPO) -> list[str]:
+    """`file:line imports NAME from MODULE` for every `from MODULE import NAME` (in any of `importers`: module name
+    -> file) where MODULE is a project module that does not define NAME and NAME is no submodule of it: the name is
+    taken through a module that only imported it, not from its home."""
+    defined = {m: defined_names(ast.parse(p.read_text(encoding="utf-8"))) for m, p in modules.items()}
+    found = []
+    for importer, path in importers.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _base(importer, node.level, node.module, modules) if importer in modules else node.module or ""
+            found += [f"{path.relative_to(root)}:{node.lineno} imports {a.name} from {base}, which does not define it"
+                      for a in node.names
+                      if base in modules and f"{base}.{a.name}" not in modules and a.name not in defined[base]]
+    return found
+
+
 def describe(circle: list[str], graph: dict[str, dict[str, int]], modules: dict[str, Path], root: Path = REPO) -> str:
     """One line per arrow of a circle: `extract/a.py:12 imports extract.b`."""
     return "\n".join(f"  {modules[a].relative_to(root)}:{graph[a][b]} imports {b}" for a, b in zip(circle, circle[1:]))
@@ -173,8 +223,8 @@ def test_reader_resolves_submodules_relative_imports_and_hidden_imports(tmp_path
         "extract/low.py": "X = 1\n",
         "extract/run/__init__.py": "",
         "extract/run/top.py": "from extract import low\nfrom . import sib\nfrom ..low import X\n",
-        "extract/run/sib.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from extract.run.top import Y\n"
-                               "def f():\n    import extract.low\n"),
+        "extract/run/sib.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                               "    from extract.run.top import Y\ndef f():\n    import extract.low\n"),
         "calibrate/__init__.py": "", "schemas/__init__.py": "", "tools/__init__.py": "",
     })
     graph = import_graph(modules)
@@ -202,6 +252,35 @@ def test_reader_names_a_long_circle_and_ignores_imports_that_point_down(tmp_path
     assert find_cycles(graph) == []
 
 
+def test_reader_finds_an_upward_import_hidden_in_a_function(tmp_path):
+    modules = _tree(tmp_path, {
+        "extract/__init__.py": "", "schemas/__init__.py": "", "tools/__init__.py": "",
+        "calibrate/__init__.py": "import numpy\n",
+        "calibrate/run.py": "from schemas import shard\ndef f():\n    import torch.nn\n    from tools import bench\n",
+        "calibrate/cli.py": "def g():\n    from extract.models import load_model\n",
+        "tools/bench.py": "import extract\n",
+    })
+    assert imports_into(modules, ("calibrate",), GPU_STACK, tmp_path) == [
+        "calibrate/cli.py:2 imports extract.models", "calibrate/run.py:3 imports torch.nn",
+        "calibrate/run.py:4 imports tools.bench"]
+    assert imports_into(modules, ("extract", "calibrate", "schemas"), ("tools",), tmp_path) == [
+        "calibrate/run.py:4 imports tools.bench"]
+    assert imports_into(modules, ("schemas",), GPU_STACK, tmp_path) == []
+
+
+def test_reader_finds_a_name_taken_through_a_module_that_only_imported_it(tmp_path):
+    modules = _tree(tmp_path, {
+        "extract/__init__.py": "", "calibrate/__init__.py": "", "tools/__init__.py": "",
+        "schemas/__init__.py": "from schemas.shard import read_shard\n",  # a forwarding package face
+        "schemas/shard.py": "from pathlib import Path\nif True:\n    VERSION = 1\ndef read_shard(): ...\n",
+        "extract/run.py": "from schemas import read_shard\nfrom schemas.shard import VERSION, read_shard, Path\n"
+                          "from schemas import shard\n",
+    })
+    assert forwarded_imports(modules, modules, tmp_path) == [
+        "extract/run.py:1 imports read_shard from schemas, which does not define it",
+        "extract/run.py:2 imports Path from schemas.shard, which does not define it"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the project
 
@@ -220,17 +299,21 @@ def test_cpu_stage_imports_neither_the_gpu_stack_nor_the_tools(stage):
     """calibrate/ and schemas/ read shards through `schemas` only (the two-stage contract), in every import
     statement, including those inside functions that a run may never reach (test_cli.py checks a whole run at
     run time; this checks every line)."""
-    modules = project_modules()
-    bad = [f"{modules[m].relative_to(REPO)}:{line} imports {target}"
-           for m in modules if m.split(".")[0] == stage
-           for target, line in imports_of(m, modules) if target.split(".")[0] in GPU_STACK]
+    bad = imports_into(project_modules(), (stage,), GPU_STACK)
     assert not bad, "\n".join(bad)
 
 
 def test_the_core_never_imports_the_tools():
     """tools/ (benchmarks, checks, the demo) sits beside the core: extract/, calibrate/ and schemas/ run without it."""
-    modules = project_modules()
-    bad = [f"{modules[m].relative_to(REPO)}:{line} imports {target}"
-           for m in modules if m.split(".")[0] != "tools"
-           for target, line in imports_of(m, modules) if target.split(".")[0] == "tools"]
+    bad = imports_into(project_modules(), ("extract", "calibrate", "schemas"), ("tools",))
     assert not bad, "\n".join(bad)
+
+
+def test_every_name_is_imported_from_its_home():
+    """A name has one home and is imported from there (docs/architecture.md, "Floors"): no module of the project or
+    of the tests takes a project name through a module that only imported it (a re-export)."""
+    modules = project_modules()
+    tests = {"tests." + ".".join(p.relative_to(REPO / "tests").with_suffix("").parts): p
+             for p in sorted((REPO / "tests").rglob("*.py"))}
+    bad = forwarded_imports(modules, {**modules, **tests})
+    assert not bad, "import each name from the module that defines it:\n" + "\n".join(bad)

@@ -259,7 +259,8 @@ def _names_the_reward_settings(msg: str) -> None:
 def test_missing_reward_weights_name_its_own_settings_before_the_policy_loads(tmp_path, tiny_model_dir, monkeypatch,
                                                                               no_reward_weights):
     from extract import runner
-    from extract.runner import RunError, run_extraction
+    from extract.run.options import RunError
+    from extract.runner import run_extraction
 
     make_json_dataset(tmp_path / "data", "dtd", n_classes=3, per_class=2)
 
