@@ -397,7 +397,8 @@ class RateRuns:
 class Agreement:
     """A method's bench rate against timed runs at K classes: `bench` samples/s (`run_rate` over all positions),
     `run` the marginal samples/s of two timed `run_extraction` calls ((N - B) / (T(N) - T(B)), B the adapt batch:
-    what a run pays per sample beyond its first call, fixed costs cancelled), `whole` N / T(N) of the longer run
+    what a run pays per sample beyond its first call, fixed costs cancelled; infinite when the longer run took no
+    longer, so the ratio reads 0 and fails the check), `whole` N / T(N) of the longer run
     (its set-up, warm-up call and reward model load included); `skipped` the reason when one could not run."""
 
     key: str
@@ -440,7 +441,12 @@ def agreement(model: Any, root: Path, work: Path, keys: Sequence[str], k: int, *
             continue
         bench, policy = max(r.samples_per_s for r in rates), rates[0].policy
         n = limits[policy]
-        out.append(Agreement(key, k, policy, bench, (n - adapt_batch) / (min(t_all) - min(t_first)), n / min(t_all)))
+        extra = min(t_all) - min(t_first)
+        if extra <= 0:  # the longer run was not measurably slower (microsecond methods, or noise): no marginal rate
+            log(f"{key}: the run of {n} positions took no longer than the run of {adapt_batch} "
+                f"({min(t_all):.3f} s vs {min(t_first):.3f} s); its marginal rate reads as infinite")
+        marginal = (n - adapt_batch) / extra if extra > 0 else math.inf
+        out.append(Agreement(key, k, policy, bench, marginal, n / min(t_all)))
     return out
 
 

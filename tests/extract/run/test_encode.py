@@ -16,13 +16,15 @@ from tests.support.extract import make_json_dataset, make_tiny_model_dir
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.7])
-def test_ctrl_c_with_loader_processes_is_clean(tmp_path, delay):
+@pytest.mark.parametrize("when", ["start", "mid"])
+def test_ctrl_c_with_loader_processes_is_clean(tmp_path, when):
     """SIGINT to the whole process group, as a terminal sends it: the loader processes ignore it, the main process
     shuts them down and prints only its message (a loader process interrupted at start-up, or shut down at
-    interpreter exit, printed a traceback after it)."""
+    interpreter exit, printed a traceback after it). `start`: as the loader processes start (the text prototypes
+    just cached); `mid`: once the first cache chunk (512 of 1,200 positions) is written, so the loaders are busy
+    whatever the machine's speed (a fixed delay let a fast loader finish the pass first)."""
     make_tiny_model_dir(tmp_path / "model")
-    make_json_dataset(tmp_path / "data", "dtd", n_classes=4, per_class=150)  # 600 images: seconds of encoding
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=4, per_class=300)  # 1,200 images: 3 cache chunks
     cmd = [sys.executable, "-m", "extract.cli", "--method", "zero-shot", "--dataset", "dtd", "--pretrained",
            f"local-dir:{tmp_path / 'model'}", "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
            "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--workers", "2", "--batch-size", "4"]
@@ -31,10 +33,11 @@ def test_ctrl_c_with_loader_processes_is_clean(tmp_path, delay):
     try:
         t0 = time.monotonic()
         # the text prototypes are cached just before the encoding pass starts its loader processes
-        while not list((tmp_path / "cache").glob("*/text/*.npy")) and p.poll() is None:
+        mark = "*/text/*.npy" if when == "start" else "*/*/seed=*/view0/chunk-00000.npy"
+        while not list((tmp_path / "cache").glob(mark)) and p.poll() is None:
             assert time.monotonic() - t0 < 120
             time.sleep(0.02)
-        time.sleep(delay)
+        assert p.poll() is None, f"the run ended before its interrupt ({when}): {p.communicate()[1]}"
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=120)
     finally:
