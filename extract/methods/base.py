@@ -52,6 +52,15 @@ PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars"]
 # official code outputs probabilities or vote fractions).
 OutputKind = Literal["logits", "log_probs"]
 BackboneFamily = Literal["rn", "vit"]
+# What a method reads from the run; the run's steps serve each kind (docs/architecture.md, "The objects of a run"):
+#   features      the cached view features of consecutive samples, (B, V, D) per `adapt` call (the default)
+#   view_pixels   besides them, the pixels of each sample's views (TTL adapts the image encoder per sample:
+#                 `attach_views`, extract/run/pixels.py)
+#   batch_pixels  the pixels of a batch of test images: the image encoder itself is adapted over batches (Tent,
+#                 SAR, DeYO, ...)
+#   set_features  the cached features of a whole transductive unit (the run, or a batch of it) before any of its
+#                 rows is written (StatA, TransCLIP, ZLaP)
+Consumes = Literal["features", "view_pixels", "batch_pixels", "set_features"]
 
 DPE_CARS_TEMPLATES: tuple[str, ...] = (
     "a photo of a {}.",
@@ -395,6 +404,8 @@ class TTAMethod(abc.ABC):
     key: ClassVar[str]
     Config: ClassVar[type[MethodConfig]]
     needs_text_encoder: ClassVar[bool] = False
+    # What the run feeds the method (`Consumes`); one run loop serves every kind.
+    consumes: ClassVar[Consumes] = "features"
     # What `adapt` returns (recorded in the shard as `zaec:output_kind`); "logits" unless the method says otherwise.
     output_kind: ClassVar[OutputKind] = "logits"
     # Attributes holding the online state, saved by `state_dict` (so that an interrupted run can resume).

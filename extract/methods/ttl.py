@@ -37,7 +37,8 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, check_ranges, setting
+from extract.methods.base import (Consumes, MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, check_ranges,
+                                  setting)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class TTL(TTAMethod):
     Config: ClassVar[type[MethodConfig]] = TTLConfig
     needs_text_encoder: ClassVar[bool] = True  # the runner passes the model (its image encoder is adapted)
     #: the runner attaches a reader of the views' pixels (`attach_views`; extract/run/pixels.py)
-    needs_view_images: ClassVar[bool] = True
+    consumes: ClassVar[Consumes] = "view_pixels"
     _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale", "skipped_steps")
     # Unseen data: TTL has one setting for every set
     unseen_like: ClassVar[str] = "dtd"

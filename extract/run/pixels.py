@@ -40,6 +40,6 @@ class ViewImages:
 
 def attach_views(method: Any, model: LoadedModel, testset: TestSet, perm: np.ndarray, policy: ViewPolicy,
                  seed: int) -> None:
-    """Give a method with `needs_view_images` its reader of the views' pixels (nothing is read until it adapts)."""
-    if getattr(method, "needs_view_images", False):
+    """Give a method that consumes "view_pixels" its reader of the views' pixels (nothing is read until it adapts)."""
+    if getattr(method, "consumes", "features") == "view_pixels":
         method.attach_views(ViewImages(model, testset, perm, policy, seed).get)

@@ -53,7 +53,7 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
     cfg = with_views(cls.default_config(dataset, "ViT-B-16"), v, facts, **changes)
     extra = {"text_encoder": encoder, "class_names": NAMES} if cls.needs_text_encoder else {}
     m = cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset, **extra)
-    if getattr(cls, "needs_view_images", False):  # TTL adapts the image encoder: fixed random pixels per position
+    if cls.consumes == "view_pixels":  # TTL adapts the image encoder: fixed random pixels per position
         size = encoder.preprocess.size[0]
         pixels = torch.randn(32, v, 3, size, size, generator=torch.Generator().manual_seed(11))
         m.attach_views(lambda a, b: pixels[a:b])
