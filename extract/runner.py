@@ -61,7 +61,8 @@ from extract.run.options import (
 from extract.run.progress import Progress, warn
 from extract.run.resume import ResumePoint, ResumeScope, apply_resume, scan_resume, settings_kv
 from extract.run.pixels import attach_views
-from extract.run.reward import attach_reward, check_reward_model
+from extract.run.externals import check_external_files
+from extract.run.reward import attach_reward
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
 from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
@@ -155,6 +156,9 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         if done is not None and done.matches:
             note(reuse_note(planned, done, data.n_total), log)
             return list(done.parts)
+        # [external files] a second model or another file the method reads (RLCF's reward model, ...): checked
+        # before the policy loads, and before a finished run with other settings is refused for a file missing
+        check_external_files(planned)
         if done is not None:
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
@@ -162,7 +166,6 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             shorter = shorter_note(planned, run_dir, data.n_total, run_settings(planned, data))
             if shorter is not None:
                 note(shorter, log)
-        check_reward_model(planned)  # [reward model] RLCF's second model, checked before the policy loads
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
         parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)
