@@ -9,6 +9,7 @@ from __future__ import annotations
 from extract.methods.atpt import ATPT
 from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
+from extract.methods.difftpt import DiffTPT
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
@@ -28,7 +29,10 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
+                             # methods that need a second pretrained model (docs/methods.md, "Methods that need a
+                             # second pretrained model")
+                             DiffTPT)
 }
 
 
