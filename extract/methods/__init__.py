@@ -17,6 +17,7 @@ from extract.methods.dynaprompt import DynaPrompt
 from extract.methods.ecalp import ECALP
 from extract.methods.mta import MTA
 from extract.methods.onzeta import OnZeta
+from extract.methods.promptalign import PromptAlign
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
 from extract.methods.tda import TDA
@@ -32,7 +33,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # methods that need a second pretrained model (docs/methods.md, "Methods that need a
                              # second pretrained model")
-                             DiffTPT)
+                             DiffTPT, PromptAlign)
 }
 
 

@@ -53,6 +53,71 @@ def make_tiny_sd_pipeline(path: Path, *, seed: int = 0) -> Path:
     return Path(path)
 
 
+def maple_shapes(model) -> tuple[int, int, int]:
+    """(text width, vision width, image tokens without the prompts) of an open_clip CLIP (a `LoadedModel` or bare)."""
+    m = getattr(model, "model", model)
+    return m.ln_final.weight.shape[0], m.visual.conv1.out_channels, m.visual.positional_embedding.shape[0]
+
+
+def make_tiny_maple(path: Path, model, *, n_ctx: int = 2, depth: int = 3, seed: int = 0,
+                    fmt: str = "dassl") -> Path:
+    """MaPLe's prompts for `model`, random: `prompt_learner.ctx` (n_ctx, Wt), `.proj.*` (Wt -> Wv),
+    `.compound_prompts_text.i` and `.compound_prompt_projections.i.*` for i < depth − 1, beside the model's own
+    `image_encoder.conv1.weight` (MaPLe's checkpoints hold the whole CLIP).
+
+    fmt "dassl": as dassl's `save_checkpoint` writes it ({"state_dict", "epoch", "optimizer", "scheduler",
+    "val_result"}), the scheduler entry holding a pickled torch LR scheduler object (with its optimiser), which
+    `torch.load(weights_only=True)` refuses; "state_dict": the bare state dict (torch.save); "safetensors"."""
+    import torch
+
+    wt, wv, _ = maple_shapes(model)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.02):
+        return torch.randn(*shape, generator=g) * std
+
+    sd = {"prompt_learner.ctx": rnd(n_ctx, wt, std=0.5), "prompt_learner.proj.weight": rnd(wv, wt, std=0.2),
+          "prompt_learner.proj.bias": rnd(wv)}
+    for i in range(depth - 1):
+        sd[f"prompt_learner.compound_prompts_text.{i}"] = rnd(n_ctx, wt, std=0.5)
+        sd[f"prompt_learner.compound_prompt_projections.{i}.weight"] = rnd(wv, wt, std=0.2)
+        sd[f"prompt_learner.compound_prompt_projections.{i}.bias"] = rnd(wv)
+    sd["image_encoder.conv1.weight"] = getattr(model, "model", model).visual.conv1.weight.detach().clone()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    elif fmt == "state_dict":
+        torch.save(sd, path)
+    else:
+        lin = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.0026, momentum=0.9)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 2)
+        torch.save({"state_dict": sd, "epoch": 2, "optimizer": opt.state_dict(),
+                    "scheduler": {"successor": sched, "warmup_epoch": 1}, "val_result": None}, path)
+    return path
+
+
+def make_tiny_stats(prefix: Path, model, *, n_ctx: int = 2, layers: int | None = None, seed: int = 1
+                    ) -> tuple[Path, Path]:
+    """Random token statistics of the prompted image tower of `model` as PromptAlign reads them: two torch files
+    `<prefix>_vis_means.pt`, `<prefix>_vis_vars.pt` with one (layers, T, Wv) tensor each (variances positive)."""
+    import torch
+
+    _, wv, n_img = maple_shapes(model)
+    layers = layers if layers is not None else len(getattr(model, "model", model).visual.transformer.resblocks)
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(layers, n_img + n_ctx, wv, generator=g) * 0.3
+    variances = torch.rand(layers, n_img + n_ctx, wv, generator=g) + 0.2
+    paths = (Path(f"{prefix}_vis_means.pt"), Path(f"{prefix}_vis_vars.pt"))
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    torch.save(means, paths[0])
+    torch.save(variances, paths[1])
+    return paths
+
+
 class TinyExternals:
     """The tiny external files of every method that declares some, built once each under `root` on first use;
     `overrides(key)` is the `--set` values that run the method with them on the tiny model (fewer generated views
@@ -71,6 +136,11 @@ class TinyExternals:
         if key == "difftpt":
             sd = make_tiny_sd_pipeline(self.root / "sd-pipeline")
             return {"sd_pipeline": str(sd), "diffusion_views": "3", "diffusion_steps": "3", "diffusion_batch": "3"}
+        if key == "promptalign":  # MaPLe as deep as the tiny model allows (its one vision block: shallow)
+            depth = min(3, len(self.model.model.visual.transformer.resblocks))
+            maple = make_tiny_maple(self.root / "maple" / "model.pth.tar-2", self.model, depth=depth)
+            means, variances = make_tiny_stats(self.root / "stats" / "tiny", self.model)
+            return {"maple_weights": str(maple), "vis_means": str(means), "vis_vars": str(variances)}
         if key == "rlcf":  # the policy as its own reward model (a second CLIP: tests/extract/methods/test_rlcf.py)
             return {"reward_backbone": "policy"}
         raise KeyError(f"no tiny external files for method {key!r}: add them to tests/support/second_models.py")

@@ -60,7 +60,8 @@ def ref_difftpt_sample(model, feats: torch.Tensor, *, steps: int, lr: float = 5e
         return scale * feats[0] @ ref_encode(model, NAMES, ctx).T
 
 
-def ref_generated_features(pipe, policy, img: Image.Image, sid: int, seed: int, n: int, steps: int, tmp) -> torch.Tensor:
+def ref_generated_features(pipe, policy, img: Image.Image, sid: int, seed: int, n: int, steps: int,
+                           tmp) -> torch.Tensor:
     """image_generator_R.py for one image (its transform, one `pipe(..., guidance_scale=3)` call per generated image,
     each saved as `<name>_<j>.jpg`), then difftpt_utils.py's loader (`Image.open(...).convert('RGB')`, Resize +
     CenterCrop + ToTensor + Normalize) and CLIP's image encoder, L2-normalised. The latents of image j come from a
