@@ -31,8 +31,8 @@ REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
-                             # methods that need a second pretrained model (docs/methods.md, "Methods that need a
-                             # second pretrained model")
+                             # methods that need a second pretrained model (docs/methods.md,
+                             # "Methods that need a second pretrained model (DiffTPT, PromptAlign)")
                              DiffTPT, PromptAlign)
 }
 

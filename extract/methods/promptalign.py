@@ -1,7 +1,7 @@
 """PromptAlign: MaPLe's multi-modal prompts tuned per sample on marginal entropy plus an alignment of the test
 sample's token statistics to ImageNet's (`jameelhassan/PromptAlign @9290564`, `trainers/prompt_align.py`,
-`clip/model.py`, `configs/trainers/PromptAlign/*.yaml`, `train.py`; docs/methods.md, "PromptAlign: MaPLe prompts
-aligned to ImageNet's token statistics").
+`clip/model.py`, `configs/trainers/PromptAlign/*.yaml`, `train.py`; docs/methods.md,
+"PromptAlign: MaPLe prompts aligned to ImageNet's token statistics").
 
 The model is MaPLe (Khattak et al., CVPR'23) on CLIP ViT-B/16: a 2-token context replaces the first 2 words of
 "a photo of a {class}." in the text tower, and its linear projection (text width -> vision width) is appended to
@@ -49,9 +49,9 @@ from extract.methods.base import (IMAGENET_FAMILY, Consumes, ExternalFile, Metho
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
 
 #: where the three files come from (printed when one is missing; docs/extract.md)
-MAPLE_SOURCE = ("MaPLe's ImageNet-trained prompts: the cross-dataset checkpoint of muzairkhattak/"
-                "multimodal-prompt-learning (seed1/MultiModalPromptLearner/model.pth.tar-2, as PromptAlign's "
-                "scripts load it; docs/extract.md)")
+MAPLE_SOURCE = ("MaPLe's pre-trained ImageNet weights (muzairkhattak/multimodal-prompt-learning docs/RUN.md, "
+                "cross-dataset and domain generalization: a zipped imagenet/seed1..3 folder), the file "
+                "imagenet/seed1/MultiModalPromptLearner/model.pth.tar-2 (docs/extract.md)")
 STATS_SOURCE = ("ImageNet's token statistics: PromptAlign's ImgNetpre_vis_means.pt / _vis_vars.pt (its docs/run.md "
                 "links them), or compute them with `zaec-promptalign-stats` (docs/extract.md)")
 

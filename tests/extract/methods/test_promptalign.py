@@ -1,7 +1,7 @@
 """PromptAlign (extract/methods/promptalign.py, extract/promptalign_stats.py) on a tiny open_clip CLIP with 4
 vision blocks and 3 text layers, tiny random MaPLe prompts and statistics (tests/support/second_models.py), against
-a slow transcription of the official code written here from docs/methods.md, "PromptAlign: MaPLe prompts aligned to
-ImageNet's token statistics": MaPLe's towers in PromptAlign's clip/model.py (sequence-first, attention written out
+a slow transcription of the official code written here from docs/methods.md,
+"PromptAlign: MaPLe prompts aligned to ImageNet's token statistics": MaPLe's towers in PromptAlign's clip/model.py (sequence-first, attention written out
 per head), `MultiModalPromptLearner`, `test_time_tuning`, `select_confident_samples`, `avg_entropy`,
 `distr_align_loss`."""
 
@@ -19,7 +19,7 @@ from extract.methods.promptalign import PromptAlign, load_maple, load_stats, rea
 from schemas.shard import read_shard
 
 from tests.support.extract import make_json_dataset
-from tests.support.second_models import make_tiny_maple, make_tiny_stats, maple_shapes
+from tools.second_models import maple_shapes, write_maple, write_stats
 
 NAMES = ("cat", "sea_lion", "Annual Crop Land", "dog", "a")
 K = len(NAMES)
@@ -58,8 +58,8 @@ def model():
 @pytest.fixture(scope="module")
 def files(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("promptalign")
-    maple = make_tiny_maple(root / "seed1" / "MultiModalPromptLearner" / "model.pth.tar-2", model)
-    means, variances = make_tiny_stats(root / "stats" / "tiny", model)
+    maple = write_maple(root / "seed1" / "MultiModalPromptLearner" / "model.pth.tar-2", model)
+    means, variances = write_stats(root / "stats" / "tiny", model)
     return {"maple_weights": str(maple), "vis_means": str(means), "vis_vars": str(variances)}
 
 
@@ -228,11 +228,11 @@ def test_defaults_are_the_official_configs():
 
 @pytest.mark.parametrize("fmt", ["dassl", "state_dict", "safetensors"])
 def test_checkpoint_formats_give_the_same_prompts(model, tmp_path, fmt):
-    path = make_tiny_maple(tmp_path / f"maple.{'safetensors' if fmt == 'safetensors' else 'pth.tar'}", model,
+    path = write_maple(tmp_path / f"maple.{'safetensors' if fmt == 'safetensors' else 'pth.tar'}", model,
                            fmt=fmt)
     wt, wv, _ = maple_shapes(model)
     got = load_maple(str(path), n_ctx=2, depth=3, text_width=wt, vision_width=wv)
-    ref = load_maple(str(make_tiny_maple(tmp_path / "ref.safetensors", model, fmt="safetensors")), n_ctx=2, depth=3,
+    ref = load_maple(str(write_maple(tmp_path / "ref.safetensors", model, fmt="safetensors")), n_ctx=2, depth=3,
                      text_width=wt, vision_width=wv)
     assert all(torch.equal(a, b) for a, b in zip(got.params(), ref.params())) and len(got.params()) == 9
     if fmt == "dassl":  # what a dassl checkpoint needs: weights_only alone refuses its pickled scheduler
@@ -313,7 +313,7 @@ def test_stats_command_computes_the_token_moments(model, files, tmp_path, tiny_m
 
     root = tmp_path / "data"
     make_json_dataset(root, "dtd", n_classes=2, per_class=3)
-    maple = make_tiny_maple(tmp_path / "maple.pth.tar", tiny_model, depth=1)
+    maple = write_maple(tmp_path / "maple.pth.tar", tiny_model, depth=1)
     with pytest.raises(SystemExit) as e:
         main(["--maple-weights", str(maple), "--dataset", "dtd", "--data-root", str(root), "--out",
               str(tmp_path / "out" / "tiny"), "--pretrained", f"local-dir:{tiny_model_dir}", "--prompt-depth", "1",
