@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from extract.methods.base import (IMAGENET_FAMILY, Consumes, ExternalFile, MethodConfig, PromptSet, Ref, TTAMethod,
                                   check_hparams_key, check_ranges, setting, text_setting)
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
+from extract.methods.tpt import amp_autocast, scaled_step
 
 #: where the three files come from (printed when one is missing; docs/extract.md)
 MAPLE_SOURCE = ("MaPLe's pre-trained ImageNet weights (muzairkhattak/multimodal-prompt-learning docs/RUN.md, "
@@ -440,10 +441,8 @@ class PromptAlign(TTAMethod):
     def _use_amp(self, device: torch.device) -> bool:
         return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
 
-    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        if self._use_amp(device):
-            return torch.autocast(device_type="cuda", dtype=torch.float16)
-        return contextlib.nullcontext()
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return amp_autocast(self._use_amp(device))
 
     def _device_state(self, device: torch.device) -> tuple[Any, ...]:
         """(initial prompts, text inputs, statistics of the aligned layers) on `device`, copied there once."""
@@ -481,16 +480,6 @@ class PromptAlign(TTAMethod):
             loss = loss + w * distr_align_loss(tokens, sel, means, variances)
         return loss, sel
 
-    def _scaler_update(self, finite: bool) -> None:
-        """GradScaler.update (backoff 0.5, growth 2 after `grad_scale_growth_interval` finite steps)."""
-        s = self.loss_scale
-        if not finite:
-            s["scale"], s["growth_tracker"] = float(s["scale"]) * 0.5, 0
-            return
-        s["growth_tracker"] = int(s["growth_tracker"]) + 1
-        if s["growth_tracker"] == self.config.grad_scale_growth_interval:  # type: ignore[attr-defined]
-            s["scale"], s["growth_tracker"] = float(s["scale"]) * 2.0, 0
-
     def _adapt_one(self, images: torch.Tensor) -> torch.Tensor:
         """One sample: (V, 3, S, S) views -> (K,) logits of view 0 after tuning (`test_time_tuning`, then the
         inference of `test_time_adapt_eval`)."""
@@ -507,18 +496,9 @@ class PromptAlign(TTAMethod):
             with self._autocast(dev):
                 logits, tokens = self.logits(images, MaplePrompts.from_params(params), record)
                 loss, sel = self.loss(logits, tokens, sel)
-            scale = float(self.loss_scale["scale"]) if amp else 1.0
-            grads = [g.float() / scale for g in torch.autograd.grad(loss * scale, params)]
-            finite = bool(torch.stack([torch.isfinite(loss.detach()).all(),
-                                       *(torch.isfinite(g).all() for g in grads)]).all())
-            if finite:
-                for p, g in zip(params, grads):
-                    p.grad = g
-                opt.step()
-            else:
+            if not scaled_step(params, loss, opt, self.loss_scale, amp=amp,
+                               growth_interval=cfg.grad_scale_growth_interval):
                 self.skipped_steps += 1
-            if amp:
-                self._scaler_update(finite)
         with torch.no_grad(), self._autocast(dev):
             return self.logits(images[:1], MaplePrompts.from_params(params))[0][0].float()
 
