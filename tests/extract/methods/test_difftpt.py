@@ -127,6 +127,34 @@ def test_matches_the_official_loop(tiny_model, steps):
     assert not torch.allclose(other, got)
 
 
+def test_batching_and_order_invariant(tiny_model):
+    """Batched tuning passes (TPT's machinery) equal one sample at a time, in any order; the generated views follow
+    their samples."""
+    feats, gen = stream(tiny_model, 7, v=64, seed=4), stream(tiny_model, 7, v=63, seed=5, noise=0.6)
+    whole = make(tiny_model, gen).adapt(feats)
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    m = make(tiny_model, gen[perm], pass_budget=2 * len(NAMES))  # two samples per tuning pass
+    permuted = torch.cat([m.adapt(feats[perm[i:i + 3]]) for i in range(0, 7, 3)])
+    tol = tuned_tol(tiny_model.logit_scale, 4)
+    torch.testing.assert_close(permuted, whole[perm], rtol=0, atol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autocast fp16 and the loss scale run only on CUDA")
+def test_cuda_mixed_precision_close_to_fp32(tiny_model_dir):
+    from extract.models import load_model
+
+    gpu, cpu = (load_model(None, f"local-dir:{tiny_model_dir}", d) for d in ("cuda", "cpu"))
+    feats, gen = stream(cpu, 5, v=64, seed=5), stream(cpu, 5, v=63, seed=6, noise=0.6)
+    ref = make(cpu, gen, lr=0.0, weight_decay=0.0).adapt(feats)
+    still = make(gpu, gen.cuda(), lr=0.0, weight_decay=0.0).adapt(feats.cuda())
+    # fp16 text features (eps 2**-10, width 32): ~10 fp16 eps of the largest logit
+    torch.testing.assert_close(still.cpu(), ref, rtol=0, atol=0.01 * float(ref.abs().max()))
+    m = make(gpu, gen.cuda())
+    out = m.adapt(feats.cuda())
+    assert torch.isfinite(out).all() and (out - still).abs().max() > 1e-3
+    assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 5 * 4}  # one scaler update per step (4 a sample)
+
+
 def test_defaults_are_the_official_script():
     cfg = DiffTPT.default_config("imagenet_r", "RN50")
     assert (cfg.n_views, cfg.augmix, cfg.lr, cfg.tta_steps, cfg.selection_cosine, cfg.selection_selfentro) == \

@@ -206,6 +206,23 @@ def test_matches_the_official_loop(model, files, dataset, steps):
     assert (got - start).abs().max() > 1e-4  # the step moved the prediction
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autocast fp16 and the loss scale run only on CUDA")
+def test_cuda_mixed_precision_close_to_fp32(model, files):
+    import copy
+
+    gpu = copy.copy(model)
+    gpu.model = copy.deepcopy(model.model).cuda()
+    gpu.device = torch.device("cuda")
+    pixels = torch.randn(2, 64, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    ref = make(model, files, pixels, lr=0.0, weight_decay=0.0).adapt(torch.zeros(2, 64, 16))
+    still = make(gpu, files, pixels.cuda(), lr=0.0, weight_decay=0.0).adapt(torch.zeros(2, 64, 16, device="cuda"))
+    # fp16 activations through 7 blocks of width 32: ~10 fp16 eps of the largest logit
+    torch.testing.assert_close(still.cpu(), ref, rtol=0, atol=0.01 * float(ref.abs().max()))
+    m = make(gpu, files, pixels.cuda())
+    out = m.adapt(torch.zeros(2, 64, 16, device="cuda"))
+    assert torch.isfinite(out).all() and m.loss_scale["growth_tracker"] + m.skipped_steps == 2
+
+
 def test_alignment_term_matters(model, files):
     pixels = torch.randn(1, 64, 3, 32, 32, generator=torch.Generator().manual_seed(4))
     with_align = make(model, files, pixels).adapt(torch.zeros(1, 64, 16))
