@@ -5,6 +5,7 @@ Policies (a method's `Config.prompts`):
     * "dataset": TDA's per-dataset CoOp/Tip-Adapter templates (`DATASET_TEMPLATES`).
     * "imagenet80": the 80 CLIP ImageNet templates for every dataset (TPS), taken from open_clip.
     * "dpe_cars": DPE/DLAE's Stanford Cars pair (`DPE_STANFORD_CARS`), used with CuPL.
+    * "clip_dataset": CLIP's per-dataset prompt ensembles (`CLIP_DATASET_TEMPLATES`), as TCA reads them.
 `cupl=True` adds the CuPL GPT-3 prompts of the dataset (DPE, DLAE). CuPL files are third-party text the project does
 not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) under DPE's file names
 (`CuPL_prompts_<name>.json`, a JSON object class name -> list of sentences). If the directory or the file is absent,
@@ -28,8 +29,8 @@ from typing import Literal, Sequence
 from extract.datasets import get_dataset
 from extract.defaults import CUPL_DIR_ENV as CUPL_ENV
 
-PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars"]
-PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars")
+PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset"]
+PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars", "clip_dataset")
 #: the policies a user's own dataset may use: no per-dataset templates, no CuPL sentences exist for it
 USER_PROMPT_POLICIES: tuple[str, ...] = ("single", "imagenet80")
 
@@ -51,6 +52,52 @@ DPE_STANFORD_CARS: tuple[str, ...] = (
     "a photo of a {}.",
     "A {} featuring a wide range of color options for easy selection.",
 )
+
+# CLIP's per-dataset prompt ensembles (OpenAI CLIP's prompt engineering), as TCA's `datasets/*.py` hold them (its
+# `template`/`templates` lists; Jo-wang/TCA `datasets/dtd.py`, `eurosat.py`, ...); the ImageNet family takes the 80
+# ImageNet templates (`imagenet80_templates`, identical in order to TCA's `datasets/imagenet.py` list).
+CLIP_DATASET_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "caltech101": ("a photo of a {}.", "a painting of a {}.", "a plastic {}.", "a sculpture of a {}.",
+        "a sketch of a {}.", "a tattoo of a {}.", "a toy {}.", "a rendition of a {}.", "a embroidered {}.",
+        "a cartoon {}.", "a {} in a video game.", "a plushie {}.", "a origami {}.", "art of a {}.",
+        "graffiti of a {}.", "a drawing of a {}.", "a doodle of a {}.", "a photo of the {}.", "a painting of the {}.",
+        "the plastic {}.", "a sculpture of the {}.", "a sketch of the {}.", "a tattoo of the {}.", "the toy {}.",
+        "a rendition of the {}.", "the embroidered {}.", "the cartoon {}.", "the {} in a video game.",
+        "the plushie {}.", "the origami {}.", "art of the {}.", "graffiti of the {}.", "a drawing of the {}.",
+        "a doodle of the {}."),
+    "dtd": ("a photo of a {} texture.", "a photo of a {} pattern.", "a photo of a {} thing.",
+        "a photo of a {} object.", "a photo of the {} texture.", "a photo of the {} pattern.",
+        "a photo of the {} thing.", "a photo of the {} object."),
+    "eurosat": ("a centered satellite photo of {}.", "a centered satellite photo of a {}.",
+        "a centered satellite photo of the {}."),
+    "fgvc_aircraft": ("a photo of a {}, a type of aircraft.", "a photo of the {}, a type of aircraft."),
+    "food101": ("a photo of {}, a type of food.",),
+    "flowers102": ("a photo of a {}, a type of flower.",),
+    "oxford_pets": ("a photo of a {}, a type of pet.",),
+    "stanford_cars": ("a photo of a {}.", "a photo of the {}.", "a photo of my {}.", "i love my {}!",
+        "a photo of my dirty {}.", "a photo of my clean {}.", "a photo of my new {}.", "a photo of my old {}."),
+    "sun397": ("a photo of a {}.", "a photo of the {}."),
+    "ucf101": ("a photo of a person {}.", "a video of a person {}.", "a example of a person {}.",
+        "a demonstration of a person {}.", "a photo of the person {}.", "a video of the person {}.",
+        "a example of the person {}.", "a demonstration of the person {}.", "a photo of a person using {}.",
+        "a video of a person using {}.", "a example of a person using {}.", "a demonstration of a person using {}.",
+        "a photo of the person using {}.", "a video of the person using {}.", "a example of the person using {}.",
+        "a demonstration of the person using {}.", "a photo of a person doing {}.", "a video of a person doing {}.",
+        "a example of a person doing {}.", "a demonstration of a person doing {}.", "a photo of the person doing {}.",
+        "a video of the person doing {}.", "a example of the person doing {}.",
+        "a demonstration of the person doing {}.", "a photo of a person during {}.", "a video of a person during {}.",
+        "a example of a person during {}.", "a demonstration of a person during {}.",
+        "a photo of the person during {}.", "a video of the person during {}.", "a example of the person during {}.",
+        "a demonstration of the person during {}.", "a photo of a person performing {}.",
+        "a video of a person performing {}.", "a example of a person performing {}.",
+        "a demonstration of a person performing {}.", "a photo of the person performing {}.",
+        "a video of the person performing {}.", "a example of the person performing {}.",
+        "a demonstration of the person performing {}.", "a photo of a person practicing {}.",
+        "a video of a person practicing {}.", "a example of a person practicing {}.",
+        "a demonstration of a person practicing {}.", "a photo of the person practicing {}.",
+        "a video of the person practicing {}.", "a example of the person practicing {}.",
+        "a demonstration of the person practicing {}."),
+}
 
 
 class PromptError(ValueError):
@@ -102,8 +149,10 @@ def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
     spec = get_dataset(dataset)
     source = spec.templates_from or spec.hparams_from
     if source is None:  # a user's dataset: no official per-dataset template
-        raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts='dataset'); use "
+        raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts={policy!r}); use "
                           f"{' or '.join(repr(p) for p in USER_PROMPT_POLICIES)}")
+    if policy == "clip_dataset":  # the ImageNet family: the 80 ImageNet templates
+        return imagenet80_templates() if source.startswith("imagenet") else CLIP_DATASET_TEMPLATES[source]
     return _dataset_templates()[source]
 
 

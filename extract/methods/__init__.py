@@ -9,6 +9,7 @@ from __future__ import annotations
 from extract.methods.atpt import ATPT
 from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
+from extract.methods.calip import CALIP
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
@@ -19,6 +20,7 @@ from extract.methods.onzeta import OnZeta
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
 from extract.methods.tda import TDA
+from extract.methods.tca import TCA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.ttl import TTL
@@ -28,7 +30,9 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
+                             # inside the image encoder, training-free (docs/methods.md, that section)
+                             CALIP, TCA)
 }
 
 

@@ -45,8 +45,9 @@ IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet
 #   imagenet80  the 80 CLIP ImageNet templates
 #   dpe_cars    DPE/DLAE's Stanford Cars pair: "a photo of a {}." and
 #               "A {} featuring a wide range of color options for easy selection." (DPE `datasets/stanford_cars.py`)
+#   clip_dataset CLIP's per-dataset prompt ensembles (TCA `datasets/*.py`; the 80 templates for the ImageNet family)
 # Each template embedding is L2-normalised, averaged (with the CuPL sentences when `cupl`), and re-normalised.
-PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars"]
+PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset"]
 # What a method's output rows are (the shard's `zaec:output_kind`, docs/contract.md): "logits" (any real vector the
 # official code ranks and calibrates through a softmax) or "log_probs" (natural-log probabilities, finite: where the
 # official code outputs probabilities or vote fractions).
@@ -507,6 +508,21 @@ class TTAMethod(abc.ABC):
             True
         """
         return None if cls.prefix_stable else f"{cls.key}'s rows depend on the samples after them"
+
+    @classmethod
+    def backbone_refusal(cls, backbone: str) -> str | None:
+        """Why the method cannot run on `backbone` (an open_clip name, read before the model loads), or None.
+
+        The run's plan refuses such a backbone in one line before any weight is read; a method whose official code
+        runs only ViT image encoders (TCA) names the ResNets here, and checks the loaded model's image tower when it
+        is built (a `local-dir:` model's name need not tell). None by default: every backbone.
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> get_method("tda").backbone_refusal("RN50") is None
+            True
+        """
+        return None
 
     def set_stream_length(self, n: int) -> None:
         """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods

@@ -21,6 +21,7 @@ from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.zero_shot import ZeroShot
+from extract.prompts import PROMPT_POLICIES
 from tests.support.extract import with_views
 
 K, D = 5, 16  # D = the embedding width of the tiny open_clip model of `tests.support.extract`
@@ -129,7 +130,7 @@ def test_default_config_all_datasets_both_backbones(key):
             cfg = cls.default_config(ds, bb)
             assert isinstance(cfg, cls.Config)
             assert cfg.n_views in (1, 64)
-            assert cfg.prompts in ("single", "dataset", "imagenet80", "dpe_cars")
+            assert cfg.prompts in PROMPT_POLICIES
             assert isinstance(cfg.episodic, bool)
             json.dumps(dataclasses.asdict(cfg))  # recorded in the shard metadata
     with pytest.raises(ValueError, match="available: imagenet, imagenet_a"):
