@@ -107,11 +107,11 @@ def complement(idx: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def coreset_average(tokens: torch.Tensor, n_centers: int, gen: torch.Generator) -> torch.Tensor:
-    """`clip/utils.py:coreset_averaging` for one sample: (n, W) tokens -> (n_centers, W) float32.
+    """`clip/utils.py:coreset_averaging` for one sample: (n, W) tokens -> (n_centers, W), at least float32.
 
     Greedy k-centre: a first centre drawn uniformly (`torch.randint(n, (1,))` on the CPU generator `gen`), then
     n_centers − 1 times the token farthest from the centres so far (first on ties). Each token joins its nearest
-    centre (distances in fp32, first on ties); a cluster's token is the mean of its members weighted by the inverse
+    centre (first on ties); a cluster's token is the mean of its members weighted by the inverse
     distance to the centre, the centre itself (distance 0) weight 1. An empty cluster gives a zero token.
     """
     n = tokens.shape[0]
@@ -123,8 +123,10 @@ def coreset_average(tokens: torch.Tensor, n_centers: int, gen: torch.Generator) 
         centers.append(nxt)
         nearest = torch.minimum(nearest, torch.norm(tokens - tokens[nxt], dim=1))
     c = tokens[centers]
-    owner = torch.argmin(torch.cdist(tokens.float(), c.float()), dim=1)
-    out = torch.zeros(n_centers, tokens.shape[1], device=tokens.device)  # float32, as the official buffer
+    # the official's `.float()` distances and float32 buffer hold its fp16 tokens exactly: at least float32 here
+    wide = torch.promote_types(tokens.dtype, torch.float32)
+    owner = torch.argmin(torch.cdist(tokens.to(wide), c.to(wide)), dim=1)
+    out = torch.zeros(n_centers, tokens.shape[1], dtype=wide, device=tokens.device)
     eps = 1e-8
     for i in range(n_centers):
         members = tokens[owner == i]
