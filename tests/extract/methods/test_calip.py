@@ -177,3 +177,49 @@ def test_settings_and_refusals():
     m = CALIP(cfg, torch.eye(K, D), 100.0, backbone="x", dataset="dtd", text_encoder=tiny_rn())
     with pytest.raises(ValueError, match="needs the views' pixels"):
         m.adapt(torch.zeros(1, 1, D))
+
+
+# ------------------------------------------------------------------------------------------ through the run
+
+@pytest.fixture(scope="module")
+def folder_set(tmp_path_factory):
+    """A `folder:` set of 3 classes x 3 images, and `local-dir:` folders of the small ViT and ResNet."""
+    import numpy as np
+
+    from tests.support.extract import write_image
+    from tests.support.tokens import rn_cfg, vit_cfg, write_model_dir
+
+    root = tmp_path_factory.mktemp("calip-run")
+    rng = np.random.default_rng(0)
+    for c in ("cat_a", "dog_b", "eel_c"):
+        for i in range(3):
+            write_image(root / "set" / c / f"{i}.png", rng)
+    return {"set": root / "set", "vit": write_model_dir(root / "vit", vit_cfg(3), "tiny-deep-vit"),
+            "rn": write_model_dir(root / "rn", rn_cfg(), "tiny-rn")}
+
+
+@pytest.mark.parametrize("kind", ["vit", "rn"])
+def test_zaec_extract_on_a_folder_set(tmp_path, folder_set, kind):
+    """`zaec-extract --method calip` on a user's folder set: its settings for unseen data; with β₂ = β₃ = 0 and the
+    method's prompts as the anchor, the adapted rows are the zero-shot rows (token 0 of the run's pixels is the
+    feature the encoding pass cached)."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from extract.cli import app
+    from schemas.shard import find_shards, read_shard
+
+    base = ["--method", "calip", "--dataset", f"folder:{folder_set['set']}", "--cache-dir", str(tmp_path / "cache"),
+            "--pretrained", f"local-dir:{folder_set[kind]}", "--device", "cpu", "--quiet"]
+    r = CliRunner().invoke(app, base + ["--out", str(tmp_path / "a")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    (path,) = find_shards([tmp_path / "a"])
+    s = read_shard(path)
+    assert len(s) == 9 and s.meta.method_config["prompts"] == "imagenet80" and s.meta.method_config["beta2"] == 1.0
+    assert (s.tta_logits != s.zs_logits).any()
+    r = CliRunner().invoke(app, base + ["--out", str(tmp_path / "b"), "--set", "beta2=0", "--set", "beta3=0",
+                                        "--anchor", "method"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    (path,) = find_shards([tmp_path / "b"])
+    s = read_shard(path)
+    np.testing.assert_allclose(s.tta_logits, s.zs_logits, rtol=0, atol=8 * 256 * EPS32 * LOGIT_SCALE)

@@ -313,3 +313,86 @@ def test_resnet_refused_in_one_line_before_the_model_loads():
     with pytest.raises(ValueError, match=r"tca condenses .* tiny-rn has a ModifiedResNet image encoder"):
         TCA(TCA.default_config("dtd", "x"), torch.eye(K, D), 100.0, backbone="tiny-rn", dataset="dtd",
             text_encoder=tiny_rn())
+
+
+# ------------------------------------------------------------------------------------------ through the run
+
+@pytest.fixture(scope="module")
+def run_inputs(tmp_path_factory):
+    """A dtd-layout set of 3 classes x 4 images and a `local-dir:` folder of the 10-block ViT."""
+    from tests.support.extract import make_json_dataset
+    from tests.support.tokens import vit_cfg, write_model_dir
+
+    root = tmp_path_factory.mktemp("tca-run")
+    make_json_dataset(root / "data", "dtd", n_classes=3, per_class=4)
+    return root / "data", write_model_dir(root / "vit", vit_cfg(), "tiny-deep-vit")
+
+
+def test_resume_after_interruption_replays_the_prefix(tmp_path, run_inputs, monkeypatch):
+    """Ctrl-C after the first part, then the same command: the online state is rebuilt by replaying the kept
+    prefix's pixels through the same forward, and the shards equal an uninterrupted run's."""
+    import numpy as np
+
+    from extract.models import load_model
+    from extract.run import writer as run_writer
+    from extract.runner import run_extraction
+    from schemas.shard import find_shards, read_shard
+
+    from tests.support.extract import interrupt_nth_write
+
+    data, model_dir = run_inputs
+    model = load_model(None, f"local-dir:{model_dir}", "cpu")
+    args = dict(data_root=data, cache_dir=tmp_path / "cache", model=model, part_size=4, adapt_batch=2,
+                progress=False)
+
+    def rows(out):
+        shards = [read_shard(p) for p in find_shards([out])]
+        return {k: np.concatenate([getattr(s, k) for s in shards]) for k in ("stream_pos", "zs_logits", "tta_logits")}
+
+    run_extraction("tca", "dtd", out=tmp_path / "full", **args)
+    full = rows(tmp_path / "full")
+    real = interrupt_nth_write(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        run_extraction("tca", "dtd", out=tmp_path / "r", **args)
+    monkeypatch.setattr(run_writer, "write_shard", real)
+    assert len(find_shards([tmp_path / "r"])) == 1
+    run_extraction("tca", "dtd", out=tmp_path / "r", **args)
+    resumed = rows(tmp_path / "r")
+    for k in full:
+        np.testing.assert_array_equal(resumed[k], full[k])
+    assert (full["tta_logits"] != full["zs_logits"]).any()
+
+
+def test_zaec_extract_on_a_folder_set_and_a_resnet_refused(tmp_path, run_inputs):
+    """`zaec-extract --method tca` on a user's folder set (ImageNet's row, the 80 templates); a ResNet named as one
+    is refused in one line before the model loads, nothing written."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from extract.cli import app
+    from schemas.shard import find_shards, read_shard
+
+    from tests.support.extract import write_image
+    from tests.support.tokens import rn_cfg, write_model_dir
+
+    _, vit_dir = run_inputs
+    rng = np.random.default_rng(1)
+    for c in ("cat_a", "dog_b"):
+        for i in range(3):
+            write_image(tmp_path / "set" / c / f"{i}.png", rng)
+    rn_dir = write_model_dir(tmp_path / "rn", rn_cfg(), "RN-tiny")
+
+    def invoke(model_dir, out):
+        return CliRunner().invoke(app, ["--method", "tca", "--dataset", f"folder:{tmp_path / 'set'}", "--out",
+                                        str(out), "--cache-dir", str(tmp_path / "cache"), "--pretrained",
+                                        f"local-dir:{model_dir}", "--device", "cpu", "--quiet"],
+                                  catch_exceptions=False)
+
+    r = invoke(vit_dir, tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    (path,) = find_shards([tmp_path / "a"])
+    s = read_shard(path)
+    assert len(s) == 6 and s.meta.method_config["prompts"] == "imagenet80" and s.meta.method_config["lambd"] == 3.0
+    r = invoke(rn_dir, tmp_path / "b")
+    assert r.exit_code == 2 and "RN-tiny is a ResNet" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
