@@ -31,7 +31,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
-                             # inside the image encoder, training-free (docs/methods.md, that section)
+                             # docs/methods.md, "Methods inside the image encoder, training-free (CALIP, TCA)":
                              CALIP, TCA)
 }
 

@@ -1,6 +1,7 @@
 """CALIP: zero-shot enhancement of CLIP with parameter-free attention (Guo et al., AAAI'23; official code
-`ZiyuGuo99/CALIP @83e21b6`, `run_imagenet.py`, `clip/model.py`; docs/methods.md, "CALIP: parameter-free attention
-between the token map and the text").
+`ZiyuGuo99/CALIP @83e21b6`, `run_imagenet.py`, `clip/model.py`).
+
+docs/methods.md, "CALIP: parameter-free attention between the token map and the text".
 
 Per sample, no state. With F_s (L, D) the image's spatial tokens and f the global token (token 0), both
 L2-normalised per token (`extract.methods.tokens.token_map`), and T (K, D) the text prototypes:

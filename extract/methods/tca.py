@@ -1,6 +1,7 @@
 """TCA: token condensation as training-free test-time adaptation (Wang et al., ICCV'25; official code
-`Jo-wang/TCA @0f846d6`, `runner.py`, `utils.py`, `clip/model.py`, `clip/utils.py`; docs/methods.md, "TCA: token
-condensation inside the ViT, a reservoir of class tokens").
+`Jo-wang/TCA @0f846d6`, `runner.py`, `utils.py`, `clip/model.py`, `clip/utils.py`).
+
+docs/methods.md, "TCA: token condensation inside the ViT, a reservoir of class tokens".
 
 Online over the stream, one sample at a time (the official loader's batch size is 1). State: a reservoir of at most
 `reservoir_size` items per pseudo-class, each item the class tokens of one past sample after every block,

@@ -1,6 +1,6 @@
 """CALIP (extract/methods/calip.py, extract/methods/tokens.py) on small ViT and ResNet open_clip models, against a
-slow transcription of the official code written here from docs/methods.md, "CALIP: parameter-free attention
-between the token map and the text": `clip/model.py` (the token map: ViT l.218-233, the ResNet's attention pool with
+slow transcription of the official code written here from
+docs/methods.md, "CALIP: parameter-free attention between the token map and the text": `clip/model.py` (the token map: ViT l.218-233, the ResNet's attention pool with
 every query kept l.66-89) and `run_imagenet.py` (the per-sample loop l.73-93 and the sum l.112-113)."""
 
 from __future__ import annotations
