@@ -15,7 +15,7 @@ For each backbone (random open_clip weights; one torch thread, CPU time of this 
 
 and the bytes a token-map cache holds per sample and for ImageNet's 50,000 images.
 
-    python -m tools.bench_tokens [--backbones ViT-B-16,RN50] [--images 8] [--k 1000] [--json FILE]
+    python -m tools.bench_tokens [--backbones ViT-B-16,RN50] [--images 8] [--k 1000] [--repeat 3] [--json FILE]
     python -m tools.bench_tokens --tiny          # small models: the code path in seconds
 """
 
@@ -36,12 +36,12 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 IMAGENET_N = 50_000
 #: small models for `--tiny`: a 10-block ViT (TCA condenses blocks 3, 6, 9) and a ResNet, 64 px
 TINY_CFGS = {
-    "ViT-B-16": {"embed_dim": 32, "quick_gelu": True, "vision_cfg": {"image_size": 64, "layers": 10, "width": 64,
-                                                                    "head_width": 32, "patch_size": 8},
-                 "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1}},
+    "ViT-B-16": {"embed_dim": 32, "quick_gelu": True, "vision_cfg": {"image_size": 64, "layers": 10, "width": 32,
+                                                                    "head_width": 16, "patch_size": 8},
+                 "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}},
     "RN50": {"embed_dim": 32, "quick_gelu": True, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1],
                                                                 "width": 16},
-             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1}},
+             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}},
 }
 
 
@@ -72,7 +72,7 @@ def _model(backbone: str, tiny: bool, work: Path) -> Any:
     return load_model(None, f"local-dir:{path}", "cpu")
 
 
-def pixel_ms(model: Any, work: Path, n: int) -> float:
+def pixel_ms(model: Any, work: Path, n: int, repeat: int) -> float:
     """The run's reader of view 0's pixels, per sample (JPEG decode and preprocess)."""
     from extract.datasets import load_testset
     from extract.run.pixels import ViewImages
@@ -82,10 +82,10 @@ def pixel_ms(model: Any, work: Path, n: int) -> float:
     root = write_image_set(work / f"jpegs-{n}", n, n_classes=2, size=(500, 375), ext="jpg")
     ts = load_testset("dtd", root)
     reader = ViewImages(model, ts, stream_permutation("dtd", 1, n), "single", 1)
-    return _cpu_ms(lambda: reader.get(0, n), 2) / n
+    return _cpu_ms(lambda: reader.get(0, n), repeat) / n
 
 
-def memmap_ms(work: Path, n: int, t: int, d: int) -> float:
+def memmap_ms(work: Path, n: int, t: int, d: int, repeat: int) -> float:
     """One sample's (T, D) fp16 token map read from a memory-mapped file, rows in stream order, per sample."""
     path = work / "tokens.npy"
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(n, t, d))
@@ -93,10 +93,10 @@ def memmap_ms(work: Path, n: int, t: int, d: int) -> float:
     arr.flush()
     del arr
     back = np.load(path, mmap_mode="r")
-    return _cpu_ms(lambda: [np.array(back[i], dtype=np.float32) for i in range(n)], 3) / n
+    return _cpu_ms(lambda: [np.array(back[i], dtype=np.float32) for i in range(n)], repeat) / n
 
 
-def encoder_costs(model: Any, images: Any, k: int) -> dict[str, Any]:
+def encoder_costs(model: Any, images: Any, k: int, repeat: int) -> dict[str, Any]:
     """Per image: the pooled feature, the token map (batched), CALIP's attention at K classes; the map's size."""
     import torch
     import torch.nn.functional as F
@@ -109,14 +109,14 @@ def encoder_costs(model: Any, images: Any, k: int) -> dict[str, Any]:
     with torch.no_grad():
         tokens = F.normalize(token_map(visual, images), dim=-1)
         text = F.normalize(torch.randn(k, tokens.shape[-1]), dim=-1)
-        return {"encode_ms": _cpu_ms(lambda: model.encode_images(images), 2) / n,
-                "token_map_ms": _cpu_ms(lambda: token_map(visual, images), 2) / n,
+        return {"encode_ms": _cpu_ms(lambda: model.encode_images(images), repeat) / n,
+                "token_map_ms": _cpu_ms(lambda: token_map(visual, images), repeat) / n,
                 "calip_ms": _cpu_ms(lambda: calip_logits(tokens[:, 0], tokens[:, 1:], text, 100.0, CALIPConfig()),
-                                    2) / n,
+                                    repeat) / n,
                 "tokens": int(tokens.shape[1]), "dim": int(tokens.shape[2])}
 
 
-def tca_costs(model: Any, images: Any, k: int) -> dict[str, float]:
+def tca_costs(model: Any, images: Any, k: int, repeat: int) -> dict[str, float]:
     """Per sample: TCA's forward with its context tokens on, the plain forward at B = 1, the reservoir step."""
     import torch
     import torch.nn.functional as F
@@ -134,24 +134,24 @@ def tca_costs(model: Any, images: Any, k: int) -> dict[str, float]:
     m.res_entropy = torch.rand(k, cfg.reservoir_size)
     m._refresh_context(None)
     with torch.no_grad():
-        return {"tca_forward_ms": _cpu_ms(lambda: m.forward(one), 3),
-                "plain_b1_ms": _cpu_ms(lambda: model.encode_images(one), 3),
-                "tca_step_ms": _cpu_ms(lambda: m._step(feat, cls, text), 3)}
+        return {"tca_forward_ms": _cpu_ms(lambda: m.forward(one), repeat),
+                "plain_b1_ms": _cpu_ms(lambda: model.encode_images(one), repeat),
+                "tca_step_ms": _cpu_ms(lambda: m._step(feat, cls, text), repeat)}
 
 
-def bench_backbone(backbone: str, *, tiny: bool, n: int, k: int, work: Path) -> dict[str, Any]:
+def bench_backbone(backbone: str, *, tiny: bool, n: int, k: int, work: Path, repeat: int = 3) -> dict[str, Any]:
     """Every figure of one backbone (module docstring)."""
     import torch
 
     model = _model(backbone, tiny, work)
     s = model.preprocess.size[0]
     images = torch.randn(n, 3, s, s)
-    out: dict[str, Any] = {"pixels_ms": pixel_ms(model, work, n), **encoder_costs(model, images, k)}
-    out["memmap_ms"] = memmap_ms(work, max(n, 64), out["tokens"], out["dim"])
+    out: dict[str, Any] = {"pixels_ms": pixel_ms(model, work, n, repeat), **encoder_costs(model, images, k, repeat)}
+    out["memmap_ms"] = memmap_ms(work, max(n, 64), out["tokens"], out["dim"], repeat)
     out["cache_bytes_per_sample"] = 2 * out["tokens"] * out["dim"]  # fp16
     out["cache_bytes_imagenet"] = IMAGENET_N * out["cache_bytes_per_sample"]
     if model.model.visual.__class__.__name__ == "VisionTransformer":
-        out.update(tca_costs(model, images, k))
+        out.update(tca_costs(model, images, k, repeat))
     return out
 
 
@@ -160,6 +160,7 @@ def run(backbones: str = typer.Option("ViT-B-16,RN50", help="comma-separated ope
         images: int = typer.Option(8, min=1, help="images per batch (pixels, encode, token map)"),
         k: int = typer.Option(1000, min=2, help="classes of CALIP's attention and TCA's reservoir"),
         tiny: bool = typer.Option(False, "--tiny", help="small models instead (a smoke run)"),
+        repeat: int = typer.Option(3, min=1, help="timed calls per figure (after one untimed call)"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures to this JSON file"))\
         -> None:
     """Print the figures (CPU ms per sample, one thread) and the size of a token-map cache."""
@@ -171,7 +172,7 @@ def run(backbones: str = typer.Option("ViT-B-16,RN50", help="comma-separated ope
     results = {}
     with tempfile.TemporaryDirectory(prefix="zaec-bench-tokens-") as tmp:
         for bb in (b.strip() for b in backbones.split(",") if b.strip()):
-            results[bb] = bench_backbone(bb, tiny=tiny, n=images, k=k, work=Path(tmp))
+            results[bb] = bench_backbone(bb, tiny=tiny, n=images, k=k, work=Path(tmp), repeat=repeat)
     table = Table(title=f"inside the image encoder: CPU ms per sample, one thread (K = {k})")
     cols = ("pixels_ms", "encode_ms", "token_map_ms", "calip_ms", "memmap_ms", "tca_forward_ms", "plain_b1_ms",
             "tca_step_ms")

@@ -67,6 +67,10 @@ class AdaptCost:
         return n * (base + self.per_class * k) + growth
 
 
+#: A view-0 image read and preprocessed at 224 px by the run's reader of view pixels (`extract/run/pixels.py`, one
+#: core, in the main process): measured at 2.7-2.8 ms for a 500x375 JPEG (docs/benchmarks.md, "Methods inside the
+#: image encoder: cost per sample")
+PIXEL_READ_S = 0.003
 #: TDA's adapt step measured on a CPU (1 thread, K = 1000, D = 512): the reference the figures below scale from
 TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
 #: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
@@ -104,6 +108,12 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
     # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
+    # inside the image encoder (docs/benchmarks.md, "Methods inside the image encoder: cost per sample"): each reads
+    # view 0's pixels again in the main process (JPEG decode and preprocess, ~PIXEL_READ_S on one core) and runs the
+    # encoder on them; CALIP batched (one more encoding of view 0; its attention is small next to it), TCA one image
+    # at a time (a batch-1 forward of 12 blocks is launch-bound on a GPU: ~10 ms), its reservoir step small
+    "calip": AdaptCost(PIXEL_READ_S + ENCODE_S_PER_VIEW["vit"]),
+    "tca": AdaptCost(PIXEL_READ_S + 0.010),
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)
