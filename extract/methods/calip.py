@@ -25,14 +25,13 @@ elsewhere) and the attention in fp32, where the official code runs OpenAI's fp16
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import Consumes, MethodConfig, PromptSet, TTAMethod, check_hparams_key, setting
-from extract.methods.tokens import encoder_autocast, token_map, token_map_refusal
+from extract.methods.base import MethodConfig, PromptSet, check_hparams_key, setting
+from extract.methods.tokens import EncoderMethod, encoder_autocast, token_map, token_map_refusal
 
 
 @dataclass(frozen=True)
@@ -72,49 +71,30 @@ def calip_logits(glob: torch.Tensor, spatial: torch.Tensor, text: torch.Tensor, 
     return scale * glob @ text.T + cfg.beta2 * l1 + cfg.beta3 * l2
 
 
-class CALIP(TTAMethod):
+class CALIP(EncoderMethod):
     """CALIP: per sample, parameter-free attention between the image's token map and the text prototypes."""
 
     key: ClassVar[str] = "calip"
     prefix_stable: ClassVar[bool] = True  # no state: each row reads its own sample only
     Config: ClassVar[type[MethodConfig]] = CALIPConfig
-    needs_text_encoder: ClassVar[bool] = True  # the runner passes the model: CALIP runs its image encoder
-    #: the runner attaches a reader of the views' pixels (`attach_views`; extract/run/pixels.py)
-    consumes: ClassVar[Consumes] = "view_pixels"
-    # Unseen data: CALIP has one row; no per-dataset templates exist for a user's classes, the 80 CLIP templates
-    unseen_like: ClassVar[str] = "imagenet"
-    unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompts": "imagenet80"})
+    tower_need: ClassVar[str] = "reads the token map of a ViT or ResNet image encoder"
+    # Unseen data (`EncoderMethod`): the one row, with the 80 CLIP templates
 
-    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
-                 dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
-        super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
-                         text_encoder=text_encoder)
-        self.visual = getattr(getattr(text_encoder, "model", text_encoder), "visual", None)
-        why = token_map_refusal(self.visual)
-        if why is not None:  # one line, before any image is read
-            raise ValueError(f"calip reads the token map of a ViT or ResNet image encoder; {backbone} has {why}")
-        self._views: Callable[[int, int], torch.Tensor] | None = None
+    @classmethod
+    def tower_refusal(cls, visual: Any) -> str | None:
+        return token_map_refusal(visual)
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> CALIPConfig:
         check_hparams_key(hparams_key)
         return CALIPConfig()
 
-    def attach_views(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, V, 3, S, S) preprocessed views of those stream positions."""
-        self._views = reader
-
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        if self._views is None:
-            raise ValueError("calip reads the image encoder's token map and needs the views' pixels; the runner "
-                             "attaches them (`attach_views`)")
         b, v, _ = view_feats.shape
-        images = torch.as_tensor(self._views(self.n_seen, self.n_seen + b))
-        if images.ndim != 5 or images.shape[:2] != (b, v):
-            raise ValueError(f"calip: view images of shape {tuple(images.shape)} for {b} samples of {v} views")
-        dev, dtype = view_feats.device, self.visual.conv1.weight.dtype
+        dev = view_feats.device
+        images = self.view0_pixels(self.n_seen, b, v, dev)
         with encoder_autocast(self.text_encoder, dev):
-            tokens = token_map(self.visual, images[:, 0].to(dev, dtype))
-        tokens = F.normalize(tokens.to(dtype), dim=-1)  # every token, as `run_imagenet.py:53`
-        text = self.text_features.to(dev, dtype)
+            tokens = token_map(self.visual, images)
+        tokens = F.normalize(tokens.to(images.dtype), dim=-1)  # every token, as `run_imagenet.py:53`
+        text = self.text_features.to(dev, images.dtype)
         return calip_logits(tokens[:, 0], tokens[:, 1:], text, self.logit_scale, self.config)  # type: ignore[arg-type]

@@ -44,15 +44,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import (Consumes, MethodConfig, PromptSet, TTAMethod, backbone_family, check_hparams_key,
-                                  setting, text_setting)
-from extract.methods.tokens import encoder_autocast, plain_vit_refusal
+from extract.methods.base import MethodConfig, PromptSet, backbone_family, check_hparams_key, setting, text_setting
+from extract.methods.tokens import EncoderMethod, encoder_autocast, plain_vit_refusal
 
 
 @dataclass(frozen=True)
@@ -199,30 +197,22 @@ def condensed_block(blk: Any, x: torch.Tensor, rate: float, context: torch.Tenso
     return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
 
 
-class TCA(TTAMethod):
+class TCA(EncoderMethod):
     """TCA: the ViT's forward condenses tokens around reservoir class tokens; a class-token reservoir adds logits."""
 
     key: ClassVar[str] = "tca"
     prefix_stable: ClassVar[bool] = True  # online: a row reads its own and earlier samples only
     Config: ClassVar[type[MethodConfig]] = TCAConfig
-    needs_text_encoder: ClassVar[bool] = True  # the runner passes the model: TCA runs its own ViT forward
-    consumes: ClassVar[Consumes] = "view_pixels"
+    tower_need: ClassVar[str] = ("condenses the tokens of a ViT image encoder (the official code runs ViT-B/16 "
+                                 "only)")
     _state_fields: ClassVar[tuple[str, ...]] = ("res_tokens", "res_entropy", "res_counts", "coreset_rng")
-    # Unseen data: ImageNet's row; no per-dataset ensemble exists for a user's classes: the 80 ImageNet templates
-    # (ImageNet's own ensemble)
-    unseen_like: ClassVar[str] = "imagenet"
-    unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompts": "imagenet80"})
+    # Unseen data (`EncoderMethod`): ImageNet's row with the 80 templates, ImageNet's own ensemble
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
         super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
                          text_encoder=text_encoder)
         cfg: TCAConfig = self.config  # type: ignore[assignment]
-        self.visual = getattr(getattr(text_encoder, "model", text_encoder), "visual", None)
-        why = plain_vit_refusal(self.visual)
-        if why is not None:  # one line, before any image is read
-            raise ValueError(f"tca condenses the tokens of a ViT image encoder (the official code runs ViT-B/16 "
-                             f"only); {backbone} has {why}")
         self.n_blocks = len(self.visual.transformer.resblocks)
         self.drop = tuple(i for i in cfg.layers() if i < self.n_blocks)
         skipped = [i for i in cfg.layers() if i >= self.n_blocks]
@@ -238,7 +228,10 @@ class TCA(TTAMethod):
         self._gen = torch.Generator().manual_seed(cfg.coreset_seed)
         self.coreset_rng = self._gen.get_state()
         self._context: torch.Tensor | None = None  # (K, L, W) class-mean class tokens once every class holds 2
-        self._views: Callable[[int, int], torch.Tensor] | None = None
+
+    @classmethod
+    def tower_refusal(cls, visual: Any) -> str | None:
+        return plain_vit_refusal(visual)
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TCAConfig:
@@ -264,10 +257,6 @@ class TCA(TTAMethod):
                                  f"fewer than twice the {n - keep} condensed ones; lower drop_rate")
             n = keep - 2 * (n - keep) + cfg.n_centers + 2
 
-    def attach_views(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, V, 3, S, S) preprocessed views of those stream positions."""
-        self._views = reader
-
     @torch.no_grad()
     def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, 3, S, S) -> (feature (D,) L2-normalised, class tokens after every block (L, W)) through the condensing
@@ -288,19 +277,14 @@ class TCA(TTAMethod):
         return F.normalize(pooled[0], dim=-1), torch.stack(cls)
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        if self._views is None:
-            raise ValueError("tca runs the image encoder and needs the views' pixels; the runner attaches them "
-                             "(`attach_views`)")
         b, v, _ = view_feats.shape
         dev, dtype = view_feats.device, self.visual.conv1.weight.dtype
         text = self.text_features.to(dev, dtype)
         out = []
         for i in range(b):  # sequential by nature: sample i's forward reads the reservoir after sample i - 1
-            images = torch.as_tensor(self._views(self.n_seen + i, self.n_seen + i + 1))
-            if images.ndim != 5 or images.shape[:2] != (1, v):
-                raise ValueError(f"tca: view images of shape {tuple(images.shape)} for 1 sample of {v} views")
+            image = self.view0_pixels(self.n_seen + i, 1, v, dev)
             with encoder_autocast(self.text_encoder, dev):
-                feat, cls = self.forward(images[0, :1].to(dev, dtype))
+                feat, cls = self.forward(image)
             out.append(self._step(feat.to(dtype), cls.to(dtype), text))
         return torch.stack(out)
 

@@ -16,10 +16,13 @@ of the pooled feature.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from extract.methods.base import Consumes, MethodConfig, TTAMethod
 
 
 def encoder_autocast(loaded: Any, device: torch.device) -> Any:
@@ -88,3 +91,49 @@ def token_map(visual: Any, images: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the token map of {why} is not read")
     x = visual.ln_post(visual.transformer(visual._embeds(images)))
     return x @ visual.proj if visual.proj is not None else x
+
+
+class EncoderMethod(TTAMethod):
+    """A method that runs the frozen image encoder itself on view 0's pixels (CALIP, TCA): the runner passes the
+    model (`needs_text_encoder`) and attaches a reader of the views' pixels (`consumes="view_pixels"`,
+    `extract/run/pixels.py`); the tower is checked when the method is built, before any image is read.
+
+    Subclasses define `tower_refusal` (why a tower cannot be used, or None) and `tower_need` (what the method needs,
+    for the one-line error).
+    """
+
+    needs_text_encoder: ClassVar[bool] = True
+    consumes: ClassVar[Consumes] = "view_pixels"
+    tower_need: ClassVar[str]
+    # Unseen data: ImageNet's row; no per-dataset templates exist for a user's classes: the 80 CLIP templates
+    unseen_like: ClassVar[str] = "imagenet"
+    unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompts": "imagenet80"})
+
+    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
+                 dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
+        super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
+                         text_encoder=text_encoder)
+        self.visual = getattr(getattr(text_encoder, "model", text_encoder), "visual", None)
+        why = self.tower_refusal(self.visual)
+        if why is not None:  # one line, before any image is read
+            raise ValueError(f"{self.key} {self.tower_need}; {backbone} has {why}")
+        self._views: Callable[[int, int], torch.Tensor] | None = None
+
+    @classmethod
+    def tower_refusal(cls, visual: Any) -> str | None:
+        """Why the method cannot run on the image tower `visual`, or None."""
+        raise NotImplementedError
+
+    def attach_views(self, reader: Callable[[int, int], torch.Tensor]) -> None:
+        """`reader(start, stop)` -> (stop − start, V, 3, S, S) preprocessed views of those stream positions."""
+        self._views = reader
+
+    def view0_pixels(self, start: int, n: int, v: int, device: torch.device) -> torch.Tensor:
+        """View 0 of stream positions [start, start + n): (n, 3, S, S) on `device` in the encoder's dtype."""
+        if self._views is None:
+            raise ValueError(f"{self.key} runs the image encoder and needs the views' pixels; the runner attaches "
+                             "them (`attach_views`)")
+        images = torch.as_tensor(self._views(start, start + n))
+        if images.ndim != 5 or images.shape[:2] != (n, v):
+            raise ValueError(f"{self.key}: view images of shape {tuple(images.shape)} for {n} samples of {v} views")
+        return images[:, 0].to(device, self.visual.conv1.weight.dtype)
