@@ -509,21 +509,6 @@ class TTAMethod(abc.ABC):
         """
         return None if cls.prefix_stable else f"{cls.key}'s rows depend on the samples after them"
 
-    @classmethod
-    def backbone_refusal(cls, backbone: str) -> str | None:
-        """Why the method cannot run on `backbone` (an open_clip name, read before the model loads), or None.
-
-        The run's plan refuses such a backbone in one line before any weight is read; a method whose official code
-        runs only ViT image encoders (TCA) names the ResNets here, and checks the loaded model's image tower when it
-        is built (a `local-dir:` model's name need not tell). None by default: every backbone.
-
-        Example:
-            >>> from extract.methods import get_method
-            >>> get_method("tda").backbone_refusal("RN50") is None
-            True
-        """
-        return None
-
     def set_stream_length(self, n: int) -> None:
         """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods
         whose official schedule needs it in advance (OnZeta's β_i = β·√((i+1)/n)); the runner calls it."""

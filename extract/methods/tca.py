@@ -30,8 +30,8 @@ part of the method's state. The run hands TCA each sample's pixels (`consumes="v
 extract/run/pixels.py); the zero-shot row stays the cached view-0 feature's. On resume the online state is rebuilt
 by replaying the kept prefix (its pixels through the same forward), as every online method does.
 
-ViT backbones only (the official `--backbone` accepts ViT-B/16 alone; its ResNet has no condensation path): a
-ResNet name is refused by the run's plan, any other tower when the method is built, before any image is read.
+ViT backbones only (the official `--backbone` accepts ViT-B/16 alone; its ResNet has no condensation path): any
+tower but open_clip's plain ViT is refused in one line when the method is built, before any image is read (as TTL).
 
 Where this differs from the official code: the model's logit scale for the hard-coded 100; the encoder under the
 run's precision (autocast fp16 on CUDA, fp32 on the CPU; the reservoir, affinities and cache logits in fp32) where
@@ -49,7 +49,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import MethodConfig, PromptSet, backbone_family, check_hparams_key, setting, text_setting
+from extract.methods.base import MethodConfig, PromptSet, check_hparams_key, setting, text_setting
 from extract.methods.tokens import EncoderMethod, encoder_autocast, plain_vit_refusal
 
 
@@ -238,13 +238,6 @@ class TCA(EncoderMethod):
         check_hparams_key(hparams_key)
         size, scale, lambd, beta = TCA_TABLE[hparams_key]
         return TCAConfig(reservoir_size=size, scale=scale, lambd=lambd, beta=beta)
-
-    @classmethod
-    def backbone_refusal(cls, backbone: str) -> str | None:
-        if backbone_family(backbone) == "rn":
-            return (f"tca condenses the tokens of a ViT image encoder (the official code runs ViT-B/16 only); "
-                    f"{backbone} is a ResNet: use a ViT backbone such as ViT-B-16")
-        return None
 
     def _check_token_counts(self) -> None:
         """Each condensed block keeps at least 2m patches to rank (keep − 2m >= 0): one line naming the block."""

@@ -276,8 +276,8 @@ def plan(options: RunOptions) -> PlannedRun:
     """Resolve method, dataset, backbone name, config (+ overrides) and the view policy; raises on any bad name.
 
     Raises:
-        RunError (bad anchor, limit, seed, view settings, prompts on a user's dataset, a backbone the method
-        refuses), ValueError (unknown method or config key), DatasetError (unknown dataset).
+        RunError (bad anchor, limit, seed, view settings, prompts on a user's dataset), ValueError (unknown method
+        or config key), DatasetError (unknown dataset).
     """
     from extract.datasets import get_dataset
     from extract.methods import get_method
@@ -300,9 +300,6 @@ def plan(options: RunOptions) -> PlannedRun:
     if o.seed < 0:
         raise RunError(f"seed must be >= 0, got {o.seed}")
     name = resolve_backbone_name(o.backbone, o.pretrained)
-    refusal = cls.backbone_refusal(name)  # a method that runs only some image encoders (TCA: ViTs)
-    if refusal is not None:
-        raise RunError(refusal)
     unseen = spec.hparams_from is None  # a user's dataset: the method's documented settings for unseen data
     config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
     overrides = o.overrides_dict()

@@ -163,7 +163,6 @@ def test_settings_and_refusals():
     cfg = CALIP.default_config("caltech101", "RN50")
     assert (cfg.n_views, cfg.prompts, cfg.beta2, cfg.beta3, cfg.attn_scale) == (1, "dataset", 1.0, 0.01, 2.0)
     assert CALIP.unseen_config("ViT-B-16").prompts == "imagenet80"
-    assert CALIP.backbone_refusal("RN50") is None  # both towers
     with pytest.raises(ValueError, match="attn_scale=0.0 is out of range"):
         CALIPConfig(attn_scale=0.0)
 
