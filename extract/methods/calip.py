@@ -24,7 +24,7 @@ elsewhere) and the attention in fp32, where the official code runs OpenAI's fp16
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -43,6 +43,9 @@ class CALIPConfig(MethodConfig):
     # the 7 Tip-Adapter ImageNet templates (`class_template.py:167-175`), TDA's per-dataset templates elsewhere
     prompts: PromptSet = "dataset"
     cupl: bool = False
+    # no state: each sample alone, so a resumed run loads the (empty) state of its last kept part instead of
+    # replaying the prefix through the encoder
+    episodic: bool = field(default=True, metadata={"fixed": True})
     # weights of the text-side and visual-side attention logits: TTABC's fixed values (`ttabc/configs/algorithms.py`
     # @999b436 l.362-363); the official script searches beta2 in [0.001, 2.0] and beta3 in [0.001, 0.1] (200 x 200
     # grid, `configs/imagenet.yaml:16-17`, `run_imagenet.py:97-98`) for the best test accuracy

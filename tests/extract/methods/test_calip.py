@@ -222,3 +222,52 @@ def test_zaec_extract_on_a_folder_set(tmp_path, folder_set, kind):
     (path,) = find_shards([tmp_path / "b"])
     s = read_shard(path)
     np.testing.assert_allclose(s.tta_logits, s.zs_logits, rtol=0, atol=8 * 256 * EPS32 * LOGIT_SCALE)
+
+
+@pytest.mark.parametrize("kind", ["vit", "rn"])
+def test_reduced_precision_path_emulated_on_cpu(models, kind):
+    """The encoder under autocast (fp16 on CUDA, `encoder_autocast`) has no dtype mismatch down the method: emulated
+    with CPU bfloat16 autocast around the call; rows stay finite float32 and mostly agree with fp32."""
+    model = models[(kind, torch.float32)]
+    text, pixels = data(12, seed=6)
+    want = make(model, text, pixels).adapt(torch.zeros(12, 1, D))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = make(model, text, pixels).adapt(torch.zeros(12, 1, D))
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got.argmax(1) == want.argmax(1)).float().mean() >= 0.8
+
+
+def test_resume_after_interruption_reads_only_the_rest(tmp_path, folder_set, monkeypatch):
+    """CALIP has no state: a resumed run loads the empty state of its last kept part (it is episodic) and encodes
+    only the positions after it; the shards equal an uninterrupted run's."""
+    import numpy as np
+
+    from extract.models import load_model
+    from extract.run import writer as run_writer
+    from extract.runner import run_extraction
+    from schemas.shard import find_shards, read_shard
+
+    from tests.support.extract import interrupt_nth_write
+
+    model = load_model(None, f"local-dir:{folder_set['vit']}", "cpu")
+    args = dict(cache_dir=tmp_path / "cache", model=model, part_size=4, adapt_batch=2, progress=False)
+    dataset = f"folder:{folder_set['set']}"
+
+    def rows(out):
+        shards = [read_shard(p) for p in find_shards([out])]
+        return {k: np.concatenate([getattr(s, k) for s in shards]) for k in ("stream_pos", "zs_logits", "tta_logits")}
+
+    run_extraction("calip", dataset, out=tmp_path / "full", **args)
+    real = interrupt_nth_write(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        run_extraction("calip", dataset, out=tmp_path / "r", **args)
+    monkeypatch.setattr(run_writer, "write_shard", real)
+    asked = []
+    original = CALIP.view0_pixels
+    monkeypatch.setattr(CALIP, "view0_pixels", lambda self, start, n, *a: asked.append(start) or original(
+        self, start, n, *a))
+    run_extraction("calip", dataset, out=tmp_path / "r", **args)
+    assert asked == [4, 6, 8]  # part 0 (positions 0-3) kept, never re-encoded
+    full, resumed = rows(tmp_path / "full"), rows(tmp_path / "r")
+    for k in full:
+        np.testing.assert_array_equal(resumed[k], full[k])

@@ -394,3 +394,16 @@ def test_zaec_extract_on_a_folder_set_and_a_resnet_refused(tmp_path, run_inputs)
     assert r.exit_code == 2 and "tiny-rn has a ModifiedResNet image encoder" in r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
     assert not list((tmp_path / "b").rglob("*.parquet"))
+
+
+def test_reduced_precision_path_emulated_on_cpu(stream):
+    """As CALIP's: CPU bfloat16 autocast around the call stands in for CUDA's fp16 autocast of the forward. The
+    rows are finite float32 and the reservoir fills as in fp32 (the predictions themselves may part: this stream's
+    classes are close, and an online method carries a changed prediction on)."""
+    text, pixels = stream
+    model = deep_vit()
+    m = make(model, text, pixels[:12])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m.adapt(torch.zeros(12, 1, D))
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert m.res_tokens.dtype == torch.float32 and sum(m.res_counts) >= K
