@@ -87,8 +87,8 @@ class TCAConfig(MethodConfig):
         return out
 
 
-# (reservoir_size, scale, lambd, beta) per dataset (`configs/<name>.yaml`, l.1-5 of each; one set for ViT-B/16,
-# the only backbone the official code runs)
+# (reservoir_size, scale, lambd, beta) per dataset (`configs/<name>.yaml`, its four keys; one set for ViT-B/16, the
+# only backbone the official code runs)
 TCA_TABLE: dict[str, tuple[int, float, float, float]] = {
     "imagenet": (3, 0.1, 3.0, 5.0), "imagenet_a": (3, 0.01, 3.0, 5.0), "imagenet_v2": (3, 0.1, 4.0, 9.0),
     "imagenet_r": (3, 0.1, 3.0, 8.0), "imagenet_sketch": (3, 0.1, 4.0, 8.0), "caltech101": (3, 1.0, 7.0, 6.0),

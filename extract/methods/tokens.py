@@ -1,6 +1,7 @@
 """What a method that works inside the image encoder needs from open_clip's towers (CALIP, TCA; docs/methods.md,
 "Methods inside the image encoder, training-free (CALIP, TCA)"): the token map before pooling, the checks that a
-loaded tower is one whose forward the method re-writes, and the precision the run encodes in.
+loaded tower is one whose forward the method re-writes, the precision the run encodes in, and `EncoderMethod`, the
+base class of such a method (the model, the tower check, the reader of view 0's pixels).
 
 The token map is each token of the last layer carried through the head as the pooled feature is:
 
