@@ -331,7 +331,9 @@ class TCA(EncoderMethod):
         cfg: TCAConfig = self.config  # type: ignore[assignment]
         assert self.res_tokens is not None and self.res_entropy is not None
         cos = F.cosine_similarity(cls[None, None], self.res_tokens, dim=-1)  # (K, cap, L)
-        aff = (cos.double() * self.layer_weights.to(cos.device)).sum(dim=-1).to(cls.dtype)  # (K, cap)
+        if self.layer_weights.device != cos.device:  # once: not a small copy to the device per sample
+            self.layer_weights = self.layer_weights.to(cos.device)
+        aff = (cos.double() * self.layer_weights).sum(dim=-1).to(cls.dtype)  # (K, cap)
         valid = torch.isfinite(self.res_entropy)
         return cfg.lambd * (torch.exp(-(cfg.beta - cfg.beta * aff)) * valid).sum(dim=1)
 
