@@ -14,6 +14,7 @@ from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
 from extract.methods.dynaprompt import DynaPrompt
 from extract.methods.ecalp import ECALP
+from extract.methods.histpt import HisTPT
 from extract.methods.mta import MTA
 from extract.methods.onzeta import OnZeta
 from extract.methods.rlcf import RLCF
@@ -28,7 +29,9 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
+                             # prompt tuning with history, averaging or descriptions
+                             HisTPT)
 }
 
 
