@@ -7,6 +7,7 @@ config and override helpers are imported from `extract.methods.base`, each metho
 from __future__ import annotations
 
 from extract.methods.atpt import ATPT
+from extract.methods.awt import AWT
 from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
@@ -31,7 +32,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              # TTA-VLM's methods, each with its section in docs/methods.md
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # prompt tuning with history, averaging or descriptions
-                             HisTPT)
+                             HisTPT, AWT)
 }
 
 

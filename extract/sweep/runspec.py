@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from extract.defaults import DEFAULT_BACKBONE, default_cache_dir, default_cupl_dir, default_data_root
+from extract.defaults import (
+    DEFAULT_BACKBONE,
+    default_cache_dir,
+    default_cupl_dir,
+    default_data_root,
+    default_descriptions_dir,
+)
 from extract.run.options import DEFAULT_OUT, ExecOptions, RunOptions
 from extract.sweep.errors import SweepError
 from schemas.shard import RunKey, shard_dir
@@ -161,7 +167,7 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     """The options every run of a sweep shares, from settings named by field (`sweep_run_fields`,
     `sweep_exec_fields`; None or absent: the extractor's default). The method and dataset stay empty.
 
-    The data root, feature cache and CuPL folder get the extractor's fallbacks (`default_data_root()`, ...) here,
+    The data root, feature cache, CuPL and descriptions folders get the extractor's fallbacks (`default_data_root()`, ...) here,
     and every folder is made absolute: a worker shares neither our environment nor our working directory.
 
     Raises:
@@ -182,6 +188,7 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     exec_kw = {k: _coerce(ExecOptions, k, exec_fields[k], v) for k, v in given.items() if k in exec_fields}
     run_kw["data_root"] = _abs(run_kw.get("data_root") or default_data_root())
     run_kw["cupl_dir"] = _abs(run_kw.get("cupl_dir") or default_cupl_dir())
+    run_kw["descriptions_dir"] = _abs(run_kw.get("descriptions_dir") or default_descriptions_dir())
     exec_kw["cache_dir"] = _abs(exec_kw.get("cache_dir") or default_cache_dir())
     exec_kw["out"] = _abs(exec_kw.get("out") or DEFAULT_OUT)
     options = RunOptions("", "", **run_kw)
