@@ -10,6 +10,7 @@ from extract.methods.atpt import ATPT
 from extract.methods.awt import AWT
 from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
+from extract.methods.dart import DART
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
@@ -32,7 +33,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              # TTA-VLM's methods, each with its section in docs/methods.md
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # prompt tuning with history, averaging or descriptions
-                             HisTPT, AWT)
+                             HisTPT, DART, AWT)
 }
 
 
