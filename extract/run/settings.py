@@ -67,7 +67,7 @@ def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
     if o.adapt_batch != DEFAULT_ADAPT_BATCH:
         settings["adapt_batch"] = o.adapt_batch
     # the class descriptions a method reads (AWT): their content decides the rows; absent for the other methods
-    descriptions = run_descriptions(planned, data)
+    descriptions = run_descriptions(planned, data.testset)
     if descriptions is not None:
         settings["descriptions"] = descriptions.fingerprint()
     return settings

@@ -69,7 +69,7 @@ class RunPrompts:
     descriptions: Descriptions | None = None
 
 
-def run_descriptions(planned: PlannedRun, data: RunData) -> Descriptions | None:
+def run_descriptions(planned: PlannedRun, testset: Any) -> Descriptions | None:
     """The class descriptions of a method that reads them (`needs_descriptions`), from the run's descriptions
     folder; None for any other method. Raises PromptError (one line: the folder, file or class) when they are
     missing. A registered dataset's official file may name classes otherwise and is paired by position when it
@@ -79,7 +79,7 @@ def run_descriptions(planned: PlannedRun, data: RunData) -> Descriptions | None:
         return None
     from extract.datasets import get_dataset
 
-    key, ts = planned.class_dataset, data.testset
+    key, ts = planned.class_dataset, testset  # the test set whose classes the run predicts (`TestSet`)
     names = cls.method_class_names(key, ts.class_names, ts.imagenet_indices)  # type: ignore[attr-defined]
     file_name, need, where = cls.descriptions_request(planned.config, key)  # type: ignore[attr-defined]
     return load_descriptions(planned.options.descriptions_dir, file_name, names, method=planned.options.method,
@@ -98,7 +98,7 @@ def build_prompts(planned: PlannedRun, data: RunData) -> RunPrompts:
         anchor = build_prompt_set(key, ts.class_names, policy="single")
     else:
         anchor = method
-    return RunPrompts(names, method, anchor, run_descriptions(planned, data))
+    return RunPrompts(names, method, anchor, run_descriptions(planned, data.testset))
 
 
 def prompt_features(model: LoadedModel, prompts: RunPrompts, cache: TextCache, progress: Progress | None = None

@@ -104,6 +104,15 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
     # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
+    # prompt tuning with history, averaging or descriptions (docs/benchmarks.md, "Prompt tuning with history,
+    # averaging or descriptions: cost per sample"): HisTPT runs TPT's text passes per sample without batching
+    # across samples (1.7x TPT measured on the CPU at K = 100); DART adds to a TPT-like text step (class contexts: no
+    # shared prefix) about 3.75 encodings of the 64 views (ViT-B/16 with the prefix in block 1: forward, backward
+    # and a second forward through 11 of 12 blocks, measured 1.5x TTL on the bench model); AWT needs no gradient:
+    # the (views x prompts x K) logits, 51 K² text-weight entropies and the Sinkhorn rounds, batched over samples
+    "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.7 * TPT["per_class"]),
+    "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
+    "awt": AdaptCost(0.002, per_class=2e-6),
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)

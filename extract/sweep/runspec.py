@@ -253,20 +253,28 @@ def extract_run(run: RunSpec, model: Any, log: Callable[[str], None]) -> list[Pa
 
 def check_data(runs: Sequence[RunSpec]) -> None:
     """List every test set of the sweep once (split files and folders only, no image is opened), so a missing or
-    misnamed folder fails before submission with the extractor's expected-layout message."""
+    misnamed folder fails before submission with the extractor's expected-layout message; and read the class
+    descriptions of each run whose method needs them (AWT) as `zaec-extract` does before its model loads."""
     from extract.datasets import load_ood_images, load_testset
+    from extract.methods import get_method
+    from extract.run.options import plan
     from extract.run.settings import data_key
+    from extract.run.setup import run_descriptions
 
-    seen = set()
+    listed: dict[Any, Any] = {}
+    read = set()
     for r in runs:
-        if data_key(r.options) not in seen:
-            seen.add(data_key(r.options))
-            o = r.options
+        o = r.options
+        if data_key(o) not in listed:
             if o.ood_for is None:
-                load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
-            else:  # an OOD run: both of its sets
-                load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
+                listed[data_key(o)] = load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
+            else:  # an OOD run: both of its sets; the classes are the in-distribution set's
+                listed[data_key(o)] = load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
                 load_ood_images(o.dataset, o.data_root, sh_filter=o.sh_filter)
+        if get_method(o.method).needs_descriptions and (o.method, data_key(o), o.descriptions_dir) not in read:
+            read.add((o.method, data_key(o), o.descriptions_dir))
+            r.register_dataset()
+            run_descriptions(plan(o), listed[data_key(o)])
 
 
 def check_models(runs: Sequence[RunSpec]) -> None:

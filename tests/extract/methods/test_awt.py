@@ -267,3 +267,25 @@ def test_run_resumes_equal_to_an_uninterrupted_run_and_descriptions_are_a_settin
     _write(desc, "dtd.json", {c: [f"{c} is pattern {i}." for i in range(50)] for c in classes})
     with pytest.raises(RunError, match="different settings: descriptions"):
         run_extraction("awt", "dtd", out=tmp_path / "full", **kw)
+
+
+def test_sweep_reads_the_descriptions_before_submitting(tmp_path, monkeypatch):
+    """`zaec-sweep run --methods awt`: the data check reads each run's description file as `zaec-extract` would
+    (one line naming the file, exit 2, nothing submitted); `--descriptions-dir` reaches the runs, made absolute."""
+    from extract.datasets import load_testset
+    from extract.sweep import cli as sweep_cli
+
+    monkeypatch.delenv("ZAEC_DESCRIPTIONS_DIR", raising=False)
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=2, per_class=1)
+    captured = []
+    monkeypatch.setattr(sweep_cli, "sweep_run", lambda runs, *a, **k: captured.extend(runs) or 0)
+    args = ["run", "--methods", "awt,tda", "--datasets", "dtd", "--out", str(tmp_path / "o"), "--data-root",
+            str(tmp_path / "data"), "--no-wait"]
+    res = CliRunner().invoke(sweep_cli.app, args)
+    assert res.exit_code == 2 and "awt reads class descriptions from dtd.json in --descriptions-dir" in res.stderr
+    assert not captured
+    names = load_testset("dtd", tmp_path / "data").class_names
+    _write(tmp_path / "desc", "dtd.json", {n: ["x"] * 50 for n in names})
+    res = CliRunner().invoke(sweep_cli.app, args + ["--descriptions-dir", str(tmp_path / "desc")])
+    assert res.exit_code == 0, res.output + res.stderr
+    assert {r.options.descriptions_dir for r in captured} == {str((tmp_path / "desc").resolve())}
