@@ -106,12 +106,14 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
     # prompt tuning with history, averaging or descriptions (docs/benchmarks.md, "Prompt tuning with history,
     # averaging or descriptions: cost per sample"): HisTPT runs TPT's text passes per sample without batching
-    # across samples (1.7x TPT measured on the CPU at K = 100); DART adds to a TPT-like text step (class contexts: no
-    # shared prefix) about 3.75 encodings of the 64 views (ViT-B/16 with the prefix in block 1: forward, backward
-    # and a second forward through 11 of 12 blocks, measured 1.5x TTL on the bench model); AWT needs no gradient:
-    # the (views x prompts x K) logits, 51 K² text-weight entropies and the Sinkhorn rounds, batched over samples
-    "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.7 * TPT["per_class"]),
-    "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
+    # across samples (measured 2.3x TPT at K = 10, 1.7x at K = 100; per class 1.5x); DART's text step has one
+    # context per class (no shared prefix, no batching across samples: 0.56 ms per class and sample on the CPU, as
+    # DynaPrompt's 0.60), and its image side costs about 3.75 encodings of the 64 views (ViT-B/16 with the prefix in
+    # block 1: forward, backward and a second forward through 11 of 12 blocks; measured 1.4-1.5x TTL on the bench
+    # model, whose prefix sits in block 1 of 4); AWT needs no gradient: the (views x prompts x K) logits, 51 K²
+    # text-weight entropies and the Sinkhorn rounds, batched over samples (0.23-0.41x TPT measured)
+    "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
+    "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=7 * TPT["per_class"]),
     "awt": AdaptCost(0.002, per_class=2e-6),
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
