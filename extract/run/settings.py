@@ -4,7 +4,7 @@ checked against (`finished_run`, `finished_run_mismatch`).
 
 The settings: method config, pretrained weights, anchor, TDA's file filter, the sample list (paths, labels, class
 names: `TestSet.fingerprint()`), the resolved data root and the data fingerprint of the image files
-(`extract.fingerprint`). A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
+(`extract.fingerprint`), and for a method that reads class descriptions (AWT) their fingerprint. A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
 asks the same function before it submits anything, so the two checks cannot drift apart.
 """
 
