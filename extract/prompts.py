@@ -12,6 +12,11 @@ not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) u
 the prompt set falls back to the templates and carries a warning that the runner records in the shard metadata
 (`zaec:warnings`).
 
+Class descriptions (AWT): a method that reads them (`TTAMethod.needs_descriptions`) gets one JSON object class name ->
+list of sentences per dataset, read from `--descriptions-dir` or $ZAEC_DESCRIPTIONS_DIR (`load_descriptions`). They
+are third-party text too, but the method cannot run without them: a missing folder, file, class or sentence stops
+the run in one line before the model loads.
+
 Demo sets (group "demo") use the templates of their `hparams_from` dataset and have no CuPL file. A user's own
 dataset (`folder:PATH`, `split:FILE.json`) has neither: it takes "single" or "imagenet80" (`USER_PROMPT_POLICIES`).
 """
@@ -28,6 +33,7 @@ from typing import Literal, Sequence
 
 from extract.datasets import get_dataset
 from extract.defaults import CUPL_DIR_ENV as CUPL_ENV
+from extract.defaults import DESCRIPTIONS_DIR_ENV
 
 PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset"]
 PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars", "clip_dataset")
@@ -303,3 +309,85 @@ def build_prompt_set(dataset: str, class_names: Sequence[str], *, policy: Prompt
             per_class = [p + s for p, s in zip(per_class, sentences)]
     return PromptSet(dataset=dataset, policy=policy, cupl_requested=cupl, templates=templates,
                      per_class=tuple(tuple(p) for p in per_class), cupl_source=source, warnings=tuple(warnings))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# class descriptions (AWT)
+
+@dataclass(frozen=True)
+class Descriptions:
+    """The class descriptions a method reads (AWT's LLM descriptions).
+
+    Attributes:
+        source: the file read.
+        names: per class, the name the file gives it (its key; AWT formats its prompts with it).
+        per_class: per class, its sentences in file order.
+        warnings: how classes were matched when not by name (recorded in shard metadata).
+    """
+
+    source: str
+    names: tuple[str, ...]
+    per_class: tuple[tuple[str, ...], ...]
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def fingerprint(self) -> str:
+        """sha256 (16 hex chars) of every name and sentence used, in order (the finished-run check compares it)."""
+        return hashlib.sha256(json.dumps([self.names, self.per_class]).encode()).hexdigest()[:16]
+
+    def describe(self) -> dict:
+        """JSON-ready description for shard metadata."""
+        counts = [len(p) for p in self.per_class]
+        return {"file": Path(self.source).name, "fingerprint": self.fingerprint(),
+                "sentences_per_class": {"min": min(counts), "max": max(counts)}}
+
+
+def resolve_descriptions_dir(descriptions_dir: str | os.PathLike | None) -> Path | None:
+    """`descriptions_dir`, else $ZAEC_DESCRIPTIONS_DIR, else None."""
+    raw = descriptions_dir if descriptions_dir is not None else os.environ.get(DESCRIPTIONS_DIR_ENV)
+    return Path(raw).expanduser() if raw else None
+
+
+def load_descriptions(folder: str | os.PathLike | None, file_name: str, class_names: Sequence[str], *,
+                      method: str, need: int, by_position: bool, where: str) -> Descriptions:
+    """The descriptions of every class from `<folder>/<file_name>` (a JSON object class name -> sentences).
+
+    Keys are matched to class names after `class_key` on both sides. With `by_position` (a registered dataset,
+    whose official file may name a class differently: AWT's eurosat.json says 'brushland or shrubland' for
+    'Herbaceous Vegetation Land'), a file of exactly K entries whose keys do not all match is paired with the
+    classes by position, as TPS's descriptor files are, and a warning says so. The file's key is the class's name
+    in the result either way.
+
+    Args:
+        folder: `--descriptions-dir` (None: $ZAEC_DESCRIPTIONS_DIR).
+        file_name: the dataset's file; class_names: the K classes in label order.
+        method: the method key (named in every message); need: sentences every class must have.
+        by_position: allow the pairing by position; where: where the files come from (named in the messages).
+
+    Raises:
+        PromptError: one line naming the folder or file and, for a class without (enough) descriptions, the class.
+    """
+    d = resolve_descriptions_dir(folder)
+    if d is None:
+        raise PromptError(f"{method} reads class descriptions from {file_name} in --descriptions-dir (or "
+                          f"${DESCRIPTIONS_DIR_ENV}); neither is set ({where})")
+    path = d / file_name
+    if not path.is_file():
+        raise PromptError(f"{method}: {path} does not exist; it needs the class descriptions of this dataset "
+                          f"there ({where})")
+    table = read_class_table(path)
+    out, missing = match_class_table(table, class_names)
+    loose = {class_key(k): k for k in reversed(list(table))}  # the first key of each loose name
+    names = [loose.get(class_key(n), n) if n not in table else n for n in class_names]
+    warnings = []
+    if missing and by_position and len(table) == len(class_names):
+        out, names = [list(v) for v in table.values()], list(table)
+        warnings.append(f"{method}: {path.name} has no key for {len(missing)} of {len(class_names)} class names "
+                        f"(e.g. {missing[0]!r}); its {len(table)} entries were paired with the classes by position")
+    elif missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise PromptError(f"{method}: {path} has no descriptions for class {missing[0]!r}{more}")
+    short = [(n, len(v)) for n, v in zip(names, out) if len(v) < need]
+    if short:
+        raise PromptError(f"{method}: {path}: class {short[0][0]!r} has {short[0][1]} description(s), {method} uses "
+                          f"{need} per class{f' ({len(short) - 1} more classes have too few)' if len(short) > 1 else ''}")
+    return Descriptions(str(path), tuple(names), tuple(tuple(v) for v in out), tuple(warnings))

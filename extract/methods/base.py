@@ -405,6 +405,10 @@ class TTAMethod(abc.ABC):
     key: ClassVar[str]
     Config: ClassVar[type[MethodConfig]]
     needs_text_encoder: ClassVar[bool] = False
+    # A method that reads class descriptions (AWT) sets this and `descriptions_request`; the run reads them from
+    # `--descriptions-dir` before the model loads and passes them as the `descriptions` keyword
+    # (`extract.prompts.Descriptions`).
+    needs_descriptions: ClassVar[bool] = False
     # What the run feeds the method (`Consumes`); one run loop serves every kind.
     consumes: ClassVar[Consumes] = "features"
     # What `adapt` returns (recorded in the shard as `zaec:output_kind`); "logits" unless the method says otherwise.
@@ -512,6 +516,12 @@ class TTAMethod(abc.ABC):
     def set_stream_length(self, n: int) -> None:
         """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods
         whose official schedule needs it in advance (OnZeta's β_i = β·√((i+1)/n)); the runner calls it."""
+
+    @classmethod
+    def descriptions_request(cls, config: MethodConfig, dataset: str) -> tuple[str, int, str]:
+        """For a method with `needs_descriptions`: (the dataset's description file name, the sentences every class
+        needs, where the files come from). `dataset` is the key whose classes the run predicts."""
+        raise NotImplementedError(f"{cls.key} reads no class descriptions")
 
     @classmethod
     def method_class_names(cls, dataset: str, class_names: Sequence[str],

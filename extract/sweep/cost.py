@@ -114,6 +114,17 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     # at a time (a batch-1 forward of 12 blocks is launch-bound on a GPU: ~10 ms), its reservoir step small
     "calip": AdaptCost(PIXEL_READ_S + ENCODE_S_PER_VIEW["vit"]),
     "tca": AdaptCost(PIXEL_READ_S + 0.010),
+    # prompt tuning with history, averaging or descriptions (docs/benchmarks.md, "Prompt tuning with history,
+    # averaging or descriptions: cost per sample"): HisTPT runs TPT's text passes per sample without batching
+    # across samples (measured 2.3x TPT at K = 10, 1.7x at K = 100; per class 1.5x); DART's text step has one
+    # context per class (no shared prefix, no batching across samples: 0.56 ms per class and sample on the CPU, as
+    # DynaPrompt's 0.60), and its image side costs about 3.75 encodings of the 64 views (ViT-B/16 with the prefix in
+    # block 1: forward, backward and a second forward through 11 of 12 blocks; measured 1.4-1.5x TTL on the bench
+    # model, whose prefix sits in block 1 of 4); AWT needs no gradient: the (views x prompts x K) logits, 51 K²
+    # text-weight entropies and the Sinkhorn rounds, batched over samples (0.23-0.41x TPT measured)
+    "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
+    "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=7 * TPT["per_class"]),
+    "awt": AdaptCost(0.002, per_class=2e-6),
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)

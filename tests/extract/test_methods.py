@@ -53,6 +53,12 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
     facts = {"vision_blocks": len(encoder.model.visual.transformer.resblocks)} if encoder is not None else {}
     cfg = with_views(cls.default_config(dataset, "ViT-B-16"), v, facts, **changes)
     extra = {"text_encoder": encoder, "class_names": NAMES} if cls.needs_text_encoder else {}
+    if cls.needs_descriptions:  # AWT: made-up class descriptions, as many as the config needs
+        from extract.prompts import Descriptions
+
+        need = cls.descriptions_request(cfg, dataset)[1]
+        extra["descriptions"] = Descriptions("made-up.json", NAMES, tuple(
+            tuple(f"The {n} has trait {i}." for i in range(need)) for n in NAMES))
     m = cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset, **extra)
     if cls.consumes == "view_pixels":  # TTL adapts the image encoder: fixed random pixels per position
         size = encoder.preprocess.size[0]
