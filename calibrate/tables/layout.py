@@ -82,6 +82,8 @@ METHOD_LABELS: dict[str, str] = {
     # TTA-VLM's methods (docs/methods.md, "The methods at a glance")
     "zero": "ZERO", "mta": "MTA", "onzeta": "OnZeta", "ecalp": "ECALP", "dmn": "DMN", "dmn-weak": "DMN-weak",
     "boostadapter": "BoostAdapter", "rtpt": "R-TPT", "dynaprompt": "DynaPrompt", "rlcf": "RLCF", "ttl": "TTL",
+    # inside the image encoder (docs/methods.md, "Methods inside the image encoder, training-free (CALIP, TCA)")
+    "calip": "CALIP", "tca": "TCA",
 }
 #: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
 #: is over the paper's TTA methods, so these are left out of it by default

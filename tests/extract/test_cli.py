@@ -99,6 +99,15 @@ def test_every_method_runs_on_a_siglip_model_or_says_why(key, tmp_path, data_roo
         args += ["--set", "reward_backbone=policy", "--set", "sample_k=2"]
     elif REGISTRY[key].external_files:  # the tiny second models (tests/support/second_models.py)
         args += [a for k, v in tiny_externals.overrides(key).items() for a in ("--set", f"{k}={v}")]
+    if REGISTRY[key].needs_descriptions:  # AWT: a description file for the set's classes
+        import json
+
+        from extract.datasets import load_testset
+
+        names = load_testset("dtd", data_root).class_names
+        (tmp_path / "desc").mkdir()
+        (tmp_path / "desc" / "dtd.json").write_text(json.dumps({n: [f"{n} {i}." for i in range(50)] for n in names}))
+        args += ["--descriptions-dir", str(tmp_path / "desc")]
     args[args.index("--cache-dir") + 1] = str(siglip_cache)
     r = _invoke(args)
     if key in SIGLIP_CANNOT_RUN:
