@@ -5,6 +5,7 @@ Policies (a method's `Config.prompts`):
     * "dataset": TDA's per-dataset CoOp/Tip-Adapter templates (`DATASET_TEMPLATES`).
     * "imagenet80": the 80 CLIP ImageNet templates for every dataset (TPS), taken from open_clip.
     * "dpe_cars": DPE/DLAE's Stanford Cars pair (`DPE_STANFORD_CARS`), used with CuPL.
+    * "coop": CoOp's one template per dataset as the TransCLIP/StatA family ships it (`COOP_TEMPLATES`; OGA).
 `cupl=True` adds the CuPL GPT-3 prompts of the dataset (DPE, DLAE). CuPL files are third-party text the project does
 not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) under DPE's file names
 (`CuPL_prompts_<name>.json`, a JSON object class name -> list of sentences). If the directory or the file is absent,
@@ -28,8 +29,8 @@ from typing import Literal, Sequence
 from extract.datasets import get_dataset
 from extract.defaults import CUPL_DIR_ENV as CUPL_ENV
 
-PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars"]
-PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars")
+PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars", "coop"]
+PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars", "coop")
 #: the policies a user's own dataset may use: no per-dataset templates, no CuPL sentences exist for it
 USER_PROMPT_POLICIES: tuple[str, ...] = ("single", "imagenet80")
 
@@ -51,6 +52,23 @@ DPE_STANFORD_CARS: tuple[str, ...] = (
     "a photo of a {}.",
     "A {} featuring a wide range of color options for easy selection.",
 )
+
+
+# CoOp's single template per dataset, as the TransCLIP/StatA repositories ship them (`datasets/*.py` there:
+# "a photo of a {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397; DTD's has no full stop). OGA's
+# "standard" prompts are `dataset.template` of a `datasets` package its repository does not include; the OGA README
+# names TransCLIP as its base (docs/methods.md, "OGA").
+COOP_TEMPLATES: dict[str, tuple[str, ...]] = {
+    **{k: (SINGLE_TEMPLATE,) for k in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch",
+                                       "caltech101", "stanford_cars", "sun397")},
+    "dtd": ("{} texture",),
+    "eurosat": ("a centered satellite photo of {}.",),
+    "fgvc_aircraft": ("a photo of a {}, a type of aircraft.",),
+    "food101": ("a photo of {}, a type of food.",),
+    "flowers102": ("a photo of a {}, a type of flower.",),
+    "oxford_pets": ("a photo of a {}, a type of pet.",),
+    "ucf101": ("a photo of a person doing {}.",),
+}
 
 
 class PromptError(ValueError):
@@ -102,9 +120,9 @@ def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
     spec = get_dataset(dataset)
     source = spec.templates_from or spec.hparams_from
     if source is None:  # a user's dataset: no official per-dataset template
-        raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts='dataset'); use "
+        raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts={policy!r}); use "
                           f"{' or '.join(repr(p) for p in USER_PROMPT_POLICIES)}")
-    return _dataset_templates()[source]
+    return COOP_TEMPLATES[source] if policy == "coop" else _dataset_templates()[source]
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def test_default_config_all_datasets_both_backbones(key):
             cfg = cls.default_config(ds, bb)
             assert isinstance(cfg, cls.Config)
             assert cfg.n_views in (1, 64)
-            assert cfg.prompts in ("single", "dataset", "imagenet80", "dpe_cars")
+            assert cfg.prompts in ("single", "dataset", "imagenet80", "dpe_cars", "coop")
             assert isinstance(cfg.episodic, bool)
             json.dumps(dataclasses.asdict(cfg))  # recorded in the shard metadata
     with pytest.raises(ValueError, match="available: imagenet, imagenet_a"):
