@@ -11,10 +11,12 @@ from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
+from extract.methods.dota import DOTA
 from extract.methods.dpe import DPE
 from extract.methods.dynaprompt import DynaPrompt
 from extract.methods.ecalp import ECALP
 from extract.methods.mta import MTA
+from extract.methods.oga import OGA
 from extract.methods.onzeta import OnZeta
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
@@ -28,7 +30,9 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
+                             # the field's training-free online methods, each with its section in docs/methods.md
+                             DOTA, OGA)
 }
 
 
