@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from extract.methods.atpt import ATPT
 from extract.methods.base import TTAMethod
+from extract.methods.bca import BCA
 from extract.methods.boostadapter import BoostAdapter
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
@@ -32,7 +33,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              # TTA-VLM's methods, each with its section in docs/methods.md
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # the field's training-free online methods, each with its section in docs/methods.md
-                             DOTA, OGA)
+                             DOTA, OGA, BCA)
 }
 
 

@@ -164,3 +164,9 @@ def test_first_sample_is_zero_shot_up_to_a_constant():
     zs = 100.0 * x[0, 0] @ text.T
     tol = 4 * torch.finfo(torch.float32).eps * float(zs.abs().max())  # the row is float32
     torch.testing.assert_close(got - got.mean(), zs - zs.mean(), rtol=0, atol=tol)
+
+
+def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeypatch):
+    from tests.support.online import assert_run_resumes
+
+    assert_run_resumes("dota", tmp_path, tiny_model, monkeypatch)

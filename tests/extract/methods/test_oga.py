@@ -203,3 +203,9 @@ def test_batches_are_cut_from_each_call():
     torch.testing.assert_close(torch.cat([m.adapt(x[:16]), m.adapt(x[16:])]), whole, rtol=0, atol=0)
     m = build(text, batch_size=8)
     assert not torch.equal(torch.cat([m.adapt(x[:5]), m.adapt(x[5:])]), whole)
+
+
+def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, monkeypatch):
+    from tests.support.online import assert_run_resumes
+
+    assert_run_resumes("oga", tmp_path, tiny_model, monkeypatch, overrides={"batch_size": "2"})
