@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[extract,sweep,test]'
+	$(PY) -m pip install -q -e '.[extract,sweep,test,diffusion]'
 	touch $@
 
 venv: $(STAMP)

@@ -61,7 +61,9 @@ from extract.run.options import (
 from extract.run.progress import Progress, warn
 from extract.run.resume import ResumePoint, ResumeScope, apply_resume, scan_resume, settings_kv
 from extract.run.pixels import attach_views
-from extract.run.reward import attach_reward, check_reward_model
+from extract.run.diffusion import attach_generated
+from extract.run.externals import check_external_files
+from extract.run.reward import attach_reward
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
 from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
@@ -155,6 +157,9 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         if done is not None and done.matches:
             note(reuse_note(planned, done, data.n_total), log)
             return list(done.parts)
+        # [external files] a second model or another file the method reads (RLCF's reward model, ...): checked
+        # before the policy loads, and before a finished run with other settings is refused for a file missing
+        check_external_files(planned)
         if done is not None:
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
@@ -162,7 +167,6 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             shorter = shorter_note(planned, run_dir, data.n_total, run_settings(planned, data))
             if shorter is not None:
                 note(shorter, log)
-        check_reward_model(planned)  # [reward model] RLCF's second model, checked before the policy loads
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
         parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)
@@ -190,6 +194,10 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
                                testset_key=data.cache_key(), seed=options.seed, perm=perm,
                                chunk_size=execution.chunk_size)
+        # [generated views] DiffTPT: its diffusion pipeline loaded now, before any image is read
+        # (extract/run/diffusion.py); the views are generated and encoded in the encoding step below
+        generated = attach_generated(method, planned, model, cache_root=cache_root, testset_key=data.cache_key(),
+                                     seed=options.seed, perm=perm)
         # [view pixels] TTL adapts the image encoder: it reads the views themselves (extract/run/pixels.py)
         attach_views(method, model, data.testset, perm, planned.policy, options.seed)
         n_run = planned.n_run(data.n_total)
@@ -215,9 +223,10 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
-        if reward is not None:  # [reward model] its features of the same views, into its own cache
-            reward.encode(data.testset, perm, n_run, seed=options.seed, batch_size=execution.batch_size,
-                          workers=workers, progress=prog)
+        for extra in (reward, generated):  # [reward model] its features of the same views; [generated views]
+            if extra is not None:  # each into its own cache
+                extra.encode(data.testset, perm, n_run, seed=options.seed, batch_size=execution.batch_size,
+                             workers=workers, progress=prog)
         _restore_method(inputs, point, state.position, n_run, planned.episodic, prog)
         adapt_stream(inputs, state, n_run, writer, prog.task(f"{options.method} on {planned.dataset}",
                                                               n_run - state.position))

@@ -10,6 +10,7 @@ from extract.methods.atpt import ATPT
 from extract.methods.base import TTAMethod
 from extract.methods.bca import BCA
 from extract.methods.boostadapter import BoostAdapter
+from extract.methods.difftpt import DiffTPT
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dota import DOTA
@@ -33,7 +34,10 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              # TTA-VLM's methods, each with its section in docs/methods.md
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # the field's training-free online methods, each with its section in docs/methods.md
-                             DOTA, OGA, BCA)
+                             DOTA, OGA, BCA,
+                             # methods that need a second pretrained model (docs/methods.md, "Methods that need a
+                             # second pretrained model")
+                             DiffTPT)
 }
 
 

@@ -386,6 +386,43 @@ def apply_overrides(config: MethodConfig, overrides: dict[str, Any]) -> MethodCo
     return dataclasses.replace(config, **changes)
 
 
+# ---------------------------------------------------------------------------------- files beyond the CLIP checkpoint
+# What `ExternalFile.kind` a setting names: a file, a folder (both: a path the user gives; "" = not given), or an
+# open_clip model (a pretrained tag, a checkpoint file or `local-dir:DIR`, its architecture in another setting).
+ExternalKind = Literal["file", "dir", "open_clip"]
+
+
+@dataclass(frozen=True)
+class ExternalFile:
+    """A second pretrained model or another file a method reads besides the CLIP checkpoint, named by one of its
+    config settings. The user supplies it (zaec downloads nothing for a method); the method declares it in
+    `external_files`, and one check (`extract.run.externals.check_external_files`) refuses a run that lacks it
+    with one line naming the setting and where the file comes from, before any model loads: in `zaec-extract` and
+    in `zaec-sweep` (its dry run too). docs/extract.md, "Files a method reads besides the CLIP checkpoint".
+
+    Attributes:
+        setting: the config field that names it (`--set SETTING=PATH`): a text field, "" while not given.
+        what: what it is, in a few words ("the Stable Diffusion image-variation pipeline").
+        source: where it comes from, said after the problem in the error line (the command that fetches or makes
+            it, or the setting that does without it).
+        kind: "file", "dir" (the path must exist as such) or "open_clip" (checked as `load_model` would check it:
+            names, files, weights absent while the hub is offline).
+        contains: for "dir": files that must be inside the folder ("model_index.json").
+        backbone_setting: for "open_clip": the config field naming the architecture.
+
+    Example:
+        >>> ExternalFile("maple_weights", "MaPLe's prompts trained on ImageNet", "see docs/extract.md").kind
+        'file'
+    """
+
+    setting: str
+    what: str
+    source: str
+    kind: ExternalKind = "file"
+    contains: tuple[str, ...] = ()
+    backbone_setting: str = ""
+
+
 class TTAMethod(abc.ABC):
     """Base class of every test-time adaptation method.
 
@@ -417,6 +454,9 @@ class TTAMethod(abc.ABC):
     # in its own class (tests/extract/test_methods.py checks the declaration against the method's rows); False here,
     # so that an undeclared method is recomputed rather than served another run's rows.
     prefix_stable: ClassVar[bool] = False
+    # Second pretrained models and other files the method reads besides the CLIP checkpoint, each named by one of
+    # its settings (`ExternalFile`); `needed_files` says which a given config reads.
+    external_files: ClassVar[tuple[ExternalFile, ...]] = ()
 
     def __init__(
         self,
@@ -496,6 +536,19 @@ class TTAMethod(abc.ABC):
         out = self._adapt(view_feats)
         self.n_seen += b
         return out.detach().float()
+
+    @classmethod
+    def needed_files(cls, config: MethodConfig) -> tuple[ExternalFile, ...]:
+        """The declared `external_files` a run with `config` reads (all of them, unless a setting does without
+        one: RLCF's reward model with `reward_backbone=policy`).
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> rlcf = get_method("rlcf")
+            >>> [f.setting for f in rlcf.needed_files(rlcf.default_config("dtd", "ViT-B-16"))]
+            ['reward_pretrained']
+        """
+        return cls.external_files
 
     @classmethod
     def prefix_dependence(cls, config: MethodConfig) -> str | None:

@@ -316,6 +316,11 @@ class EpisodicTuner(TTAMethod):
         chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
         return self._tuning_loss(chosen)
 
+    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+        """(G, V, K) logits -> (G, n) the views the loss uses: the `selection_p` most confident (TPT
+        `select_confident_samples`); DiffTPT filters by cosine similarity first."""
+        return select_confident(logits, self.config.selection_p)  # type: ignore[attr-defined]
+
     def _regulariser(self, text: torch.Tensor) -> torch.Tensor | None:
         """(G, K, D) class features -> (G,) term added to the loss, or None."""
         return None
@@ -423,7 +428,7 @@ class EpisodicTuner(TTAMethod):
         sel = None
         if cfg.tta_steps == 0:
             with torch.no_grad(), self._autocast(dev):
-                sel = select_confident(self._logits(feats, self._class_features(param)), cfg.selection_p)
+                sel = self._select(self._logits(feats, self._class_features(param)))
         for step in range(cfg.tta_steps):
             p = param.detach().requires_grad_(True)
             vjp = None
@@ -439,7 +444,7 @@ class EpisodicTuner(TTAMethod):
                 # TPT chooses the views at step 0 and reuses them (`test_time_tuning`); TPS re-selects at every
                 # step (`run_shift_iter`). Identical with the default single step.
                 if sel is None or self.reselect_each_step:
-                    sel = select_confident(logits, cfg.selection_p)
+                    sel = self._select(logits)
                 # fp32 before summing: G scaled fp16 losses (each up to 1000 · ln K) would overflow their sum
                 loss = self._loss(feats, logits, sel).float()  # (G,)
             with torch.autocast(device_type=dev.type, enabled=False):

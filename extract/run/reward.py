@@ -19,8 +19,9 @@ import numpy as np
 
 from extract.cache import FeatureCache
 from extract.datasets import TestSet
-from extract.models import LoadedModel, ModelError, WeightFlags, check_weights, load_model
+from extract.models import LoadedModel, ModelError, WeightFlags, load_model
 from extract.run.encode import FeatureReader, encode_pass, open_feature_cache
+from extract.run.externals import external_error
 from extract.run.options import PlannedRun, RunError
 from extract.run.progress import Progress
 from extract.text_encoder import class_prompt
@@ -37,29 +38,10 @@ def _needs_second_model(method_cls: type, config: Any) -> bool:
 
 
 def _reward_error(planned: PlannedRun, e: ModelError) -> RunError:
-    """One line: which reward model, what is wrong (in `--set` terms), and the way to run without it."""
-    cfg = planned.config
-    return RunError(f"{planned.options.method}: reward model {cfg.reward_backbone}/{cfg.reward_pretrained} (set by "
-                    f"--set reward_backbone=NAME reward_pretrained=WEIGHTS): {e}; or --set "
-                    f"reward_backbone={REWARD_POLICY} (the policy as its own reward model)")
-
-
-def check_reward_model(planned: PlannedRun) -> None:
-    """The reward model a run's method asks for, checked as `load_model` would check it before reading a weight
-    (`extract.models.check_weights`: names, files, weights absent while the hub is offline): `zaec-extract` asks
-    before the policy loads, `zaec-sweep` before anything is submitted. Nothing for methods without one or with
-    `reward_backbone=policy`.
-
-    Raises:
-        RunError: one line naming the `--set reward_backbone=` / `reward_pretrained=` keys.
-    """
-    if not _needs_second_model(planned.method_cls, planned.config):
-        return
-    cfg = planned.config
-    try:
-        check_weights(cfg.reward_backbone or None, cfg.reward_pretrained, flags=REWARD_FLAGS)
-    except ModelError as e:
-        raise _reward_error(planned, e) from None
+    """One line: which reward model, what is wrong (in `--set` terms), and the way to run without it
+    (`extract.run.externals.external_error` on the method's declared reward model)."""
+    (ext,) = planned.method_cls.external_files
+    return external_error(planned, ext, str(e))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from extract.run.externals import SETTINGS_KEY as EXTERNAL_SETTINGS_KEY, external_identity
 from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun, RunOptions
 from extract.run.rundata import RunData, set_identity
 from extract.run.rundir import RunDir
@@ -24,7 +25,9 @@ from extract.run.rundir import RunDir
 _FINGERPRINT_MODES = ("stat", "content")
 #: what a changed setting of a finished run means, for the refusal message
 _SETTING_HINTS = {"data_fingerprint": "the image files changed (size, modification time or content)",
-                  "data_root": "another data root", "samples": "another split or class list"}
+                  "data_root": "another data root", "samples": "another split or class list",
+                  EXTERNAL_SETTINGS_KEY: "a file the method reads besides the CLIP checkpoint changed (size or "
+                                         "modification time), or is absent"}
 
 
 def load_run_data(planned: PlannedRun) -> RunData:
@@ -65,6 +68,11 @@ def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
     # before it was recorded still match
     if o.adapt_batch != DEFAULT_ADAPT_BATCH:
         settings["adapt_batch"] = o.adapt_batch
+    # the files a method reads besides the CLIP checkpoint (size and modification time); absent for the methods
+    # that read none, so that their runs made before it was recorded still match
+    files = external_identity(planned)
+    if files:
+        settings[EXTERNAL_SETTINGS_KEY] = files
     return settings
 
 

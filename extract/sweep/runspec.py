@@ -263,28 +263,29 @@ def check_data(runs: Sequence[RunSpec]) -> None:
 
 
 def check_models(runs: Sequence[RunSpec]) -> None:
-    """Check the second model each run's method loads (RLCF's reward model) as `zaec-extract` does before its
-    policy loads (`extract.run.reward.check_reward_model`: names, files, weights absent while the hub is offline),
-    each (model, weights) pair once, so that no job is submitted to fail on it. The runs' own backbones are
-    loaded by the jobs.
+    """Check the files each run's method reads besides the CLIP checkpoint (RLCF's reward model, DiffTPT's diffusion
+    pipeline, PromptAlign's prompts and statistics: `TTAMethod.external_files`) as `zaec-extract` does before its
+    policy loads (`extract.run.externals.check_external_files`), each (method, files) once, so that no job is
+    submitted to fail on them. The runs' own backbones are loaded by the jobs.
 
     Raises:
-        RunError: one line naming the method and its `--set reward_*` keys.
+        RunError: one line naming the method, the file, its `--set` setting and where it comes from.
     """
     from extract.methods import get_method
+    from extract.run.externals import check_external_files
     from extract.run.options import plan
-    from extract.run.reward import check_reward_model
 
     seen = set()
     for r in runs:
-        if not getattr(get_method(r.method), "needs_reward_model", False):
+        if not get_method(r.method).external_files:
             continue
         r.register_dataset()
         planned = plan(r.options)
-        pair = (planned.config.reward_backbone, planned.config.reward_pretrained)
-        if pair not in seen:
-            seen.add(pair)
-            check_reward_model(planned)
+        named = tuple((f.setting, getattr(planned.config, f.setting), getattr(planned.config, f.backbone_setting, ""))
+                      for f in planned.method_cls.needed_files(planned.config))
+        if (r.method, named) not in seen:
+            seen.add((r.method, named))
+            check_external_files(planned)
 
 
 def is_complete(run: RunSpec) -> bool:

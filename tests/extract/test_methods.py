@@ -57,6 +57,10 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
         size = encoder.preprocess.size[0]
         pixels = torch.randn(32, v, 3, size, size, generator=torch.Generator().manual_seed(11))
         m.attach_views(lambda a, b: pixels[a:b])
+    if getattr(cls, "generates_views", False):  # DiffTPT: fixed random features of its generated views
+        gen = F.normalize(torch.randn(32, cfg.diffusion_views, m.dim, generator=torch.Generator().manual_seed(12),
+                                      dtype=dtype), dim=-1)
+        m.attach_generated(lambda a, b: gen[a:b])
     return m
 
 

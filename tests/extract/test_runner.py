@@ -258,10 +258,13 @@ def shared_cache(tmp_path_factory):
 
 @pytest.mark.parametrize("method", sorted(methods.REGISTRY))
 def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data_root, method,
-                                     shared_cache):
-    # a method with a second model (RLCF's reward model) gets the tiny model: its default cannot be loaded offline
+                                     shared_cache, tiny_externals):
+    # a method with a second model gets a tiny one (RLCF's reward model: the tiny model; the others': the tiny
+    # files of tests/support/second_models.py): their defaults cannot be had offline
+    cls = methods.get_method(method)
     overrides = ({"reward_pretrained": f"local-dir:{tiny_model_dir}", "reward_backbone": ""}
-                 if getattr(methods.get_method(method), "needs_reward_model", False) else {})
+                 if getattr(cls, "needs_reward_model", False)
+                 else tiny_externals.overrides(method) if cls.external_files else {})
     paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides)
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
