@@ -243,19 +243,19 @@ def bench_clock() -> float:
 
 @contextlib.contextmanager
 def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tuple[int, float]]]]:
-    """Time the adapt loop of a run of `cls`, and the reward model's encoding pass (`RewardPass.encode`).
+    """Time the adapt loop of a run of `cls`, and the reward model's encoding pass (`EncoderPass.encode`).
 
     Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`, the device
     synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
     anchor, and the part write when the batch completes one), and each reward encoding. Once `budget_s` seconds
     passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
     batch)."""
-    from extract.run.reward import RewardPass
+    from extract.run.reward import EncoderPass
     from extract.run.writer import PartWriter
 
     rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": []}
     had_own = "adapt" in cls.__dict__
-    original, encode, add = cls.adapt, RewardPass.encode, PartWriter.add
+    original, encode, add = cls.adapt, EncoderPass.encode, PartWriter.add
 
     def adapt(self: Any, view_feats: Any) -> Any:
         done = rec["rows"]
@@ -277,11 +277,11 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
         rec["encode"].append((int(n), bench_clock() - t))
         return n
 
-    cls.adapt, RewardPass.encode, PartWriter.add = adapt, timed_encode, timed_add  # type: ignore[method-assign]
+    cls.adapt, EncoderPass.encode, PartWriter.add = adapt, timed_encode, timed_add  # type: ignore[method-assign]
     try:
         yield rec
     finally:
-        RewardPass.encode, PartWriter.add = encode, add  # type: ignore[method-assign]
+        EncoderPass.encode, PartWriter.add = encode, add  # type: ignore[method-assign]
         if had_own:
             cls.adapt = original
         else:

@@ -10,6 +10,7 @@ from extract.methods.atpt import ATPT
 from extract.methods.base import TTAMethod
 from extract.methods.bca import BCA
 from extract.methods.boostadapter import BoostAdapter
+from extract.methods.cosmic import COSMIC
 from extract.methods.difftpt import DiffTPT
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
@@ -37,7 +38,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              DOTA, OGA, BCA,
                              # methods that need a second pretrained model (docs/methods.md, "Methods that need a
                              # second pretrained model")
-                             DiffTPT)
+                             DiffTPT, COSMIC)
 }
 
 

@@ -1,6 +1,6 @@
 """Tiny random second models for the methods that read files beyond the CLIP checkpoint (`external_files`), built
-offline from configs: DiffTPT's image-variation pipeline (diffusers), PromptAlign's MaPLe prompts and statistics.
-Nothing is downloaded.
+offline from configs: DiffTPT's image-variation pipeline (diffusers), PromptAlign's MaPLe prompts and statistics,
+COSMIC's DINOv2 (a timm folder). Nothing is downloaded.
 
     pipe_dir = make_tiny_sd_pipeline(tmp_path / "sd")           # a diffusers folder, 32 px in, 16 px out
     TinyExternals(tmp_path, tiny_model).overrides("difftpt")    # the `--set` values that run it on the tiny model
@@ -53,6 +53,32 @@ def make_tiny_sd_pipeline(path: Path, *, seed: int = 0) -> Path:
     return Path(path)
 
 
+#: the tiny DINOv2's width and input size: patches of 8 px on the tiny CLIP's 32 px views
+TINY_DINO_DIM, TINY_DINO_SIZE = 24, 32
+
+
+def make_tiny_dino_folder(path: Path, *, seed: int = 0, img_size: int = TINY_DINO_SIZE) -> Path:
+    """Write a timm folder (`config.json` + `model.safetensors`) of DINOv2's ViT-L/14 with registers
+    (`vit_large_patch14_reg4_dinov2`) shrunk by its config: 2 blocks of width 24, 2 heads, patches of 8 px at
+    `img_size`, random weights (`pretrained=False`), as `huggingface-cli download timm/...` lays out the real one."""
+    import json
+
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    args = {"img_size": img_size, "patch_size": 8, "embed_dim": TINY_DINO_DIM, "depth": 2, "num_heads": 2}
+    model = timm.create_model("vit_large_patch14_reg4_dinov2", pretrained=False, num_classes=0, **args)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    cfg = {"architecture": "vit_large_patch14_reg4_dinov2", "num_classes": 0, "model_args": args,
+           "pretrained_cfg": {"input_size": [3, img_size, img_size], "num_classes": 0, "crop_pct": 1.0,
+                              "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return Path(path)
+
+
 class TinyExternals:
     """The tiny external files of every method that declares some, built once each under `root` on first use;
     `overrides(key)` is the `--set` values that run the method with them on the tiny model (fewer generated views
@@ -71,6 +97,8 @@ class TinyExternals:
         if key == "difftpt":
             sd = make_tiny_sd_pipeline(self.root / "sd-pipeline")
             return {"sd_pipeline": str(sd), "diffusion_views": "3", "diffusion_steps": "3", "diffusion_batch": "3"}
+        if key == "cosmic":
+            return {"dino_weights": str(make_tiny_dino_folder(self.root / "dino"))}
         if key == "rlcf":  # the policy as its own reward model (a second CLIP: tests/extract/methods/test_rlcf.py)
             return {"reward_backbone": "policy"}
         raise KeyError(f"no tiny external files for method {key!r}: add them to tests/support/second_models.py")
