@@ -36,8 +36,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # the field's training-free online methods, each with its section in docs/methods.md
                              DOTA, OGA, BCA,
-                             # methods that need a second pretrained model (docs/methods.md, "Methods that need a
-                             # second pretrained model")
+                             # methods that need a second pretrained model, each with its section in docs/methods.md
                              DiffTPT, COSMIC)
 }
 

@@ -1,6 +1,7 @@
 """COSMIC — Clique-Oriented Semantic Multi-space Integration (Huang et al., CVPR'25; official code `hf618/COSMIC
 @34fde07`, `cosmic_main.py` `direct_inference` l.285-549, `utils/utils_cosmic.py`, `utils/DualMems.py`). Online
-and training-free, with DINOv2 ViT-L/14 (registers) beside CLIP; docs/methods.md, "COSMIC".
+and training-free, with DINOv2 ViT-L/14 (registers) beside CLIP; the spec:
+docs/methods.md, "COSMIC: a second image encoder (DINOv2) and dual memories".
 
 State: DMN's CLIP memory (at most `clip_memory` features per pseudo-class, with their entropies), a TDA-style
 cache of DINOv2 features (`dino_memory` per class, lowest entropy first) and the last maximal-clique graph of each

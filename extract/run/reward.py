@@ -1,6 +1,7 @@
 """The second image encoder of a run: RLCF's reward model (a second CLIP) or COSMIC's DINOv2 (timm), loaded before any
 image is read, fed the policy's views, its features in a feature cache of its own filled by the same encoding pass
-as the policy's (docs/methods.md, "RLCF: prompt tuning with a CLIP reward" and "COSMIC").
+as the policy's (docs/methods.md, "RLCF: prompt tuning with a CLIP reward" and
+"COSMIC: a second image encoder (DINOv2) and dual memories").
 
 The second encoder sees the policy's views: RLCF's official code feeds its reward model the policy's preprocessed
 images (tpt_cls_rl.py `reward_model.set_image_features(inputs[selected_idx])`), COSMIC's feeds DINOv2 the same

@@ -75,7 +75,7 @@ TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
 #: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
 #: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
 ECALP_S_PER_POSITION = 0.0445 / 128.5
-#: DOTA, OGA and BCA, for one GPU at D = 512 (ViT-B-16), from CPU measurements at K = 1000 (one thread):
+#: DOTA, OGA, BCA and COSMIC, for one GPU at D = 512 (ViT-B-16), from CPU measurements at K = 1000 (one thread):
 #: * DOTA: one D×D inverse (9.7 ms on the CPU, ~1 ms on a GPU) and about 7 passes over the (K, D, D) float32
 #:   covariances per sample (0.44 s a sample on the CPU at 16 GB/s): 7 · 4 · D² bytes a class at ~3 TB/s. RN50's
 #:   D = 1024 quadruples the per-class part.
@@ -83,10 +83,15 @@ ECALP_S_PER_POSITION = 0.0445 / 128.5
 #:   covariance over up to 8 K items (1.6-52 ms on the CPU, n = 100-8,000); about half the samples change the memory
 #:   (a class's n-th sample enters with probability ~8/n: 8 + 8 ln(N_k / 8.5) entries of N_k, 44% on ImageNet).
 #: * BCA: TDA's order of work (0.22 ms vs TDA's 0.22 ms at one view, 1.29 vs 1.15 ms at 64 views, same run).
-ONLINE_GAUSSIAN_COSTS: dict[str, AdaptCost] = {
+#: * COSMIC: 6.5 ms a sample on the CPU between graph rebuilds (~3 ms on a GPU [estimate]), plus DINOv2 ViT-L/14 on
+#:   the original view (about 4.6x ViT-B-16's work a view, at the encoder's planning rate); a rebuild of both graphs
+#:   is ~0.15 s on a GPU (networkx's clique search on the CPU: 93 ms for 2K = 2,000 nodes) and happens at nearly
+#:   every sample while i <= K·memory (ImageNet: the first 16,000 of 50,000), every 100 after: ~5e-5 s a class.
+FIELD_ONLINE_COSTS: dict[str, AdaptCost] = {
     "dota": AdaptCost(0.001, per_class=7 * 4 * 512 ** 2 / 3e12),
     "oga": AdaptCost(0.5 * 0.02),
     "bca": AdaptCost(TDA_S, multi_view=TDA_S_64_VIEWS * 1.29 / 1.15),
+    "cosmic": AdaptCost(0.003 + 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=5e-5),
 }
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
 #: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
@@ -117,8 +122,8 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
     # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
-    # the field's training-free online methods (docs/benchmarks.md, "Training-free online methods: cost per sample")
-    **ONLINE_GAUSSIAN_COSTS,
+    # the field's online methods (docs/benchmarks.md, "Training-free online methods: cost per sample")
+    **FIELD_ONLINE_COSTS,
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)
