@@ -9,5 +9,6 @@ METHOD_KEYS: tuple[str, ...] = (
     "zero-shot", "tda", "dpe", "dlae", "tpt", "ctpt", "otpt", "atpt", "tps",
     "zero", "mta", "onzeta", "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt", "rlcf",
     "ttl",
-    "difftpt",
+    "dota", "oga", "bca",
+    "difftpt", "cosmic",
 )

@@ -51,9 +51,16 @@ class MethodCost:
 
 def bench_overrides(cls: type, model_dir: Path) -> dict[str, str]:
     """The `--set` values a method needs to run in the bench: a method with a reward model (RLCF) gets the bench's
-    own small model as its reward model (a second load of the same weights; its features come from the same cache)."""
+    own small model as its reward model (a second load of the same weights; its features come from the same cache);
+    one with a second timm encoder (COSMIC's DINOv2) a tiny random stand-in beside the bench model
+    (`tools.dino_stand_in`: the encoding is not timed here)."""
     if getattr(cls, "needs_reward_model", False):
         return {"reward_backbone": "", "reward_pretrained": f"local-dir:{model_dir}"}
+    setting = getattr(cls, "second_encoder", None)
+    if setting:
+        from tools.dino_stand_in import write_dino_dir
+
+        return {setting: str(write_dino_dir(model_dir.parent / "dino-stand-in", tiny=True))}
     return {}
 
 
@@ -316,10 +323,14 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
     return RunRate(key, k, policy, n, calls[-1][1] - calls[0][1], enc_s, first + (n - 1) / 2)
 
 
-def run_overrides(cls: type, reward_dir: Path | None) -> dict[str, str]:
+def run_overrides(cls: type, reward_dir: Path | None, second_dir: Path | None = None) -> dict[str, str]:
     """The `--set` values a method needs to run in a bench of rates: a method with a reward model (RLCF) gets
     `reward_dir`'s model as its reward model (another model than the policy, so that the run encodes the 64 views
-    a second time, as with its official ViT-L-14), or the policy's own when `reward_dir` is None."""
+    a second time, as with its official ViT-L-14), or the policy's own when `reward_dir` is None; one with a second
+    timm encoder (COSMIC) the stand-in folder `second_dir` (`tools.dino_stand_in`)."""
+    setting = getattr(cls, "second_encoder", None)
+    if setting and second_dir is not None:
+        return {setting: str(second_dir)}
     if getattr(cls, "needs_reward_model", False):
         if reward_dir is None:
             return {"reward_backbone": "policy"}

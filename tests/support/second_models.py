@@ -58,25 +58,13 @@ TINY_DINO_DIM, TINY_DINO_SIZE = 24, 32
 
 
 def make_tiny_dino_folder(path: Path, *, seed: int = 0, img_size: int = TINY_DINO_SIZE) -> Path:
-    """Write a timm folder (`config.json` + `model.safetensors`) of DINOv2's ViT-L/14 with registers
+    """A timm folder (`config.json` + `model.safetensors`) of DINOv2's ViT-L/14 with registers
     (`vit_large_patch14_reg4_dinov2`) shrunk by its config: 2 blocks of width 24, 2 heads, patches of 8 px at
-    `img_size`, random weights (`pretrained=False`), as `huggingface-cli download timm/...` lays out the real one."""
-    import json
+    `img_size`, random weights (`pretrained=False`): `tools.dino_stand_in.write_dino_dir(tiny=True)`."""
+    from tools.dino_stand_in import TINY_DINO_ARGS, write_dino_dir
 
-    import timm
-    import torch
-    from safetensors.torch import save_file
-
-    torch.manual_seed(seed)
-    args = {"img_size": img_size, "patch_size": 8, "embed_dim": TINY_DINO_DIM, "depth": 2, "num_heads": 2}
-    model = timm.create_model("vit_large_patch14_reg4_dinov2", pretrained=False, num_classes=0, **args)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
-    cfg = {"architecture": "vit_large_patch14_reg4_dinov2", "num_classes": 0, "model_args": args,
-           "pretrained_cfg": {"input_size": [3, img_size, img_size], "num_classes": 0, "crop_pct": 1.0,
-                              "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}
-    (path / "config.json").write_text(json.dumps(cfg))
-    return Path(path)
+    assert TINY_DINO_ARGS["embed_dim"] == TINY_DINO_DIM
+    return write_dino_dir(path, tiny=True, img_size=img_size, seed=seed)
 
 
 class TinyExternals:
