@@ -73,8 +73,30 @@ class Preprocess:
     resize_mode: str = "shortest"
 
 
+class AmpEncoding:
+    """What an image encoder of a run shares (`LoadedModel`, `extract.timm_encoder.TimmEncoder`): precision "amp"
+    encodes under CUDA autocast (fp16) and caches its features in fp16; "fp32" neither. Reads `precision` and
+    `device`."""
+
+    precision: Precision
+    device: torch.device
+
+    @property
+    def cache_dtype(self) -> np.dtype:
+        """dtype of cached image features: fp16 when encoded under autocast, fp32 otherwise."""
+        return np.dtype(np.float16) if self.precision == "amp" else np.dtype(np.float32)
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        if self.precision == "amp" and self.device.type == "cuda":
+            with torch.autocast(device_type="cuda", dtype=torch.float16):
+                yield
+        else:
+            yield
+
+
 @dataclass
-class LoadedModel:
+class LoadedModel(AmpEncoding):
     """An open_clip model ready for frozen encoding.
 
     Attributes:
@@ -106,19 +128,6 @@ class LoadedModel:
     weights_file: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
     logit_bias: float = 0.0
-
-    @property
-    def cache_dtype(self) -> np.dtype:
-        """dtype of cached image features: fp16 when encoded under autocast, fp32 otherwise."""
-        return np.dtype(np.float16) if self.precision == "amp" else np.dtype(np.float32)
-
-    @contextlib.contextmanager
-    def _autocast(self) -> Iterator[None]:
-        if self.precision == "amp" and self.device.type == "cuda":
-            with torch.autocast(device_type="cuda", dtype=torch.float16):
-                yield
-        else:
-            yield
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:

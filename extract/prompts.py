@@ -5,7 +5,7 @@ Policies (a method's `Config.prompts`):
     * "dataset": TDA's per-dataset CoOp/Tip-Adapter templates (`DATASET_TEMPLATES`).
     * "imagenet80": the 80 CLIP ImageNet templates for every dataset (TPS), taken from open_clip.
     * "dpe_cars": DPE/DLAE's Stanford Cars pair (`DPE_STANFORD_CARS`), used with CuPL.
-    * "coop": CoOp's one template per dataset as the TransCLIP/StatA family ships it (`COOP_TEMPLATES`; OGA).
+    * "coop": CoOp's one template per dataset as the TransCLIP/StatA family ships it (`_coop_templates`; OGA).
 `cupl=True` adds the CuPL GPT-3 prompts of the dataset (DPE, DLAE). CuPL files are third-party text the project does
 not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) under DPE's file names
 (`CuPL_prompts_<name>.json`, a JSON object class name -> list of sentences). If the directory or the file is absent,
@@ -54,21 +54,19 @@ DPE_STANFORD_CARS: tuple[str, ...] = (
 )
 
 
-# CoOp's single template per dataset, as the TransCLIP/StatA repositories ship them (`datasets/*.py` there:
-# "a photo of a {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397; DTD's has no full stop). OGA's
-# "standard" prompts are `dataset.template` of a `datasets` package its repository does not include; the OGA README
-# names TransCLIP as its base (docs/methods.md, "OGA").
-COOP_TEMPLATES: dict[str, tuple[str, ...]] = {
-    **{k: (SINGLE_TEMPLATE,) for k in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch",
-                                       "caltech101", "stanford_cars", "sun397")},
-    "dtd": ("{} texture",),
-    "eurosat": ("a centered satellite photo of {}.",),
-    "fgvc_aircraft": ("a photo of a {}, a type of aircraft.",),
-    "food101": ("a photo of {}, a type of food.",),
-    "flowers102": ("a photo of a {}, a type of flower.",),
-    "oxford_pets": ("a photo of a {}, a type of pet.",),
-    "ucf101": ("a photo of a person doing {}.",),
-}
+# CoOp's single template per dataset, as the TransCLIP/StatA repositories ship them (`datasets/*.py` there):
+# "a photo of a {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397; DTD's without a full stop; the six
+# others are TDA's own. OGA's "standard" prompts are `dataset.template` of a `datasets` package its repository does
+# not include; the OGA README names TransCLIP as its base (docs/methods.md, "OGA").
+_COOP_SINGLE = ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch", "caltech101",
+                "stanford_cars", "sun397")
+_COOP_AS_TDA = ("eurosat", "fgvc_aircraft", "food101", "flowers102", "oxford_pets", "ucf101")
+
+
+def _coop_templates() -> dict[str, tuple[str, ...]]:
+    tda = _dataset_templates()
+    return {**{k: (SINGLE_TEMPLATE,) for k in _COOP_SINGLE}, "dtd": ("{} texture",),
+            **{k: tda[k] for k in _COOP_AS_TDA}}
 
 
 class PromptError(ValueError):
@@ -122,7 +120,7 @@ def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
     if source is None:  # a user's dataset: no official per-dataset template
         raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts={policy!r}); use "
                           f"{' or '.join(repr(p) for p in USER_PROMPT_POLICIES)}")
-    return COOP_TEMPLATES[source] if policy == "coop" else _dataset_templates()[source]
+    return (_coop_templates() if policy == "coop" else _dataset_templates())[source]
 
 
 @dataclass(frozen=True)

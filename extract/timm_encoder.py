@@ -15,24 +15,21 @@ folder's own mean and std are.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-import numpy as np
 import torch
 
-from extract.models import ModelError, Precision, Preprocess, file_digest
+from extract.models import AmpEncoding, ModelError, Precision, Preprocess, file_digest
 
 #: the files a timm folder must hold (config, then weights: safetensors only)
 TIMM_FOLDER_FILES: tuple[str, ...] = ("config.json", "model.safetensors")
 
 
 @dataclass
-class TimmEncoder:
+class TimmEncoder(AmpEncoding):
     """A frozen timm image encoder with what the encoding pass reads (`extract.run.encode.encode_pass`).
 
     Attributes:
@@ -53,19 +50,6 @@ class TimmEncoder:
     device: torch.device
     precision: Precision
     fingerprint: str
-
-    @property
-    def cache_dtype(self) -> np.dtype:
-        """dtype of cached features: fp16 when encoded under autocast, fp32 otherwise."""
-        return np.dtype(np.float16) if self.precision == "amp" else np.dtype(np.float32)
-
-    @contextlib.contextmanager
-    def _autocast(self) -> Iterator[None]:
-        if self.precision == "amp" and self.device.type == "cuda":
-            with torch.autocast(device_type="cuda", dtype=torch.float16):
-                yield
-        else:
-            yield
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,33 @@
-"""Shared check of the online methods' tests (tests/extract/methods/test_dota.py, test_oga.py, test_bca.py,
-test_cosmic.py): an interrupted run of the real runner resumes equal to an uninterrupted one."""
+"""Shared by the online methods' tests (tests/extract/methods/test_dota.py, test_oga.py, test_bca.py,
+test_cosmic.py): random class prototypes and a stream of view features clustered around them, and the check that an
+interrupted run of the real runner resumes equal to an uninterrupted one."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def prototypes(k: int, d: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """(k, d) random L2-normalised class prototypes."""
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(k, d, generator=g, dtype=dtype), dim=-1)
+
+
+def clustered_views(n: int, v: int, text: torch.Tensor, seed: int = 1, noise: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, v, D) L2-normalised view features around the prototypes of random classes, and the (n,) classes: each
+    view is its class's prototype plus Gaussian noise of norm ~`noise`."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, text.shape[0], (n,), generator=g)
+    base = text[y][:, None] + noise * torch.randn(n, v, text.shape[1], generator=g, dtype=text.dtype) / math.sqrt(
+        text.shape[1])
+    return F.normalize(base, dim=-1), y
 
 
 def assert_run_resumes(method: str, tmp_path: Path, model: Any, monkeypatch: Any, **kw: Any) -> np.ndarray:

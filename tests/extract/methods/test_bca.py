@@ -9,9 +9,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from extract.methods.bca import BCA
+
+from tests.support.online import clustered_views, prototypes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K, D = 5, 16
@@ -67,15 +68,11 @@ class RefBCA:
 
 
 def make_text(seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(K, D, generator=g, dtype=dtype), dim=-1)
+    return prototypes(K, D, seed, dtype)
 
 
 def make_stream(n, v, text, seed=1, noise=1.0):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, K, (n,), generator=g)
-    base = text[y][:, None] + noise * torch.randn(n, v, D, generator=g, dtype=text.dtype) / math.sqrt(D)
-    return F.normalize(base, dim=-1)
+    return clustered_views(n, v, text, seed, noise)[0]
 
 
 def build(text, dataset="dtd", **changes):

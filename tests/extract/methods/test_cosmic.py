@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from extract.methods.cosmic import COSMIC
 
+from tests.support.online import clustered_views, prototypes
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 K, D, U = 5, 16, 8
 EPS32 = torch.finfo(torch.float32).eps
@@ -204,15 +206,11 @@ def ref_cosmic(views, dino, text, cfg, scale=100.0):
 # ------------------------------------------------------------------------------------------------- inputs
 
 def make_text(seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(K, D, generator=g, dtype=dtype), dim=-1)
+    return prototypes(K, D, seed, dtype)
 
 
 def make_views(n, text, seed=1, noise=1.2):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, K, (n,), generator=g)
-    base = text[y][:, None] + noise * torch.randn(n, U, D, generator=g, dtype=text.dtype) / math.sqrt(D)
-    return F.normalize(base, dim=-1), y
+    return clustered_views(n, U, text, seed, noise)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from extract.methods.oga import OGA
+
+from tests.support.online import clustered_views, prototypes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K, D = 4, 6  # few dimensions: the Gaussian precision leaves its initial d·I after a few items per class
@@ -116,14 +117,11 @@ def ref_oga(feats, text, cfg, low, wide, scale=100.0):
 
 
 def make_text(seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(K, D, generator=g, dtype=dtype), dim=-1)
+    return prototypes(K, D, seed, dtype)
 
 
 def make_stream(n, text, seed=1, noise=1.0):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, K, (n,), generator=g)
-    return F.normalize(text[y] + noise * torch.randn(n, D, generator=g, dtype=text.dtype) / math.sqrt(D), dim=-1)
+    return clustered_views(n, 1, text, seed, noise)[0][:, 0]
 
 
 def build(text, **changes):
