@@ -10,5 +10,5 @@ METHOD_KEYS: tuple[str, ...] = (
     "zero", "mta", "onzeta", "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt", "rlcf",
     "ttl",
     "dota", "oga", "bca",
-    "difftpt", "cosmic",
+    "difftpt", "promptalign", "cosmic",
 )

@@ -239,18 +239,21 @@ def method_rates(model: Any, work: Path, rates: "RateSettings", *, tiny: bool, s
         {"by_method": {method: {str(K): RunRate}}, "by_budget": {str(budget): {...}}}.
     """
     from tools.bench_methods import RateRuns, run_overrides, run_rate
+    from tools.second_models import StandIns
     from extract.methods import get_method
     from extract.run.options import DEFAULT_ADAPT_BATCH
 
     out: dict[str, Any] = {"by_method": {}, "by_budget": {}}
+    # DiffTPT's tiny pipeline: priced apart (cost.FIXED_PRICE); COSMIC's DINOv2: ViT-L/14 unless the bench is tiny
+    stand_ins = StandIns(work / "second-models", model, dino="tiny" if tiny else "official")
     keys = list(rates.methods) + (["tpt"] if rates.pass_budgets else [])
     for k in rates.ks:
         root = write_rate_set(work / f"data-k{k}", k, rates.limits["single"], tiny)
         with _cpu_one_thread(model):
             runs = RateRuns(model, root, work / f"rates-k{k}", keys, rates.limits, adapt_batch=DEFAULT_ADAPT_BATCH)
             for key in rates.methods:
-                overrides = run_overrides(get_method(key), rates.reward_dir, rates.second_dir)
-                r = run_rate(key, k, runs, overrides, rates.limits, budget_s=rates.budget_s)
+                r = run_rate(key, k, runs, run_overrides(get_method(key), rates.reward_dir, stand_ins),
+                             rates.limits, budget_s=rates.budget_s)
                 out["by_method"].setdefault(key, {})[str(k)] = r
                 say(f"  {key} K = {k}: " + (f"skipped: {r.skipped}" if r.skipped
                                             else f"{r.samples_per_s:,.2f} samples/s over {r.samples} samples"))
@@ -348,8 +351,7 @@ def probe(model_dir: Path, root: Path, device: str = typer.Option("cuda"), worke
 class RateSettings:
     """What the adaptation lines time: `methods` at each K of `ks`, runs of up to `limits[policy]` stream positions
     (a method stops after `budget_s` wall seconds past its warm-up call; None: all positions), RLCF's reward model
-    (`reward_dir`, None: the policy as its own), COSMIC's DINOv2 stand-in (`second_dir`), and TPT at the largest K
-    with each of `pass_budgets`."""
+    (`reward_dir`, None: the policy as its own), and TPT at the largest K with each of `pass_budgets`."""
 
     ks: tuple[int, ...]
     methods: tuple[str, ...]
@@ -357,7 +359,6 @@ class RateSettings:
     budget_s: float | None
     reward_dir: Path | None = None
     pass_budgets: tuple[int, ...] = ()
-    second_dir: Path | None = None
 
 
 def adapt_section(model: Any, work: Path, rates: RateSettings, *, tiny: bool, say: Any) -> dict[str, Any]:
@@ -505,16 +506,12 @@ def _check_method_options(methods: str, positions: Optional[str], tiny: bool) ->
 def _rate_settings(work: Path, tiny: bool, ks: Sequence[int], methods: Sequence[str], limits: dict[str, int],
                    seconds: Optional[float], pass_budgets: Sequence[int]) -> RateSettings:
     """The adaptation lines' settings; writes RLCF's reward model when it is timed (tiny: another seed of the tiny
-    model; else a random ViT-L-14, the official reward model's architecture, with the policy's preprocessing), and
-    COSMIC's DINOv2 stand-in (tiny, or a random ViT-L/14 with registers: `tools.dino_stand_in`)."""
-    from tools.dino_stand_in import write_dino_dir
-
+    model; else a random ViT-L-14, the official reward model's architecture, with the policy's preprocessing)."""
     reward_dir = None
     if "rlcf" in methods:
         reward_dir = write_model_dir(work / "model-reward", "ViT-L-14", tiny, seed=1)
-    second_dir = write_dino_dir(work / "dino-stand-in", tiny=tiny) if "cosmic" in methods else None
     budget = seconds if seconds is not None else (None if tiny else 10.0)
-    return RateSettings(tuple(ks), tuple(methods), limits, budget, reward_dir, tuple(pass_budgets), second_dir)
+    return RateSettings(tuple(ks), tuple(methods), limits, budget, reward_dir, tuple(pass_budgets))
 
 
 def _print_loader(results: dict[str, Any], nw: int, console: Any) -> None:

@@ -49,18 +49,15 @@ class MethodCost:
         return self.seconds / self.samples if self.samples else math.nan
 
 
-def bench_overrides(cls: type, model_dir: Path) -> dict[str, str]:
+def bench_overrides(cls: type, model_dir: Path, stand_ins: Any = None) -> dict[str, str]:
     """The `--set` values a method needs to run in the bench: a method with a reward model (RLCF) gets the bench's
     own small model as its reward model (a second load of the same weights; its features come from the same cache);
-    one with a second timm encoder (COSMIC's DINOv2) a tiny random stand-in beside the bench model
-    (`tools.dino_stand_in`: the encoding is not timed here)."""
+    a method with other external files (DiffTPT, PromptAlign) the stand-ins of `stand_ins`
+    (`tools.second_models.StandIns`)."""
     if getattr(cls, "needs_reward_model", False):
         return {"reward_backbone": "", "reward_pretrained": f"local-dir:{model_dir}"}
-    setting = getattr(cls, "second_encoder", None)
-    if setting:
-        from tools.dino_stand_in import write_dino_dir
-
-        return {setting: str(write_dino_dir(model_dir.parent / "dino-stand-in", tiny=True))}
+    if cls.external_files and stand_ins is not None:  # type: ignore[attr-defined]
+        return stand_ins.overrides(cls.key)  # type: ignore[attr-defined]
     return {}
 
 
@@ -121,7 +118,7 @@ def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], lim
 
 
 def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict[str, int], *,
-                budget_s: float) -> MethodCost:
+                budget_s: float, stand_ins: Any = None) -> MethodCost:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
     bench's model, set, caches and adapt batch bound in).
 
@@ -131,11 +128,12 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
         model_dir: the bench model's folder (for `bench_overrides`).
         limits: view policy -> stream positions cached for it (the run's `limit`).
         budget_s: CPU seconds of timed `adapt` calls after which the run is ended.
+        stand_ins: the stand-ins of second models (`bench_overrides`).
     """
     from extract.methods import get_method
 
     cls = get_method(key)
-    overrides = bench_overrides(cls, model_dir)
+    overrides = bench_overrides(cls, model_dir, stand_ins)
     policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s))
     if failed:
         return MethodCost(key, policy, skipped=failed)
@@ -190,11 +188,14 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
+    from tools.second_models import StandIns
+
+    stand_ins = StandIns(work / "second-models", model)
     results = []
     with one_torch_thread():
         for key in dict.fromkeys([*REFERENCES, *keys]):
             log(f"timing {key}")
-            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s))
+            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s, stand_ins=stand_ins))
     return results
 
 
@@ -250,19 +251,21 @@ def bench_clock() -> float:
 
 @contextlib.contextmanager
 def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tuple[int, float]]]]:
-    """Time the adapt loop of a run of `cls`, and the reward model's encoding pass (`EncoderPass.encode`).
+    """Time the adapt loop of a run of `cls`, and a second model's pass inside the run (`EncoderPass.encode`, RLCF's
+    reward model or COSMIC's DINOv2; `DiffusionPass.encode`, DiffTPT's generated views).
 
     Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`, the device
     synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
     anchor, and the part write when the batch completes one), and each reward encoding. Once `budget_s` seconds
     passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
     batch)."""
+    from extract.run.diffusion import DiffusionPass
     from extract.run.reward import EncoderPass
     from extract.run.writer import PartWriter
 
     rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": []}
     had_own = "adapt" in cls.__dict__
-    original, encode, add = cls.adapt, EncoderPass.encode, PartWriter.add
+    original, encode, generate, add = cls.adapt, EncoderPass.encode, DiffusionPass.encode, PartWriter.add
 
     def adapt(self: Any, view_feats: Any) -> Any:
         done = rec["rows"]
@@ -276,19 +279,22 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
         rec["rows"].append((len(sample_id), bench_clock()))
         return out
 
-    def timed_encode(self: Any, *args: Any, **kwargs: Any) -> int:
-        _sync_all()
-        t = bench_clock()
-        n = encode(self, *args, **kwargs)
-        _sync_all()
-        rec["encode"].append((int(n), bench_clock() - t))
-        return n
+    def timing(real: Callable[..., int]) -> Callable[..., int]:
+        def timed(self: Any, *args: Any, **kwargs: Any) -> int:
+            _sync_all()
+            t = bench_clock()
+            n = real(self, *args, **kwargs)
+            _sync_all()
+            rec["encode"].append((int(n), bench_clock() - t))
+            return n
+        return timed
 
-    cls.adapt, EncoderPass.encode, PartWriter.add = adapt, timed_encode, timed_add  # type: ignore[method-assign]
+    cls.adapt, PartWriter.add = adapt, timed_add  # type: ignore[method-assign]
+    EncoderPass.encode, DiffusionPass.encode = timing(encode), timing(generate)  # type: ignore[method-assign]
     try:
         yield rec
     finally:
-        EncoderPass.encode, PartWriter.add = encode, add  # type: ignore[method-assign]
+        EncoderPass.encode, DiffusionPass.encode, PartWriter.add = encode, generate, add  # type: ignore[method-assign]
         if had_own:
             cls.adapt = original
         else:
@@ -323,18 +329,17 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
     return RunRate(key, k, policy, n, calls[-1][1] - calls[0][1], enc_s, first + (n - 1) / 2)
 
 
-def run_overrides(cls: type, reward_dir: Path | None, second_dir: Path | None = None) -> dict[str, str]:
+def run_overrides(cls: type, reward_dir: Path | None, stand_ins: Any = None) -> dict[str, str]:
     """The `--set` values a method needs to run in a bench of rates: a method with a reward model (RLCF) gets
     `reward_dir`'s model as its reward model (another model than the policy, so that the run encodes the 64 views
-    a second time, as with its official ViT-L-14), or the policy's own when `reward_dir` is None; one with a second
-    timm encoder (COSMIC) the stand-in folder `second_dir` (`tools.dino_stand_in`)."""
-    setting = getattr(cls, "second_encoder", None)
-    if setting and second_dir is not None:
-        return {setting: str(second_dir)}
+    a second time, as with its official ViT-L-14), or the policy's own when `reward_dir` is None; a method with
+    other external files (DiffTPT, PromptAlign) the stand-ins of `stand_ins` (`tools.second_models.StandIns`)."""
     if getattr(cls, "needs_reward_model", False):
         if reward_dir is None:
             return {"reward_backbone": "policy"}
         return {"reward_backbone": "", "reward_pretrained": f"local-dir:{reward_dir}"}
+    if cls.external_files and stand_ins is not None:  # type: ignore[attr-defined]
+        return stand_ins.overrides(cls.key)  # type: ignore[attr-defined]
     return {}
 
 
@@ -434,11 +439,14 @@ def agreement(model: Any, root: Path, work: Path, keys: Sequence[str], k: int, *
     measured that many times, interleaved, and the fastest kept (a loaded machine only ever slows a run down)."""
     from extract.methods import get_method
 
+    from tools.second_models import StandIns
+
     runs = RateRuns(model, root, work, keys, limits, adapt_batch=adapt_batch, log=log)
+    stand_ins = StandIns(work / "second-models", model)
     out = []
     for key in keys:
         log(f"bench and runs of {key} at K = {k}")
-        overrides = run_overrides(get_method(key), reward_dir)
+        overrides = run_overrides(get_method(key), reward_dir, stand_ins)
         rates, t_first, t_all = [], [], []
         for _ in range(max(1, repeat)):
             rates.append(run_rate(key, k, runs, overrides, limits, budget_s=None))

@@ -21,6 +21,7 @@ from extract.methods.ecalp import ECALP
 from extract.methods.mta import MTA
 from extract.methods.oga import OGA
 from extract.methods.onzeta import OnZeta
+from extract.methods.promptalign import PromptAlign
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
 from extract.methods.tda import TDA
@@ -36,8 +37,9 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # the field's training-free online methods, each with its section in docs/methods.md
                              DOTA, OGA, BCA,
-                             # methods that need a second pretrained model, each with its section in docs/methods.md
-                             DiffTPT, COSMIC)
+                             # methods that need a second pretrained model (docs/methods.md,
+                             # "Methods that need a second pretrained model (DiffTPT, PromptAlign)"; COSMIC: its own)
+                             DiffTPT, PromptAlign, COSMIC)
 }
 
 

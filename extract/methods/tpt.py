@@ -32,7 +32,8 @@ the shard metadata and printed at the end of a run); both are also state, restor
 
 `EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context,
 R-TPT (`rtpt.py`) with its own loss and prediction (`_tuning_loss`, `_predict`). The online DynaPrompt
-(`dynaprompt.py`) reuses the pieces: `adamw_step`, `grad_scaler_update`, `amp_autocast`, `prompt_encoder`.
+(`dynaprompt.py`) reuses the pieces: `adamw_step`, `grad_scaler_update`, `amp_autocast`, `prompt_encoder`; TTL and
+PromptAlign, which tune one sample at a time with torch's AdamW, `scaled_step`; DiffTPT is TPT with more views.
 
 Where this differs from the official loops (numerics only; the formulas are the same):
     * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
@@ -204,6 +205,26 @@ def grad_scaler_update(scaler: dict[str, float | int], finite: bool, growth_inte
         scaler["scale"], scaler["growth_tracker"] = float(scaler["scale"]) * 2.0, 0
         return True
     return False
+
+
+def scaled_step(params: Sequence[torch.Tensor], loss: torch.Tensor, opt: torch.optim.Optimizer,
+                loss_scale: dict[str, float | int], *, amp: bool, growth_interval: int) -> bool:
+    """The official `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` on fp32 leaf tensors, the
+    GradScaler emulated by `loss_scale` (`grad_scaler_update`): the gradients of loss·scale, unscaled in fp32; the
+    step only when the loss and every gradient are finite; the scale updated after it (with `amp` only: no scaler
+    on the CPU). Returns whether the step was taken. (TTL and PromptAlign tune their tensors one sample at a time
+    with the real AdamW.)"""
+    scale = float(loss_scale["scale"]) if amp else 1.0
+    grads = [g.float() / scale for g in torch.autograd.grad(loss * scale, list(params))]
+    # one host sync for all the checks (a GPU waits once per step, not once per tensor)
+    finite = bool(torch.stack([torch.isfinite(loss.detach()).all(), *(torch.isfinite(g).all() for g in grads)]).all())
+    if finite:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    if amp:
+        grad_scaler_update(loss_scale, finite, growth_interval)
+    return finite
 
 
 @contextlib.contextmanager

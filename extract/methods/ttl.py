@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from extract.methods.base import (Consumes, MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, check_ranges,
                                   setting)
+from extract.methods.tpt import scaled_step
 
 
 @dataclass(frozen=True)
@@ -192,16 +193,6 @@ class TTL(TTAMethod):
             pooled = pooled @ self.visual.proj
         return F.normalize(pooled.float() if pooled.dtype == torch.float16 else pooled, dim=-1)
 
-    def _scaler_update(self, finite: bool) -> None:
-        """GradScaler.update (backoff 0.5, growth 2 after `grad_scale_growth_interval` finite steps)."""
-        s = self.loss_scale
-        if not finite:
-            s["scale"], s["growth_tracker"] = float(s["scale"]) * 0.5, 0
-            return
-        s["growth_tracker"] = int(s["growth_tracker"]) + 1
-        if s["growth_tracker"] == self.config.grad_scale_growth_interval:  # type: ignore[attr-defined]
-            s["scale"], s["growth_tracker"] = float(s["scale"]) * 2.0, 0
-
     def loss(self, logits: torch.Tensor) -> torch.Tensor | None:
         """DeYO's loss on (V, K) logits: mean over views with H <= entropy_filter of H / exp(H − margin_e0), the
         weight detached (deyo.py `forward_and_adapt_sar`); None when no view passes (no step)."""
@@ -230,20 +221,9 @@ class TTL(TTAMethod):
                 loss = self.loss(logits)
             if loss is None:  # no view passed the filter: neither a step nor a scale update
                 continue
-            scale = float(self.loss_scale["scale"]) if amp else 1.0
-            grads = torch.autograd.grad(loss * scale, params)
-            grads = [g.float() / scale for g in grads]
-            # one host sync for all 12 factors' checks (a GPU waits once per step, not once per tensor)
-            finite = bool(torch.stack([torch.isfinite(loss.detach()).all(),
-                                       *(torch.isfinite(g).all() for g in grads)]).all())
-            if finite:
-                for p, g in zip(params, grads):
-                    p.grad = g
-                opt.step()
-            else:
+            if not scaled_step(params, loss, opt, self.loss_scale, amp=amp,
+                               growth_interval=cfg.grad_scale_growth_interval):
                 self.skipped_steps += 1
-            if amp:
-                self._scaler_update(finite)
         with torch.no_grad(), self._autocast(dev):
             return (self.logit_scale * self.features(tokens[:1], lora) @ text.T)[0].float()
 

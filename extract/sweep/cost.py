@@ -93,6 +93,16 @@ FIELD_ONLINE_COSTS: dict[str, AdaptCost] = {
     "bca": AdaptCost(TDA_S, multi_view=TDA_S_64_VIEWS * 1.29 / 1.15),
     "cosmic": AdaptCost(0.003 + 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=5e-5),
 }
+#: DiffTPT's generation per sample at the official settings, an estimate from its work (no GPU run yet): the UNet of
+#: lambdalabs/sd-image-variations-diffusers (Stable Diffusion v1's) on 2 x 63 latents of 64 x 64 (classifier-free
+#: guidance) at each of 50 steps, 1.594 TFLOP per image and step; the VAE decoding the 63 images at 512 px, 2.515
+#: TFLOP each (both counted with torch's FlopCounterMode on the diffusers modules built from that repository's
+#: configs); the CLIP ViT-L/14 conditioning and the policy's encoding of the 63 views, a few TFLOP more: 5.2 PFLOP
+#: a sample. In fp32, the official precision (TF32 convolutions, fp32 matmuls: torch's defaults), at an assumed 50
+#: TFLOP/s effective on an H100-class GPU, about 100 s a sample; `--set diffusion_fp16=true` about a fifth of it.
+DIFFTPT_GENERATION_TFLOP = 63 * (50 * 1.594 + 2.515) + 3.0
+DIFFTPT_FP32_TFLOP_PER_S = 50.0
+DIFFTPT_GENERATION_S = DIFFTPT_GENERATION_TFLOP / DIFFTPT_FP32_TFLOP_PER_S
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
 #: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
 #: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,
@@ -124,7 +134,17 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
     # the field's online methods (docs/benchmarks.md, "Training-free online methods: cost per sample")
     **FIELD_ONLINE_COSTS,
+    # methods that need a second pretrained model (docs/benchmarks.md, "Methods that need a second pretrained
+    # model: cost"): DiffTPT generates 63 images a sample (DIFFTPT_GENERATION_S), then tunes 4 steps over 127 views
+    # (3.9x TPT's one step measured on the CPU at K = 100); PromptAlign back-propagates through the prompted image
+    # tower for its 64 views (1.43x TTL measured on the CPU) plus a TPT-like text pass
+    "difftpt": AdaptCost(DIFFTPT_GENERATION_S + 63 * ENCODE_S_PER_VIEW["vit"] + 4 * TPT["per_sample"],
+                         per_class=4 * TPT["per_class"]),
+    "promptalign": AdaptCost(1.43 * 2 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=TPT["per_class"]),
 }
+#: Methods always priced with ADAPT_COSTS, never with a measured rate: their benches run a stand-in second model
+#: whose cost is not the real one's (DiffTPT: a tiny random pipeline; tools/second_models.py)
+FIXED_PRICE: frozenset[str] = frozenset({"difftpt"})
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)
 #: Per-job overhead: start-up, model load, text prototypes (seconds).
@@ -165,7 +185,10 @@ class Rates:
     position: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
 
     def measured(self, backbone: str, method: str) -> str | None:
-        """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None."""
+        """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None
+        (always None for `FIXED_PRICE`)."""
+        if method in FIXED_PRICE:
+            return None
         for m in (method, RATE_PROXY.get(method)):
             if m is not None and (backbone, m) in self.adapt_s:
                 return m

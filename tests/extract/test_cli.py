@@ -80,7 +80,8 @@ def test_cli_help_lists_options():
 
 #: methods that cannot run on a SigLIP model -> the reason their one-line error names (docs/methods.md, "SigLIP");
 #: every other registered method must run end to end on the tiny SigLIP-style model
-SIGLIP_CANNOT_RUN: dict[str, str] = {}
+SIGLIP_CANNOT_RUN: dict[str, str] = {
+    "promptalign": "promptalign prompts CLIP's causal text tower pooled at the end-of-text token (MaPLe)"}
 
 
 @pytest.fixture(scope="module")

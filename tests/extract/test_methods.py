@@ -51,6 +51,9 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
         changes.setdefault("reward_backbone", "policy")
     facts = {"vision_blocks": len(encoder.model.visual.transformer.resblocks)} if encoder is not None else {}
     cfg = with_views(cls.default_config(dataset, "ViT-B-16"), v, facts, **changes)
+    if cls.external_files and not getattr(cls, "needs_reward_model", False):  # PromptAlign's MaPLe prompts and
+        # statistics, DiffTPT's pipeline: the tiny files of tests/support/second_models.py
+        cfg = apply_overrides(cfg, _EXTERNALS[0].overrides(cls.key))
     extra = {"text_encoder": encoder, "class_names": NAMES} if cls.needs_text_encoder else {}
     m = cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset, **extra)
     if cls.consumes == "view_pixels":  # TTL adapts the image encoder: fixed random pixels per position
@@ -65,6 +68,14 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
         second = F.normalize(torch.randn(32, 1, 24, generator=torch.Generator().manual_seed(13), dtype=dtype), dim=-1)
         m.attach_second_encoder(lambda a, b: second[a:b])
     return m
+
+
+_EXTERNALS: list = []  # the session's `tiny_externals` (set for every test; its files are built on first use)
+
+
+@pytest.fixture(autouse=True)
+def _tiny_externals(tiny_externals):
+    _EXTERNALS[:] = [tiny_externals]
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """COSMIC (extract.methods.cosmic) against a slow transcription of the official loop (`hf618/COSMIC @34fde07`:
 `cosmic_main.py` `direct_inference`, `utils/DualMems.py` `DualMem`, `utils/utils_cosmic.py`), with DINOv2 features
-from a tiny random timm ViT of DINOv2's architecture (tests/support/second_models.py), loaded as the runner loads
-the real one (extract/timm_encoder.py)."""
+from a tiny random timm ViT of DINOv2's architecture (tools/second_models.py `write_dino_dir`), loaded as the runner
+loads the real one (extract/timm_encoder.py)."""
 
 from __future__ import annotations
 
@@ -218,9 +218,9 @@ def dino_encoder(tmp_path_factory):
     """The tiny random DINOv2 folder loaded as the runner loads the real one, at the tiny views' 32 px."""
     from extract.models import Preprocess
     from extract.timm_encoder import load_timm_encoder
-    from tests.support.second_models import make_tiny_dino_folder
+    from tools.second_models import write_dino_dir
 
-    folder = make_tiny_dino_folder(tmp_path_factory.mktemp("dino") / "dino")
+    folder = write_dino_dir(tmp_path_factory.mktemp("dino") / "dino", tiny=True)
     pre = Preprocess((32, 32), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
     return load_timm_encoder(folder, pre, torch.device("cpu"), "fp32")
 
@@ -309,15 +309,16 @@ def test_timm_resamples_the_position_embedding_as_dinov2(tmp_path):
     from extract.models import Preprocess
     from extract.timm_encoder import load_timm_encoder
     from safetensors.torch import load_file
-    from tests.support.second_models import TINY_DINO_DIM, make_tiny_dino_folder
+    from tools.second_models import TINY_DINO_ARGS, write_dino_dir
 
-    folder = make_tiny_dino_folder(tmp_path / "dino", img_size=64)  # an 8 x 8 grid of 8 px patches
+    folder = write_dino_dir(tmp_path / "dino", tiny=True, img_size=64)  # an 8 x 8 grid of 8 px patches
     saved = load_file(str(folder / "model.safetensors"))["pos_embed"]
     enc = load_timm_encoder(folder, Preprocess((32, 32), (0.5,) * 3, (0.5,) * 3), torch.device("cpu"), "fp32")
-    grid = saved.reshape(1, 8, 8, TINY_DINO_DIM).permute(0, 3, 1, 2)
+    width = TINY_DINO_ARGS["embed_dim"]
+    grid = saved.reshape(1, 8, 8, width).permute(0, 3, 1, 2)
     want = F.interpolate(grid, size=(4, 4), mode="bicubic", antialias=True).permute(0, 2, 3, 1).reshape(1, 16, -1)
     torch.testing.assert_close(enc.model.pos_embed, want, rtol=0, atol=0)
-    assert enc.dim == TINY_DINO_DIM and len(enc.fingerprint) == 16
+    assert enc.dim == width and len(enc.fingerprint) == 16
 
 
 def test_run_resumes_equal_to_an_uninterrupted_run(tmp_path, tiny_model, tiny_externals, monkeypatch):

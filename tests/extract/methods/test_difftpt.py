@@ -60,7 +60,8 @@ def ref_difftpt_sample(model, feats: torch.Tensor, *, steps: int, lr: float = 5e
         return scale * feats[0] @ ref_encode(model, NAMES, ctx).T
 
 
-def ref_generated_features(pipe, policy, img: Image.Image, sid: int, seed: int, n: int, steps: int, tmp) -> torch.Tensor:
+def ref_generated_features(pipe, policy, img: Image.Image, sid: int, seed: int, n: int, steps: int,
+                           tmp) -> torch.Tensor:
     """image_generator_R.py for one image (its transform, one `pipe(..., guidance_scale=3)` call per generated image,
     each saved as `<name>_<j>.jpg`), then difftpt_utils.py's loader (`Image.open(...).convert('RGB')`, Resize +
     CenterCrop + ToTensor + Normalize) and CLIP's image encoder, L2-normalised. The latents of image j come from a
@@ -124,6 +125,34 @@ def test_matches_the_official_loop(tiny_model, steps):
     # the generated views matter: other generated views, other rows
     other = make(tiny_model, stream(tiny_model, 3, v=63, seed=3, noise=0.6), tta_steps=steps).adapt(feats)
     assert not torch.allclose(other, got)
+
+
+def test_batching_and_order_invariant(tiny_model):
+    """Batched tuning passes (TPT's machinery) equal one sample at a time, in any order; the generated views follow
+    their samples."""
+    feats, gen = stream(tiny_model, 7, v=64, seed=4), stream(tiny_model, 7, v=63, seed=5, noise=0.6)
+    whole = make(tiny_model, gen).adapt(feats)
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    m = make(tiny_model, gen[perm], pass_budget=2 * len(NAMES))  # two samples per tuning pass
+    permuted = torch.cat([m.adapt(feats[perm[i:i + 3]]) for i in range(0, 7, 3)])
+    tol = tuned_tol(tiny_model.logit_scale, 4)
+    torch.testing.assert_close(permuted, whole[perm], rtol=0, atol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autocast fp16 and the loss scale run only on CUDA")
+def test_cuda_mixed_precision_close_to_fp32(tiny_model_dir):
+    from extract.models import load_model
+
+    gpu, cpu = (load_model(None, f"local-dir:{tiny_model_dir}", d) for d in ("cuda", "cpu"))
+    feats, gen = stream(cpu, 5, v=64, seed=5), stream(cpu, 5, v=63, seed=6, noise=0.6)
+    ref = make(cpu, gen, lr=0.0, weight_decay=0.0).adapt(feats)
+    still = make(gpu, gen.cuda(), lr=0.0, weight_decay=0.0).adapt(feats.cuda())
+    # fp16 text features (eps 2**-10, width 32): ~10 fp16 eps of the largest logit
+    torch.testing.assert_close(still.cpu(), ref, rtol=0, atol=0.01 * float(ref.abs().max()))
+    m = make(gpu, gen.cuda())
+    out = m.adapt(feats.cuda())
+    assert torch.isfinite(out).all() and (out - still).abs().max() > 1e-3
+    assert m.loss_scale == {"scale": 1000.0, "growth_tracker": 5 * 4}  # one scaler update per step (4 a sample)
 
 
 def test_defaults_are_the_official_script():
