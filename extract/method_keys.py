@@ -12,4 +12,5 @@ METHOD_KEYS: tuple[str, ...] = (
     "calip", "tca",
     "histpt", "dart", "awt",
     "difftpt", "promptalign",
+    "dota", "oga", "bca", "cosmic",
 )

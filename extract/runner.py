@@ -63,7 +63,7 @@ from extract.run.resume import ResumePoint, ResumeScope, apply_resume, scan_resu
 from extract.run.pixels import attach_views
 from extract.run.diffusion import attach_generated
 from extract.run.externals import check_external_files
-from extract.run.reward import attach_reward
+from extract.run.reward import attach_second_encoder
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
 from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
@@ -193,10 +193,11 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
                               dataset=planned.class_dataset, class_names=prompts.method_names,
                               descriptions=prompts.descriptions)
-        # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
-        reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
-                               testset_key=data.cache_key(), seed=options.seed, perm=perm,
-                               chunk_size=execution.chunk_size)
+        # [second encoder] RLCF's reward model, COSMIC's DINOv2: loaded now (before any image is read), its inputs
+        # attached (extract/run/reward.py)
+        reward = attach_second_encoder(method, planned, model, prompts.method_names, cache_root=cache_root,
+                                       testset_key=data.cache_key(), seed=options.seed, perm=perm,
+                                       chunk_size=execution.chunk_size)
         # [generated views] DiffTPT: its diffusion pipeline loaded now, before any image is read
         # (extract/run/diffusion.py); the views are generated and encoded in the encoding step below
         generated = attach_generated(method, planned, model, cache_root=cache_root, testset_key=data.cache_key(),
@@ -226,7 +227,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
-        for extra in (reward, generated):  # [reward model] its features of the same views; [generated views]
+        for extra in (reward, generated):  # [second encoder] its features of the same views; [generated views]
             if extra is not None:  # each into its own cache
                 extra.encode(data.testset, perm, n_run, seed=options.seed, batch_size=execution.batch_size,
                              workers=workers, progress=prog)

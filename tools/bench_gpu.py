@@ -244,7 +244,8 @@ def method_rates(model: Any, work: Path, rates: "RateSettings", *, tiny: bool, s
     from extract.run.options import DEFAULT_ADAPT_BATCH
 
     out: dict[str, Any] = {"by_method": {}, "by_budget": {}}
-    stand_ins = StandIns(work / "second-models", model)  # DiffTPT's tiny pipeline: priced apart (cost.FIXED_PRICE)
+    # DiffTPT's tiny pipeline: priced apart (cost.FIXED_PRICE); COSMIC's DINOv2: ViT-L/14 unless the bench is tiny
+    stand_ins = StandIns(work / "second-models", model, dino="tiny" if tiny else "official")
     keys = list(rates.methods) + (["tpt"] if rates.pass_budgets else [])
     for k in rates.ks:
         root = write_rate_set(work / f"data-k{k}", k, rates.limits["single"], tiny)

@@ -274,8 +274,8 @@ def bench_clock() -> float:
 
 @contextlib.contextmanager
 def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tuple[int, float]]]]:
-    """Time the adapt loop of a run of `cls`, and a second model's pass inside the run (`RewardPass.encode`, RLCF's
-    reward model; `DiffusionPass.encode`, DiffTPT's generated views).
+    """Time the adapt loop of a run of `cls`, and a second model's pass inside the run (`EncoderPass.encode`, RLCF's
+    reward model or COSMIC's DINOv2; `DiffusionPass.encode`, DiffTPT's generated views).
 
     Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`, the device
     synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
@@ -283,12 +283,12 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
     passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
     batch)."""
     from extract.run.diffusion import DiffusionPass
-    from extract.run.reward import RewardPass
+    from extract.run.reward import EncoderPass
     from extract.run.writer import PartWriter
 
     rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": []}
     had_own = "adapt" in cls.__dict__
-    original, encode, generate, add = cls.adapt, RewardPass.encode, DiffusionPass.encode, PartWriter.add
+    original, encode, generate, add = cls.adapt, EncoderPass.encode, DiffusionPass.encode, PartWriter.add
 
     def adapt(self: Any, view_feats: Any) -> Any:
         done = rec["rows"]
@@ -313,11 +313,11 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
         return timed
 
     cls.adapt, PartWriter.add = adapt, timed_add  # type: ignore[method-assign]
-    RewardPass.encode, DiffusionPass.encode = timing(encode), timing(generate)  # type: ignore[method-assign]
+    EncoderPass.encode, DiffusionPass.encode = timing(encode), timing(generate)  # type: ignore[method-assign]
     try:
         yield rec
     finally:
-        RewardPass.encode, DiffusionPass.encode, PartWriter.add = encode, generate, add  # type: ignore[method-assign]
+        EncoderPass.encode, DiffusionPass.encode, PartWriter.add = encode, generate, add  # type: ignore[method-assign]
         if had_own:
             cls.adapt = original
         else:

@@ -1,7 +1,8 @@
 """Stand-ins for the files that methods read besides the CLIP checkpoint (`TTAMethod.external_files`), built offline
-with random weights from configs, for the benches and the tests: DiffTPT's image-variation pipeline (diffusers) and
-PromptAlign's MaPLe prompts and token statistics. They have the official files' formats and layouts; a method's
-rows with them mean nothing, its cost (the same architecture, other numbers) does, except where said.
+with random weights from configs, for the benches and the tests: DiffTPT's image-variation pipeline (diffusers),
+PromptAlign's MaPLe prompts and token statistics, COSMIC's DINOv2 (a timm folder). They have the official files'
+formats and layouts; a method's rows with them mean nothing, its cost (the same architecture, other numbers) does,
+except where said.
 
     StandIns(work, model).overrides("promptalign")   # the `--set` values that run PromptAlign on `model`
 
@@ -10,6 +11,7 @@ Nothing here downloads anything. RLCF's reward model is another CLIP: `tools.ben
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -124,6 +126,31 @@ def write_stats(prefix: Path, model: Any, *, n_ctx: int = 2, layers: int | None 
     return paths
 
 
+#: COSMIC's tiny DINOv2 stand-in: 2 blocks of width 24, 2 heads, 8 px patches (any input size that is a multiple of 8)
+TINY_DINO_ARGS = {"patch_size": 8, "embed_dim": 24, "depth": 2, "num_heads": 2}
+DINO_ARCH = "vit_large_patch14_reg4_dinov2"
+
+
+def write_dino_dir(path: Path, *, tiny: bool, img_size: int | None = None, seed: int = 0) -> Path:
+    """Write the stand-in folder (random weights drawn from `seed`): tiny (`TINY_DINO_ARGS`, at `img_size`, default
+    32) or DINOv2's ViT-L/14 with registers at its own 518 px (the runner builds it at the policy's input size)."""
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    args = {**TINY_DINO_ARGS, "img_size": img_size or 32} if tiny else {"img_size": img_size or 518}
+    model = timm.create_model(DINO_ARCH, pretrained=False, num_classes=0, **args)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    size = args["img_size"]
+    cfg = {"architecture": DINO_ARCH, "num_classes": 0, "model_args": args,
+           "pretrained_cfg": {"input_size": [3, size, size], "num_classes": 0, "crop_pct": 1.0,
+                              "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return Path(path)
+
+
 class StandIns:
     """The stand-in files of every method that declares external files, built once each under `root` on first use
     for `model`; `overrides(key)` is the `--set` values that run the method with them.
@@ -132,10 +159,12 @@ class StandIns:
     real one's whatever the steps, so the sweep prices DiffTPT with its estimate, extract/sweep/cost.py
     `FIXED_PRICE`) and `views` generated views (None: the official 63, which its tuning's cost depends on). PromptAlign gets MaPLe prompts as deep as the model allows (3, the official depth, on a
     ViT with 3 blocks or more) and statistics of its shapes: the official architecture, hence its cost.
-    RLCF: the policy as its own reward model."""
+    RLCF: the policy as its own reward model. COSMIC gets a random DINOv2 folder (`write_dino_dir`): `dino="tiny"`
+    (2 blocks: everything but the encoder's cost) or "official" (ViT-L/14 with registers: its cost too)."""
 
-    def __init__(self, root: Path, model: Any, *, views: int | None = None, steps: int | None = 2):
-        self.root, self.model, self.views, self.steps = Path(root), model, views, steps
+    def __init__(self, root: Path, model: Any, *, views: int | None = None, steps: int | None = 2,
+                 dino: Literal["tiny", "official"] = "tiny"):
+        self.root, self.model, self.views, self.steps, self.dino = Path(root), model, views, steps, dino
         self._made: dict[str, dict[str, str]] = {}
 
     def overrides(self, key: str) -> dict[str, str]:
@@ -154,6 +183,8 @@ class StandIns:
             maple = write_maple(self.root / "maple" / "model.pth.tar-2", self.model, depth=depth)
             means, variances = write_stats(self.root / "stats" / "standin", self.model)
             return {"maple_weights": str(maple), "vis_means": str(means), "vis_vars": str(variances)}
+        if key == "cosmic":
+            return {"dino_weights": str(write_dino_dir(self.root / f"dino-{self.dino}", tiny=self.dino == "tiny"))}
         if key == "rlcf":
             return {"reward_backbone": "policy"}
         raise KeyError(f"no stand-in files for method {key!r}: add them to tools/second_models.py")

@@ -9,17 +9,21 @@ from __future__ import annotations
 from extract.methods.atpt import ATPT
 from extract.methods.awt import AWT
 from extract.methods.base import TTAMethod
+from extract.methods.bca import BCA
 from extract.methods.boostadapter import BoostAdapter
 from extract.methods.calip import CALIP
+from extract.methods.cosmic import COSMIC
 from extract.methods.dart import DART
 from extract.methods.difftpt import DiffTPT
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
+from extract.methods.dota import DOTA
 from extract.methods.dpe import DPE
 from extract.methods.dynaprompt import DynaPrompt
 from extract.methods.ecalp import ECALP
 from extract.methods.histpt import HisTPT
 from extract.methods.mta import MTA
+from extract.methods.oga import OGA
 from extract.methods.onzeta import OnZeta
 from extract.methods.promptalign import PromptAlign
 from extract.methods.rlcf import RLCF
@@ -40,9 +44,11 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              CALIP, TCA,
                              # prompt tuning with history, averaging or descriptions
                              HisTPT, DART, AWT,
+                             # the field's training-free online methods, each with its section in docs/methods.md
+                             DOTA, OGA, BCA,
                              # methods that need a second pretrained model (docs/methods.md,
-                             # "Methods that need a second pretrained model (DiffTPT, PromptAlign)")
-                             DiffTPT, PromptAlign)
+                             # "Methods that need a second pretrained model (DiffTPT, PromptAlign)"; COSMIC: its own)
+                             DiffTPT, PromptAlign, COSMIC)
 }
 
 

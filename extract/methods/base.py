@@ -46,8 +46,9 @@ IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet
 #   dpe_cars    DPE/DLAE's Stanford Cars pair: "a photo of a {}." and
 #               "A {} featuring a wide range of color options for easy selection." (DPE `datasets/stanford_cars.py`)
 #   clip_dataset CLIP's per-dataset prompt ensembles (TCA `datasets/*.py`; the 80 templates for the ImageNet family)
+#   coop        CoOp's one template per dataset as the TransCLIP/StatA family ships it (OGA; `extract/prompts.py`)
 # Each template embedding is L2-normalised, averaged (with the CuPL sentences when `cupl`), and re-normalised.
-PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset"]
+PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "coop"]
 # What a method's output rows are (the shard's `zaec:output_kind`, docs/contract.md): "logits" (any real vector the
 # official code ranks and calibrates through a softmax) or "log_probs" (natural-log probabilities, finite: where the
 # official code outputs probabilities or vote fractions).

@@ -141,7 +141,8 @@ class RLCF(TPT):
     key: ClassVar[str] = "rlcf"
     prefix_stable: ClassVar[bool] = True  # episodic; the reward features are read at the sample's own position
     Config: ClassVar[type[MethodConfig]] = RLCFConfig
-    #: the runner loads the reward model and calls `attach_reward` before the first image (extract/run/reward.py)
+    #: the runner loads the reward model and calls `attach_reward` before the first image (`attach_second_encoder`,
+    #: extract/run/reward.py)
     needs_reward_model: ClassVar[bool] = True
     # the reward model's weights: an open_clip tag (OpenAI's ViT-L-14 by default), a checkpoint file or a
     # `local-dir:` folder, checked before the policy loads (extract/run/externals.py)

@@ -79,6 +79,24 @@ TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
 #: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
 #: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
 ECALP_S_PER_POSITION = 0.0445 / 128.5
+#: DOTA, OGA, BCA and COSMIC, for one GPU at D = 512 (ViT-B-16), from CPU measurements at K = 1000 (one thread):
+#: * DOTA: one D×D inverse (9.7 ms on the CPU, ~1 ms on a GPU) and about 7 passes over the (K, D, D) float32
+#:   covariances per sample (0.44 s a sample on the CPU at 16 GB/s): 7 · 4 · D² bytes a class at ~3 TB/s. RN50's
+#:   D = 1024 quadruples the per-class part.
+#: * OGA: a memory change costs a D×D pseudo-inverse (an SVD: 38-44 ms on the CPU, ~20 ms on a GPU [estimate]) and a
+#:   covariance over up to 8 K items (1.6-52 ms on the CPU, n = 100-8,000); about half the samples change the memory
+#:   (a class's n-th sample enters with probability ~8/n: 8 + 8 ln(N_k / 8.5) entries of N_k, 44% on ImageNet).
+#: * BCA: TDA's order of work (0.22 ms vs TDA's 0.22 ms at one view, 1.29 vs 1.15 ms at 64 views, same run).
+#: * COSMIC: 6.5 ms a sample on the CPU between graph rebuilds (~3 ms on a GPU [estimate]), plus DINOv2 ViT-L/14 on
+#:   the original view (about 4.6x ViT-B-16's work a view, at the encoder's planning rate); a rebuild of both graphs
+#:   is ~0.15 s on a GPU (networkx's clique search on the CPU: 93 ms for 2K = 2,000 nodes) and happens at nearly
+#:   every sample while i <= K·memory (ImageNet: the first 16,000 of 50,000), every 100 after: ~5e-5 s a class.
+FIELD_ONLINE_COSTS: dict[str, AdaptCost] = {
+    "dota": AdaptCost(0.001, per_class=7 * 4 * 512 ** 2 / 3e12),
+    "oga": AdaptCost(0.5 * 0.02),
+    "bca": AdaptCost(TDA_S, multi_view=TDA_S_64_VIEWS * 1.29 / 1.15),
+    "cosmic": AdaptCost(0.003 + 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=5e-5),
+}
 #: DiffTPT's generation per sample at the official settings, an estimate from its work (no GPU run yet): the UNet of
 #: lambdalabs/sd-image-variations-diffusers (Stable Diffusion v1's) on 2 x 63 latents of 64 x 64 (classifier-free
 #: guidance) at each of 50 steps, 1.594 TFLOP per image and step; the VAE decoding the 63 images at 512 px, 2.515
@@ -135,6 +153,8 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
     "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=7 * TPT["per_class"]),
     "awt": AdaptCost(0.002, per_class=2e-6),
+    # the field's online methods (docs/benchmarks.md, "Training-free online methods: cost per sample")
+    **FIELD_ONLINE_COSTS,
     # methods that need a second pretrained model (docs/benchmarks.md, "Methods that need a second pretrained
     # model: cost"): DiffTPT generates 63 images a sample (DIFFTPT_GENERATION_S), then tunes 4 steps over 127 views
     # (3.9x TPT's one step measured on the CPU at K = 100); PromptAlign back-propagates through the prompted image

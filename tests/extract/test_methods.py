@@ -71,6 +71,9 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
         gen = F.normalize(torch.randn(32, cfg.diffusion_views, m.dim, generator=torch.Generator().manual_seed(12),
                                       dtype=dtype), dim=-1)
         m.attach_generated(lambda a, b: gen[a:b])
+    if getattr(cls, "second_encoder", None):  # COSMIC: fixed random DINOv2 features of the original view
+        second = F.normalize(torch.randn(32, 1, 24, generator=torch.Generator().manual_seed(13), dtype=dtype), dim=-1)
+        m.attach_second_encoder(lambda a, b: second[a:b])
     return m
 
 
