@@ -5,6 +5,7 @@ Policies (a method's `Config.prompts`):
     * "dataset": TDA's per-dataset CoOp/Tip-Adapter templates (`DATASET_TEMPLATES`).
     * "imagenet80": the 80 CLIP ImageNet templates for every dataset (TPS), taken from open_clip.
     * "dpe_cars": DPE/DLAE's Stanford Cars pair (`DPE_STANFORD_CARS`), used with CuPL.
+    * "transclip": TransCLIP's and StatA's one template per dataset (`_transclip_templates`).
 `cupl=True` adds the CuPL GPT-3 prompts of the dataset (DPE, DLAE). CuPL files are third-party text the project does
 not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) under DPE's file names
 (`CuPL_prompts_<name>.json`, a JSON object class name -> list of sentences). If the directory or the file is absent,
@@ -28,8 +29,8 @@ from typing import Literal, Sequence
 from extract.datasets import get_dataset
 from extract.defaults import CUPL_DIR_ENV as CUPL_ENV
 
-PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars"]
-PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars")
+PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars", "transclip"]
+PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars", "transclip")
 #: the policies a user's own dataset may use: no per-dataset templates, no CuPL sentences exist for it
 USER_PROMPT_POLICIES: tuple[str, ...] = ("single", "imagenet80")
 
@@ -85,6 +86,19 @@ def _dataset_templates() -> dict[str, tuple[str, ...]]:
     }
 
 
+def _transclip_templates() -> dict[str, tuple[str, ...]]:
+    # MaxZanella/transduction-for-vlms and MaxZanella/StatA, `datasets/<set>.py` (`template`, or `imagenet_templates`
+    # for the ImageNet family): one template per dataset, the CoOp one except the ImageNet family's, Caltech101's,
+    # Stanford Cars' and SUN397's "a photo of a {}." and DTD's "{} texture" (no full stop)
+    plain = ("a photo of a {}.",)
+    tables = {key: plain for key in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch",
+                                     "caltech101", "stanford_cars", "sun397")}
+    return {**tables, "dtd": ("{} texture",), "eurosat": ("a centered satellite photo of {}.",),
+            "fgvc_aircraft": ("a photo of a {}, a type of aircraft.",), "food101": ("a photo of {}, a type of food.",),
+            "flowers102": ("a photo of a {}, a type of flower.",), "oxford_pets": ("a photo of a {}, a type of pet.",),
+            "ucf101": ("a photo of a person doing {}.",)}
+
+
 def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
     """The templates of `policy` for `dataset` (demo sets: those of their `templates_from` set).
 
@@ -102,9 +116,9 @@ def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
     spec = get_dataset(dataset)
     source = spec.templates_from or spec.hparams_from
     if source is None:  # a user's dataset: no official per-dataset template
-        raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts='dataset'); use "
+        raise PromptError(f"dataset {dataset!r} has no per-dataset templates (prompts={policy!r}); use "
                           f"{' or '.join(repr(p) for p in USER_PROMPT_POLICIES)}")
-    return _dataset_templates()[source]
+    return (_transclip_templates() if policy == "transclip" else _dataset_templates())[source]
 
 
 @dataclass(frozen=True)

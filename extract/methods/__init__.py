@@ -18,17 +18,23 @@ from extract.methods.mta import MTA
 from extract.methods.onzeta import OnZeta
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
+from extract.methods.stata import StatA, StatAOnline
 from extract.methods.tda import TDA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
+from extract.methods.transclip import TransCLIP
 from extract.methods.ttl import TTL
 from extract.methods.zero import Zero
 from extract.methods.zero_shot import ZeroShot
+from extract.methods.zlap import ZLaP, ZLaPInductive
 
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
+                             # transductive: each row solved jointly with its unit (docs/methods.md, "Transductive
+                             # methods (StatA, TransCLIP, ZLaP)")
+                             StatA, StatAOnline, TransCLIP, ZLaP, ZLaPInductive)
 }
 
 
