@@ -32,8 +32,8 @@ REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
-                             # transductive: each row solved jointly with its unit (docs/methods.md, "Transductive
-                             # methods (StatA, TransCLIP, ZLaP)")
+                             # transductive: each row solved jointly with its unit
+                             # (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")
                              StatA, StatAOnline, TransCLIP, ZLaP, ZLaPInductive)
 }
 

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from extract.methods.base import MethodConfig, OutputKind, PromptSet, check_hparams_key, setting
-from extract.methods.transclip import affinity, unit_rows, z_update
+from extract.methods.transclip import affinity, keep_positive, unit_rows, z_update
 from extract.methods.transductive import TransductiveMethod
 
 
@@ -98,7 +98,8 @@ class StatA(TransductiveMethod):
                                 want_log=k == cfg.max_iter)
             if k == cfg.max_iter:
                 break
-            mu, cov = _update_gaussians(x, t, z, cov0, cfg)
+            mu, fitted = _update_gaussians(x, t, z, cov0, cfg)
+            cov = keep_positive(fitted, cov)
         return log_z
 
 

@@ -88,8 +88,14 @@ class TransCLIP(TransductiveMethod):
             mu = unit_rows((a / n) / (s / n)[:, None])  # `update_mu`: the 1/n weights of the official code
             # `update_sigma`: Σ_ik z_ik (x_i - μ_k)² with the new μ, expanded
             num = z.sum(1) @ (x * x) - 2 * (mu * a).sum(0) + (s[:, None] * mu * mu).sum(0)
-            std = num / z.sum()
+            std = keep_positive(num / z.sum(), std)
         return log_z
+
+
+def keep_positive(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """A refitted variance, where it is positive, else the previous one: a unit whose samples do not vary in a
+    dimension (one sample, or duplicates) fits a variance of 0 there, which the official solve divides by (NaN)."""
+    return torch.where(new > 0, new, old)
 
 
 def unit_rows(m: torch.Tensor) -> torch.Tensor:

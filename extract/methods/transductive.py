@@ -1,6 +1,6 @@
 """What the transductive methods (StatA, TransCLIP, ZLaP) share: the base class that serves `consumes =
-"set_features"`, and the chunked nearest-neighbour search of their graphs. docs/methods.md, "Transductive methods
-(StatA, TransCLIP, ZLaP)".
+"set_features"`, and the chunked nearest-neighbour search of their graphs;
+docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)".
 
 A transductive method solves the cached features of a whole *unit* jointly: the run (`unit = 0`) or consecutive
 batches of `unit` stream positions, each solved on its own (the last one shorter). The runner attaches a reader of
