@@ -193,16 +193,18 @@ def batched_cg(lap: torch.Tensor, rhs: torch.Tensor, tol: float, maxiter: int
     done = ~active
     iters = torch.zeros(rhs.shape[1], dtype=torch.long, device=rhs.device)
     rho = torch.zeros(rhs.shape[1], dtype=rhs.dtype, device=rhs.device)
-    p = r
+    zero = rho.new_zeros(())
+    p = r.clone()
     for it in range(maxiter):
         if not bool(active.any()):
             break
         rho1, rho = rho, (r * r).sum(0)
-        p = r.clone() if it == 0 else torch.where(active, r + (rho / rho1) * p, p)
+        if it:  # a stopped column's p is any finite vector: its step below is exactly 0
+            p.mul_(torch.where(active, rho / rho1, zero)).add_(r)
         q = torch.sparse.mm(lap, p)
-        step = rho / (p * q).sum(0)
-        x = torch.where(active, x + step * p, x)
-        r = torch.where(active, r - step * q, r)
+        step = torch.where(active, rho / (p * q).sum(0), zero)
+        x.add_(p * step)  # + 0 leaves a stopped column as it was
+        r.sub_(q * step)
         iters += active.long()
         met = torch.linalg.vector_norm(r, dim=0) <= atol
         done = done | (active & met)
