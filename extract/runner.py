@@ -22,7 +22,9 @@ keeps every valid part with the same metadata and rebuilds the method's state at
 online method (TDA, DPE, DLAE) replays the features of the prefix - the same `adapt` calls on the same cached
 inputs -; an episodic method (the TPT family, TPS), whose only state is small (the loss scale and the count of
 skipped steps), loads the state recorded in the last kept part (`zaec:method_state`, the state after the part's
-last row). Either way the result equals an uninterrupted run. A finished run carries a marker file
+last row); a transductive method (StatA, TransCLIP, ZLaP: `consumes = "set_features"`) gets the run's cached
+features (`attach_set`) and solves its units again from them, the scan keeping only units written whole. Either way
+the result equals an uninterrupted run. A finished run carries a marker file
 `_zaec_complete.json` next to its parts (`run_is_complete`).
 
 Only the run itself lives here (`run_extraction`, `execute`, `plan_run` and the notes they print); each step is
