@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from extract.methods.stata import StatA, StatAConfig, StatAOnline
+from tests.support.transductive import make_set, make_text
+from tests.support.transductive import solve as solve_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-K, D = 5, 16
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -74,24 +73,8 @@ def ref_stata(x: torch.Tensor, text: torch.Tensor, *, alpha: float = 1.0, soft_b
     return z
 
 
-def make_text(seed: int = 0, dtype=torch.float64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(K, D, generator=g, dtype=torch.float64), dim=-1).to(dtype)
-
-
-def make_set(n: int, text: torch.Tensor, seed: int = 1, noise: float = 0.8, classes: int = K) -> torch.Tensor:
-    """(n, 1, D) normalised features around the prototypes of the first `classes` classes."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, classes, (n,), generator=g)
-    x = text.double()[y] + noise * torch.randn(n, D, generator=g, dtype=torch.float64) / D ** 0.5
-    return F.normalize(x, dim=-1).to(text.dtype)[:, None]
-
-
 def solve(x: torch.Tensor, text: torch.Tensor, cls=StatA, **changes) -> torch.Tensor:
-    cfg = dataclasses.replace(cls.default_config("dtd", "ViT-B-16"), **changes)
-    m = cls(cfg, text, 100.0, backbone="ViT-B-16", dataset="dtd")
-    m.attach_set(lambda a, b: x[a:b], len(x))
-    return m._adapt(x)  # in the features' dtype (`adapt` returns float32)
+    return solve_with(cls, x, text, **changes)[0]
 
 
 def test_defaults():

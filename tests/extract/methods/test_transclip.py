@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from extract.methods.transclip import TransCLIP, TransCLIPConfig
+from tests.support.transductive import make_set, make_text
+from tests.support.transductive import solve as solve_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-K, D = 5, 16
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -60,24 +59,8 @@ def ref_transclip(x: torch.Tensor, text: torch.Tensor, scale: float = 100.0, max
     return z
 
 
-def make_text(seed: int = 0, dtype=torch.float64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(K, D, generator=g, dtype=torch.float64), dim=-1).to(dtype)
-
-
-def make_set(n: int, text: torch.Tensor, seed: int = 1, noise: float = 0.8) -> torch.Tensor:
-    """(n, 1, D) normalised features around random classes' prototypes."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, K, (n,), generator=g)
-    x = text.double()[y] + noise * torch.randn(n, D, generator=g, dtype=torch.float64) / D ** 0.5
-    return F.normalize(x, dim=-1).to(text.dtype)[:, None]
-
-
 def solve(x: torch.Tensor, text: torch.Tensor, **changes) -> torch.Tensor:
-    cfg = dataclasses.replace(TransCLIP.default_config("dtd", "ViT-B-16"), **changes)
-    m = TransCLIP(cfg, text, 100.0, backbone="ViT-B-16", dataset="dtd")
-    m.attach_set(lambda a, b: x[a:b], len(x))
-    return m._adapt(x)  # in the features' dtype (`adapt` returns float32)
+    return solve_with(TransCLIP, x, text, **changes)[0]
 
 
 def test_defaults():
@@ -120,10 +103,7 @@ def test_underflowed_probabilities_stay_finite_and_ordered():
     is the log-space value there (finite, below the log of the smallest float32)."""
     text = make_text(dtype=torch.float32)
     x = make_set(40, text, noise=0.2)
-    cfg = dataclasses.replace(TransCLIP.default_config("dtd", "ViT-B-16"))
-    m = TransCLIP(cfg, text, 1000.0, backbone="ViT-B-16", dataset="dtd")
-    m.attach_set(lambda a, b: x[a:b], len(x))
-    out = m.adapt(x)
+    out = solve_with(TransCLIP, x, text, scale=1000.0)[0]
     assert torch.isfinite(out).all() and (out.exp() == 0).any() and (out < -103.3).any()
     torch.testing.assert_close(out.double().exp().sum(1), torch.ones(40, dtype=torch.float64), rtol=0, atol=1e-5)
 

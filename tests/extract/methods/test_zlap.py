@@ -5,18 +5,16 @@ for one right-hand side at a time."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-import torch.nn.functional as F
 
 from extract.methods.zlap import ZLaP, ZLaPConfig, ZLaPInductive, batched_cg
+from tests.support.transductive import K, make_set, make_text
+from tests.support.transductive import solve as solve_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-K, D = 5, 16
 EPS64 = np.finfo(np.float64).eps
 
 
@@ -112,23 +110,8 @@ def ref_inductive(features, clf, k=5, gamma=5.0, alpha=0.3):
     return scores
 
 
-def make_text(seed: int = 0, dtype=torch.float64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(K, D, generator=g, dtype=torch.float64), dim=-1).to(dtype)
-
-
-def make_set(n: int, text: torch.Tensor, seed: int = 1, noise: float = 0.8) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, K, (n,), generator=g)
-    x = text.double()[y] + noise * torch.randn(n, D, generator=g, dtype=torch.float64) / D ** 0.5
-    return F.normalize(x, dim=-1).to(text.dtype)[:, None]
-
-
 def solve(x: torch.Tensor, text: torch.Tensor, cls=ZLaP, **changes):
-    cfg = dataclasses.replace(cls.default_config("dtd", "ViT-B-16"), **changes)
-    m = cls(cfg, text, 100.0, backbone="ViT-B-16", dataset="dtd")
-    m.attach_set(lambda a, b: x[a:b], len(x))
-    return m._adapt(x), m
+    return solve_with(cls, x, text, **changes)
 
 
 def test_defaults():
