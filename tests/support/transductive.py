@@ -35,3 +35,16 @@ def solve(cls: type, x: torch.Tensor, text: torch.Tensor, scale: float = 100.0, 
     m = cls(cfg, text, scale, backbone="ViT-B-16", dataset="dtd")
     m.attach_set(lambda a, b: x[a:b], len(x))
     return m._adapt(x), m
+
+
+def assert_float32_matches(cls: type, ref: Any) -> None:
+    """The run's numerics: float32 features and prototypes through `cls` against `ref` (a float64 transcription of
+    the official solve returning z) on 40 samples: finite log-probabilities, probabilities within float32 rounding
+    carried through the solve's 55 z-steps (10³ eps32), the same predictions."""
+    text = make_text(dtype=torch.float32)
+    x = make_set(40, text)
+    want = ref(x[:, 0].double(), text.double())
+    got = solve(cls, x, text)[0]
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double().exp(), want, rtol=0, atol=1e3 * torch.finfo(torch.float32).eps)
+    assert torch.equal(got.argmax(1), want.argmax(1))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from extract.methods.stata import StatA, StatAConfig, StatAOnline
-from tests.support.transductive import make_set, make_text
+from tests.support.transductive import assert_float32_matches, make_set, make_text
 from tests.support.transductive import solve as solve_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -120,13 +120,7 @@ def test_init_cov_quirk_changes_the_result():
 
 
 def test_float32_matches_float64_reference():
-    text = make_text(dtype=torch.float32)
-    x = make_set(40, text)
-    want = ref_stata(x[:, 0].double(), text.double())
-    got = solve(x, text)
-    assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    torch.testing.assert_close(got.double().exp(), want, rtol=0, atol=1e3 * torch.finfo(torch.float32).eps)
-    assert torch.equal(got.argmax(1), want.argmax(1))
+    assert_float32_matches(StatA, ref_stata)
 
 
 def test_online_solves_each_batch_on_its_own():

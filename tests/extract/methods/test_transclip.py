@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from extract.methods.transclip import TransCLIP, TransCLIPConfig
-from tests.support.transductive import make_set, make_text
+from tests.support.transductive import assert_float32_matches, make_set, make_text
 from tests.support.transductive import solve as solve_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,15 +87,7 @@ def test_matches_official_solver_in_float64(n):
 
 
 def test_float32_matches_float64_reference():
-    """The run's numerics (float32 features and text): the same predictions, probabilities within float32
-    rounding carried through the 55 z-steps (1e3 eps32)."""
-    text = make_text(dtype=torch.float32)
-    x = make_set(40, text)
-    want = ref_transclip(x[:, 0].double(), text.double())
-    got = solve(x, text)
-    assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    torch.testing.assert_close(got.double().exp(), want, rtol=0, atol=1e3 * torch.finfo(torch.float32).eps)
-    assert torch.equal(got.argmax(1), want.argmax(1))
+    assert_float32_matches(TransCLIP, ref_transclip)
 
 
 def test_underflowed_probabilities_stay_finite_and_ordered():
