@@ -75,6 +75,34 @@ TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
 #: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
 #: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
 ECALP_S_PER_POSITION = 0.0445 / 128.5
+#: The transductive solves (StatA, TransCLIP, ZLaP) priced from their work on one H100-class GPU: float32 matrix
+#: products at 20 TFLOP/s, memory at 3 TB/s (what elementwise steps and sparse products are bound by), kernel
+#: launches at 10 us (about 1,200 a solve: 11 iterations of ~110), D = 512.
+#: per pair of samples of a kNN search: 2·D flops and the similarity written and read (float32)
+_KNN_PAIR_S = 2 * 512 / 20e12 + 2 * 4 / 3e12
+#: per sample and class: one (N, D) x (D, K) product in each of the 11 iterations
+_GAUSS_S = 11 * 2 * 512 / 20e12
+#: per sample and class: 55 z-steps of ~15 passes over float32 (N, K) arrays, each read and written
+_ZSTEPS_S = 55 * 15 * 2 * 4 / 3e12
+#: per node and CG column: 8 iterations of ~500 bytes, x3 for the sparse product's gathers
+_CG_S = 3 * 8 * 500 / 3e12
+_SOLVE_LAUNCH_S = 1200 * 10e-6
+#: Measured growth of one solve on the CPU (one thread, K = 1000, D = 512; docs/benchmarks.md, "Transductive
+#: methods: growth with N"), time ~ N^e between N = 5,000 and 20,000: see the table there; the O(N·K·D) Gaussian
+#: and z-steps dominate StatA and TransCLIP at these sizes, the O(N²·D) search grows faster; zlap-inductive's one
+#: CG column per sample makes it O(N²). The GPU figures below follow the work, in the AdaptCost form: per_class the
+#: O(N·K) terms, per_position the O(N²) ones (N(N+1)/2 positions for N² pairs: x2).
+TRANSDUCTIVE_COSTS: dict[str, AdaptCost] = {
+    "stata": AdaptCost(0.0, per_class=4 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S),
+    # batches of 128 solved alone: ~1,200 kernel launches a batch, the search within the batch only
+    "stata-online": AdaptCost(_SOLVE_LAUNCH_S / 128 + 128 * _KNN_PAIR_S, per_class=4 * _GAUSS_S + _ZSTEPS_S),
+    "transclip": AdaptCost(0.0, per_class=2 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S),
+    # the image-text search (one product) and K CG columns over the N + K nodes
+    "zlap": AdaptCost(0.0, per_class=_GAUSS_S / 11 + _CG_S, per_position=2 * _KNN_PAIR_S),
+    # N CG columns (one per sample) over the N + K nodes: N² work
+    "zlap-inductive": AdaptCost(0.0, per_class=_GAUSS_S / 11, per_position=2 * _KNN_PAIR_S + 2 * _CG_S),
+}
+
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
 #: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
 #: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,
@@ -104,6 +132,10 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
     # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
+    # transductive: one solve over the run (or per batch), priced from its work on one GPU (TRANSDUCTIVE_COSTS);
+    # the CPU growth measured by `make bench-extract BENCH_EXTRACT_ARGS="--only-transductive --transductive-n
+    # 1000,5000,20000"` is in docs/benchmarks.md, "Transductive methods: growth with N"
+    **TRANSDUCTIVE_COSTS,
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)
