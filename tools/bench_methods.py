@@ -253,12 +253,12 @@ def bench_clock() -> float:
 def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tuple[int, float]]]]:
     """Time the adapt loop of a run of `cls`, and the reward model's encoding pass (`RewardPass.encode`).
 
-    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)], "start": [(0, time)]}: the time before
-    the first `adapt` call, and the time (`bench_clock`, the device
-    synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
-    anchor, and the part write when the batch completes one), and each reward encoding. Once `budget_s` seconds
-    passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
-    batch)."""
+    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)], "start": [(0, time)]}: the time
+    (`bench_clock`, the device synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch
+    (after `adapt`, the zero-shot anchor, and the part write when the batch completes one), each reward encoding, and
+    the time before the first `adapt` call (a transductive method solves in it, `solves_first`). Once `budget_s`
+    seconds passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a
+    second batch)."""
     from extract.run.reward import RewardPass
     from extract.run.writer import PartWriter
 
