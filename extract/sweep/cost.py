@@ -87,11 +87,13 @@ _ZSTEPS_S = 55 * 15 * 2 * 4 / 3e12
 #: per node and CG column: 8 iterations of ~500 bytes, x3 for the sparse product's gathers
 _CG_S = 3 * 8 * 500 / 3e12
 _SOLVE_LAUNCH_S = 1200 * 10e-6
-#: Measured growth of one solve on the CPU (one thread, K = 1000, D = 512; docs/benchmarks.md, "Transductive
-#: methods: growth with N"), time ~ N^e between N = 5,000 and 20,000: see the table there; the O(N·K·D) Gaussian
-#: and z-steps dominate StatA and TransCLIP at these sizes, the O(N²·D) search grows faster; zlap-inductive's one
-#: CG column per sample makes it O(N²). The GPU figures below follow the work, in the AdaptCost form: per_class the
-#: O(N·K) terms, per_position the O(N²) ones (N(N+1)/2 positions for N² pairs: x2).
+#: Measured growth of one solve on a loaded CPU (one thread, K = 1000, D = 512; docs/benchmarks.md, "Transductive
+#: methods: growth with N"): CPU seconds at N = 1,000 / 5,000 / 20,000 and time ~ N^e from 5,000 to 20,000:
+#: stata 1.0 / 7.3 / 52 s, N^1.42; stata-online 1.5 / 5.7 / 30 s (linear work); transclip 0.7 / 4.5 / 43 s, N^1.63;
+#: zlap 0.3 / 2.1 / 12 s, N^1.23; zlap-inductive 0.3 / 9.7 / 155 s, N^2.00. The O(N·K·D) Gaussian steps and z-steps
+#: dominate StatA and TransCLIP at these sizes, the O(N²·D) search grows faster; zlap-inductive's one CG column per
+#: sample makes it O(N²). The GPU figures below follow the work, in the AdaptCost form: per_class the O(N·K) terms,
+#: per_position the O(N²) ones (N(N+1)/2 positions for N² pairs: x2).
 TRANSDUCTIVE_COSTS: dict[str, AdaptCost] = {
     "stata": AdaptCost(0.0, per_class=4 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S),
     # batches of 128 solved alone: ~1,200 kernel launches a batch, the search within the batch only
