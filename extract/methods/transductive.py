@@ -69,8 +69,8 @@ def knn(query: torch.Tensor, base: torch.Tensor, k: int, *, skip_self: bool = Fa
 class TransductiveMethod(TTAMethod):
     """A method whose rows are solved jointly over a unit of the run (`consumes = "set_features"`).
 
-    Subclasses define `_solve(feats) -> (U, K)` rows for the (U, V, D) features of one unit, and a config with an
-    int field `unit` (0: the whole run). The runner calls `attach_set(read, n_run, start)` before the first `adapt`.
+    Subclasses define `_solve(feats) -> (U, K)` rows for the (U, 1, D) view-0 features of one unit, and a config
+    with an int field `unit` (0: the whole run). The runner calls `attach_set(read, n_run, start)` before the first `adapt`.
     """
 
     consumes: ClassVar[Consumes] = "set_features"
@@ -123,12 +123,13 @@ class TransductiveMethod(TTAMethod):
             first, stop = self.unit_bounds(pos)
             if self._solved is None or self._solved[0] != first:
                 self._solved = None  # the previous unit's rows and features are dropped before the next is read
-                feats = self._read(first, stop).to(view_feats.device)
+                # the solves read view 0 only: the other views of the unit (if the run has them) are not kept
+                feats = self._read(first, stop)[:, :1].clone().to(view_feats.device)
                 self._solved = (first, stop, feats, self._solve(feats))
                 self.units_solved += 1
             _, _, feats, rows = self._solved
             upto = min(end, stop)
-            given = view_feats[pos - self.n_seen:upto - self.n_seen]
+            given = view_feats[pos - self.n_seen:upto - self.n_seen, :1]
             if not torch.equal(given, feats[pos - first:upto - first].to(given.dtype)):
                 raise ValueError(f"{self.key}: the features given for positions {pos}..{upto - 1} are not those of "
                                  "the attached run")
@@ -138,4 +139,4 @@ class TransductiveMethod(TTAMethod):
 
     @abc.abstractmethod
     def _solve(self, feats: torch.Tensor) -> torch.Tensor:
-        """(U, V, D) features of one unit -> (U, K) rows."""
+        """(U, 1, D) view-0 features of one unit -> (U, K) rows."""
