@@ -499,7 +499,7 @@ def costs_table(console: Any, costs: Sequence[MethodCost], n_classes: int) -> No
         table.add_row(c.key, c.policy, str(c.samples), f"{1e3 * c.per_sample:.3f}", *ratios)
     console.print(table)
     console.print("CPU time of the calling thread inside `method.adapt` (one torch thread), after each run's first "
-                  "call, from cached features (the encoding pass is priced apart); ratios are to TDA's and TPT's "
+                  "call (a transductive method's first call, its solve, included), from cached features (the encoding pass is priced apart); ratios are to TDA's and TPT's "
                   "time per sample in this run, which a loaded machine moves far less than the absolute times.")
 
 
