@@ -51,6 +51,9 @@ class AdaptCost:
         multi_view: seconds per sample when the run encodes 64 views, where that differs.
         per_position, per_position_class: seconds per sample and stream position (and class).
         provisional: a placeholder for a method still being written, applied once its key is registered.
+        solve: the cost is one solve over the whole run (a transductive method): the per-position terms price
+            its O(N²) work, not a cost that grows along the stream, and a rate measured over a run of N' samples
+            scales to n samples as this model's seconds(n) / seconds(N') (`adapt_seconds`).
     """
 
     per_sample: float
@@ -59,6 +62,7 @@ class AdaptCost:
     per_position: float = 0.0
     per_position_class: float = 0.0
     provisional: bool = False
+    solve: bool = False
 
     def seconds(self, n: int, k: int, views: int) -> float:
         """Estimated adaptation seconds of a run over the first `n` stream positions, `k` classes, `views` views."""
@@ -95,14 +99,15 @@ _SOLVE_LAUNCH_S = 1200 * 10e-6
 #: sample makes it O(N²). The GPU figures below follow the work, in the AdaptCost form: per_class the O(N·K) terms,
 #: per_position the O(N²) ones (N(N+1)/2 positions for N² pairs: x2).
 TRANSDUCTIVE_COSTS: dict[str, AdaptCost] = {
-    "stata": AdaptCost(0.0, per_class=4 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S),
+    "stata": AdaptCost(0.0, per_class=4 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
     # batches of 128 solved alone: ~1,200 kernel launches a batch, the search within the batch only
-    "stata-online": AdaptCost(_SOLVE_LAUNCH_S / 128 + 128 * _KNN_PAIR_S, per_class=4 * _GAUSS_S + _ZSTEPS_S),
-    "transclip": AdaptCost(0.0, per_class=2 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S),
+    "stata-online": AdaptCost(_SOLVE_LAUNCH_S / 128 + 128 * _KNN_PAIR_S, per_class=4 * _GAUSS_S + _ZSTEPS_S,
+                              solve=True),
+    "transclip": AdaptCost(0.0, per_class=2 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
     # the image-text search (one product) and K CG columns over the N + K nodes
-    "zlap": AdaptCost(0.0, per_class=_GAUSS_S / 11 + _CG_S, per_position=2 * _KNN_PAIR_S),
+    "zlap": AdaptCost(0.0, per_class=_GAUSS_S / 11 + _CG_S, per_position=2 * _KNN_PAIR_S, solve=True),
     # N CG columns (one per sample) over the N + K nodes: N² work
-    "zlap-inductive": AdaptCost(0.0, per_class=_GAUSS_S / 11, per_position=2 * _KNN_PAIR_S + 2 * _CG_S),
+    "zlap-inductive": AdaptCost(0.0, per_class=_GAUSS_S / 11, per_position=2 * _KNN_PAIR_S + 2 * _CG_S, solve=True),
 }
 
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
@@ -312,6 +317,11 @@ def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str 
         return adapt_cost(method).seconds(n, k, views_per_image(policy))
     cost = adapt_cost(method)
     pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
+    if cost.solve and pos is not None:
+        # one solve over the run, timed over every position of a run of `size` (mean position (size - 1) / 2): the
+        # measured level, this model's growth from `size` to n
+        size, views = max(1, round(2 * pos + 1)), views_per_image(policy)
+        return n * measured * (cost.seconds(n, k, views) / n) / (cost.seconds(size, k, views) / size)
     if (cost.per_position or cost.per_position_class) and pos:
         # its cost per sample grows in proportion to the samples seen (ECALP's graph): the rate measured around
         # stream position `pos` scales to n (n + 1) / 2 positions in all, as the fixed guess does
@@ -330,6 +340,9 @@ def cost_notes(methods: Sequence[str]) -> list[str]:
                          f"{DEFAULT_ADAPT_COST.per_sample} s a sample")
         elif cost.provisional:
             notes.append(f"{m}: provisional cost figure (extract/sweep/cost.py)")
+        elif cost.solve:
+            notes.append(f"{m}: one transductive solve over the run, whose search grows with the square of its "
+                         "images (--limit caps it)")
         elif cost.per_position or cost.per_position_class:
             notes.append(f"{m}: its cost per sample grows with the samples seen, so a run's cost grows with the "
                          "square of its images (--limit caps it)")
