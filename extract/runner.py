@@ -99,6 +99,7 @@ def run_extraction(
     on_changed: Literal["refuse", "recompute"] = "refuse",
     cache_dir: str | os.PathLike | None = None,
     cupl_dir: str | os.PathLike | None = None,
+    descriptions_dir: str | os.PathLike | None = None,
     sh_filter: bool = False,
     fingerprint: str = DEFAULT_FINGERPRINT,
     exif_transpose: bool = False,
@@ -125,6 +126,7 @@ def run_extraction(
     """
     options = RunOptions.make(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, limit=limit,
                               overrides=overrides, anchor=anchor, data_root=data_root, cupl_dir=cupl_dir,
+                              descriptions_dir=descriptions_dir,
                               sh_filter=sh_filter, fingerprint=fingerprint, exif_transpose=exif_transpose,
                               adapt_batch=adapt_batch, part_size=part_size, ood_for=ood_for)
     execution = ExecOptions(out=out, cache_dir=cache_dir, device=device, batch_size=batch_size, workers=workers,
@@ -188,7 +190,8 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         cache = open_feature_cache(cache_root, model, planned.dataset, data.cache_key(), options.seed, perm,
                                    method_text.shape[1], execution.chunk_size)
         method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
-                              dataset=planned.class_dataset, class_names=prompts.method_names)
+                              dataset=planned.class_dataset, class_names=prompts.method_names,
+                              descriptions=prompts.descriptions)
         # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
         reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
                                testset_key=data.cache_key(), seed=options.seed, perm=perm,

@@ -6,7 +6,8 @@ as `zaec-extract` runs it, from a feature cache filled beforehand (so no run enc
 time of the main thread inside `method.adapt` (one torch thread, so all of the method's work), after its first call
 (warm-up: lazy set-up, first allocations), until a time budget is spent or the cached positions end. Reward models,
 pixel readers and any other input a method takes from the runner are therefore included exactly as a run builds
-them. A method that cannot run in this setting is listed with the reason, never left out.
+them. A method that reads class descriptions (AWT) gets made-up ones of the published files' shape
+(`bench_descriptions`). A method that cannot run in this setting is listed with the reason, never left out.
 
 ECALP's cost per sample grows with the samples seen (its graph holds every past sample): `ecalp_growth` times it
 on random features at several stream lengths, and `ecalp_graph_bytes` states its memory from its data structures.
@@ -47,6 +48,27 @@ class MethodCost:
     def per_sample(self) -> float:
         """CPU seconds per sample (nan when nothing was timed)."""
         return self.seconds / self.samples if self.samples else math.nan
+
+
+def bench_descriptions(root: Path, folder: Path, dataset: str = "dtd", per_class: int = 50) -> Path:
+    """Write the class-description file of every registered method that reads descriptions (AWT's `<dataset>.json`)
+    for the classes of the bench's set under `root` into `folder`, and return `folder` (the runs'
+    `descriptions_dir`). The sentences are made up, not LLM-written: AWT's cost depends on their number and length
+    (`per_class` of about the published ones' length), not on what they say."""
+    import json
+
+    from extract.datasets import load_testset
+    from extract.methods import REGISTRY
+
+    names = load_testset(dataset, root).class_names
+    folder.mkdir(parents=True, exist_ok=True)
+    for cls in REGISTRY.values():
+        if getattr(cls, "needs_descriptions", False):
+            file_name = cls.descriptions_request(cls.default_config(dataset, "ViT-B-16"), dataset)[0]
+            table = {n: [f"A made-up description {i} of {n}, a placeholder of the length of an LLM-written one."
+                         for i in range(per_class)] for n in names}
+            (folder / file_name).write_text(json.dumps(table), encoding="utf-8")
+    return folder
 
 
 def bench_overrides(cls: type, model_dir: Path) -> dict[str, str]:
@@ -178,7 +200,8 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
 
     limits = {"single": single_positions, "crop_flip": multi_positions, "augmix": multi_positions}
     base = dict(data_root=root, model=model, progress=False, cache_dir=work / "cache", adapt_batch=adapt_batch,
-                part_size=adapt_batch * max(1, 4096 // adapt_batch), log=lambda s: None)
+                part_size=adapt_batch * max(1, 4096 // adapt_batch), log=lambda s: None,
+                descriptions_dir=bench_descriptions(root, work / "descriptions"))
     for policy, ov in POLICY_OVERRIDES.items():
         log(f"filling the feature cache: {policy}, {limits[policy]} positions")
         run_extraction("zero-shot", "dtd", out=work / f"fill-{policy}", overrides=ov, limit=limits[policy], **base)
@@ -380,6 +403,7 @@ class RateRuns:
                  adapt_batch: int, log: Callable[[str], None] = lambda s: None) -> None:
         self.model, self.root, self.work, self.adapt_batch = model, root, work, adapt_batch
         self.base_cache = work / "cache"
+        self.descriptions = bench_descriptions(root, work / "descriptions")
         fill_caches(model, root, self.base_cache, limits, adapt_batch=adapt_batch, log=log,
                     policies=[p for p in POLICY_OVERRIDES if p in _policies(keys)])
         self._ids = iter(range(1_000_000))
@@ -397,7 +421,7 @@ class RateRuns:
             t = bench_clock()
             run_extraction(key, "dtd", data_root=self.root, model=self.model, progress=False, cache_dir=cache,
                            out=out, overrides=overrides, limit=limit, adapt_batch=self.adapt_batch,
-                           log=lambda s: None)
+                           log=lambda s: None, descriptions_dir=self.descriptions)
             _sync_all()
             took = bench_clock() - t
             for text in cache.glob("*/text"):  # text prototypes stay cached for later runs, as in a sweep's folder

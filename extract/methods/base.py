@@ -45,11 +45,12 @@ IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet
 #   imagenet80  the 80 CLIP ImageNet templates
 #   dpe_cars    DPE/DLAE's Stanford Cars pair: "a photo of a {}." and
 #               "A {} featuring a wide range of color options for easy selection." (DPE `datasets/stanford_cars.py`)
+#   clip_dataset CLIP's per-dataset prompt ensembles (TCA `datasets/*.py`; the 80 templates for the ImageNet family)
 #   transclip   TransCLIP's and StatA's one template per dataset (their `datasets/*.py` `template`): "a photo of a
 #               {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397, "{} texture" (no full stop) for
 #               DTD, the CoOp template of each other set
 # Each template embedding is L2-normalised, averaged (with the CuPL sentences when `cupl`), and re-normalised.
-PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "transclip"]
+PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "transclip"]
 # What a method's output rows are (the shard's `zaec:output_kind`, docs/contract.md): "logits" (any real vector the
 # official code ranks and calibrates through a softmax) or "log_probs" (natural-log probabilities, finite: where the
 # official code outputs probabilities or vote fractions).
@@ -407,6 +408,10 @@ class TTAMethod(abc.ABC):
     key: ClassVar[str]
     Config: ClassVar[type[MethodConfig]]
     needs_text_encoder: ClassVar[bool] = False
+    # A method that reads class descriptions (AWT) sets this and `descriptions_request`; the run reads them from
+    # `--descriptions-dir` before the model loads and passes them as the `descriptions` keyword
+    # (`extract.prompts.Descriptions`).
+    needs_descriptions: ClassVar[bool] = False
     # What the run feeds the method (`Consumes`); one run loop serves every kind.
     consumes: ClassVar[Consumes] = "features"
     # What `adapt` returns (recorded in the shard as `zaec:output_kind`); "logits" unless the method says otherwise.
@@ -526,6 +531,12 @@ class TTAMethod(abc.ABC):
     def set_stream_length(self, n: int) -> None:
         """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods
         whose official schedule needs it in advance (OnZeta's β_i = β·√((i+1)/n)); the runner calls it."""
+
+    @classmethod
+    def descriptions_request(cls, config: MethodConfig, dataset: str) -> tuple[str, int, str]:
+        """For a method with `needs_descriptions`: (the dataset's description file name, the sentences every class
+        needs, where the files come from). `dataset` is the key whose classes the run predicts."""
+        raise NotImplementedError(f"{cls.key} reads no class descriptions")
 
     @classmethod
     def method_class_names(cls, dataset: str, class_names: Sequence[str],

@@ -71,20 +71,21 @@ class TTLConfig(MethodConfig):
     grad_scale_growth_interval: int = setting(2000, ge=1)  # GradScaler default
 
 
-def _vision_tower(model: Any, backbone: str) -> Any:
-    """open_clip's VisionTransformer of `model`, or a one-line error naming why TTL cannot adapt it."""
+def vision_tower(model: Any, backbone: str, key: str = "ttl",
+                 why: str = "adapts the attention of a ViT image encoder (LoRA on q, v of its last blocks)") -> Any:
+    """open_clip's VisionTransformer of `model`, or a one-line error naming why method `key` cannot adapt it (TTL;
+    DART prompts the same blocks)."""
     from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 
     visual = getattr(model, "visual", None)
     if not isinstance(visual, VisionTransformer):
         kind = type(visual).__name__ if visual is not None else "no"
-        raise ValueError(f"ttl adapts the attention of a ViT image encoder (LoRA on q, v of its last blocks); "
-                         f"{backbone} has a {kind} image encoder; use a ViT backbone such as ViT-B-16")
+        raise ValueError(f"{key} {why}; {backbone} has a {kind} image encoder; use a ViT backbone such as ViT-B-16")
     blocks = visual.transformer.resblocks
     if not getattr(visual.transformer, "batch_first", True) or not all(
             type(b) is ResidualAttentionBlock and isinstance(b.attn, torch.nn.MultiheadAttention)
             and b.attn._qkv_same_embed_dim for b in blocks):
-        raise ValueError(f"ttl: {backbone}'s vision blocks are not open_clip's plain batch-first attention blocks")
+        raise ValueError(f"{key}: {backbone}'s vision blocks are not open_clip's plain batch-first attention blocks")
     return visual
 
 
@@ -136,7 +137,7 @@ class TTL(TTAMethod):
         super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
                          text_encoder=text_encoder)
         cfg: TTLConfig = self.config  # type: ignore[assignment]
-        self.visual = _vision_tower(getattr(text_encoder, "model", text_encoder), backbone)
+        self.visual = vision_tower(getattr(text_encoder, "model", text_encoder), backbone)
         blocks = self.visual.transformer.resblocks
         # the run's plan checked lora_blocks against the architecture's config where it could read one; this is the
         # check for a model whose config it could not (one line, before any image is read)

@@ -4,7 +4,7 @@ checked against (`finished_run`, `finished_run_mismatch`).
 
 The settings: method config, pretrained weights, anchor, TDA's file filter, the sample list (paths, labels, class
 names: `TestSet.fingerprint()`), the resolved data root and the data fingerprint of the image files
-(`extract.fingerprint`). A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
+(`extract.fingerprint`), and for a method that reads class descriptions (AWT) their fingerprint. A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
 asks the same function before it submits anything, so the two checks cannot drift apart.
 """
 
@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun, RunOptions
 from extract.run.rundata import RunData, set_identity
 from extract.run.rundir import RunDir
+from extract.run.setup import run_descriptions
 
 #: `extract.fingerprint.FINGERPRINT_MODES` (kept here: this module loads before the dataset stack)
 _FINGERPRINT_MODES = ("stat", "content")
@@ -65,6 +66,10 @@ def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
     # before it was recorded still match
     if o.adapt_batch != DEFAULT_ADAPT_BATCH:
         settings["adapt_batch"] = o.adapt_batch
+    # the class descriptions a method reads (AWT): their content decides the rows; absent for the other methods
+    descriptions = run_descriptions(planned, data.testset)
+    if descriptions is not None:
+        settings["descriptions"] = descriptions.fingerprint()
     return settings
 
 

@@ -71,6 +71,10 @@ class AdaptCost:
         return n * (base + self.per_class * k) + growth
 
 
+#: A view-0 image read and preprocessed at 224 px by the run's reader of view pixels (`extract/run/pixels.py`, one
+#: core, in the main process): measured at 2.7-2.8 ms for a 500x375 JPEG (docs/benchmarks.md, "Methods inside the
+#: image encoder: cost per sample")
+PIXEL_READ_S = 0.003
 #: TDA's adapt step measured on a CPU (1 thread, K = 1000, D = 512): the reference the figures below scale from
 TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
 #: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
@@ -139,6 +143,23 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
     # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
+    # inside the image encoder (docs/benchmarks.md, "Methods inside the image encoder: cost per sample"): each reads
+    # view 0's pixels again in the main process (JPEG decode and preprocess, ~PIXEL_READ_S on one core) and runs the
+    # encoder on them; CALIP batched (one more encoding of view 0; its attention is small next to it), TCA one image
+    # at a time (a batch-1 forward of 12 blocks is launch-bound on a GPU: ~10 ms), its reservoir step small
+    "calip": AdaptCost(PIXEL_READ_S + ENCODE_S_PER_VIEW["vit"]),
+    "tca": AdaptCost(PIXEL_READ_S + 0.010),
+    # prompt tuning with history, averaging or descriptions (docs/benchmarks.md, "Prompt tuning with history,
+    # averaging or descriptions: cost per sample"): HisTPT runs TPT's text passes per sample without batching
+    # across samples (measured 2.3x TPT at K = 10, 1.7x at K = 100; per class 1.5x); DART's text step has one
+    # context per class (no shared prefix, no batching across samples: 0.56 ms per class and sample on the CPU, as
+    # DynaPrompt's 0.60), and its image side costs about 3.75 encodings of the 64 views (ViT-B/16 with the prefix in
+    # block 1: forward, backward and a second forward through 11 of 12 blocks; measured 1.4-1.5x TTL on the bench
+    # model, whose prefix sits in block 1 of 4); AWT needs no gradient: the (views x prompts x K) logits, 51 K²
+    # text-weight entropies and the Sinkhorn rounds, batched over samples (0.23-0.41x TPT measured)
+    "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
+    "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=7 * TPT["per_class"]),
+    "awt": AdaptCost(0.002, per_class=2e-6),
     # transductive: one solve over the run (or per batch), priced from its work on one GPU (TRANSDUCTIVE_COSTS);
     # the CPU growth measured by `make bench-extract BENCH_EXTRACT_ARGS="--only-transductive --transductive-n
     # 1000,5000,20000"` is in docs/benchmarks.md, "Transductive methods: growth with N"

@@ -96,6 +96,15 @@ def test_every_method_runs_on_a_siglip_model_or_says_why(key, tmp_path, data_roo
     args = ["--method", key, "--dataset", "dtd", "--limit", "3"] + _base(tmp_path, data_root, tiny_siglip_dir)
     if key == "rlcf":  # offline: the policy as its own reward model; 2 classes: its top-k of 3 cannot be drawn
         args += ["--set", "reward_backbone=policy", "--set", "sample_k=2"]
+    if REGISTRY[key].needs_descriptions:  # AWT: a description file for the set's classes
+        import json
+
+        from extract.datasets import load_testset
+
+        names = load_testset("dtd", data_root).class_names
+        (tmp_path / "desc").mkdir()
+        (tmp_path / "desc" / "dtd.json").write_text(json.dumps({n: [f"{n} {i}." for i in range(50)] for n in names}))
+        args += ["--descriptions-dir", str(tmp_path / "desc")]
     args[args.index("--cache-dir") + 1] = str(siglip_cache)
     r = _invoke(args)
     if key in SIGLIP_CANNOT_RUN:

@@ -21,6 +21,7 @@ from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.zero_shot import ZeroShot
+from extract.prompts import PROMPT_POLICIES
 from tests.support.extract import with_views
 
 K, D = 5, 16  # D = the embedding width of the tiny open_clip model of `tests.support.extract`
@@ -54,6 +55,12 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
     facts = {"vision_blocks": len(encoder.model.visual.transformer.resblocks)} if encoder is not None else {}
     cfg = with_views(cls.default_config(dataset, "ViT-B-16"), v, facts, **changes)
     extra = {"text_encoder": encoder, "class_names": NAMES} if cls.needs_text_encoder else {}
+    if cls.needs_descriptions:  # AWT: made-up class descriptions, as many as the config needs
+        from extract.prompts import Descriptions
+
+        need = cls.descriptions_request(cfg, dataset)[1]
+        extra["descriptions"] = Descriptions("made-up.json", NAMES, tuple(
+            tuple(f"The {n} has trait {i}." for i in range(need)) for n in NAMES))
     m = cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset, **extra)
     if cls.consumes == "view_pixels":  # TTL adapts the image encoder: fixed random pixels per position
         size = encoder.preprocess.size[0]
@@ -133,7 +140,7 @@ def test_default_config_all_datasets_both_backbones(key):
             cfg = cls.default_config(ds, bb)
             assert isinstance(cfg, cls.Config)
             assert cfg.n_views in (1, 64)
-            assert cfg.prompts in ("single", "dataset", "imagenet80", "dpe_cars", "transclip")
+            assert cfg.prompts in PROMPT_POLICIES
             assert isinstance(cfg.episodic, bool)
             json.dumps(dataclasses.asdict(cfg))  # recorded in the shard metadata
     with pytest.raises(ValueError, match="available: imagenet, imagenet_a"):

@@ -262,7 +262,17 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
     # a method with a second model (RLCF's reward model) gets the tiny model: its default cannot be loaded offline
     overrides = ({"reward_pretrained": f"local-dir:{tiny_model_dir}", "reward_backbone": ""}
                  if getattr(methods.get_method(method), "needs_reward_model", False) else {})
-    paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides)
+    extra = {}
+    if methods.get_method(method).needs_descriptions:  # AWT: a description file for the test set's classes
+        from extract.datasets import load_testset
+
+        names = load_testset("dtd", data_root).class_names
+        (tmp_path / "desc").mkdir()
+        (tmp_path / "desc" / "dtd.json").write_text(json.dumps({n: [f"{n}, trait {i}." for i in range(50)]
+                                                                for n in names}))
+        extra["descriptions_dir"] = tmp_path / "desc"
+    paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides,
+                 **extra)
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
     assert all(validate_shard(p) == [] for p in paths)
