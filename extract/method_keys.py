@@ -11,6 +11,7 @@ METHOD_KEYS: tuple[str, ...] = (
     "ttl",
     "calip", "tca",
     "histpt", "dart", "awt",
-    "difftpt", "promptalign",
-    "dota", "oga", "bca", "cosmic",
+    "dota", "oga", "bca",
+    "difftpt", "promptalign", "cosmic",
+    "stata", "stata-online", "transclip", "zlap", "zlap-inductive",
 )

@@ -6,7 +6,7 @@ Policies (a method's `Config.prompts`):
     * "imagenet80": the 80 CLIP ImageNet templates for every dataset (TPS), taken from open_clip.
     * "dpe_cars": DPE/DLAE's Stanford Cars pair (`DPE_STANFORD_CARS`), used with CuPL.
     * "clip_dataset": CLIP's per-dataset prompt ensembles (`CLIP_DATASET_TEMPLATES`), as TCA reads them.
-    * "coop": CoOp's one template per dataset as the TransCLIP/StatA family ships it (`_coop_templates`; OGA).
+    * "transclip": TransCLIP's and StatA's one template per dataset (`_transclip_templates`).
 `cupl=True` adds the CuPL GPT-3 prompts of the dataset (DPE, DLAE). CuPL files are third-party text the project does
 not ship: they are read from a user directory (`--cupl-dir` or $ZAEC_CUPL_DIR) under DPE's file names
 (`CuPL_prompts_<name>.json`, a JSON object class name -> list of sentences). If the directory or the file is absent,
@@ -36,8 +36,8 @@ from extract.datasets import get_dataset
 from extract.defaults import CUPL_DIR_ENV as CUPL_ENV
 from extract.defaults import DESCRIPTIONS_DIR_ENV
 
-PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "coop"]
-PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "coop")
+PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "transclip"]
+PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "transclip")
 #: the policies a user's own dataset may use: no per-dataset templates, no CuPL sentences exist for it
 USER_PROMPT_POLICIES: tuple[str, ...] = ("single", "imagenet80")
 
@@ -111,17 +111,6 @@ CLIP_DATASET_TEMPLATES: dict[str, tuple[str, ...]] = {
 # "a photo of a {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397; DTD's without a full stop; the six
 # others are TDA's own. OGA's "standard" prompts are `dataset.template` of a `datasets` package its repository does
 # not include; the OGA README names TransCLIP as its base (docs/methods.md, "OGA").
-_COOP_SINGLE = ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch", "caltech101",
-                "stanford_cars", "sun397")
-_COOP_AS_TDA = ("eurosat", "fgvc_aircraft", "food101", "flowers102", "oxford_pets", "ucf101")
-
-
-def _coop_templates() -> dict[str, tuple[str, ...]]:
-    tda = _dataset_templates()
-    return {**{k: (SINGLE_TEMPLATE,) for k in _COOP_SINGLE}, "dtd": ("{} texture",),
-            **{k: tda[k] for k in _COOP_AS_TDA}}
-
-
 class PromptError(ValueError):
     """A user-side problem with prompts (unknown policy, unreadable CuPL file)."""
 
@@ -154,6 +143,19 @@ def _dataset_templates() -> dict[str, tuple[str, ...]]:
     }
 
 
+def _transclip_templates() -> dict[str, tuple[str, ...]]:
+    # MaxZanella/transduction-for-vlms and MaxZanella/StatA, `datasets/<set>.py` (`template`, or `imagenet_templates`
+    # for the ImageNet family): one template per dataset, the CoOp one except the ImageNet family's, Caltech101's,
+    # Stanford Cars' and SUN397's "a photo of a {}." and DTD's "{} texture" (no full stop)
+    plain = ("a photo of a {}.",)
+    tables = {key: plain for key in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch",
+                                     "caltech101", "stanford_cars", "sun397")}
+    return {**tables, "dtd": ("{} texture",), "eurosat": ("a centered satellite photo of {}.",),
+            "fgvc_aircraft": ("a photo of a {}, a type of aircraft.",), "food101": ("a photo of {}, a type of food.",),
+            "flowers102": ("a photo of a {}, a type of flower.",), "oxford_pets": ("a photo of a {}, a type of pet.",),
+            "ucf101": ("a photo of a person doing {}.",)}
+
+
 def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
     """The templates of `policy` for `dataset` (demo sets: those of their `templates_from` set).
 
@@ -175,7 +177,7 @@ def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
                           f"{' or '.join(repr(p) for p in USER_PROMPT_POLICIES)}")
     if policy == "clip_dataset":  # the ImageNet family: the 80 ImageNet templates
         return imagenet80_templates() if source.startswith("imagenet") else CLIP_DATASET_TEMPLATES[source]
-    return (_coop_templates() if policy == "coop" else _dataset_templates())[source]
+    return (_transclip_templates() if policy == "transclip" else _dataset_templates())[source]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ keeps every valid part with the same metadata and rebuilds the method's state at
 online method (TDA, DPE, DLAE) replays the features of the prefix - the same `adapt` calls on the same cached
 inputs -; an episodic method (the TPT family, TPS), whose only state is small (the loss scale and the count of
 skipped steps), loads the state recorded in the last kept part (`zaec:method_state`, the state after the part's
-last row). Either way the result equals an uninterrupted run. A finished run carries a marker file
+last row); a transductive method (StatA, TransCLIP, ZLaP: `consumes = "set_features"`) gets the run's cached
+features (`attach_set`) and solves its units again from them, the scan keeping only units written whole. Either way
+the result equals an uninterrupted run. A finished run carries a marker file
 `_zaec_complete.json` next to its parts (`run_is_complete`).
 
 Only the run itself lives here (`run_extraction`, `execute`, `plan_run` and the notes they print); each step is
@@ -68,7 +70,8 @@ from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
 from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
 from extract.run.setup import RunPrompts, build_method, build_prompts, prompt_features, shard_meta
-from extract.run.stream import RunState, StreamInputs, adapt_stream, labelled_counts, replay, stream_permutation
+from extract.run.stream import (RunState, StreamInputs, adapt_stream, attach_set, labelled_counts, replay,
+                                stream_permutation)
 from extract.run.writer import PartWriter, marker_doc
 
 
@@ -208,9 +211,11 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
         warnings = [*planned.model_notes, *prompts.method.warnings, *method.warnings]
         meta = shard_meta(planned, data, model, prompts, warnings)
+        unit = planned.method_cls.transductive_unit(planned.config)  # [set features] solved jointly: 0 = the run
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
                             _state_keys(method) if planned.episodic else None,
-                            planned.method_cls.prefix_dependence(planned.config))
+                            planned.method_cls.prefix_dependence(planned.config),
+                            None if unit is None else (unit or n_run))
         run_dir.remove_marker()
         # force: every part is rewritten; the old ones go only now that the model loaded
         point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
@@ -323,8 +328,11 @@ def _announce(planned: PlannedRun, warnings: list[str], prog: Progress, log: Cal
 
 def _restore_method(inputs: StreamInputs, point: ResumePoint, start_pos: int, n_run: int, episodic: bool,
                     prog: Progress) -> None:
-    """The method's state at `start_pos`: an online method replays the kept prefix (nothing when every part was
+    """The method's state at `start_pos`: a transductive method gets the run's cached features (its units start
+    afresh at `start_pos`, a unit boundary); an online method replays the kept prefix (nothing when every part was
     kept: nothing is left to adapt); an episodic one loads the state of the last kept part."""
+    if attach_set(inputs, n_run, start_pos):
+        return
     if 0 < start_pos < n_run and not episodic:
         replay(inputs, start_pos, prog.task(f"replaying {start_pos} samples", start_pos))
     elif start_pos and point.state is not None:

@@ -161,7 +161,15 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
         return MethodCost(key, policy, skipped=failed)
     if len(calls) < 2:
         return MethodCost(key, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
-    return MethodCost(key, policy, sum(n for n, _ in calls[1:]), sum(s for _, s in calls[1:]))
+    timed = calls if solves_first(cls) else calls[1:]
+    return MethodCost(key, policy, sum(n for n, _ in timed), sum(s for _, s in timed))
+
+
+def solves_first(cls: type) -> bool:
+    """Whether the first `adapt` call of a run holds the method's main work: a transductive method (consumes
+    "set_features") solves its first unit there (the whole run by default), so its timing counts that call instead of
+    leaving it out as a warm-up."""
+    return getattr(cls, "consumes", "features") == "set_features"
 
 
 @contextlib.contextmanager
@@ -277,16 +285,17 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
     """Time the adapt loop of a run of `cls`, and a second model's pass inside the run (`EncoderPass.encode`, RLCF's
     reward model or COSMIC's DINOv2; `DiffusionPass.encode`, DiffTPT's generated views).
 
-    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`, the device
-    synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
-    anchor, and the part write when the batch completes one), and each reward encoding. Once `budget_s` seconds
-    passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
-    batch)."""
+    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)], "start": [(0, time)]}: the time
+    (`bench_clock`, the device synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch
+    (after `adapt`, the zero-shot anchor, and the part write when the batch completes one), each second model's pass, and
+    the time before the first `adapt` call (a transductive method solves in it, `solves_first`). Once `budget_s`
+    seconds passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a
+    second batch)."""
     from extract.run.diffusion import DiffusionPass
     from extract.run.reward import EncoderPass
     from extract.run.writer import PartWriter
 
-    rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": []}
+    rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": [], "start": []}
     had_own = "adapt" in cls.__dict__
     original, encode, generate, add = cls.adapt, EncoderPass.encode, DiffusionPass.encode, PartWriter.add
 
@@ -294,6 +303,9 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
         done = rec["rows"]
         if budget_s is not None and len(done) > 1 and bench_clock() - done[0][1] >= budget_s:
             raise _Enough
+        if not rec["start"]:
+            _sync_all()
+            rec["start"].append((0, bench_clock()))
         return original(self, view_feats)
 
     def timed_add(self: Any, sample_id: Any, *args: Any) -> Any:
@@ -345,11 +357,14 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
     calls = rec["rows"]
     if len(calls) < 2:
         return RunRate(key, k, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
-    n = sum(c for c, _ in calls[1:])
-    first = calls[0][0]
+    # a transductive method solves its first unit in the first call: timed from before it, every row counted
+    skip = 0 if solves_first(get_method(key)) else 1
+    n = sum(c for c, _ in calls[skip:])
+    first = sum(c for c, _ in calls[:skip])
+    begin = rec["start"][0][1] if not skip else calls[0][1]
     enc_n = sum(c for c, _ in rec["encode"])
     enc_s = sum(s for _, s in rec["encode"]) / enc_n if enc_n else 0.0
-    return RunRate(key, k, policy, n, calls[-1][1] - calls[0][1], enc_s, first + (n - 1) / 2)
+    return RunRate(key, k, policy, n, calls[-1][1] - begin, enc_s, first + (n - 1) / 2)
 
 
 def run_overrides(cls: type, reward_dir: Path | None, stand_ins: Any = None) -> dict[str, str]:
@@ -527,7 +542,7 @@ def costs_table(console: Any, costs: Sequence[MethodCost], n_classes: int) -> No
         table.add_row(c.key, c.policy, str(c.samples), f"{1e3 * c.per_sample:.3f}", *ratios)
     console.print(table)
     console.print("CPU time of the calling thread inside `method.adapt` (one torch thread), after each run's first "
-                  "call, from cached features (the encoding pass is priced apart); ratios are to TDA's and TPT's "
+                  "call (a transductive method's first call, its solve, included), from cached features (the encoding pass is priced apart); ratios are to TDA's and TPT's "
                   "time per sample in this run, which a loaded machine moves far less than the absolute times.")
 
 
@@ -665,3 +680,102 @@ def ecalp_report(console: Any, stream_points: Sequence[int], step_points: Sequen
                   f"N = 50,000: {slope * 5e4 + icpt:.1f} s per sample, the whole ImageNet stream "
                   f"{(slope * 5e4 * 5e4 / 2 + icpt * 5e4) / 3600:.0f} CPU-hours; graph at N = 50,000: "
                   f"{end['state']:,} bytes kept, {end['propagation']:,} bytes of propagation transients")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the transductive methods' growth with the unit's size N (docs/benchmarks.md, "Transductive methods: growth with N")
+
+def transductive_keys() -> list[str]:
+    """The registered methods that consume "set_features" (their solve is what the growth lines time)."""
+    from extract.methods import REGISTRY
+
+    return [k for k, cls in REGISTRY.items() if solves_first(cls)]
+
+
+@dataclass(frozen=True)
+class SolveCost:
+    """One solve of a transductive method over a whole unit of `n` random features (K classes, width D): CPU
+    `seconds` of the solving thread (one torch thread), `wall` seconds, `grew` bytes the resident set grew by
+    during it (its peak minus the resident set before it), the method's `summary`; `skipped` a failure."""
+
+    key: str
+    n: int
+    seconds: float = 0.0
+    wall: float = 0.0
+    grew: int = 0
+    summary: dict[str, Any] | None = None
+    skipped: str = ""
+
+
+def _solve_in_child(key: str, n: int, n_classes: int, dim: int, seed: int) -> SolveCost:
+    """In a fresh process: one solve of `key` over n features clustered around K random prototypes (each sample
+    its class prototype plus noise of norm ~1.5, renormalised), with one torch thread."""
+    import torch
+    import torch.nn.functional as F
+
+    from extract.methods import get_method
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed)
+    text = F.normalize(torch.randn(n_classes, dim, generator=g), dim=-1)
+    y = torch.randint(0, n_classes, (n,), generator=g)
+    feats = F.normalize(text[y] + 1.5 * torch.randn(n, dim, generator=g) / dim ** 0.5, dim=-1)[:, None]
+    cls = get_method(key)
+    method = cls(cls.default_config("imagenet", "ViT-B-16"), text, 100.0, backbone="ViT-B-16", dataset="imagenet")
+    method.attach_set(lambda a, b: feats[a:b], n)
+    rss0 = _rss_bytes()
+    t, wall = time.thread_time(), time.perf_counter()
+    method.adapt(feats)  # every row of the unit: one solve
+    sec, wall = time.thread_time() - t, time.perf_counter() - wall
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return SolveCost(key, n, sec, wall, max(0, peak - rss0), method.summary())
+
+
+def transductive_growth(keys: Sequence[str], points: Sequence[int], *, n_classes: int = 1000, dim: int = 512,
+                        log: Callable[[str], None] = lambda s: None) -> list[SolveCost]:
+    """Each method of `keys` at each unit size of `points`, every solve in a fresh process (so that its peak
+    resident set is its own)."""
+    import concurrent.futures
+    import multiprocessing
+
+    out = []
+    for key in keys:
+        for n in sorted(points):
+            log(f"solving {key} over N = {n:,} (K = {n_classes}, D = {dim})")
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                try:
+                    out.append(pool.submit(_solve_in_child, key, n, n_classes, dim, 0).result())
+                except Exception as e:  # noqa: BLE001  (reported on the method's line)
+                    out.append(SolveCost(key, n, skipped=_one_line(e)))
+    return out
+
+
+def transductive_report(console: Any, costs: Sequence[SolveCost], *, n_classes: int = 1000, dim: int = 512) -> None:
+    """One line per solve of `transductive_growth`, with each method's growth exponent from the previous size (time
+    and memory ~ N^e) and the extrapolation of its largest size to ImageNet's N = 50,000 along the last exponent."""
+    console.print(f"transductive solves over a whole unit of N random features, K = {n_classes}, D = {dim}: CPU "
+                  "seconds of the solving thread (one torch thread) and the growth of the peak resident set, one "
+                  "fresh process per solve; N^e: the growth from the previous size")
+    prev: dict[str, SolveCost] = {}
+    notes: dict[str, str] = {}  # per method: the extrapolation from its largest size
+    for c in costs:
+        if c.skipped:
+            console.print(f"{c.key} N = {c.n:,}: skipped: {c.skipped}")
+            continue
+        p = prev.get(c.key)
+        e_t = math.log(c.seconds / p.seconds) / math.log(c.n / p.n) if p and p.seconds > 0 else math.nan
+        e_m = math.log(c.grew / p.grew) / math.log(c.n / p.n) if p and p.grew and c.grew else math.nan
+        growth = "" if math.isnan(e_t) else f" (time ~ N^{e_t:.2f}" + (
+            ")" if math.isnan(e_m) else f", memory ~ N^{e_m:.2f})")
+        summary = " ".join(f"{k}={v}" for k, v in (c.summary or {}).items())
+        console.print(f"{c.key} N = {c.n:,}: {c.seconds:.2f} CPU s ({c.wall:.2f} s wall), "
+                      f"{1e3 * c.seconds / c.n:.2f} ms / sample, resident +{c.grew / 2**20:,.0f} MB{growth}"
+                      + (f"; {summary}" if summary else ""))
+        if not math.isnan(e_t):
+            scale = 50_000 / c.n
+            notes[c.key] = (f"{c.key} at N = 50,000 along N^{e_t:.2f} from N = {c.n:,}: "
+                            f"~{c.seconds * scale ** e_t / 60:.1f} CPU-minutes"
+                            + ("" if math.isnan(e_m) else f", resident +{c.grew * scale ** e_m / 2**30:.1f} GiB"))
+        prev[c.key] = c
+    for line in notes.values():
+        console.print(line)

@@ -84,6 +84,11 @@ METHOD_LABELS: dict[str, str] = {
     "boostadapter": "BoostAdapter", "rtpt": "R-TPT", "dynaprompt": "DynaPrompt", "rlcf": "RLCF", "ttl": "TTL",
     # inside the image encoder (docs/methods.md, "Methods inside the image encoder, training-free (CALIP, TCA)")
     "calip": "CALIP", "tca": "TCA",
+    # prompt tuning with history, averaging or descriptions (HisTPT, DART, AWT)
+    "histpt": "HisTPT", "dart": "DART", "awt": "AWT",
+    # transductive (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")
+    "stata": "StatA", "stata-online": "StatA-online", "transclip": "TransCLIP", "zlap": "ZLaP",
+    "zlap-inductive": "ZLaP-inductive",
 }
 #: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
 #: is over the paper's TTA methods, so these are left out of it by default

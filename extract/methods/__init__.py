@@ -28,13 +28,16 @@ from extract.methods.onzeta import OnZeta
 from extract.methods.promptalign import PromptAlign
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
+from extract.methods.stata import StatA, StatAOnline
 from extract.methods.tda import TDA
 from extract.methods.tca import TCA
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
+from extract.methods.transclip import TransCLIP
 from extract.methods.ttl import TTL
 from extract.methods.zero import Zero
 from extract.methods.zero_shot import ZeroShot
+from extract.methods.zlap import ZLaP, ZLaPInductive
 
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
@@ -48,7 +51,10 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              DOTA, OGA, BCA,
                              # methods that need a second pretrained model (docs/methods.md,
                              # "Methods that need a second pretrained model (DiffTPT, PromptAlign)"; COSMIC: its own)
-                             DiffTPT, PromptAlign, COSMIC)
+                             DiffTPT, PromptAlign, COSMIC,
+                             # transductive: each row solved jointly with its unit
+                             # (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")
+                             StatA, StatAOnline, TransCLIP, ZLaP, ZLaPInductive)
 }
 
 

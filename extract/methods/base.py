@@ -46,9 +46,11 @@ IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet
 #   dpe_cars    DPE/DLAE's Stanford Cars pair: "a photo of a {}." and
 #               "A {} featuring a wide range of color options for easy selection." (DPE `datasets/stanford_cars.py`)
 #   clip_dataset CLIP's per-dataset prompt ensembles (TCA `datasets/*.py`; the 80 templates for the ImageNet family)
-#   coop        CoOp's one template per dataset as the TransCLIP/StatA family ships it (OGA; `extract/prompts.py`)
+#   transclip   TransCLIP's and StatA's one template per dataset (their `datasets/*.py` `template`): "a photo of a
+#               {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397, "{} texture" (no full stop) for
+#               DTD, the CoOp template of each other set
 # Each template embedding is L2-normalised, averaged (with the CuPL sentences when `cupl`), and re-normalised.
-PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "coop"]
+PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "transclip"]
 # What a method's output rows are (the shard's `zaec:output_kind`, docs/contract.md): "logits" (any real vector the
 # official code ranks and calibrates through a softmax) or "log_probs" (natural-log probabilities, finite: where the
 # official code outputs probabilities or vote fractions).
@@ -566,6 +568,18 @@ class TTAMethod(abc.ABC):
             True
         """
         return None if cls.prefix_stable else f"{cls.key}'s rows depend on the samples after them"
+
+    @classmethod
+    def transductive_unit(cls, config: MethodConfig) -> int | None:
+        """For a method that consumes "set_features": how many consecutive stream positions it solves jointly, 0 for
+        the whole run (recorded in the shards as `zaec:transductive_unit`); None for every other method.
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> get_method("tda").transductive_unit(get_method("tda").default_config("dtd", "RN50")) is None
+            True
+        """
+        return None
 
     def set_stream_length(self, n: int) -> None:
         """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods

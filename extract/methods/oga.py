@@ -45,7 +45,7 @@ class OGAConfig(MethodConfig):
     augmix: bool = False
     # "standard" prompts: `dataset.template` (`utils.py:load_clip_classifier`); the `datasets` package is not in the
     # repository, the TransCLIP/StatA one it follows has CoOp's single templates [assumption: docs/methods.md]
-    prompts: PromptSet = "coop"
+    prompts: PromptSet = "transclip"
     cupl: bool = False
     shot_capacity: int = setting(8, ge=1)  # --shot_capacity
     tau: float = setting(0.05, ge=0)  # --tau: temperature of the Gaussian log-likelihoods in the MAP

@@ -18,7 +18,7 @@ from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun
 from extract.run.progress import Progress
 from extract.run.rundata import RunData
 from extract.run.stream import STREAM_RULE
-from schemas.shard import ShardMeta
+from schemas.shard import WHOLE_RUN_UNIT, ShardMeta
 
 
 def build_method(cls: type, config: Any, text_features: torch.Tensor, model: LoadedModel, *, backbone: str,
@@ -147,6 +147,9 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
     extra.update(ood_meta(planned, data))  # an OOD run's keys (docs/contract.md, "Out-of-distribution runs")
     if planned.method_cls.output_kind != "logits":  # absent means logits (docs/contract.md): older shards stay valid
         extra["zaec:output_kind"] = planned.method_cls.output_kind
+    unit = planned.method_cls.transductive_unit(planned.config)  # [set features] the rows solved jointly
+    if unit is not None:
+        extra["zaec:transductive_unit"] = str(unit) if unit else WHOLE_RUN_UNIT
     return ShardMeta(backbone=planned.backbone, pretrained=model.pretrained, dataset=planned.dataset,
                      method=o.method, seed=o.seed, class_names=ts.class_names, method_config=planned.config_dict(),
                      extra=extra, zs_prompts=zs_desc)

@@ -51,6 +51,9 @@ class AdaptCost:
         multi_view: seconds per sample when the run encodes 64 views, where that differs.
         per_position, per_position_class: seconds per sample and stream position (and class).
         provisional: a placeholder for a method still being written, applied once its key is registered.
+        solve: the cost is one solve over the whole run (a transductive method): the per-position terms price
+            its O(N²) work, not a cost that grows along the stream, and a rate measured over a run of N' samples
+            scales to n samples as this model's seconds(n) / seconds(N') (`adapt_seconds`).
     """
 
     per_sample: float
@@ -59,6 +62,7 @@ class AdaptCost:
     per_position: float = 0.0
     per_position_class: float = 0.0
     provisional: bool = False
+    solve: bool = False
 
     def seconds(self, n: int, k: int, views: int) -> float:
         """Estimated adaptation seconds of a run over the first `n` stream positions, `k` classes, `views` views."""
@@ -107,6 +111,37 @@ FIELD_ONLINE_COSTS: dict[str, AdaptCost] = {
 DIFFTPT_GENERATION_TFLOP = 63 * (50 * 1.594 + 2.515) + 3.0
 DIFFTPT_FP32_TFLOP_PER_S = 50.0
 DIFFTPT_GENERATION_S = DIFFTPT_GENERATION_TFLOP / DIFFTPT_FP32_TFLOP_PER_S
+#: The transductive solves (StatA, TransCLIP, ZLaP) priced from their work on one H100-class GPU: float32 matrix
+#: products at 20 TFLOP/s, memory at 3 TB/s (what elementwise steps and sparse products are bound by), kernel
+#: launches at 10 us (about 1,200 a solve: 11 iterations of ~110), D = 512.
+#: per pair of samples of a kNN search: 2·D flops and the similarity written and read (float32)
+_KNN_PAIR_S = 2 * 512 / 20e12 + 2 * 4 / 3e12
+#: per sample and class: one (N, D) x (D, K) product in each of the 11 iterations
+_GAUSS_S = 11 * 2 * 512 / 20e12
+#: per sample and class: 55 z-steps of ~15 passes over float32 (N, K) arrays, each read and written
+_ZSTEPS_S = 55 * 15 * 2 * 4 / 3e12
+#: per node and CG column: 8 iterations of ~500 bytes, x3 for the sparse product's gathers
+_CG_S = 3 * 8 * 500 / 3e12
+_SOLVE_LAUNCH_S = 1200 * 10e-6
+#: Measured growth of one solve on a loaded CPU (one thread, K = 1000, D = 512; docs/benchmarks.md, "Transductive
+#: methods: growth with N"): CPU seconds at N = 1,000 / 5,000 / 20,000 and time ~ N^e from 5,000 to 20,000:
+#: stata 1.0 / 7.3 / 52 s, N^1.42; stata-online 1.5 / 5.7 / 30 s (linear work); transclip 0.7 / 4.5 / 43 s, N^1.63;
+#: zlap 0.3 / 2.1 / 12 s, N^1.23; zlap-inductive 0.3 / 9.7 / 155 s, N^2.00. The O(N·K·D) Gaussian steps and z-steps
+#: dominate StatA and TransCLIP at these sizes, the O(N²·D) search grows faster; zlap-inductive's one CG column per
+#: sample makes it O(N²). The GPU figures below follow the work, in the AdaptCost form: per_class the O(N·K) terms,
+#: per_position the O(N²) ones (N(N+1)/2 positions for N² pairs: x2).
+TRANSDUCTIVE_COSTS: dict[str, AdaptCost] = {
+    "stata": AdaptCost(0.0, per_class=4 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
+    # batches of 128 solved alone: ~1,200 kernel launches a batch, the search within the batch only
+    "stata-online": AdaptCost(_SOLVE_LAUNCH_S / 128 + 128 * _KNN_PAIR_S, per_class=4 * _GAUSS_S + _ZSTEPS_S,
+                              solve=True),
+    "transclip": AdaptCost(0.0, per_class=2 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
+    # the image-text search (one product) and K CG columns over the N + K nodes
+    "zlap": AdaptCost(0.0, per_class=_GAUSS_S / 11 + _CG_S, per_position=2 * _KNN_PAIR_S, solve=True),
+    # N CG columns (one per sample) over the N + K nodes: N² work
+    "zlap-inductive": AdaptCost(0.0, per_class=_GAUSS_S / 11, per_position=2 * _KNN_PAIR_S + 2 * _CG_S, solve=True),
+}
+
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
 #: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
 #: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,
@@ -162,6 +197,10 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "difftpt": AdaptCost(DIFFTPT_GENERATION_S + 63 * ENCODE_S_PER_VIEW["vit"] + 4 * TPT["per_sample"],
                          per_class=4 * TPT["per_class"]),
     "promptalign": AdaptCost(1.43 * 2 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=TPT["per_class"]),
+    # transductive: one solve over the run (or per batch), priced from its work on one GPU (TRANSDUCTIVE_COSTS);
+    # the CPU growth measured by `make bench-extract BENCH_EXTRACT_ARGS="--only-transductive --transductive-n
+    # 1000,5000,20000"` is in docs/benchmarks.md, "Transductive methods: growth with N"
+    **TRANSDUCTIVE_COSTS,
 }
 #: Methods always priced with ADAPT_COSTS, never with a measured rate: their benches run a stand-in second model
 #: whose cost is not the real one's (DiffTPT: a tiny random pipeline; tools/second_models.py)
@@ -342,6 +381,11 @@ def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str 
         return adapt_cost(method).seconds(n, k, views_per_image(policy))
     cost = adapt_cost(method)
     pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
+    if cost.solve and pos is not None:
+        # one solve over the run, timed over every position of a run of `size` (mean position (size - 1) / 2): the
+        # measured level, this model's growth from `size` to n
+        size, views = max(1, round(2 * pos + 1)), views_per_image(policy)
+        return n * measured * (cost.seconds(n, k, views) / n) / (cost.seconds(size, k, views) / size)
     if (cost.per_position or cost.per_position_class) and pos:
         # its cost per sample grows in proportion to the samples seen (ECALP's graph): the rate measured around
         # stream position `pos` scales to n (n + 1) / 2 positions in all, as the fixed guess does
@@ -360,6 +404,9 @@ def cost_notes(methods: Sequence[str]) -> list[str]:
                          f"{DEFAULT_ADAPT_COST.per_sample} s a sample")
         elif cost.provisional:
             notes.append(f"{m}: provisional cost figure (extract/sweep/cost.py)")
+        elif cost.solve:
+            notes.append(f"{m}: one transductive solve over the run, whose search grows with the square of its "
+                         "images (--limit caps it)")
         elif cost.per_position or cost.per_position_class:
             notes.append(f"{m}: its cost per sample grows with the samples seen, so a run's cost grows with the "
                          "square of its images (--limit caps it)")

@@ -46,8 +46,10 @@ def make_stream(n: int, v: int, text: torch.Tensor, seed: int = 1, noise: float 
     return F.normalize(base, dim=-1)
 
 
-def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.float64, encoder=None, **changes):
-    """A method on the random prototypes of `make_text`; methods that tune prompts also get the tiny model."""
+def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.float64, encoder=None,
+          stream: torch.Tensor | None = None, **changes):
+    """A method on the random prototypes of `make_text`; methods that tune prompts also get the tiny model; a
+    transductive method (consumes "set_features") gets `stream` as the run's cached features."""
     if getattr(cls, "needs_reward_model", False):  # RLCF: the policy as its own reward model (no second model)
         changes.setdefault("reward_backbone", "policy")
     facts = {"vision_blocks": len(encoder.model.visual.transformer.resblocks)} if encoder is not None else {}
@@ -74,6 +76,8 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
     if getattr(cls, "second_encoder", None):  # COSMIC: fixed random DINOv2 features of the original view
         second = F.normalize(torch.randn(32, 1, 24, generator=torch.Generator().manual_seed(13), dtype=dtype), dim=-1)
         m.attach_second_encoder(lambda a, b: second[a:b])
+    if stream is not None and cls.consumes == "set_features":  # StatA, TransCLIP, ZLaP: the whole run up front
+        m.attach_set(lambda a, b: stream[a:b], len(stream))
     return m
 
 
@@ -104,13 +108,13 @@ METHODS = sorted(REGISTRY)
 def test_finite_deterministic_and_chunk_invariant(key, v, encoder):
     cls = REGISTRY[key]
     x = make_stream(30, v, make_text(dtype=torch.float32)).float()
-    whole = build(cls, v, dtype=torch.float32, encoder=encoder).adapt(x)
+    whole = build(cls, v, dtype=torch.float32, encoder=encoder, stream=x).adapt(x)
     assert whole.shape == (30, K) and whole.dtype == torch.float32
     assert torch.isfinite(whole).all()
-    again = build(cls, v, dtype=torch.float32, encoder=encoder).adapt(x)
+    again = build(cls, v, dtype=torch.float32, encoder=encoder, stream=x).adapt(x)
     assert torch.equal(whole, again)
     for chunk in (1, 7):
-        m = build(cls, v, dtype=torch.float32, encoder=encoder)
+        m = build(cls, v, dtype=torch.float32, encoder=encoder, stream=x)
         parts = torch.cat([m.adapt(x[i:i + chunk]) for i in range(0, len(x), chunk)])
         # a tuner taking several steps per sample carries each step's rounding into the next (RLCF: 5 steps;
         # tests/support/tpt.py `tuned_tol`)
@@ -128,7 +132,7 @@ def test_prefix_stable_declared_and_true(key, encoder):
     x = make_stream(24, 20, make_text(dtype=torch.float32), seed=5).float()
 
     def rows(n):
-        m = build(cls, 20, dtype=torch.float32, encoder=encoder)
+        m = build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x[:n])
         m.set_stream_length(n)
         return torch.cat([m.adapt(x[i:min(i + 4, n)]) for i in range(0, n, 4)])[:8]
 
@@ -841,11 +845,11 @@ def test_text_residual_gradient_rounded_per_term(cls, amp, monkeypatch):
 def test_state_dict_resume_equals_uninterrupted(key, tmp_path, encoder):
     cls = REGISTRY[key]
     x = make_stream(24, 20, make_text(dtype=torch.float32)).float()
-    whole = build(cls, 20, dtype=torch.float32, encoder=encoder).adapt(x)
-    first = build(cls, 20, dtype=torch.float32, encoder=encoder)
+    whole = build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x).adapt(x)
+    first = build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x)
     head = first.adapt(x[:11])
     torch.save(first.state_dict(), tmp_path / "state.pt")
-    second = build(cls, 20, dtype=torch.float32, encoder=encoder)
+    second = build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x)
     second.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert second.n_seen == 11
     torch.testing.assert_close(torch.cat([head, second.adapt(x[11:])]), whole, rtol=0, atol=0)
@@ -863,11 +867,11 @@ def test_amp_fp16_needs_cuda(cls):
 
 @pytest.mark.parametrize("key", METHODS)
 def test_state_dict_before_any_sample(key, encoder):
-    m = build(REGISTRY[key], 1, encoder=encoder)
-    fresh = build(REGISTRY[key], 1, encoder=encoder)
-    fresh.load_state_dict(m.state_dict())
     x = make_stream(5, 1, make_text())
-    want = build(REGISTRY[key], 1, encoder=encoder).adapt(x)
+    m = build(REGISTRY[key], 1, encoder=encoder, stream=x)
+    fresh = build(REGISTRY[key], 1, encoder=encoder, stream=x)
+    fresh.load_state_dict(m.state_dict())
+    want = build(REGISTRY[key], 1, encoder=encoder, stream=x).adapt(x)
     torch.testing.assert_close(fresh.adapt(x), want, rtol=0, atol=0)
 
 

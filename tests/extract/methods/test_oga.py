@@ -132,7 +132,7 @@ def build(text, **changes):
 def test_defaults():
     c = OGA.default_config("imagenet", "RN50")
     assert (c.shot_capacity, c.tau, c.sig_type, c.normalize_mu, c.batch_size, c.n_views, c.prompts) == (
-        8, 0.05, "RidgeMoorePenrose", False, 1, 1, "coop")
+        8, 0.05, "RidgeMoorePenrose", False, 1, 1, "transclip")
     assert OGA.output_kind == "log_probs" and OGA.unseen_config("RN50").prompts == "single"
 
 
