@@ -457,14 +457,19 @@ def architecture_facts(backbone: str, pretrained: str) -> dict[str, int]:
         >>> architecture_facts("ViT-B-16", "openai")  # doctest: +SKIP
         {'vision_blocks': 12}
     """
-    if pretrained.startswith(LOCAL_DIR):
-        cfg = _local_dir_config(Path(pretrained[len(LOCAL_DIR):]).expanduser()).get("model_cfg", {})
-    else:
-        import open_clip
-
-        cfg = open_clip.get_model_config(backbone) or {}
-    layers = (cfg.get("vision_cfg") or {}).get("layers")
+    layers = (architecture_config(backbone, pretrained).get("vision_cfg") or {}).get("layers")
     return {"vision_blocks": layers} if isinstance(layers, int) and not isinstance(layers, bool) else {}
+
+
+def architecture_config(backbone: str, pretrained: str) -> dict[str, Any]:
+    """The architecture's open_clip model config (`embed_dim`, `vision_cfg`, `text_cfg`, ...): open_clip's for a
+    named architecture, or the `open_clip_config.json` of a `local-dir:` folder; {} for a name open_clip does not
+    know. Raises ModelError for a `local-dir:` folder without a readable config."""
+    if pretrained.startswith(LOCAL_DIR):
+        return _local_dir_config(Path(pretrained[len(LOCAL_DIR):]).expanduser()).get("model_cfg", {})
+    import open_clip
+
+    return open_clip.get_model_config(backbone) or {}
 
 
 @contextlib.contextmanager

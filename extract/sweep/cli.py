@@ -29,7 +29,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 import typer
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
-from extract.sweep.cost import cost_notes
+from extract.sweep.cost import cost_notes, plan_title
 from extract.sweep.grid import plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import (
@@ -133,8 +133,7 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
     from rich.table import Table
 
     df = plan_frame(groups, opts.cost())
-    priced = f"the rates measured in {opts.rates}" if opts.rates else "fixed guesses (extract/sweep/cost.py)"
-    t = Table(title=f"sweep plan (GPU-hours: an estimate from {priced})")
+    t = Table(title=plan_title([r for g in groups for r in g.runs], opts.cost()))
     for h in ("group (backbone/dataset/views/seed)", "methods", "images", "views", "est. GPU-h"):
         t.add_column(h, justify="right" if h in ("images", "views", "est. GPU-h") else "left")
     for r in df.iter_rows(named=True):
@@ -145,7 +144,7 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
     console.print(f"{n_runs} run(s) to submit in {len(groups)} group(s), about {fmt_hours(total)} GPU-hours; "
                   f"{len(skipped)} complete (skipped); {len(active)} already submitted and still active",
                   highlight=False)
-    for note in cost_notes([m for g in groups for m in g.methods]):
+    for note in cost_notes([r for g in groups for r in g.runs]):
         console.print(f"note: {note}", markup=False, highlight=False)
     if not groups:
         return

@@ -255,7 +255,7 @@ class Group:
 
     def estimate_hours(self, rates: Rates | None = None) -> float:
         """Estimated GPU-hours: one encoding pass of the group's views plus each method's adaptation, priced with
-        the measured `rates` where they cover it, else with the fixed guesses (`extract.sweep.cost`)."""
+        the measured `rates` where they cover it, else from each method's work (`extract.sweep.cost`)."""
         return estimate_hours(self.runs, rates)
 
 
