@@ -64,7 +64,7 @@ from extract.run.pixels import attach_views
 from extract.run.reward import attach_reward, check_reward_model
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
-from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
+from extract.run.settings import FinishedRun, finished_run, load_run_data, longer_run_refusal, run_settings
 from extract.run.setup import RunPrompts, build_method, build_prompts, prompt_features, shard_meta
 from extract.run.stream import RunState, StreamInputs, adapt_stream, labelled_counts, replay, stream_permutation
 from extract.run.writer import PartWriter, marker_doc
@@ -159,9 +159,10 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
         elif not force:
-            shorter = shorter_note(planned, run_dir, data.n_total, run_settings(planned, data))
-            if shorter is not None:
-                note(shorter, log)
+            longer = longer_run_refusal(planned, run_dir, data)
+            if longer is not None:
+                raise RunError(f"{longer}: write it elsewhere with --out (both are kept), or pass --force to "
+                               "replace it")
         check_reward_model(planned)  # [reward model] RLCF's second model, checked before the policy loads
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
@@ -198,7 +199,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         meta = shard_meta(planned, data, model, prompts, warnings)
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
                             _state_keys(method) if planned.episodic else None,
-                            planned.method_cls.prefix_dependence(planned.config))
+                            planned.method_cls.prefix_dependence(planned.config), options.adapt_batch)
         run_dir.remove_marker()
         # force: every part is rewritten; the old ones go only now that the model loaded
         point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
@@ -209,10 +210,15 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         inputs = StreamInputs(options.method, method, FeatureReader(cache, planned.policy), anchor_text,
                               model.logit_scale, model.device, perm, data.testset.labels, options.adapt_batch)
         writer = PartWriter(run_dir, meta, method, episodic=planned.episodic, part_size=options.part_size,
-                            n_run=n_run, kept=[run_dir.part(p) for p in range(point.start_part)])
+                            n_run=n_run, kept=[run_dir.part(p) for p in range(point.start_part)],
+                            carried=point.carried)
         state = RunState(point.start_pos(scope), point.correct_tta, point.correct_zs,
                          labelled=labelled_counts(perm, data.testset.labels) if data.n_id is not None else None)
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
+        if point.kept_note:
+            from rich.markup import escape
+
+            (log or prog.print)(point.kept_note if log is not None else escape(point.kept_note))
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
         if reward is not None:  # [reward model] its features of the same views, into its own cache
@@ -258,22 +264,6 @@ def reuse_note(planned: PlannedRun, done: FinishedRun, n_total: int) -> str:
                  f"its adapt calls) and its shards hold all {n_done} (stream_pos < {n_run} are the ones asked for); "
                  "--force would replace it with the shorter run, --out elsewhere keeps both")
     return line
-
-
-def shorter_note(planned: PlannedRun, run_dir: RunDir, n_total: int, settings: Mapping[str, Any]) -> str | None:
-    """The line a limited run prints when it computes its samples although a finished longer run with the same
-    `settings` lies in its folder (`RunDir.shorter_refusal` says why that run's first rows are not this run's);
-    None otherwise (a run with other settings is refused or recomputed by the resume scan, which says so)."""
-    counts = run_dir.finished_counts()
-    n_run = planned.n_run(n_total)
-    if counts is None or counts[0] <= n_run or (run_dir.read_marker() or {}).get("settings") != settings:
-        return None
-    why = run_dir.shorter_refusal(n_run)
-    if why is None:  # served (or refused for its settings) by the finished-run check
-        return None
-    return (f"{planned.options.method} on {planned.dataset}: the finished run under {run_dir.path} holds "
-            f"{counts[0]} samples, but its first {n_run} are not what a {n_run}-sample run computes ({why}); "
-            f"computing the {n_run}-sample run, which replaces it (--out elsewhere keeps both)")
 
 
 def _recompute_or_refuse(done: FinishedRun, on_changed: str, log: Callable[[str], None] | None) -> None:

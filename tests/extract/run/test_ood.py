@@ -12,14 +12,12 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-import extract.methods as methods
 from extract.cli import app
 from extract.datasets import DatasetError, load_ood_images, load_testset
 from extract.run import writer as run_writer
 from extract.runner import run_extraction
 from schemas.shard import OOD_LABEL, read_shard, validate_shard
 
-from tests.extract.test_runner import RunningMean
 from tests.support.extract import interrupt_nth_write, make_json_dataset, write_image
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
@@ -55,12 +53,6 @@ def _reference_stream(key: str, seed: int, n: int) -> np.ndarray:
     """docs/extract.md, "Out-of-distribution runs": one permutation of the n_id + n_ood sample ids, seeded by the
     seed and the run's dataset key `<ood>@<id>` (written out here, not taken from `stream_permutation`)."""
     return np.random.default_rng([seed, zlib.crc32(key.encode())]).permutation(n)
-
-
-@pytest.fixture
-def running_mean(monkeypatch):
-    monkeypatch.setitem(methods.REGISTRY, RunningMean.key, RunningMean)
-    return RunningMean.key
 
 
 def test_ood_images_listing(data_root):
