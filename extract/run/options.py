@@ -100,6 +100,8 @@ class RunOptions:
         ood_for: an out-of-distribution run: the in-distribution dataset's key; `dataset` is then the OOD set, the
             stream mixes both sets' images and every image is classified with the in-distribution set's class
             names, prompts and method settings (docs/extract.md, "Out-of-distribution runs"). None: a plain run.
+        ood_for_ref, ood_for_class_names_file: for a user's in-distribution set, what `dataset_ref` and
+            `class_names_file` are for `dataset` (another process registers it from them).
     """
 
     method: str
@@ -120,6 +122,8 @@ class RunOptions:
     dataset_ref: str | None = None
     class_names_file: str | None = None
     ood_for: str | None = None
+    ood_for_ref: str | None = None
+    ood_for_class_names_file: str | None = None
 
     @classmethod
     def make(cls, method: str, dataset: str, *, overrides: Mapping[str, Any] | None = None,
@@ -163,11 +167,14 @@ class RunOptions:
         return ood_run_dataset(self.dataset, self.ood_for)
 
     def register_dataset(self) -> str:
-        """Register a user's dataset in this process (from `dataset_ref`); returns the dataset key."""
-        if self.dataset_ref is None:
-            return self.dataset
+        """Register a user's dataset in this process (from `dataset_ref`), and a user's in-distribution set of an
+        OOD run (`ood_for_ref`); returns the dataset key."""
         from extract.datasets import resolve_dataset
 
+        if self.ood_for is not None and self.ood_for_ref is not None:
+            resolve_dataset(self.ood_for_ref, name=self.ood_for, class_names=self.ood_for_class_names_file)
+        if self.dataset_ref is None:
+            return self.dataset
         return resolve_dataset(self.dataset_ref, name=self.dataset, class_names=self.class_names_file)
 
 

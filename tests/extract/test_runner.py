@@ -40,6 +40,17 @@ def _run(method, tmp_path, model, data_root, **kw):
                           **{k: v for k, v in args.items() if k != "dataset"})
 
 
+def _whole_run_equals_a_fresh_one(method, tmp_path, tiny_model, data_root):
+    """Run `method` over the whole set into tmp_path/out (over what lies there), check it equals a run into an empty
+    folder, and return the lines the first printed."""
+    lines: list[str] = []
+    got = _table(_run(method, tmp_path, tiny_model, data_root, log=lines.append))
+    fresh = _table(_run(method, tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
+    for k, v in fresh.items():
+        np.testing.assert_array_equal(got[k], v)
+    return lines
+
+
 def _table(paths):
     shards = [read_shard(p) for p in paths]
     return {k: np.concatenate([getattr(s, k) for s in shards])
@@ -580,11 +591,7 @@ def test_limit_after_a_full_onzeta_run_computes_the_limited_run_when_forced(tmp_
 def test_a_full_onzeta_run_keeps_no_part_of_a_limited_one(tmp_path, tiny_model, data_root):
     """The resume scan: part 0 of an 8-sample OnZeta run holds positions 0..7, but with another schedule."""
     _run("onzeta", tmp_path, tiny_model, data_root, limit=8)
-    lines: list[str] = []
-    extended = _table(_run("onzeta", tmp_path, tiny_model, data_root, log=lines.append))
-    fresh = _table(_run("onzeta", tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
-    for k, v in fresh.items():
-        np.testing.assert_array_equal(extended[k], v)
+    lines = _whole_run_equals_a_fresh_one("onzeta", tmp_path, tiny_model, data_root)
     assert any("was written by a run of 8 samples, this run has 18" in ln for ln in lines)
 
 
@@ -680,11 +687,7 @@ def test_a_full_run_after_a_limited_one_keeps_its_rows(tmp_path, tiny_model, dat
 def test_a_full_run_after_a_limited_one_that_cut_an_adapt_call_recomputes_it_and_says_why(tmp_path, tiny_model,
                                                                                           data_root):
     _run("tda", tmp_path, tiny_model, data_root, limit=5)
-    lines: list[str] = []
-    extended = _table(_run("tda", tmp_path, tiny_model, data_root, log=lines.append))
-    fresh = _table(_run("tda", tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
-    for k, v in fresh.items():
-        np.testing.assert_array_equal(extended[k], v)
+    lines = _whole_run_equals_a_fresh_one("tda", tmp_path, tiny_model, data_root)
     said = [ln for ln in lines if "part-00000" in ln]
     assert len(said) == 1 and "the end of a finished 5-sample run, whose last adapt call held 1 samples where this " \
         "run's holds 4" in said[0] and "nothing kept" in said[0]
@@ -698,10 +701,6 @@ def test_an_interrupted_extension_of_a_limited_run_resumes_equal(tmp_path, tiny_
     with pytest.raises(KeyboardInterrupt):
         _run("tda", tmp_path, tiny_model, data_root)
     monkeypatch.setattr(run_writer, "write_shard", real)
-    assert (tmp_path / "out").rglob("part-00000.parquet")
-    lines: list[str] = []
-    again = _table(_run("tda", tmp_path, tiny_model, data_root, log=lines.append))
-    fresh = _table(_run("tda", tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
-    for k, v in fresh.items():
-        np.testing.assert_array_equal(again[k], v)
+    assert list((tmp_path / "out").rglob("part-00000.parquet"))
+    lines = _whole_run_equals_a_fresh_one("tda", tmp_path, tiny_model, data_root)
     assert any("are kept; computing from position 4" in ln for ln in lines)

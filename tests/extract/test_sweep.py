@@ -204,7 +204,7 @@ def test_limit_caps_the_estimate(tmp_path):
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     res = _cli("run", "--methods", "zero-shot,tda,dpe,dlae", "--datasets", "all", "--backbones", "ViT-B-16,RN50",
-               "--seeds", "1", "--out", str(out), "--dry-run")
+               "--seeds", "1", "--out", str(out), "--dry-run", "--skip-data-check")
     assert res.exit_code == 0, res.output
     assert "120 run(s) to submit in 60 group(s)" in " ".join(res.output.split()) and "GPU-hours" in res.output
     assert not out.exists()
@@ -251,7 +251,7 @@ def test_measured_rates_price_the_plan(tmp_path):
             want = g.estimate_hours() * 3600
         assert g.estimate_hours(rates) * 3600 == pytest.approx(want, rel=rel, abs=0)  # sums of positive terms
     out = tmp_path / "o"
-    args = ("run", "--methods", "tpt", "--datasets", "imagenet", "--out", str(out), "--dry-run")
+    args = ("run", "--methods", "tpt", "--datasets", "imagenet", "--out", str(out), "--dry-run", "--skip-data-check")
     a, b = _cli(*args), _cli(*args, "--rates", str(tmp_path / "r.json"))
     assert a.exit_code == b.exit_code == 0, a.output + b.output
     assert "adaptation measured in" in " ".join(b.output.split())
@@ -284,7 +284,8 @@ def test_a_bad_rates_file_is_one_line(doc, message, tmp_path):
 
 def test_default_command_is_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        sweep.main(["--methods", "zero-shot", "--datasets", "dtd", "--out", str(tmp_path / "o"), "--dry-run"])
+        sweep.main(["--methods", "zero-shot", "--datasets", "dtd", "--out", str(tmp_path / "o"), "--dry-run",
+                    "--skip-data-check"])
     assert e.value.code == 0
     assert "1 run(s) to submit in 1 group(s)" in " ".join(capsys.readouterr().out.split())
 
@@ -293,15 +294,16 @@ def test_config_file_equals_the_options(tmp_path):
     cfg = tmp_path / "grid.toml"
     cfg.write_text('methods = ["zero-shot", "tda"]\ndatasets = "dtd,eurosat"\nbackbones = ["RN50"]\n'
                    'seeds = [1, 2]\nexecutor = "slurm"\npartition = "gpu"\ntimeout_min = 45\n')
-    a = _cli("run", "--config", str(cfg), "--out", str(tmp_path / "o"), "--dry-run")
+    a = _cli("run", "--config", str(cfg), "--out", str(tmp_path / "o"), "--dry-run", "--skip-data-check")
     b = _cli("run", "--methods", "zero-shot,tda", "--datasets", "dtd,eurosat", "--backbones", "RN50",
              "--seeds", "1,2", "--executor", "slurm", "--partition", "gpu", "--timeout-min", "45",
-             "--out", str(tmp_path / "o"), "--dry-run")
+             "--out", str(tmp_path / "o"), "--dry-run", "--skip-data-check")
     assert a.exit_code == b.exit_code == 0, a.output + b.output
     assert a.output == b.output
     assert "#SBATCH --partition=gpu" in a.output and "#SBATCH --time=45" in a.output
     # an option on the command line overrides the file
-    c = _cli("run", "--config", str(cfg), "--partition", "big", "--out", str(tmp_path / "o"), "--dry-run")
+    c = _cli("run", "--config", str(cfg), "--partition", "big", "--out", str(tmp_path / "o"), "--dry-run",
+             "--skip-data-check")
     assert "#SBATCH --partition=big" in c.output
 
 
@@ -745,3 +747,15 @@ def test_every_registered_method_is_priced_from_its_own_bench_rate(tmp_path):
                                       rel=rel, abs=0), m
     only_tpt = load_rates(str(_write_rates(tmp_path / "tpt.json")))
     assert only_tpt.measured("ViT-B-16", "ctpt") == "tpt" and only_tpt.measured("ViT-B-16", "dynaprompt") is None
+
+
+def test_methods_all_is_every_registered_method(tmp_path, monkeypatch):
+    """Issue 35 item 11: `--methods all` as `--datasets all` and the demo's `--methods all` take it."""
+    captured: list[RunSpec] = []
+    monkeypatch.setattr(sweep, "sweep_run", lambda runs, *a, **k: captured.extend(runs) or 0)
+    res = _cli("run", "--dry-run", "--skip-data-check", "--methods", "all", "--datasets", "dtd", "--out",
+               str(tmp_path / "o"), "--set", "rlcf.reward_backbone=policy")
+    assert res.exit_code == 0, res.output
+    assert [r.method for r in captured] == list(REGISTRY)
+    assert [r.method for r in expand_grid(Grid(("tda", "all"), ("dtd",)), out=tmp_path)] == \
+        ["tda", *(m for m in REGISTRY if m != "tda")]

@@ -144,7 +144,8 @@ def test_the_plan_title_says_per_method_whether_measured_or_estimated(tmp_path, 
     assert cost.adapt_seconds("tpt", "dtd", 1692, "augmix", "RN50", rates) == pytest.approx(want, rel=64 * EPS, abs=0)
     assert want != pytest.approx(adapt_reference(cost.ADAPT_COSTS["tpt"], 1692, 47, 64, fig, H100))
     res = CliRunner().invoke(sweep.app, ["run", "--methods", "tpt,tda", "--datasets", "dtd", "--backbones",
-                                         "ViT-B-16,RN50", "--out", "o", "--rates", "r.json", "--dry-run"])
+                                         "ViT-B-16,RN50", "--out", "o", "--rates", "r.json", "--dry-run",
+                                         "--skip-data-check"])
     assert res.exit_code == 0, res.output
     flat = " ".join(res.output.split())
     assert "measured in r.json: tpt (ViT-B-16)" in flat and "estimated from their work on an A100" in flat
