@@ -38,6 +38,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from extract.cache import TextCache, resolve_cache_dir
 from extract.datasets import check_outside_dataset
+from extract.defaults import DEFAULT_MAX_IMAGE_PIXELS
 from extract.models import LoadedModel, load_model
 from extract.run.encode import FeatureReader, encode_pass, open_feature_cache
 from extract.run.options import (
@@ -106,6 +107,7 @@ def run_extraction(
     part_size: int = DEFAULT_PART_SIZE,
     progress: bool = True,
     wait_lock: float | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     model: LoadedModel | None = None,
     log: Callable[[str], None] | None = None,
     ood_for: str | None = None,
@@ -126,7 +128,7 @@ def run_extraction(
                               adapt_batch=adapt_batch, part_size=part_size, ood_for=ood_for)
     execution = ExecOptions(out=out, cache_dir=cache_dir, device=device, batch_size=batch_size, workers=workers,
                             chunk_size=chunk_size, resume=resume, force=force, on_changed=on_changed,
-                            progress=progress, wait_lock=wait_lock)
+                            progress=progress, wait_lock=wait_lock, max_image_pixels=max_image_pixels)
     return execute(options, execution, model=model, log=log)
 
 
@@ -144,6 +146,9 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         options = dataclasses.replace(options, backbone=model.backbone, pretrained=model.pretrained)
     planned = plan(options)
     data = load_run_data(planned)
+    # how its images are read (never part of its identity): the loaders refuse one over the pixel limit
+    data = dataclasses.replace(data, testset=dataclasses.replace(data.testset,
+                                                                 max_image_pixels=execution.max_image_pixels))
     for folder, option in ((execution.out, "--out"), (resolve_cache_dir(execution.cache_dir), "--cache-dir")):
         for testset in data.listed_sets():  # files written inside a folder set change its listing
             check_outside_dataset(testset, folder, option)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
-from extract.defaults import DEFAULT_BACKBONE
+from extract.defaults import DEFAULT_BACKBONE, DEFAULT_MAX_IMAGE_PIXELS
 from schemas.atomic import check_output_dir as schemas_check_output_dir
 
 if TYPE_CHECKING:
@@ -195,6 +195,8 @@ class ExecOptions:
         progress: show the rich progress bar.
         wait_lock: seconds to wait while another process owns the run folder (`RunDir.lock`); None: for ever,
             0: stop at once with one line naming the owner.
+        max_image_pixels: an image of more pixels stops the run with one line naming it (Pillow's
+            decompression-bomb guard, `extract.datasets.open_image`); 0: no limit.
     """
 
     out: str | os.PathLike = DEFAULT_OUT
@@ -208,6 +210,7 @@ class ExecOptions:
     on_changed: str = "refuse"
     progress: bool = True
     wait_lock: float | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -421,6 +424,9 @@ def check_options(options: RunOptions, execution: ExecOptions) -> None:
                      "($ZAEC_CACHE_DIR or data/cache; set --cache-dir)")
     if execution.wait_lock is not None and not execution.wait_lock >= 0:
         raise RunError(f"--wait-lock must be >= 0 seconds, got {execution.wait_lock}")
+    n = execution.max_image_pixels
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise RunError(f"--max-image-pixels must be an integer >= 0 (0: no limit), got {n!r}")
     if execution.on_changed not in ON_CHANGED:
         raise RunError(f"on_changed must be 'refuse' or 'recompute', got {execution.on_changed!r}")
 

@@ -50,6 +50,7 @@ from extract.defaults import (
     DEFAULT_BACKBONE,
     DEFAULT_CACHE_DIR,
     DEFAULT_DATA_ROOT,
+    DEFAULT_MAX_IMAGE_PIXELS,
 )
 from extract.run.options import (
     ADAPT_BATCH_HELP,
@@ -386,6 +387,10 @@ def run(
                                               help="while another process writes one of the runs: a job waits at "
                                                    "most SECONDS, then fails that run (0: at once) [default: waits "
                                                    "until it finishes]"),
+    max_image_pixels: Optional[int] = typer.Option(None, metavar="N",
+                                                   help="an image of more pixels fails its run with one line naming "
+                                                        "it (Pillow's decompression-bomb guard); 0: no limit "
+                                                        f"[default: {DEFAULT_MAX_IMAGE_PIXELS:,}]"),
     executor: Optional[str] = typer.Option(None, help="local (this machine) or slurm [default: local]"),
     partition: Optional[str] = typer.Option(None, help="SLURM partition"),
     account: Optional[str] = typer.Option(None, help="SLURM account"),

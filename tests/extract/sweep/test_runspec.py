@@ -51,7 +51,8 @@ def _values(tmp_path: Path) -> dict[str, object]:
     return {"limit": 3, "anchor": "method", "data_root": tmp_path / "root", "cupl_dir": tmp_path / "cupl",
             "sh_filter": True, "fingerprint": "content", "adapt_batch": 2, "part_size": 4,
             "out": tmp_path / "out", "cache_dir": tmp_path / "cache", "device": "cpu", "batch_size": 7,
-            "workers": 3, "chunk_size": 9, "exif_transpose": True, "ood_for": "imagenet", "wait_lock": 30.0}
+            "workers": 3, "chunk_size": 9, "exif_transpose": True, "ood_for": "imagenet", "wait_lock": 30.0,
+            "max_image_pixels": 1000}
 
 
 def test_the_sweep_options_are_the_fields_of_the_run_options():
