@@ -8,9 +8,11 @@ images x views through the image encoder, and each method's adaptation, priced i
 2. estimated from its work: a method's `AdaptCost.work` (`Work`: FLOPs, bytes moved, kernel launches and host
    seconds, each a sum of terms over the run's sizes) priced with the figures of a card (`CARDS`: the rates file's
    device, else `DEFAULT_CARD`);
-3. guessed: the seconds figures of an `AdaptCost` without work (a method whose work is not written down yet).
+3. estimated in seconds: the seconds figures of an `AdaptCost` without work (an estimate its author wrote in
+   GPU-seconds);
+4. default: `DEFAULT_ADAPT_COST`, for a registered method without an entry (the plan names it).
 
-The plan's title says which of the three priced each method. A new method adds one `ADAPT_COSTS` entry with a few
+The plan's title says which priced each method. A new method adds one `ADAPT_COSTS` entry with a few
 numbers: its work per sample (`"N"`), per sample and class (`"N*K"`), per stream position (`"P"`, the n-th sample
 doing n units: a memory of every sample seen), or over the whole set (`"N^2*D"` for a dense affinity, `"N*K"` per
 solver iteration), in the symbols of `SYMBOLS`; the backbone's own figures (`D`, `img_flops`, `txt_flops`, ...) are
@@ -531,15 +533,17 @@ def adapt_cost(method: str) -> AdaptCost:
 
 
 #: How a method's adaptation was priced (`price_basis`), in the order the plan's title lists them.
-BASES: tuple[str, ...] = ("measured", "estimated", "guessed")
+BASES: tuple[str, ...] = ("measured", "estimated", "seconds", "default")
 
 
 def price_basis(method: str, backbone: str | None, rates: Rates | None = None) -> str:
     """"measured" (the rates file holds the backbone and the method, or its `RATE_PROXY`), "estimated" (from its
-    `Work` on a card) or "guessed" (seconds figures)."""
+    `Work` on a card), "seconds" (its entry's seconds figures) or "default" (no entry: `DEFAULT_ADAPT_COST`)."""
     if rates is not None and backbone is not None and rates.measured(backbone, method) is not None:
         return "measured"
-    return "estimated" if adapt_cost(method).work is not None else "guessed"
+    if method not in ADAPT_COSTS:
+        return "default"
+    return "estimated" if ADAPT_COSTS[method].work is not None else "seconds"
 
 
 def plan_card(rates: Rates | None = None) -> Card:
@@ -587,7 +591,8 @@ def plan_title(runs: Sequence["RunSpec"], rates: Rates | None = None) -> str:
     card = plan_card(rates).name
     labels = {"measured": f"measured in {rates.source if rates else ''}",
               "estimated": f"estimated from their work on an {card}",
-              "guessed": "guessed (seconds figures in extract/sweep/cost.py)"}
+              "seconds": "estimated in GPU-seconds (extract/sweep/cost.py)",
+              "default": f"no cost entry, {DEFAULT_ADAPT_COST.per_sample} s a sample"}
     encoding = f"measured in {rates.source}" if rates is not None else "the planning rates of extract/sweep/cost.py"
     parts = [f"{labels[b]}: {', '.join(ms)}" for b, ms in price_bases(runs, rates).items()]
     return f"sweep plan (GPU-hours, an estimate; encoding: {encoding}; adaptation {'; '.join(parts) or 'none'})"
