@@ -25,7 +25,7 @@ class ViewImages:
 
     def _one(self, pos: int) -> torch.Tensor:
         self.data.items = [[(pos, True, self.policy != "single")]]
-        _, v0, aug, coef = self.data[0]
+        _, v0, aug, coef, _ = self.data[0]
         if isinstance(v0, str):  # an image that cannot be read (named in the message)
             raise DatasetError(v0)
         dev = self.model.device
