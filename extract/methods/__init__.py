@@ -7,8 +7,10 @@ config and override helpers are imported from `extract.methods.base`, each metho
 from __future__ import annotations
 
 from extract.methods.atpt import ATPT
+from extract.methods.batclip import BATCLIP
 from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
+from extract.methods.deyo import DeYO
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
@@ -18,6 +20,7 @@ from extract.methods.mta import MTA
 from extract.methods.onzeta import OnZeta
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
+from extract.methods.sar import SAR
 from extract.methods.tda import TDA
 from extract.methods.tent import Tent
 from extract.methods.tps import TPS
@@ -32,7 +35,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # methods that adapt the image encoder over batches of test images (consume
                              # "batch_pixels"), each with its section in docs/methods.md
-                             Tent)
+                             Tent, SAR, DeYO, BATCLIP)
 }
 
 

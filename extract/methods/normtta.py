@@ -35,6 +35,7 @@ import torch.nn as nn
 from extract.methods.batch import BatchConfig, PixelBatchMethod
 from extract.methods.base import MethodConfig, setting
 from extract.methods.common import softmax_entropy
+from extract.methods.panda import batch_generator, negative_images
 
 Optimizer = Literal["adamw", "adam", "sgd"]
 
@@ -126,6 +127,8 @@ class NormTTA(PixelBatchMethod):
     the layers (`trains`) and implement `_adapt` with `logits`, `scaled_step` and `predict`."""
 
     _state_fields: ClassVar[tuple[str, ...]] = ("steps_done", "skipped_steps")
+    #: the official loop scales its loss (`GradScaler`) under `amp`; SAR's does not
+    loss_scaling: ClassVar[bool] = True
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
@@ -142,7 +145,7 @@ class NormTTA(PixelBatchMethod):
         self.device = self.params[0].device
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cfg.grad_scale_init,
                                            growth_interval=cfg.grad_scale_growth_interval,
-                                           enabled=self._use_amp(self.device))
+                                           enabled=self.loss_scaling and self._use_amp(self.device))
         # the state a reset goes back to (SAR's model recovery): the parameters and optimiser as configured
         self.initial = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
         self.steps_done = 0
@@ -190,9 +193,36 @@ class NormTTA(PixelBatchMethod):
     def logits(self, images: torch.Tensor, text: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, 3, S, S) -> (logits (N, K), image features before normalisation (N, D)) through the adapted
         encoder: z = s · (f / ‖f‖) T̂ᵀ (`ClipTestTimeTuningNorm.forward`)."""
-        pre = self.visual(images)
+        try:
+            pre = self.visual(images)
+        except ValueError as e:  # torch's BatchNorm on batch statistics with one value per channel
+            if "value per channel" not in str(e):
+                raise
+            raise ValueError(f"{self.key}: the image encoder's BatchNorms normalise with the statistics of the "
+                             f"batch they see, and a batch of {images.shape[0]} image(s) leaves one value per "
+                             f"channel in its last stage ({self.backbone} at {tuple(images.shape[-2:])} px; RN50 at "
+                             "224 px keeps 7 x 7); the official code stops there too: use larger images or batches"
+                             ) from None
         feats = pre / pre.norm(dim=-1, keepdim=True)
         return self.logit_scale * (feats @ (self.text() if text is None else text).t()), pre
+
+    def batch_logits(self, images: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """The logits a step or a prediction uses: `logits`, or with Panda (`panda`, `gen` its draws; None: plain
+        logits) the hedged z − β·mean of the logits of the batch's negative images through the same encoder (TTABC
+        `panda.py` `panda_logits`; the negatives carry gradient too)."""
+        logits, _ = self.logits(images)
+        cfg: Any = self.config
+        if not getattr(cfg, "panda", False) or gen is None:
+            return logits
+        negatives = negative_images(images, cfg.panda_patch_size, gen)
+        if negatives is None:  # one image: no negative image exists
+            return logits
+        return logits - cfg.panda_beta * self.logits(negatives)[0].mean(0, keepdim=True)
+
+    def generator(self) -> torch.Generator | None:
+        """The batch's generator for Panda's negative images (None without Panda)."""
+        cfg: Any = self.config
+        return batch_generator(cfg.panda_seed, self.n_seen) if getattr(cfg, "panda", False) else None
 
     def scaled_step(self, loss: torch.Tensor) -> None:
         """`optimizer.zero_grad(); scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`: the
@@ -206,23 +236,24 @@ class NormTTA(PixelBatchMethod):
         if self.scaler.is_enabled() and self.scaler.get_scale() < before:
             self.skipped_steps += 1
 
-    def entropy_step(self, images: torch.Tensor) -> torch.Tensor:
-        """Tent's step (TTABC `tent.py:test_time_tuning`): under autocast the batch's logits and the mean softmax
-        entropy, then one scaled step. Returns the logits of that forward, detached."""
+    def entropy_step(self, images: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        """Tent's step (TTABC `tent.py:test_time_tuning`; with Panda `panda.py`): under autocast the batch's logits
+        and the mean softmax entropy, then one scaled step. Returns the logits of that forward, detached."""
         with self._autocast():
-            logits, _ = self.logits(images)
+            logits = self.batch_logits(images, gen)
             loss = softmax_entropy(logits).mean(0)
         self.scaled_step(loss)
         return logits.detach()
 
-    def predict(self, images: torch.Tensor, adapting: torch.Tensor | None) -> torch.Tensor:
+    def predict(self, images: torch.Tensor, adapting: torch.Tensor | None, gen: torch.Generator | None = None
+                ) -> torch.Tensor:
         """The batch's rows: a forward of the updated encoder (`predict = "after_update"`, TTABC's inference pass
-        under autocast) or the logits of the last adapting forward (`"adapting_forward"`; a forward when no step
-        was taken)."""
+        under autocast; hedged with fresh negatives under Panda, `gen`) or the logits of the last adapting forward
+        (`"adapting_forward"`; a forward when no step was taken)."""
         if adapting is not None and self.config.predict == "adapting_forward":  # type: ignore[attr-defined]
             return adapting
         with torch.no_grad(), self._autocast():
-            return self.logits(images)[0]
+            return self.batch_logits(images, gen)
 
     def reset(self) -> None:
         """Back to the configured parameters and a fresh optimiser (SAR's model recovery, TTABC `reset`)."""

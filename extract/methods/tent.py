@@ -18,12 +18,14 @@ import torch
 
 from extract.methods.base import MethodConfig, check_hparams_key
 from extract.methods.normtta import NormConfig, NormTTA
+from extract.methods.panda import PandaFields
 
 
 @dataclass(frozen=True)
-class TentConfig(NormConfig):
+class TentConfig(PandaFields, NormConfig):
     """Tent's settings: TTABC `ttabc/configs/algorithms.py` "tent" (AdamW, batch 64, not episodic) and `main.py`
-    (lr 5e-3, one step); the fields and their sources are `NormConfig`'s."""
+    (lr 5e-3, one step); the fields and their sources are `NormConfig`'s, Panda's `PandaFields`' (TTABC `panda.py`
+    is Tent with Panda)."""
 
 
 class Tent(NormTTA):
@@ -44,7 +46,8 @@ class Tent(NormTTA):
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         images = self.batch_images(view_feats.shape[0], self.device, self.params[0].dtype)
+        gen = self.generator()  # Panda's draws for this batch (None without Panda)
         adapting = None
         for _ in range(self.config.steps):  # type: ignore[attr-defined]
-            adapting = self.entropy_step(images)
-        return self.predict(images, adapting)
+            adapting = self.entropy_step(images, gen)
+        return self.predict(images, adapting, gen)

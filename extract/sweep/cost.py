@@ -72,16 +72,23 @@ TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
 #: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
 #: prompts per sample (about 25 GFLOP per prompt at ~100 TFLOP/s effective fp16): ImageNet's 1000 classes ~0.25 s
 TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
-#: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
-#: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
-ECALP_S_PER_POSITION = 0.0445 / 128.5
 #: The encoder passes per sample of the methods that adapt the image encoder over batches, in views' worth of the
 #: planning rate (`ENCODE_S_PER_VIEW`): the batch's images read again (1), and the encoder's forward, backward
 #: (about 2 forwards) and the prediction's forward on them, each a fraction of a view's loader-bound time
 BATCH_ENCODER_COSTS: dict[str, AdaptCost] = {
     # Tent: 1 read + forward, backward, forward (~4 encoder forwards, ~1/3 of a loader-bound view each)
     "tent": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 4 / 3)),
+    # SAR: 1 read + two forwards with their backwards and the prediction's forward (~7 forwards)
+    "sar": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 7 / 3)),
+    # DeYO: 1 read + forward, backward, the shuffled images' forward (at most the batch) and the prediction's (~5)
+    "deyo": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 5 / 3)),
+    # BATCLIP: 1 read + forward and backward (~3), plus the text encoder's forward and backward over the K prompts
+    # once per batch of 64 (TPT's per-class figure covers forward, backward and forward once per sample: 2/3 of it)
+    "batclip": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 3 / 3), per_class=TPT["per_class"] * 2 / 3 / 64),
 }
+#: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
+#: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
+ECALP_S_PER_POSITION = 0.0445 / 128.5
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
 #: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
 #: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,

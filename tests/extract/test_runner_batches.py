@@ -123,3 +123,26 @@ def test_part_size_must_hold_whole_batches(tmp_path, data_root, tiny_model):
     lines = []
     run(tmp_path, tiny_model, data_root, adapt_batch=4, log=lines.append)
     assert any("--adapt-batch 4 does not apply" in line for line in lines)
+
+
+@pytest.mark.parametrize("method, overrides", [
+    ("sar", {"batch_size": "2", "margin_e0": "1.0"}), ("deyo", {"batch_size": "2", "deyo_margin": "1.0"}),
+    ("batclip", {"batch_size": "2"}), ("tent", {"batch_size": "2", "panda": "true"}),
+    ("zero", {"panda": "true", "panda_batch_size": "2"}), ("dmn-weak", {"panda": "true", "panda_batch_size": "2"}),
+])
+def test_every_batch_method_resumes_as_uninterrupted(tmp_path, data_root, tiny_model, monkeypatch, method,
+                                                      overrides):
+    """SAR (its EMA and SGD momentum), DeYO, BATCLIP (both encoders), Tent with Panda, and Panda on ZERO and on
+    DMN-weak (methods of cached features that read the batch's pixels for Panda's negatives): Ctrl-C after the
+    second part and a rerun give the uninterrupted run's rows."""
+    kw = dict(method=method, overrides=overrides)
+    full = table(run(tmp_path / "full", tiny_model, data_root, **kw))
+    real_write = interrupt_nth_write(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "r", tiny_model, data_root, **kw)
+    monkeypatch.setattr(run_writer, "write_shard", real_write)
+    resumed = table(run(tmp_path / "r", tiny_model, data_root, **kw))
+    for k in full:
+        np.testing.assert_array_equal(resumed[k], full[k])
+    assert read_shard(RunDir(tmp_path / "r" / "out", RunKey("tiny-clip", "dtd", method, 1)).part(0)).meta.extra[
+        "zaec:consumes"] == "batch_pixels"

@@ -285,8 +285,11 @@ def tiny_model(tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_rn_model_dir(tmp_path_factory) -> Path:
     """A `local-dir:` model folder with a tiny random CLIP whose image tower is open_clip's ModifiedResNet (its
-    BatchNorms), named "RN-tiny" so that the per-backbone tables read its RN column."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-rn"), model_name="RN-tiny", vision="rn")
+    BatchNorms), named "RN-tiny" so that the per-backbone tables read its RN column; 64 px, so that its last stage
+    keeps 2 x 2 positions (a BatchNorm on batch statistics needs more than one value per channel, as RN50's 7 x 7
+    gives it for a batch of one image)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-rn"), model_name="RN-tiny", vision="rn",
+                               image_size=2 * TINY_IMAGE_SIZE)
 
 
 @pytest.fixture(scope="session")
@@ -295,6 +298,16 @@ def tiny_rn_model(tiny_rn_model_dir):
     from extract.models import load_model
 
     return load_model(None, f"local-dir:{tiny_rn_model_dir}", "cpu")
+
+
+@pytest.fixture(params=["vit", "rn"])
+def tiny_model64(request, tiny_model, tiny_rn_model):
+    """The bare open_clip model of `tiny_model` (ViT) or `tiny_rn_model` (RN), copied to float64: a method and a
+    slow transcription of its official loop then run the same float64 operations (a test per backbone)."""
+    import copy
+
+    loaded = tiny_model if request.param == "vit" else tiny_rn_model
+    return copy.deepcopy(loaded.model).double()
 
 
 @pytest.fixture(scope="session")

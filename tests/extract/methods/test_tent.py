@@ -5,26 +5,17 @@ GradScaler) emulated on the CPU."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
 
 from extract.methods.tent import Tent
-from tests.support.normtta import make_method, pixel_stream, ref_tent, run_batches, text_prototypes
+from tests.support.normtta import emulate_cuda, resumed_rows, image_size, make_method, pixel_stream, ref_tent, run_batches, text_prototypes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N, B, K = 10, 4, 5  # 10 positions in batches of 4: the last batch holds 2
-
-
-@pytest.fixture(params=["vit", "rn"])
-def model64(request, tiny_model, tiny_rn_model):
-    """The tiny ViT or RN open_clip model in float64 (the transcription and the method then run the same float64
-    operations)."""
-    loaded = tiny_model if request.param == "vit" else tiny_rn_model
-    return copy.deepcopy(loaded.model).double()
 
 
 def inputs(model):
@@ -35,40 +26,40 @@ def inputs(model):
 
 @pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("predict", ["after_update", "adapting_forward"])
-def test_matches_the_official_loop(model64, steps, predict):
+def test_matches_the_official_loop(tiny_model64, steps, predict):
     """Rows of every batch equal TTABC's loop (AdamW lr 5e-3, weight decay 1e-4 on the norm layers' affine
     parameters; BatchNorm on batch statistics), carried across batches; the same float64 operations in the same
     order, hence equal."""
-    pixels, text = inputs(model64)
-    m = make_method(Tent, model64, pixels, text, 37.5, batch_size=B, steps=steps, predict=predict)
+    pixels, text = inputs(tiny_model64)
+    m = make_method(Tent, tiny_model64, pixels, text, 37.5, batch_size=B, steps=steps, predict=predict)
     got = run_batches(m, N, B)
-    want = ref_tent(model64, pixels, text, 37.5, B, steps=steps, after_update=predict == "after_update")
+    want = ref_tent(tiny_model64, pixels, text, 37.5, B, steps=steps, after_update=predict == "after_update")
     torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
     assert m.summary()["steps"] == steps * 3 and m.summary()["skipped_steps"] == 0
 
 
-def test_adaptation_changes_the_rows_and_zero_steps_is_zero_shot(model64):
-    pixels, text = inputs(model64)
-    adapted = run_batches(make_method(Tent, model64, pixels, text, 37.5, batch_size=B), N, B)
-    frozen = run_batches(make_method(Tent, model64, pixels, text, 37.5, batch_size=B, steps=0), N, B)
+def test_adaptation_changes_the_rows_and_zero_steps_is_zero_shot(tiny_model64):
+    pixels, text = inputs(tiny_model64)
+    adapted = run_batches(make_method(Tent, tiny_model64, pixels, text, 37.5, batch_size=B), N, B)
+    frozen = run_batches(make_method(Tent, tiny_model64, pixels, text, 37.5, batch_size=B, steps=0), N, B)
     assert not torch.equal(adapted, frozen)
     # steps=0: no update; on the ViT (no batch statistics) the rows are the frozen encoder's
-    if not hasattr(model64.visual, "layer1"):
-        feats = model64.visual(pixels)
+    if not hasattr(tiny_model64.visual, "layer1"):
+        feats = tiny_model64.visual(pixels)
         zs = 37.5 * feats / feats.norm(dim=-1, keepdim=True) @ text.t()
         torch.testing.assert_close(frozen, zs.float(), rtol=0, atol=1e-5)
 
 
-def test_the_shared_model_is_left_as_loaded(model64):
+def test_the_shared_model_is_left_as_loaded(tiny_model64):
     """The method adapts a copy: the model the zero-shot rows and the feature cache read keeps every parameter and
     buffer (RN50's running statistics included), and its requires_grad flags."""
-    before = {k: v.clone() for k, v in model64.state_dict().items()}
-    flags = {n: p.requires_grad for n, p in model64.named_parameters()}
-    pixels, text = inputs(model64)
-    run_batches(make_method(Tent, model64, pixels, text, 37.5, batch_size=B), N, B)
-    after = model64.state_dict()
+    before = {k: v.clone() for k, v in tiny_model64.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in tiny_model64.named_parameters()}
+    pixels, text = inputs(tiny_model64)
+    run_batches(make_method(Tent, tiny_model64, pixels, text, 37.5, batch_size=B), N, B)
+    after = tiny_model64.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert flags == {n: p.requires_grad for n, p in model64.named_parameters()}
+    assert flags == {n: p.requires_grad for n, p in tiny_model64.named_parameters()}
 
 
 def test_trained_parameters_per_backbone(tiny_model, tiny_rn_model):
@@ -79,25 +70,22 @@ def test_trained_parameters_per_backbone(tiny_model, tiny_rn_model):
     assert names == ["ln_pre.weight", "ln_pre.bias", "transformer.resblocks.0.ln_1.weight",
                      "transformer.resblocks.0.ln_1.bias", "transformer.resblocks.0.ln_2.weight",
                      "transformer.resblocks.0.ln_2.bias", "ln_post.weight", "ln_post.bias"]
-    rn = make_method(Tent, tiny_rn_model, pixel_stream(2, 32, dtype=torch.float32), text, 37.5)
+    rn = make_method(Tent, tiny_rn_model, pixel_stream(2, 64, dtype=torch.float32), text, 37.5)
     bns = [n for n, mod in rn.visual.named_modules() if isinstance(mod, torch.nn.BatchNorm2d)]
     assert [n for n, _ in rn.named_params] == [f"{b}.{w}" for b in bns for w in ("weight", "bias")]
     assert all(mod.running_mean is None for mod in rn.visual.modules() if isinstance(mod, torch.nn.BatchNorm2d))
 
 
-def test_state_resume_equals_uninterrupted(model64, tmp_path):
+def test_state_resume_equals_uninterrupted(tiny_model64, tmp_path):
     """The state after some batches (parameters, AdamW moments, counters), saved with torch.save and loaded with
     weights_only=True into a fresh method, continues the stream exactly."""
-    pixels, text = inputs(model64)
-    whole = run_batches(make_method(Tent, model64, pixels, text, 37.5, batch_size=B), N, B)
-    first = make_method(Tent, model64, pixels, text, 37.5, batch_size=B)
-    head = run_batches(first, 8, B)
-    torch.save(first.state_dict(), tmp_path / "state.pt")
-    second = make_method(Tent, model64, pixels, text, 37.5, batch_size=B)
-    second.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
-    assert second.n_seen == 8
-    tail = second.adapt(torch.zeros(2, 1, 16, dtype=torch.float64))
-    torch.testing.assert_close(torch.cat([head, tail]), whole, rtol=0, atol=0)
+    pixels, text = inputs(tiny_model64)
+
+    def build():
+        return make_method(Tent, tiny_model64, pixels, text, 37.5, batch_size=B)
+
+    _, _, rows = resumed_rows(build, N, B, 8, tmp_path / "state.pt")
+    torch.testing.assert_close(rows, run_batches(build(), N, B), rtol=0, atol=0)
 
 
 def test_a_call_wider_than_the_batch_is_refused(tiny_model):
@@ -111,24 +99,11 @@ def test_a_call_wider_than_the_batch_is_refused(tiny_model):
         unattached.adapt(torch.zeros(1, 1, 16, dtype=torch.float64))
 
 
-def emulate_cuda(monkeypatch, dtype=torch.bfloat16):
-    """Tent's CUDA path on the CPU: autocast (CPU, `dtype`: fp16 autocast is CUDA's) and an enabled GradScaler."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def cpu_autocast(self):
-        with torch.autocast("cpu", dtype=dtype):
-            yield
-
-    monkeypatch.setattr(Tent, "_use_amp", lambda self, device: True)
-    monkeypatch.setattr(Tent, "_autocast", cpu_autocast)
-
-
 def test_cuda_path_emulated_matches_the_official_amp_loop(tiny_model, monkeypatch):
     """Under the emulated CUDA path the method is the official step: the batch's forward under autocast, the loss
     scaled by a GradScaler(init_scale=1000) created once per run, unscaled and stepped; the transcription with the
     same autocast and scaler gives the same rows."""
-    emulate_cuda(monkeypatch)
+    emulate_cuda(monkeypatch, Tent)
     model = tiny_model.model
     pixels, text = pixel_stream(N, 32, dtype=torch.float32), text_prototypes(K, 16, dtype=torch.float32)
     m = make_method(Tent, model, pixels, text, 37.5, batch_size=B)
@@ -153,7 +128,7 @@ def test_cuda_path_emulated_matches_the_official_amp_loop(tiny_model, monkeypatc
 
 
 def test_cuda_path_skips_a_non_finite_step_and_halves_the_scale(tiny_model, monkeypatch):
-    emulate_cuda(monkeypatch)
+    emulate_cuda(monkeypatch, Tent)
     pixels = pixel_stream(4, 32, dtype=torch.float32)
     pixels[1, 0, 0, 0] = float("inf")  # the batch's loss and gradient are not finite
     m = make_method(Tent, tiny_model.model, pixels, text_prototypes(K, 16, dtype=torch.float32), 37.5,
@@ -169,3 +144,17 @@ def test_amp_is_cuda_only(tiny_model):
                     text_prototypes(K, 16, dtype=torch.float32), 37.5)
     assert not m._use_amp(torch.device("cpu")) and m._use_amp(torch.device("cuda"))
     assert not m.scaler.is_enabled() and m.summary()["loss_scale"] == 1.0
+
+
+def test_a_batchnorm_batch_of_one_value_per_channel_is_one_line():
+    """An RN whose last stage is 1 x 1 (32 px input) cannot normalise a batch of one image with batch statistics
+    (torch refuses, as in the official code); the message says why in one line."""
+    import open_clip
+
+    rn = open_clip.CLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
+                        text_cfg={"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1})
+    m = make_method(Tent, rn, pixel_stream(1, 32, dtype=torch.float32), text_prototypes(K, 16, dtype=torch.float32),
+                    37.5)
+    with pytest.raises(ValueError, match=r"tent: the image encoder's BatchNorms .* a batch of 1 image\(s\) leaves "
+                                         r"one value per channel"):
+        m.adapt(torch.zeros(1, 1, 16))
