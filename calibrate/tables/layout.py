@@ -82,6 +82,8 @@ METHOD_LABELS: dict[str, str] = {
     # TTA-VLM's methods (docs/methods.md, "The methods at a glance")
     "zero": "ZERO", "mta": "MTA", "onzeta": "OnZeta", "ecalp": "ECALP", "dmn": "DMN", "dmn-weak": "DMN-weak",
     "boostadapter": "BoostAdapter", "rtpt": "R-TPT", "dynaprompt": "DynaPrompt", "rlcf": "RLCF", "ttl": "TTL",
+    # the methods that adapt the image encoder over batches (docs/methods.md, "The methods at a glance")
+    "tent": "Tent", "sar": "SAR", "deyo": "DeYO", "batclip": "BATCLIP",
 }
 #: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
 #: is over the paper's TTA methods, so these are left out of it by default
