@@ -25,7 +25,7 @@ help:
 	@echo "make test           run the test suite (creates $(VENV) first; as root also installs SLURM for its tests)"
 	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS) (TS_SOURCE=$(TS_SOURCE))"
 	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
-	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (view generation per core, every method's adapt cost, ECALP's growth)"
+	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (view generation per core, every method's adapt cost, ECALP's and the transductive methods' growth; BENCH_EXTRACT_ARGS=...)"
 	@echo "make bench-gpu      extraction vs the image encoder's ceiling on a CUDA GPU (random ViT-B-16, RN50); JSON=FILE"
 	@echo "make gpu-wheels     save the wheels a bare CUDA machine lacks in .whl/ (needs the package index)"
 	@echo "make gpu-check      on a CUDA machine without network: install .whl/, run the extraction tests (CUDA ones too), the shortcut check and bench-gpu"
@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[extract,sweep,test]'
+	$(PY) -m pip install -q -e '.[extract,sweep,test,diffusion]'
 	touch $@
 
 venv: $(STAMP)
@@ -62,8 +62,10 @@ tables: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m tools.bench_calibrate
 
+# more options of bench-extract, e.g. BENCH_EXTRACT_ARGS="--only-transductive --transductive-n 1000,5000,20000"
+BENCH_EXTRACT_ARGS ?=
 bench-extract: $(STAMP)
-	$(PY) -m tools.bench_extract
+	$(PY) -m tools.bench_extract $(BENCH_EXTRACT_ARGS)
 
 # writes $(JSON) too (default bench-gpu.json), for `zaec-sweep --dry-run --rates $(JSON)`
 JSON ?= bench-gpu.json

@@ -10,6 +10,8 @@ The image encoder is frozen in every method of this stage, so features are compu
         crop_flip/chunk-00000.npy     (n, 63, D)  views 1..63 (crop + flip policy)
         crop_flip_05/chunk-00000.npy  (n, 63, D)  views 1..63 (crop + flip at scale 0.5-1, DMN's)
     <root>/<model fingerprint>/text/<prompt-set fingerprint>.npy    (K, D) prototypes
+    <root>/<model fingerprint>/difftpt-<generation key>/<dataset>-<test-set key>/seed=<s>/
+        generated/chunk-00000.npy     (n, G, D)   DiffTPT's G views generated per sample (extract/run/diffusion.py)
 
 Chunks follow the stream order of the seed, and every chunk always holds the same samples, encoded in the same
 micro-batches: a chunk's content never depends on which run produced it. `--limit N` encodes only the first N
@@ -34,7 +36,7 @@ import numpy as np
 from extract.defaults import CACHE_DIR_ENV as CACHE_ENV, DEFAULT_CACHE_DIR
 from schemas.atomic import atomic_path, write_json_atomic
 
-Part = Literal["view0", "augmix", "crop_flip", "crop_flip_05"]
+Part = Literal["view0", "augmix", "crop_flip", "crop_flip_05", "generated"]
 PARTS: tuple[str, ...] = ("view0", "augmix", "crop_flip", "crop_flip_05")
 CHUNK_TEMPLATE = "chunk-{:05d}.npy"
 
@@ -72,6 +74,7 @@ class FeatureCache:
         dtype: stored dtype (fp16 for autocast encodings, fp32 otherwise).
         stream_fp: fingerprint of the stream permutation (guards against a changed stream rule).
         chunk_size: samples per chunk (fixed once the store exists).
+        aug_views: views per sample in the parts other than view 0 (63; DiffTPT's generated views: its count).
     """
 
     root: Path
@@ -84,12 +87,17 @@ class FeatureCache:
     dtype: np.dtype
     stream_fp: str
     chunk_size: int = 512
+    aug_views: int = 63
 
     def __post_init__(self) -> None:
+        from extract.views import N_AUG_VIEWS
+
         self.dir = Path(self.root) / self.model_fp / f"{self.dataset}-{self.testset_fp}" / f"seed={self.seed}"
         meta = {"n_total": self.n_total, "chunk_size": self.chunk_size, "dim": self.dim,
                 "dtype": np.dtype(self.dtype).name, "stream_fp": self.stream_fp, "dataset": self.dataset,
                 "seed": self.seed}
+        if self.aug_views != N_AUG_VIEWS:  # absent at 63: the stores written before it still match
+            meta["aug_views"] = self.aug_views
         meta_path = self.dir / "meta.json"
         if meta_path.is_file():
             try:
@@ -127,10 +135,9 @@ class FeatureCache:
 
     def expected_shape(self, part: Part, c: int, rows: int | None = None) -> tuple[int, ...]:
         """Shape of chunk c of `part` when whole, or holding its first `rows` positions."""
-        from extract.views import N_AUG_VIEWS
         start, stop = self.chunk_range(c)
         n = stop - start if rows is None else rows
-        return (n, self.dim) if part == "view0" else (n, N_AUG_VIEWS, self.dim)
+        return (n, self.dim) if part == "view0" else (n, self.aug_views, self.dim)
 
     def save(self, part: Part, c: int, array: np.ndarray) -> Path:
         """Store chunk c of `part`, whole or a prefix of it (its first `len(array)` positions)."""

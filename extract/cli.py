@@ -82,6 +82,8 @@ def extract(
     force: bool = typer.Option(False, "--force", help="recompute a finished run"),
     cache_dir: Optional[Path] = typer.Option(None, help="feature cache (default: $ZAEC_CACHE_DIR, else data/cache)"),
     cupl_dir: Optional[Path] = typer.Option(None, help="folder of CuPL_prompts_*.json (default: $ZAEC_CUPL_DIR)"),
+    descriptions_dir: Optional[Path] = typer.Option(None, help="folder of class-description files <dataset>.json "
+                                                                "(AWT; default: $ZAEC_DESCRIPTIONS_DIR)"),
     tda_sh_filter: bool = typer.Option(False, "--tda-sh-filter",
                                        help="reproduce TDA's listing quirk on ImageNet-A/R/Sketch/V2 (drops file "
                                             "names containing 'sh'); off by default"),
@@ -123,7 +125,8 @@ def extract(
         paths = run_extraction(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
-            cache_dir=cache_dir, cupl_dir=cupl_dir, sh_filter=tda_sh_filter, fingerprint=fingerprint,
+            cache_dir=cache_dir, cupl_dir=cupl_dir, descriptions_dir=descriptions_dir, sh_filter=tda_sh_filter,
+            fingerprint=fingerprint,
             exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet,
             wait_lock=wait_lock, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size)
     except _user_errors() as e:

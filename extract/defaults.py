@@ -1,5 +1,5 @@
 """The defaults the low floors of the extractor need, at the bottom of the house: the default backbone and the
-folders that fall back on an environment variable (data root, feature cache, CuPL prompts).
+folders that fall back on an environment variable (data root, feature cache, CuPL prompts, class descriptions).
 
 `extract.models`, `extract.datasets`, `extract.cache` and `extract.prompts` read them from here, and so do the run's
 options (`extract.run.options`, where the run's other defaults live) and the command lines; this module imports
@@ -22,6 +22,7 @@ DEFAULT_DATA_ROOT = Path("data")
 CACHE_DIR_ENV = "ZAEC_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("data") / "cache"
 CUPL_DIR_ENV = "ZAEC_CUPL_DIR"
+DESCRIPTIONS_DIR_ENV = "ZAEC_DESCRIPTIONS_DIR"
 
 
 def default_data_root() -> Path:
@@ -38,4 +39,11 @@ def default_cache_dir() -> Path:
 def default_cupl_dir() -> Path | None:
     """The CuPL prompt folder when none is given: $ZAEC_CUPL_DIR, else None (templates only)."""
     raw = os.environ.get(CUPL_DIR_ENV)
+    return Path(raw).expanduser() if raw else None
+
+
+def default_descriptions_dir() -> Path | None:
+    """The folder of class-description files (AWT's `<dataset>.json`) when none is given: $ZAEC_DESCRIPTIONS_DIR,
+    else None (a method that needs them stops before the model loads, naming the file it needs)."""
+    raw = os.environ.get(DESCRIPTIONS_DIR_ENV)
     return Path(raw).expanduser() if raw else None

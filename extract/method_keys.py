@@ -9,5 +9,10 @@ METHOD_KEYS: tuple[str, ...] = (
     "zero-shot", "tda", "dpe", "dlae", "tpt", "ctpt", "otpt", "atpt", "tps",
     "zero", "mta", "onzeta", "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt", "rlcf",
     "ttl",
+    "calip", "tca",
+    "histpt", "dart", "awt",
+    "dota", "oga", "bca",
+    "difftpt", "promptalign", "cosmic",
+    "stata", "stata-online", "transclip", "zlap", "zlap-inductive",
     "tent", "sar", "deyo", "batclip",
 )

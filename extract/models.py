@@ -73,8 +73,30 @@ class Preprocess:
     resize_mode: str = "shortest"
 
 
+class AmpEncoding:
+    """What an image encoder of a run shares (`LoadedModel`, `extract.timm_encoder.TimmEncoder`): precision "amp"
+    encodes under CUDA autocast (fp16) and caches its features in fp16; "fp32" neither. Reads `precision` and
+    `device`."""
+
+    precision: Precision
+    device: torch.device
+
+    @property
+    def cache_dtype(self) -> np.dtype:
+        """dtype of cached image features: fp16 when encoded under autocast, fp32 otherwise."""
+        return np.dtype(np.float16) if self.precision == "amp" else np.dtype(np.float32)
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        if self.precision == "amp" and self.device.type == "cuda":
+            with torch.autocast(device_type="cuda", dtype=torch.float16):
+                yield
+        else:
+            yield
+
+
 @dataclass
-class LoadedModel:
+class LoadedModel(AmpEncoding):
     """An open_clip model ready for frozen encoding.
 
     Attributes:
@@ -106,19 +128,6 @@ class LoadedModel:
     weights_file: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
     logit_bias: float = 0.0
-
-    @property
-    def cache_dtype(self) -> np.dtype:
-        """dtype of cached image features: fp16 when encoded under autocast, fp32 otherwise."""
-        return np.dtype(np.float16) if self.precision == "amp" else np.dtype(np.float32)
-
-    @contextlib.contextmanager
-    def _autocast(self) -> Iterator[None]:
-        if self.precision == "amp" and self.device.type == "cuda":
-            with torch.autocast(device_type="cuda", dtype=torch.float16):
-                yield
-        else:
-            yield
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -333,7 +342,8 @@ class LazyTokenizer:
         return getattr(self._get(), name)
 
 
-def _file_digest(path: Path, _memo: dict[tuple[str, int, float], str] = {}) -> str:
+def file_digest(path: Path, _memo: dict[tuple[str, int, float], str] = {}) -> str:
+    """sha256 of a file's bytes (hex), remembered per (path, size, modification time) for the process."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime)
     if key not in _memo:
@@ -599,15 +609,15 @@ def load_model(
     # the weights file's digest (sha256, for the fingerprint) in a thread while the model is built and loaded:
     # hashlib leaves the GIL while it hashes, so the file's second read costs no wall time of its own
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        digest = pool.submit(_file_digest, Path(src.weights_file)) if src.weights_file else None
+        digest = pool.submit(file_digest, Path(src.weights_file)) if src.weights_file else None
         model = _build_model(src, pretrained, dev, flags).eval()
-        file_digest = [digest.result()] if digest is not None else []
+        weights_digest = [digest.result()] if digest is not None else []
     for p in model.parameters():
         p.requires_grad_(False)
     pre = _preprocess_of(model)
     tokenizer = build_tokenizer(src.create["model_name"])
     bias = getattr(model, "logit_bias", None)
-    digest_parts = [*src.digest_parts, *file_digest, src.arch if not src.arch.startswith(LOCAL_DIR) else "local-dir",
+    digest_parts = [*src.digest_parts, *weights_digest, src.arch if not src.arch.startswith(LOCAL_DIR) else "local-dir",
                     f"quick_gelu={src.quick_gelu}", f"precision={precision}", json.dumps(pre.__dict__, sort_keys=True)]
     fp = hashlib.sha256("\n".join(digest_parts).encode()).hexdigest()[:16]
     return LoadedModel(model=model, tokenizer=tokenizer, backbone=src.name, pretrained=pretrained, arch=src.arch,

@@ -24,7 +24,9 @@ online method (TDA, DPE, DLAE) replays the features of the prefix - the same `ad
 inputs -; an episodic method (the TPT family, TPS), whose only state is small (the loss scale and the count of
 skipped steps), loads the state recorded in the last kept part (`zaec:method_state`, the state after the part's
 last row); a method that adapts over batches of pixels loads its state saved beside the last kept part
-(`state-0000p.pt`, parameters and optimiser included). Either way the result equals an uninterrupted run. A finished run carries a marker file
+(`state-0000p.pt`, parameters and optimiser included); a transductive method (StatA, TransCLIP, ZLaP: `consumes =
+"set_features"`) gets the run's cached features (`attach_set`) and solves its units again from them, the scan keeping
+only units written whole. Either way the result equals an uninterrupted run. A finished run carries a marker file
 `_zaec_complete.json` next to its parts (`run_is_complete`).
 
 Only the run itself lives here (`run_extraction`, `execute`, `plan_run` and the notes they print); each step is
@@ -63,12 +65,15 @@ from extract.run.options import (
 from extract.run.progress import Progress, warn
 from extract.run.resume import ResumePoint, ResumeScope, apply_resume, scan_resume, settings_kv
 from extract.run.pixels import attach_pixels
-from extract.run.reward import attach_reward, check_reward_model
+from extract.run.diffusion import attach_generated
+from extract.run.externals import check_external_files
+from extract.run.reward import attach_second_encoder
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
 from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
 from extract.run.setup import RunPrompts, build_method, build_prompts, prompt_features, shard_meta
-from extract.run.stream import RunState, StreamInputs, adapt_stream, labelled_counts, replay, stream_permutation
+from extract.run.stream import (RunState, StreamInputs, adapt_stream, attach_set, labelled_counts, replay,
+                                stream_permutation)
 from extract.run.writer import PartWriter, marker_doc
 
 
@@ -98,6 +103,7 @@ def run_extraction(
     on_changed: Literal["refuse", "recompute"] = "refuse",
     cache_dir: str | os.PathLike | None = None,
     cupl_dir: str | os.PathLike | None = None,
+    descriptions_dir: str | os.PathLike | None = None,
     sh_filter: bool = False,
     fingerprint: str = DEFAULT_FINGERPRINT,
     exif_transpose: bool = False,
@@ -124,6 +130,7 @@ def run_extraction(
     """
     options = RunOptions.make(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, limit=limit,
                               overrides=overrides, anchor=anchor, data_root=data_root, cupl_dir=cupl_dir,
+                              descriptions_dir=descriptions_dir,
                               sh_filter=sh_filter, fingerprint=fingerprint, exif_transpose=exif_transpose,
                               adapt_batch=adapt_batch, part_size=part_size, ood_for=ood_for)
     execution = ExecOptions(out=out, cache_dir=cache_dir, device=device, batch_size=batch_size, workers=workers,
@@ -157,6 +164,9 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         if done is not None and done.matches:
             note(reuse_note(planned, done, data.n_total), log)
             return list(done.parts)
+        # [external files] a second model or another file the method reads (RLCF's reward model, ...): checked
+        # before the policy loads, and before a finished run with other settings is refused for a file missing
+        check_external_files(planned)
         if done is not None:
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
@@ -164,7 +174,6 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             shorter = shorter_note(planned, run_dir, data.n_total, run_settings(planned, data))
             if shorter is not None:
                 note(shorter, log)
-        check_reward_model(planned)  # [reward model] RLCF's second model, checked before the policy loads
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
         parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)
@@ -187,19 +196,27 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         cache = open_feature_cache(cache_root, model, planned.dataset, data.cache_key(), options.seed, perm,
                                    method_text.shape[1], execution.chunk_size)
         method = build_method(planned.method_cls, planned.config, method_text, model, backbone=planned.backbone,
-                              dataset=planned.class_dataset, class_names=prompts.method_names)
-        # [reward model] RLCF: load it now (before any image is read) and attach its inputs (extract/run/reward.py)
-        reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
-                               testset_key=data.cache_key(), seed=options.seed, perm=perm,
-                               chunk_size=execution.chunk_size)
+                              dataset=planned.class_dataset, class_names=prompts.method_names,
+                              descriptions=prompts.descriptions)
+        # [second encoder] RLCF's reward model, COSMIC's DINOv2: loaded now (before any image is read), its inputs
+        # attached (extract/run/reward.py)
+        reward = attach_second_encoder(method, planned, model, prompts.method_names, cache_root=cache_root,
+                                       testset_key=data.cache_key(), seed=options.seed, perm=perm,
+                                       chunk_size=execution.chunk_size)
+        # [generated views] DiffTPT: its diffusion pipeline loaded now, before any image is read
+        # (extract/run/diffusion.py); the views are generated and encoded in the encoding step below
+        generated = attach_generated(method, planned, model, cache_root=cache_root, testset_key=data.cache_key(),
+                                     seed=options.seed, perm=perm)
         n_run = planned.n_run(data.n_total)
         method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
         warnings = [*planned.model_notes, *prompts.method.warnings, *method.warnings]
         meta = shard_meta(planned, data, model, prompts, warnings)
         restore = planned.restore  # how a resumed run rebuilds the method's state: replay, footer or file
+        unit = planned.method_cls.transductive_unit(planned.config)  # [set features] solved jointly: 0 = the run
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
                             _state_keys(method) if restore == "footer" else None,
-                            planned.method_cls.prefix_dependence(planned.config), state_files=restore == "file")
+                            planned.method_cls.prefix_dependence(planned.config),
+                            None if unit is None else (unit or n_run), state_files=restore == "file")
         run_dir.remove_marker()
         # force: every part is rewritten; the old ones go only now that the model loaded
         point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
@@ -220,9 +237,10 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
-        if reward is not None:  # [reward model] its features of the same views, into its own cache
-            reward.encode(data.testset, perm, n_run, seed=options.seed, batch_size=execution.batch_size,
-                          workers=workers, progress=prog)
+        for extra in (reward, generated):  # [second encoder] its features of the same views; [generated views]
+            if extra is not None:  # each into its own cache
+                extra.encode(data.testset, perm, n_run, seed=options.seed, batch_size=execution.batch_size,
+                             workers=workers, progress=prog)
         try:
             _restore_method(inputs, point, state.position, n_run, restore, prog)
             adapt_stream(inputs, state, n_run, writer, prog.task(f"{options.method} on {planned.dataset}",
@@ -323,9 +341,12 @@ def _announce(planned: PlannedRun, warnings: list[str], prog: Progress, log: Cal
 
 def _restore_method(inputs: StreamInputs, point: ResumePoint, start_pos: int, n_run: int, restore: str,
                     prog: Progress) -> None:
-    """The method's state at `start_pos` (`PlannedRun.restore`): an online method replays the kept prefix
+    """The method's state at `start_pos` (`PlannedRun.restore`): a transductive method gets the run's cached
+    features (its units start afresh at `start_pos`, a unit boundary); an online method replays the kept prefix
     (nothing when every part was kept: nothing is left to adapt); an episodic one loads the state recorded in the
     last kept part; a method that adapts over batches of pixels loads the state file saved beside it."""
+    if attach_set(inputs, n_run, start_pos):
+        return
     if 0 < start_pos < n_run and restore == "replay":
         replay(inputs, start_pos, prog.task(f"replaying {start_pos} samples", start_pos))
     elif 0 < start_pos < n_run and restore == "file" and point.state_file is not None:

@@ -34,6 +34,10 @@ this roughly halves the work again. It needs open_clip's plain `ResidualAttentio
     (K, D)                          # L2-normalised: the zero-shot "a photo of a {}." prototypes
     >>> enc(ctx).shape              # doctest: +SKIP
     (B, K, D)                       # ctx (B, n_ctx, W): B independent contexts in one pass
+
+Class-specific contexts (DART's): with `prompts` (one text per class) and `n_ctx`, the `n_ctx` tokens after the
+leading special tokens of each class's own prompt are its learnable context, and `ctx` is (K, n_ctx, W) or
+(B, K, n_ctx, W). The contexts differ per class, so only the truncation applies (no shared prefix).
 """
 
 from __future__ import annotations
@@ -191,9 +195,13 @@ class PromptTextEncoder:
         truncate: run each prompt only up to its end-of-text token, in length groups (exact; see module doc).
         min_bucket: smallest length group with `truncate` (smaller ones are merged into the next longer group).
         share_prefix: run the class-independent start + context positions once per context (exact; module doc).
+        prompts: the K prompt texts, for class-specific contexts (default: `"{ctx_init} {name}."` with one shared
+            context); their `n_ctx` tokens after the leading specials are the contexts.
+        n_ctx: the number of context tokens of `prompts` (required with them).
 
     Attributes:
-        ctx_init: (n_ctx, W) float32 initial context (the token embeddings of `ctx_init`).
+        ctx_init: (n_ctx, W) float32 initial context (the token embeddings of `ctx_init`); with `prompts`
+            (K, n_ctx, W), each class's own tokens.
         n_ctx: number of context tokens.
         tokens: (K, 77) int64 token ids of the prompts.
         buckets: the length groups, as (class indices, sequence length) pairs.
@@ -202,52 +210,79 @@ class PromptTextEncoder:
     """
 
     def __init__(self, model: Any, tokenizer: Any, class_names: Sequence[str], *, ctx_init: str = "a photo of a",
-                 truncate: bool = True, min_bucket: int = 32, share_prefix: bool = True) -> None:
+                 truncate: bool = True, min_bucket: int = 32, share_prefix: bool = True,
+                 prompts: Sequence[str] | None = None, n_ctx: int | None = None) -> None:
         if not class_names:
             raise ValueError("PromptTextEncoder needs at least one class name")
-        if not ctx_init.strip():
-            raise ValueError("ctx_init must contain at least one word")
         t = _text_tower(model)
         self._t = t
         device = t.token_embedding.weight.device
-        tokens = tokenizer([class_prompt(ctx_init, n) for n in class_names]).to(device)  # (K, L)
-        init = tokenizer([ctx_init]).to(device)[0]
-        start, self.n_ctx = context_span(init, tokenizer([""]).to(device)[0])
-        if self.n_ctx < 1:
-            raise ValueError(f"ctx_init {ctx_init!r} tokenises to no context tokens")
+        self.per_class = prompts is not None
+        if prompts is not None:
+            tokens, start, init = self._class_prompts(tokenizer, prompts, n_ctx, len(class_names), device)
+        else:
+            tokens, start, init = self._shared_prompts(tokenizer, ctx_init, class_names, device)
         self.start = start  # leading special tokens before the context (CLIP: the start token; SigLIP's: none)
         end = start + self.n_ctx
-        # CLIP's BPE and SigLIP's SentencePiece split at spaces, so the prefix tokenises the same inside every
-        # prompt; check it anyway.
-        if not torch.equal(tokens[:, start:end], init[start:end].expand(len(class_names), -1)):
-            raise ValueError(f"the tokens of {ctx_init!r} change inside the class prompts; cannot share a context")
         pool_idx = self._pool_index(tokens, t)  # (K,) the pooled position
+        if bool((pool_idx < end).any()):
+            raise ValueError(f"a prompt ends inside its {self.n_ctx} context tokens")
         self.tokens = tokens
         self.n_classes = len(class_names)
         # Dropping the positions after the pooled one is exact only when no earlier position attends to them (the
         # causal mask) and the pooled position is not the last one by definition; bidirectional towers (SigLIP)
         # run the full context.
         truncate = bool(truncate) and t.causal and t.pool in ("argmax", "eos")
-        self.shared_prefix = bool(share_prefix) and truncate and start == 1 and _plain_blocks(t.transformer)
+        self.shared_prefix = (bool(share_prefix) and truncate and start == 1 and not self.per_class
+                              and _plain_blocks(t.transformer))
         # bidirectional plain blocks run written out (`_block`): their attention's backward then batches under vmap
         self._written_out = not t.causal and _plain_blocks(t.transformer)
         self.buckets = self._group(pool_idx.tolist(), tokens.shape[1], truncate, max(1, min_bucket))
         self.length = max(n for _, n in self.buckets)
         with torch.no_grad():
             emb = t.token_embedding(tokens)  # (K, L, W)
-            ctx0 = t.token_embedding(init[None])[0, start:end]
+            ctx0 = emb[:, start:end] if self.per_class else t.token_embedding(init[None])[0, start:end]
         self.width = emb.shape[-1]
-        self.ctx_init = ctx0.detach().float().clone()  # (n_ctx, W)
+        self.ctx_init = ctx0.detach().float().clone()  # (n_ctx, W), or (K, n_ctx, W) per class
         # per group: leading specials (K_b, start, W); class name, ".", end-of-text, padding (K_b, L_b - end, W);
-        # the pooled positions (K_b,)
+        # the pooled positions (K_b,); the group's classes (K_b,)
         self._parts = []
         for idx, n in self.buckets:
             ix = torch.tensor(idx, device=device)
-            self._parts.append((emb[ix, :start].detach(), emb[ix, end:n].detach(), pool_idx[ix], n))
+            self._parts.append((emb[ix, :start].detach(), emb[ix, end:n].detach(), pool_idx[ix], n, ix))
         order = [c for idx, _ in self.buckets for c in idx]
         # group-concatenated order -> class order (None when the groups already list the classes in order)
         self._inverse = (None if order == list(range(self.n_classes))
                          else torch.argsort(torch.tensor(order, device=device)))
+
+    def _shared_prompts(self, tokenizer: Any, ctx_init: str, class_names: Sequence[str], device: torch.device
+                        ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """TPT's prompts `"{ctx_init} {name}."`: (tokens (K, L), start, the tokens of `ctx_init`); sets n_ctx."""
+        if not ctx_init.strip():
+            raise ValueError("ctx_init must contain at least one word")
+        tokens = tokenizer([class_prompt(ctx_init, n) for n in class_names]).to(device)  # (K, L)
+        init = tokenizer([ctx_init]).to(device)[0]
+        start, self.n_ctx = context_span(init, tokenizer([""]).to(device)[0])
+        if self.n_ctx < 1:
+            raise ValueError(f"ctx_init {ctx_init!r} tokenises to no context tokens")
+        # CLIP's BPE and SigLIP's SentencePiece split at spaces, so the prefix tokenises the same inside every
+        # prompt; check it anyway.
+        if not torch.equal(tokens[:, start:start + self.n_ctx], init[start:start + self.n_ctx].expand(
+                len(class_names), -1)):
+            raise ValueError(f"the tokens of {ctx_init!r} change inside the class prompts; cannot share a context")
+        return tokens, start, init
+
+    def _class_prompts(self, tokenizer: Any, prompts: Sequence[str], n_ctx: int | None, k: int,
+                       device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Given prompts with class-specific contexts: (tokens (K, L), start, tokens[0]); sets n_ctx."""
+        if len(prompts) != k:
+            raise ValueError(f"{len(prompts)} prompts for {k} classes")
+        if n_ctx is None or n_ctx < 1:
+            raise ValueError(f"prompts with class contexts need n_ctx >= 1, got {n_ctx}")
+        self.n_ctx = int(n_ctx)
+        tokens = tokenizer(list(prompts)).to(device)  # (K, L)
+        start, _ = context_span(tokenizer(["x"]).to(device)[0], tokenizer([""]).to(device)[0])
+        return tokens, start, tokens[0]
 
     @staticmethod
     def _group(ends: list[int], full: int, truncate: bool, min_bucket: int) -> list[tuple[list[int], int]]:
@@ -282,14 +317,16 @@ class PromptTextEncoder:
         return self.ctx_init.device
 
     def _encode_group(self, ctx: torch.Tensor, prefix: torch.Tensor, suffix: torch.Tensor, pool: torch.Tensor,
-                      length: int) -> torch.Tensor:
-        """ctx (B, n_ctx, W) -> (B, K_b, D) unnormalised features of one length group (open_clip `encode_text`)."""
+                      length: int, classes: torch.Tensor) -> torch.Tensor:
+        """ctx (B, n_ctx, W), or per class (B, K, n_ctx, W) -> (B, K_b, D) unnormalised features of one length group
+        (open_clip `encode_text`); `classes`: the group's class indices."""
         t = self._t
         b, k = ctx.shape[0], prefix.shape[0]
         cast = t.transformer.get_cast_dtype()
+        rows = ctx[:, classes] if self.per_class else ctx[:, None].expand(-1, k, -1, -1)
         x = torch.cat([
             prefix[None].expand(b, -1, -1, -1),
-            ctx[:, None].to(prefix.dtype).expand(-1, k, -1, -1),
+            rows.to(prefix.dtype),
             suffix[None].expand(b, -1, -1, -1),
         ], dim=2).reshape(b * k, length, self.width).to(cast)  # as token_embedding(text).to(cast_dtype)
         x = x + t.positional_embedding[:length].to(cast)
@@ -305,7 +342,7 @@ class PromptTextEncoder:
         return x.reshape(b, k, -1)
 
     def _encode_group_shared(self, ctx: torch.Tensor, prefix: torch.Tensor, suffix: torch.Tensor,
-                             pool: torch.Tensor, length: int) -> torch.Tensor:
+                             pool: torch.Tensor, length: int, classes: torch.Tensor) -> torch.Tensor:
         """As `_encode_group`, with the class-independent work done once (see the module doc).
 
         The blocks are open_clip's `ResidualAttentionBlock.forward` written out on two streams: the start + context
@@ -375,18 +412,19 @@ class PromptTextEncoder:
         """Encode the K prompts with context `ctx`.
 
         Args:
-            ctx: (n_ctx, W) one context, or (B, n_ctx, W) B independent contexts (one per test sample).
+            ctx: (n_ctx, W) one context, or (B, n_ctx, W) B independent contexts (one per test sample); with
+                class-specific contexts (K, n_ctx, W) or (B, K, n_ctx, W).
 
         Returns:
             (K, D), or (B, K, D), L2-normalised text features (in the tower's compute dtype; under autocast the
             transformer runs in half precision as `encode_text` would). Differentiable in `ctx`.
         """
-        single = ctx.ndim == 2
+        one = (self.n_classes, self.n_ctx, self.width) if self.per_class else (self.n_ctx, self.width)
+        single = ctx.ndim == len(one)
         if single:
             ctx = ctx[None]
-        if ctx.ndim != 3 or ctx.shape[1:] != (self.n_ctx, self.width):
-            raise ValueError(f"ctx must be ({self.n_ctx}, {self.width}) or (B, {self.n_ctx}, {self.width}), "
-                             f"got {tuple(ctx.shape)}")
+        if tuple(ctx.shape[1:]) != one:
+            raise ValueError(f"ctx must be {one} or (B, {', '.join(map(str, one))}), got {tuple(ctx.shape)}")
         encode = self._encode_group_shared if self.shared_prefix else self._encode_group
         outs = [encode(ctx, *part) for part in self._parts]
         x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

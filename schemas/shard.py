@@ -70,6 +70,10 @@ OPTIONAL_META_KEYS: dict[str, str] = {
     "zaec:ood_n_id": "OOD runs, optional: in-distribution samples in the whole mixed stream (integer as a string)",
     "zaec:ood_n_ood": "OOD runs, optional: out-of-distribution samples in the whole mixed stream (integer as a "
                       "string); with zaec:ood_n_id it sums to zaec:n_total when that is present",
+    "zaec:transductive_unit": 'transductive methods only (StatA, TransCLIP, ZLaP): the rows solved jointly, "all" '
+                              "(every row of the run, its min(limit, n_total) samples) or N (integer as a string: "
+                              "each batch of N consecutive stream positions, the last one shorter); absent: a row "
+                              "depends on its own sample and the stream before it",
 }
 #: the label of an out-of-distribution row ("no class"), valid only in a shard whose metadata has `zaec:ood_for`
 OOD_LABEL = -1
@@ -77,6 +81,8 @@ OOD_LABEL = -1
 OOD_SEPARATOR = "@"
 #: values of `zaec:output_kind`; a shard without the key holds logits
 OUTPUT_KINDS: tuple[str, ...] = ("logits", "log_probs")
+#: `zaec:transductive_unit` of a run whose rows were all solved jointly (otherwise a batch size)
+WHOLE_RUN_UNIT = "all"
 #: the file a writer puts next to the parts of a finished run (JSON: n_samples, n_total, limit, parts, ...)
 COMPLETE_MARKER = "_zaec_complete.json"
 REQUIRED_COLUMNS = ("sample_id", "label", "zs_logits", "tta_logits")
@@ -162,6 +168,13 @@ class ShardMeta:
         """What `tta_logits` holds: "logits" (also when `zaec:output_kind` is absent) or "log_probs"."""
         return self.extra.get("zaec:output_kind", "logits")
 
+    @property
+    def transductive_unit(self) -> str | int | None:
+        """The rows solved jointly (`zaec:transductive_unit`): "all" (the whole run), a batch size N, or None for a
+        method whose row depends on its own sample and the stream before it."""
+        value = self.extra.get("zaec:transductive_unit")
+        return value if value is None or value == WHOLE_RUN_UNIT else int(value)
+
     def to_kv(self) -> dict[bytes, bytes]:
         kv = {
             "zaec:schema": SCHEMA_VERSION,
@@ -222,6 +235,10 @@ class ShardMeta:
         if kind not in OUTPUT_KINDS:
             raise ShardError(f"{path}: metadata 'zaec:output_kind' must be one of {', '.join(OUTPUT_KINDS)}, "
                              f"got {kind!r}")
+        unit = extra.get("zaec:transductive_unit")
+        if unit is not None and unit != WHOLE_RUN_UNIT and not (unit.isascii() and unit.isdigit() and int(unit) > 0):
+            raise ShardError(f"{path}: metadata 'zaec:transductive_unit' must be {WHOLE_RUN_UNIT!r} or a positive "
+                             f"integer, got {unit!r}")
         _check_ood_meta(meta, path)
         return cls(
             backbone=meta["zaec:backbone"],

@@ -14,6 +14,10 @@ Measured in one process, one run each (ratios, not absolute speeds, are the poin
     python -m tools.bench_extract [--images 256] [--multi-view-images 8] [--image-size 64] [--loader-workers 2]
                                   [--methods all|none|KEY,...] [--only-methods] [--method-classes 100]
                                   [--ecalp-stream 64,128,256] [--ecalp-n 2000,8000]
+                                  [--transductive-n 1000,5000] [--only-transductive]
+    * the transductive methods (StatA, TransCLIP, ZLaP): one solve over a whole unit of N random features at
+      K = 1000, D = 512, CPU time and peak memory, each in a fresh process, and the growth with N
+      (`make bench-extract BENCH_EXTRACT_ARGS="--only-transductive --transductive-n 1000,5000,20000"`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 import typer
 
 from tools.bench_methods import (MethodCost, costs_table, ecalp_report, method_costs, one_torch_thread,
-                                   parse_methods)
+                                   parse_methods, transductive_growth, transductive_keys, transductive_report)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -378,7 +382,11 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
          ecalp_stream: str = typer.Option("64,128,256", help="stream lengths at which ECALP (K = 1000, D = 512) is "
                                                              "timed on a real stream ('' = none)"),
          ecalp_n: str = typer.Option("2000,8000", help="stream lengths at which ECALP is timed on a graph built "
-                                                       "directly ('' = none)"))\
+                                                       "directly ('' = none)"),
+         transductive_n: str = typer.Option("1000,5000", help="unit sizes N at which each transductive method "
+                                                              "solves once (K = 1000, D = 512; '' = none)"),
+         only_transductive: bool = typer.Option(False, "--only-transductive",
+                                                help="only the transductive methods' growth lines"))\
         -> None:
     """Print timings and ratios measured in this one run."""
     import torch
@@ -391,9 +399,14 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
     try:
         keys = parse_methods(methods, list(REGISTRY))
         stream_ns, step_ns = _int_list(ecalp_stream, "--ecalp-stream"), _int_list(ecalp_n, "--ecalp-n")
+        solve_ns = _int_list(transductive_n, "--transductive-n")
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    if only_transductive:
+        transductive_report(console, transductive_growth(transductive_keys(), solve_ns,
+                                                         log=lambda s: console.print(s, style="dim")))
+        return
     if not only_methods:
         views_table(console, loader_workers, loader_images)
         loader_costs_table(console, loader_workers)
@@ -405,6 +418,9 @@ def main(images: int = typer.Option(256, help="images in the single-view set"),
                     single_positions=method_positions, multi_positions=multi_view_positions,
                     adapt_batch=method_batch, budget_s=method_budget)
     ecalp_report(console, stream_ns, step_ns)
+    if solve_ns:
+        transductive_report(console, transductive_growth(transductive_keys(), solve_ns,
+                                                         log=lambda s: console.print(s, style="dim")))
 
 
 def extraction_section(console: Any, *, images: int, multi_view_images: int, image_size: int, batch_size: int,

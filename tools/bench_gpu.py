@@ -239,18 +239,21 @@ def method_rates(model: Any, work: Path, rates: "RateSettings", *, tiny: bool, s
         {"by_method": {method: {str(K): RunRate}}, "by_budget": {str(budget): {...}}}.
     """
     from tools.bench_methods import RateRuns, run_overrides, run_rate
+    from tools.second_models import StandIns
     from extract.methods import get_method
     from extract.run.options import DEFAULT_ADAPT_BATCH
 
     out: dict[str, Any] = {"by_method": {}, "by_budget": {}}
+    # DiffTPT's tiny pipeline: priced apart (cost.FIXED_PRICE); COSMIC's DINOv2: ViT-L/14 unless the bench is tiny
+    stand_ins = StandIns(work / "second-models", model, dino="tiny" if tiny else "official")
     keys = list(rates.methods) + (["tpt"] if rates.pass_budgets else [])
     for k in rates.ks:
         root = write_rate_set(work / f"data-k{k}", k, rates.limits["single"], tiny)
         with _cpu_one_thread(model):
             runs = RateRuns(model, root, work / f"rates-k{k}", keys, rates.limits, adapt_batch=DEFAULT_ADAPT_BATCH)
             for key in rates.methods:
-                r = run_rate(key, k, runs, run_overrides(get_method(key), rates.reward_dir), rates.limits,
-                             budget_s=rates.budget_s)
+                r = run_rate(key, k, runs, run_overrides(get_method(key), rates.reward_dir, stand_ins),
+                             rates.limits, budget_s=rates.budget_s)
                 out["by_method"].setdefault(key, {})[str(k)] = r
                 say(f"  {key} K = {k}: " + (f"skipped: {r.skipped}" if r.skipped
                                             else f"{r.samples_per_s:,.2f} samples/s over {r.samples} samples"))

@@ -6,7 +6,8 @@ as `zaec-extract` runs it, from a feature cache filled beforehand (so no run enc
 time of the main thread inside `method.adapt` (one torch thread, so all of the method's work), after its first call
 (warm-up: lazy set-up, first allocations), until a time budget is spent or the cached positions end. Reward models,
 pixel readers and any other input a method takes from the runner are therefore included exactly as a run builds
-them. A method that cannot run in this setting is listed with the reason, never left out.
+them. A method that reads class descriptions (AWT) gets made-up ones of the published files' shape
+(`bench_descriptions`). A method that cannot run in this setting is listed with the reason, never left out.
 
 ECALP's cost per sample grows with the samples seen (its graph holds every past sample): `ecalp_growth` times it
 on random features at several stream lengths, and `ecalp_graph_bytes` states its memory from its data structures.
@@ -49,11 +50,36 @@ class MethodCost:
         return self.seconds / self.samples if self.samples else math.nan
 
 
-def bench_overrides(cls: type, model_dir: Path) -> dict[str, str]:
+def bench_descriptions(root: Path, folder: Path, dataset: str = "dtd", per_class: int = 50) -> Path:
+    """Write the class-description file of every registered method that reads descriptions (AWT's `<dataset>.json`)
+    for the classes of the bench's set under `root` into `folder`, and return `folder` (the runs'
+    `descriptions_dir`). The sentences are made up, not LLM-written: AWT's cost depends on their number and length
+    (`per_class` of about the published ones' length), not on what they say."""
+    import json
+
+    from extract.datasets import load_testset
+    from extract.methods import REGISTRY
+
+    names = load_testset(dataset, root).class_names
+    folder.mkdir(parents=True, exist_ok=True)
+    for cls in REGISTRY.values():
+        if getattr(cls, "needs_descriptions", False):
+            file_name = cls.descriptions_request(cls.default_config(dataset, "ViT-B-16"), dataset)[0]
+            table = {n: [f"A made-up description {i} of {n}, a placeholder of the length of an LLM-written one."
+                         for i in range(per_class)] for n in names}
+            (folder / file_name).write_text(json.dumps(table), encoding="utf-8")
+    return folder
+
+
+def bench_overrides(cls: type, model_dir: Path, stand_ins: Any = None) -> dict[str, str]:
     """The `--set` values a method needs to run in the bench: a method with a reward model (RLCF) gets the bench's
-    own small model as its reward model (a second load of the same weights; its features come from the same cache)."""
+    own small model as its reward model (a second load of the same weights; its features come from the same cache);
+    a method with other external files (DiffTPT, PromptAlign) the stand-ins of `stand_ins`
+    (`tools.second_models.StandIns`)."""
     if getattr(cls, "needs_reward_model", False):
         return {"reward_backbone": "", "reward_pretrained": f"local-dir:{model_dir}"}
+    if cls.external_files and stand_ins is not None:  # type: ignore[attr-defined]
+        return stand_ins.overrides(cls.key)  # type: ignore[attr-defined]
     return {}
 
 
@@ -125,7 +151,7 @@ def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], lim
 
 
 def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict[str, int], *,
-                budget_s: float, adapt_batch: int = 64) -> MethodCost:
+                budget_s: float, adapt_batch: int = 64, stand_ins: Any = None) -> MethodCost:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
     bench's model, set, caches and adapt batch bound in).
 
@@ -136,17 +162,26 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
         limits: view policy -> stream positions cached for it (the run's `limit`).
         budget_s: CPU seconds of timed `adapt` calls after which the run is ended.
         adapt_batch: the bench's samples per call (`batch_overrides`).
+        stand_ins: the stand-ins of second models (`bench_overrides`).
     """
     from extract.methods import get_method
 
     cls = get_method(key)
-    overrides = {**bench_overrides(cls, model_dir), **batch_overrides(cls, limits["single"], adapt_batch)}
+    overrides = {**bench_overrides(cls, model_dir, stand_ins), **batch_overrides(cls, limits["single"], adapt_batch)}
     policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s))
     if failed:
         return MethodCost(key, policy, skipped=failed)
     if len(calls) < 2:
         return MethodCost(key, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
-    return MethodCost(key, policy, sum(n for n, _ in calls[1:]), sum(s for _, s in calls[1:]))
+    timed = calls if solves_first(cls) else calls[1:]
+    return MethodCost(key, policy, sum(n for n, _ in timed), sum(s for _, s in timed))
+
+
+def solves_first(cls: type) -> bool:
+    """Whether the first `adapt` call of a run holds the method's main work: a transductive method (consumes
+    "set_features") solves its first unit there (the whole run by default), so its timing counts that call instead of
+    leaving it out as a warm-up."""
+    return getattr(cls, "consumes", "features") == "set_features"
 
 
 @contextlib.contextmanager
@@ -182,7 +217,8 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
 
     limits = {"single": single_positions, "crop_flip": multi_positions, "augmix": multi_positions}
     base = dict(data_root=root, model=model, progress=False, cache_dir=work / "cache", adapt_batch=adapt_batch,
-                part_size=adapt_batch * max(1, 4096 // adapt_batch), log=lambda s: None)
+                part_size=adapt_batch * max(1, 4096 // adapt_batch), log=lambda s: None,
+                descriptions_dir=bench_descriptions(root, work / "descriptions"))
     for policy, ov in POLICY_OVERRIDES.items():
         log(f"filling the feature cache: {policy}, {limits[policy]} positions")
         run_extraction("zero-shot", "dtd", out=work / f"fill-{policy}", overrides=ov, limit=limits[policy], **base)
@@ -195,11 +231,15 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
+    from tools.second_models import StandIns
+
+    stand_ins = StandIns(work / "second-models", model)
     results = []
     with one_torch_thread():
         for key in dict.fromkeys([*REFERENCES, *keys]):
             log(f"timing {key}")
-            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s, adapt_batch=adapt_batch))
+            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s, adapt_batch=adapt_batch,
+                                       stand_ins=stand_ins))
     return results
 
 
@@ -255,24 +295,30 @@ def bench_clock() -> float:
 
 @contextlib.contextmanager
 def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tuple[int, float]]]]:
-    """Time the adapt loop of a run of `cls`, and the reward model's encoding pass (`RewardPass.encode`).
+    """Time the adapt loop of a run of `cls`, and a second model's pass inside the run (`EncoderPass.encode`, RLCF's
+    reward model or COSMIC's DINOv2; `DiffusionPass.encode`, DiffTPT's generated views).
 
-    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)]}: the time (`bench_clock`, the device
-    synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch (after `adapt`, the zero-shot
-    anchor, and the part write when the batch completes one), and each reward encoding. Once `budget_s` seconds
-    passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a second
-    batch)."""
-    from extract.run.reward import RewardPass
+    Yields {"rows": [(samples, end time)], "encode": [(samples, seconds)], "start": [(0, time)]}: the time
+    (`bench_clock`, the device synchronised) at the end of each `PartWriter.add`, the loop's last step for a batch
+    (after `adapt`, the zero-shot anchor, and the part write when the batch completes one), each second model's pass, and
+    the time before the first `adapt` call (a transductive method solves in it, `solves_first`). Once `budget_s`
+    seconds passed since the first batch's end, the next `adapt` call ends the run with `_Enough` (never before a
+    second batch)."""
+    from extract.run.diffusion import DiffusionPass
+    from extract.run.reward import EncoderPass
     from extract.run.writer import PartWriter
 
-    rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": []}
+    rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": [], "start": []}
     had_own = "adapt" in cls.__dict__
-    original, encode, add = cls.adapt, RewardPass.encode, PartWriter.add
+    original, encode, generate, add = cls.adapt, EncoderPass.encode, DiffusionPass.encode, PartWriter.add
 
     def adapt(self: Any, view_feats: Any) -> Any:
         done = rec["rows"]
         if budget_s is not None and len(done) > 1 and bench_clock() - done[0][1] >= budget_s:
             raise _Enough
+        if not rec["start"]:
+            _sync_all()
+            rec["start"].append((0, bench_clock()))
         return original(self, view_feats)
 
     def timed_add(self: Any, sample_id: Any, *args: Any) -> Any:
@@ -281,19 +327,22 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
         rec["rows"].append((len(sample_id), bench_clock()))
         return out
 
-    def timed_encode(self: Any, *args: Any, **kwargs: Any) -> int:
-        _sync_all()
-        t = bench_clock()
-        n = encode(self, *args, **kwargs)
-        _sync_all()
-        rec["encode"].append((int(n), bench_clock() - t))
-        return n
+    def timing(real: Callable[..., int]) -> Callable[..., int]:
+        def timed(self: Any, *args: Any, **kwargs: Any) -> int:
+            _sync_all()
+            t = bench_clock()
+            n = real(self, *args, **kwargs)
+            _sync_all()
+            rec["encode"].append((int(n), bench_clock() - t))
+            return n
+        return timed
 
-    cls.adapt, RewardPass.encode, PartWriter.add = adapt, timed_encode, timed_add  # type: ignore[method-assign]
+    cls.adapt, PartWriter.add = adapt, timed_add  # type: ignore[method-assign]
+    EncoderPass.encode, DiffusionPass.encode = timing(encode), timing(generate)  # type: ignore[method-assign]
     try:
         yield rec
     finally:
-        RewardPass.encode, PartWriter.add = encode, add  # type: ignore[method-assign]
+        EncoderPass.encode, DiffusionPass.encode, PartWriter.add = encode, generate, add  # type: ignore[method-assign]
         if had_own:
             cls.adapt = original
         else:
@@ -324,21 +373,27 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
     calls = rec["rows"]
     if len(calls) < 2:
         return RunRate(key, k, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
-    n = sum(c for c, _ in calls[1:])
-    first = calls[0][0]
+    # a transductive method solves its first unit in the first call: timed from before it, every row counted
+    skip = 0 if solves_first(get_method(key)) else 1
+    n = sum(c for c, _ in calls[skip:])
+    first = sum(c for c, _ in calls[:skip])
+    begin = rec["start"][0][1] if not skip else calls[0][1]
     enc_n = sum(c for c, _ in rec["encode"])
     enc_s = sum(s for _, s in rec["encode"]) / enc_n if enc_n else 0.0
-    return RunRate(key, k, policy, n, calls[-1][1] - calls[0][1], enc_s, first + (n - 1) / 2)
+    return RunRate(key, k, policy, n, calls[-1][1] - begin, enc_s, first + (n - 1) / 2)
 
 
-def run_overrides(cls: type, reward_dir: Path | None) -> dict[str, str]:
+def run_overrides(cls: type, reward_dir: Path | None, stand_ins: Any = None) -> dict[str, str]:
     """The `--set` values a method needs to run in a bench of rates: a method with a reward model (RLCF) gets
     `reward_dir`'s model as its reward model (another model than the policy, so that the run encodes the 64 views
-    a second time, as with its official ViT-L-14), or the policy's own when `reward_dir` is None."""
+    a second time, as with its official ViT-L-14), or the policy's own when `reward_dir` is None; a method with
+    other external files (DiffTPT, PromptAlign) the stand-ins of `stand_ins` (`tools.second_models.StandIns`)."""
     if getattr(cls, "needs_reward_model", False):
         if reward_dir is None:
             return {"reward_backbone": "policy"}
         return {"reward_backbone": "", "reward_pretrained": f"local-dir:{reward_dir}"}
+    if cls.external_files and stand_ins is not None:  # type: ignore[attr-defined]
+        return stand_ins.overrides(cls.key)  # type: ignore[attr-defined]
     return {}
 
 
@@ -380,6 +435,7 @@ class RateRuns:
                  adapt_batch: int, log: Callable[[str], None] = lambda s: None) -> None:
         self.model, self.root, self.work, self.adapt_batch = model, root, work, adapt_batch
         self.base_cache = work / "cache"
+        self.descriptions = bench_descriptions(root, work / "descriptions")
         fill_caches(model, root, self.base_cache, limits, adapt_batch=adapt_batch, log=log,
                     policies=[p for p in POLICY_OVERRIDES if p in _policies(keys)])
         self._ids = iter(range(1_000_000))
@@ -397,7 +453,7 @@ class RateRuns:
             t = bench_clock()
             run_extraction(key, "dtd", data_root=self.root, model=self.model, progress=False, cache_dir=cache,
                            out=out, overrides=overrides, limit=limit, adapt_batch=self.adapt_batch,
-                           log=lambda s: None)
+                           log=lambda s: None, descriptions_dir=self.descriptions)
             _sync_all()
             took = bench_clock() - t
             for text in cache.glob("*/text"):  # text prototypes stay cached for later runs, as in a sweep's folder
@@ -438,12 +494,15 @@ def agreement(model: Any, root: Path, work: Path, keys: Sequence[str], k: int, *
     measured that many times, interleaved, and the fastest kept (a loaded machine only ever slows a run down)."""
     from extract.methods import get_method
 
+    from tools.second_models import StandIns
+
     runs = RateRuns(model, root, work, keys, limits, adapt_batch=adapt_batch, log=log)
+    stand_ins = StandIns(work / "second-models", model)
     out = []
     for key in keys:
         log(f"bench and runs of {key} at K = {k}")
         cls = get_method(key)
-        overrides = {**run_overrides(cls, reward_dir), **batch_overrides(cls, limits["single"], adapt_batch)}
+        overrides = {**run_overrides(cls, reward_dir, stand_ins), **batch_overrides(cls, limits["single"], adapt_batch)}
         first = _call_width(key, overrides, adapt_batch)  # the first adapt call: the method's batch, if it has one
         rates, t_first, t_all = [], [], []
         for _ in range(max(1, repeat)):
@@ -512,7 +571,7 @@ def costs_table(console: Any, costs: Sequence[MethodCost], n_classes: int) -> No
         table.add_row(c.key, c.policy, str(c.samples), f"{1e3 * c.per_sample:.3f}", *ratios)
     console.print(table)
     console.print("CPU time of the calling thread inside `method.adapt` (one torch thread), after each run's first "
-                  "call, from cached features (the encoding pass is priced apart); ratios are to TDA's and TPT's "
+                  "call (a transductive method's first call, its solve, included), from cached features (the encoding pass is priced apart); ratios are to TDA's and TPT's "
                   "time per sample in this run, which a loaded machine moves far less than the absolute times.")
 
 
@@ -650,3 +709,102 @@ def ecalp_report(console: Any, stream_points: Sequence[int], step_points: Sequen
                   f"N = 50,000: {slope * 5e4 + icpt:.1f} s per sample, the whole ImageNet stream "
                   f"{(slope * 5e4 * 5e4 / 2 + icpt * 5e4) / 3600:.0f} CPU-hours; graph at N = 50,000: "
                   f"{end['state']:,} bytes kept, {end['propagation']:,} bytes of propagation transients")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the transductive methods' growth with the unit's size N (docs/benchmarks.md, "Transductive methods: growth with N")
+
+def transductive_keys() -> list[str]:
+    """The registered methods that consume "set_features" (their solve is what the growth lines time)."""
+    from extract.methods import REGISTRY
+
+    return [k for k, cls in REGISTRY.items() if solves_first(cls)]
+
+
+@dataclass(frozen=True)
+class SolveCost:
+    """One solve of a transductive method over a whole unit of `n` random features (K classes, width D): CPU
+    `seconds` of the solving thread (one torch thread), `wall` seconds, `grew` bytes the resident set grew by
+    during it (its peak minus the resident set before it), the method's `summary`; `skipped` a failure."""
+
+    key: str
+    n: int
+    seconds: float = 0.0
+    wall: float = 0.0
+    grew: int = 0
+    summary: dict[str, Any] | None = None
+    skipped: str = ""
+
+
+def _solve_in_child(key: str, n: int, n_classes: int, dim: int, seed: int) -> SolveCost:
+    """In a fresh process: one solve of `key` over n features clustered around K random prototypes (each sample
+    its class prototype plus noise of norm ~1.5, renormalised), with one torch thread."""
+    import torch
+    import torch.nn.functional as F
+
+    from extract.methods import get_method
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed)
+    text = F.normalize(torch.randn(n_classes, dim, generator=g), dim=-1)
+    y = torch.randint(0, n_classes, (n,), generator=g)
+    feats = F.normalize(text[y] + 1.5 * torch.randn(n, dim, generator=g) / dim ** 0.5, dim=-1)[:, None]
+    cls = get_method(key)
+    method = cls(cls.default_config("imagenet", "ViT-B-16"), text, 100.0, backbone="ViT-B-16", dataset="imagenet")
+    method.attach_set(lambda a, b: feats[a:b], n)
+    rss0 = _rss_bytes()
+    t, wall = time.thread_time(), time.perf_counter()
+    method.adapt(feats)  # every row of the unit: one solve
+    sec, wall = time.thread_time() - t, time.perf_counter() - wall
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return SolveCost(key, n, sec, wall, max(0, peak - rss0), method.summary())
+
+
+def transductive_growth(keys: Sequence[str], points: Sequence[int], *, n_classes: int = 1000, dim: int = 512,
+                        log: Callable[[str], None] = lambda s: None) -> list[SolveCost]:
+    """Each method of `keys` at each unit size of `points`, every solve in a fresh process (so that its peak
+    resident set is its own)."""
+    import concurrent.futures
+    import multiprocessing
+
+    out = []
+    for key in keys:
+        for n in sorted(points):
+            log(f"solving {key} over N = {n:,} (K = {n_classes}, D = {dim})")
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                try:
+                    out.append(pool.submit(_solve_in_child, key, n, n_classes, dim, 0).result())
+                except Exception as e:  # noqa: BLE001  (reported on the method's line)
+                    out.append(SolveCost(key, n, skipped=_one_line(e)))
+    return out
+
+
+def transductive_report(console: Any, costs: Sequence[SolveCost], *, n_classes: int = 1000, dim: int = 512) -> None:
+    """One line per solve of `transductive_growth`, with each method's growth exponent from the previous size (time
+    and memory ~ N^e) and the extrapolation of its largest size to ImageNet's N = 50,000 along the last exponent."""
+    console.print(f"transductive solves over a whole unit of N random features, K = {n_classes}, D = {dim}: CPU "
+                  "seconds of the solving thread (one torch thread) and the growth of the peak resident set, one "
+                  "fresh process per solve; N^e: the growth from the previous size")
+    prev: dict[str, SolveCost] = {}
+    notes: dict[str, str] = {}  # per method: the extrapolation from its largest size
+    for c in costs:
+        if c.skipped:
+            console.print(f"{c.key} N = {c.n:,}: skipped: {c.skipped}")
+            continue
+        p = prev.get(c.key)
+        e_t = math.log(c.seconds / p.seconds) / math.log(c.n / p.n) if p and p.seconds > 0 else math.nan
+        e_m = math.log(c.grew / p.grew) / math.log(c.n / p.n) if p and p.grew and c.grew else math.nan
+        growth = "" if math.isnan(e_t) else f" (time ~ N^{e_t:.2f}" + (
+            ")" if math.isnan(e_m) else f", memory ~ N^{e_m:.2f})")
+        summary = " ".join(f"{k}={v}" for k, v in (c.summary or {}).items())
+        console.print(f"{c.key} N = {c.n:,}: {c.seconds:.2f} CPU s ({c.wall:.2f} s wall), "
+                      f"{1e3 * c.seconds / c.n:.2f} ms / sample, resident +{c.grew / 2**20:,.0f} MB{growth}"
+                      + (f"; {summary}" if summary else ""))
+        if not math.isnan(e_t):
+            scale = 50_000 / c.n
+            notes[c.key] = (f"{c.key} at N = 50,000 along N^{e_t:.2f} from N = {c.n:,}: "
+                            f"~{c.seconds * scale ** e_t / 60:.1f} CPU-minutes"
+                            + ("" if math.isnan(e_m) else f", resident +{c.grew * scale ** e_m / 2**30:.1f} GiB"))
+        prev[c.key] = c
+    for line in notes.values():
+        console.print(line)

@@ -82,6 +82,13 @@ METHOD_LABELS: dict[str, str] = {
     # TTA-VLM's methods (docs/methods.md, "The methods at a glance")
     "zero": "ZERO", "mta": "MTA", "onzeta": "OnZeta", "ecalp": "ECALP", "dmn": "DMN", "dmn-weak": "DMN-weak",
     "boostadapter": "BoostAdapter", "rtpt": "R-TPT", "dynaprompt": "DynaPrompt", "rlcf": "RLCF", "ttl": "TTL",
+    # inside the image encoder (docs/methods.md, "Methods inside the image encoder, training-free (CALIP, TCA)")
+    "calip": "CALIP", "tca": "TCA",
+    # prompt tuning with history, averaging or descriptions (HisTPT, DART, AWT)
+    "histpt": "HisTPT", "dart": "DART", "awt": "AWT",
+    # transductive (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")
+    "stata": "StatA", "stata-online": "StatA-online", "transclip": "TransCLIP", "zlap": "ZLaP",
+    "zlap-inductive": "ZLaP-inductive",
     # the methods that adapt the image encoder over batches (docs/methods.md, "The methods at a glance")
     "tent": "Tent", "sar": "SAR", "deyo": "DeYO", "batclip": "BATCLIP",
 }

@@ -45,8 +45,12 @@ IMAGENET_FAMILY: frozenset[str] = frozenset({"imagenet", "imagenet_a", "imagenet
 #   imagenet80  the 80 CLIP ImageNet templates
 #   dpe_cars    DPE/DLAE's Stanford Cars pair: "a photo of a {}." and
 #               "A {} featuring a wide range of color options for easy selection." (DPE `datasets/stanford_cars.py`)
+#   clip_dataset CLIP's per-dataset prompt ensembles (TCA `datasets/*.py`; the 80 templates for the ImageNet family)
+#   transclip   TransCLIP's and StatA's one template per dataset (their `datasets/*.py` `template`): "a photo of a
+#               {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397, "{} texture" (no full stop) for
+#               DTD, the CoOp template of each other set
 # Each template embedding is L2-normalised, averaged (with the CuPL sentences when `cupl`), and re-normalised.
-PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars"]
+PromptSet = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "transclip"]
 # What a method's output rows are (the shard's `zaec:output_kind`, docs/contract.md): "logits" (any real vector the
 # official code ranks and calibrates through a softmax) or "log_probs" (natural-log probabilities, finite: where the
 # official code outputs probabilities or vote fractions).
@@ -387,6 +391,43 @@ def apply_overrides(config: MethodConfig, overrides: dict[str, Any]) -> MethodCo
     return dataclasses.replace(config, **changes)
 
 
+# ---------------------------------------------------------------------------------- files beyond the CLIP checkpoint
+# What `ExternalFile.kind` a setting names: a file, a folder (both: a path the user gives; "" = not given), or an
+# open_clip model (a pretrained tag, a checkpoint file or `local-dir:DIR`, its architecture in another setting).
+ExternalKind = Literal["file", "dir", "open_clip"]
+
+
+@dataclass(frozen=True)
+class ExternalFile:
+    """A second pretrained model or another file a method reads besides the CLIP checkpoint, named by one of its
+    config settings. The user supplies it (zaec downloads nothing for a method); the method declares it in
+    `external_files`, and one check (`extract.run.externals.check_external_files`) refuses a run that lacks it
+    with one line naming the setting and where the file comes from, before any model loads: in `zaec-extract` and
+    in `zaec-sweep` (its dry run too). docs/extract.md, "Files a method reads besides the CLIP checkpoint".
+
+    Attributes:
+        setting: the config field that names it (`--set SETTING=PATH`): a text field, "" while not given.
+        what: what it is, in a few words ("the Stable Diffusion image-variation pipeline").
+        source: where it comes from, said after the problem in the error line (the command that fetches or makes
+            it, or the setting that does without it).
+        kind: "file", "dir" (the path must exist as such) or "open_clip" (checked as `load_model` would check it:
+            names, files, weights absent while the hub is offline).
+        contains: for "dir": files that must be inside the folder ("model_index.json").
+        backbone_setting: for "open_clip": the config field naming the architecture.
+
+    Example:
+        >>> ExternalFile("maple_weights", "MaPLe's prompts trained on ImageNet", "see docs/extract.md").kind
+        'file'
+    """
+
+    setting: str
+    what: str
+    source: str
+    kind: ExternalKind = "file"
+    contains: tuple[str, ...] = ()
+    backbone_setting: str = ""
+
+
 class TTAMethod(abc.ABC):
     """Base class of every test-time adaptation method.
 
@@ -406,6 +447,10 @@ class TTAMethod(abc.ABC):
     key: ClassVar[str]
     Config: ClassVar[type[MethodConfig]]
     needs_text_encoder: ClassVar[bool] = False
+    # A method that reads class descriptions (AWT) sets this and `descriptions_request`; the run reads them from
+    # `--descriptions-dir` before the model loads and passes them as the `descriptions` keyword
+    # (`extract.prompts.Descriptions`).
+    needs_descriptions: ClassVar[bool] = False
     # What the run feeds the method (`Consumes`); one run loop serves every kind.
     consumes: ClassVar[Consumes] = "features"
     # What `adapt` returns (recorded in the shard as `zaec:output_kind`); "logits" unless the method says otherwise.
@@ -418,6 +463,9 @@ class TTAMethod(abc.ABC):
     # in its own class (tests/extract/test_methods.py checks the declaration against the method's rows); False here,
     # so that an undeclared method is recomputed rather than served another run's rows.
     prefix_stable: ClassVar[bool] = False
+    # Second pretrained models and other files the method reads besides the CLIP checkpoint, each named by one of
+    # its settings (`ExternalFile`); `needed_files` says which a given config reads.
+    external_files: ClassVar[tuple[ExternalFile, ...]] = ()
 
     def __init__(
         self,
@@ -527,6 +575,19 @@ class TTAMethod(abc.ABC):
         raise ValueError(f"{self.key} reads no pixels (consumes {self.consumes_for(self.config)!r})")
 
     @classmethod
+    def needed_files(cls, config: MethodConfig) -> tuple[ExternalFile, ...]:
+        """The declared `external_files` a run with `config` reads (all of them, unless a setting does without
+        one: RLCF's reward model with `reward_backbone=policy`).
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> rlcf = get_method("rlcf")
+            >>> [f.setting for f in rlcf.needed_files(rlcf.default_config("dtd", "ViT-B-16"))]
+            ['reward_pretrained']
+        """
+        return cls.external_files
+
+    @classmethod
     def prefix_dependence(cls, config: MethodConfig) -> str | None:
         """Why the first rows of a run with `config` depend on what follows them, or None when they do not
         (`prefix_stable`; a method whose dependence is a setting, OnZeta's `stream_length`, overrides this).
@@ -538,9 +599,27 @@ class TTAMethod(abc.ABC):
         """
         return None if cls.prefix_stable else f"{cls.key}'s rows depend on the samples after them"
 
+    @classmethod
+    def transductive_unit(cls, config: MethodConfig) -> int | None:
+        """For a method that consumes "set_features": how many consecutive stream positions it solves jointly, 0 for
+        the whole run (recorded in the shards as `zaec:transductive_unit`); None for every other method.
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> get_method("tda").transductive_unit(get_method("tda").default_config("dtd", "RN50")) is None
+            True
+        """
+        return None
+
     def set_stream_length(self, n: int) -> None:
         """Announce the number of samples the run will adapt on (before the first one). A no-op except for methods
         whose official schedule needs it in advance (OnZeta's β_i = β·√((i+1)/n)); the runner calls it."""
+
+    @classmethod
+    def descriptions_request(cls, config: MethodConfig, dataset: str) -> tuple[str, int, str]:
+        """For a method with `needs_descriptions`: (the dataset's description file name, the sentences every class
+        needs, where the files come from). `dataset` is the key whose classes the run predicts."""
+        raise NotImplementedError(f"{cls.key} reads no class descriptions")
 
     @classmethod
     def method_class_names(cls, dataset: str, class_names: Sequence[str],

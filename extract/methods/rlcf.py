@@ -42,7 +42,8 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from extract.methods.base import IMAGENET_FAMILY, MethodConfig, check_hparams_key, setting, text_setting
+from extract.methods.base import (IMAGENET_FAMILY, ExternalFile, MethodConfig, check_hparams_key, setting,
+                                  text_setting)
 from extract.methods.tpt import TPT, TPTConfig
 
 #: `reward_backbone` value that makes the policy its own reward model (TTA-VLM `instance_method/rlcf.py`)
@@ -140,8 +141,14 @@ class RLCF(TPT):
     key: ClassVar[str] = "rlcf"
     prefix_stable: ClassVar[bool] = True  # episodic; the reward features are read at the sample's own position
     Config: ClassVar[type[MethodConfig]] = RLCFConfig
-    #: the runner loads the reward model and calls `attach_reward` before the first image (extract/run/reward.py)
+    #: the runner loads the reward model and calls `attach_reward` before the first image (`attach_second_encoder`,
+    #: extract/run/reward.py)
     needs_reward_model: ClassVar[bool] = True
+    # the reward model's weights: an open_clip tag (OpenAI's ViT-L-14 by default), a checkpoint file or a
+    # `local-dir:` folder, checked before the policy loads (extract/run/externals.py)
+    external_files: ClassVar[tuple[ExternalFile, ...]] = (
+        ExternalFile("reward_pretrained", "reward model", "or --set reward_backbone=policy (the policy as its own "
+                     "reward model)", kind="open_clip", backbone_setting="reward_backbone"),)
     # Unseen data: the fine-grained settings (5 steps, AugMix views)
     unseen_like: ClassVar[str] = "dtd"
 
@@ -168,6 +175,11 @@ class RLCF(TPT):
         fine = hparams_key not in IMAGENET_FAMILY
         # AugMix on the fine-grained sets: `augmix=len(set_id)>1 and args.augmix` (`--augmix` defaults to 1)
         return RLCFConfig(augmix=fine, tta_steps=5 if fine else 3)
+
+    @classmethod
+    def needed_files(cls, config: MethodConfig) -> tuple[ExternalFile, ...]:
+        """No second model with `reward_backbone=policy` (the policy is its own reward model)."""
+        return () if config.reward_backbone == REWARD_POLICY else cls.external_files  # type: ignore[attr-defined]
 
     def attach_reward(self, text: torch.Tensor, reader: Callable[[int, int], Any]) -> None:
         """Give the method its reward model's inputs.

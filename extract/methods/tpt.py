@@ -32,7 +32,8 @@ the shard metadata and printed at the end of a run); both are also state, restor
 
 `EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context,
 R-TPT (`rtpt.py`) with its own loss and prediction (`_tuning_loss`, `_predict`). The online DynaPrompt
-(`dynaprompt.py`) reuses the pieces: `adamw_step`, `grad_scaler_update`, `amp_autocast`, `prompt_encoder`.
+(`dynaprompt.py`) reuses the pieces: `adamw_step`, `grad_scaler_update`, `amp_autocast`, `prompt_encoder`; TTL and
+PromptAlign, which tune one sample at a time with torch's AdamW, `scaled_step`; DiffTPT is TPT with more views.
 
 Where this differs from the official loops (numerics only; the formulas are the same):
     * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
@@ -207,6 +208,26 @@ def grad_scaler_update(scaler: dict[str, float | int], finite: bool, growth_inte
     return False
 
 
+def scaled_step(params: Sequence[torch.Tensor], loss: torch.Tensor, opt: torch.optim.Optimizer,
+                loss_scale: dict[str, float | int], *, amp: bool, growth_interval: int) -> bool:
+    """The official `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` on fp32 leaf tensors, the
+    GradScaler emulated by `loss_scale` (`grad_scaler_update`): the gradients of loss·scale, unscaled in fp32; the
+    step only when the loss and every gradient are finite; the scale updated after it (with `amp` only: no scaler
+    on the CPU). Returns whether the step was taken. (TTL and PromptAlign tune their tensors one sample at a time
+    with the real AdamW.)"""
+    scale = float(loss_scale["scale"]) if amp else 1.0
+    grads = [g.float() / scale for g in torch.autograd.grad(loss * scale, list(params))]
+    # one host sync for all the checks (a GPU waits once per step, not once per tensor)
+    finite = bool(torch.stack([torch.isfinite(loss.detach()).all(), *(torch.isfinite(g).all() for g in grads)]).all())
+    if finite:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    if amp:
+        grad_scaler_update(loss_scale, finite, growth_interval)
+    return finite
+
+
 @contextlib.contextmanager
 def amp_autocast(enabled: bool) -> Iterator[None]:
     """fp16 autocast on CUDA when `enabled` (the official `torch.cuda.amp.autocast()`), else nothing."""
@@ -317,6 +338,11 @@ class EpisodicTuner(TTAMethod):
         chosen = torch.gather(logits, 1, sel[..., None].expand(-1, -1, logits.shape[-1]))
         return self._tuning_loss(chosen)
 
+    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+        """(G, V, K) logits -> (G, n) the views the loss uses: the `selection_p` most confident (TPT
+        `select_confident_samples`); DiffTPT filters by cosine similarity first."""
+        return select_confident(logits, self.config.selection_p)  # type: ignore[attr-defined]
+
     def _regulariser(self, text: torch.Tensor) -> torch.Tensor | None:
         """(G, K, D) class features -> (G,) term added to the loss, or None."""
         return None
@@ -424,7 +450,7 @@ class EpisodicTuner(TTAMethod):
         sel = None
         if cfg.tta_steps == 0:
             with torch.no_grad(), self._autocast(dev):
-                sel = select_confident(self._logits(feats, self._class_features(param)), cfg.selection_p)
+                sel = self._select(self._logits(feats, self._class_features(param)))
         for step in range(cfg.tta_steps):
             p = param.detach().requires_grad_(True)
             vjp = None
@@ -440,7 +466,7 @@ class EpisodicTuner(TTAMethod):
                 # TPT chooses the views at step 0 and reuses them (`test_time_tuning`); TPS re-selects at every
                 # step (`run_shift_iter`). Identical with the default single step.
                 if sel is None or self.reselect_each_step:
-                    sel = select_confident(logits, cfg.selection_p)
+                    sel = self._select(logits)
                 # fp32 before summing: G scaled fp16 losses (each up to 1000 · ln K) would overflow their sum
                 loss = self._loss(feats, logits, sel).float()  # (G,)
             with torch.autocast(device_type=dev.type, enabled=False):

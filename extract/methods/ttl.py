@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from extract.methods.base import (Consumes, MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, check_ranges,
                                   setting)
+from extract.methods.tpt import scaled_step
 
 
 @dataclass(frozen=True)
@@ -71,20 +72,21 @@ class TTLConfig(MethodConfig):
     grad_scale_growth_interval: int = setting(2000, ge=1)  # GradScaler default
 
 
-def _vision_tower(model: Any, backbone: str) -> Any:
-    """open_clip's VisionTransformer of `model`, or a one-line error naming why TTL cannot adapt it."""
+def vision_tower(model: Any, backbone: str, key: str = "ttl",
+                 why: str = "adapts the attention of a ViT image encoder (LoRA on q, v of its last blocks)") -> Any:
+    """open_clip's VisionTransformer of `model`, or a one-line error naming why method `key` cannot adapt it (TTL;
+    DART prompts the same blocks)."""
     from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 
     visual = getattr(model, "visual", None)
     if not isinstance(visual, VisionTransformer):
         kind = type(visual).__name__ if visual is not None else "no"
-        raise ValueError(f"ttl adapts the attention of a ViT image encoder (LoRA on q, v of its last blocks); "
-                         f"{backbone} has a {kind} image encoder; use a ViT backbone such as ViT-B-16")
+        raise ValueError(f"{key} {why}; {backbone} has a {kind} image encoder; use a ViT backbone such as ViT-B-16")
     blocks = visual.transformer.resblocks
     if not getattr(visual.transformer, "batch_first", True) or not all(
             type(b) is ResidualAttentionBlock and isinstance(b.attn, torch.nn.MultiheadAttention)
             and b.attn._qkv_same_embed_dim for b in blocks):
-        raise ValueError(f"ttl: {backbone}'s vision blocks are not open_clip's plain batch-first attention blocks")
+        raise ValueError(f"{key}: {backbone}'s vision blocks are not open_clip's plain batch-first attention blocks")
     return visual
 
 
@@ -136,7 +138,7 @@ class TTL(TTAMethod):
         super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
                          text_encoder=text_encoder)
         cfg: TTLConfig = self.config  # type: ignore[assignment]
-        self.visual = _vision_tower(getattr(text_encoder, "model", text_encoder), backbone)
+        self.visual = vision_tower(getattr(text_encoder, "model", text_encoder), backbone)
         blocks = self.visual.transformer.resblocks
         # the run's plan checked lora_blocks against the architecture's config where it could read one; this is the
         # check for a model whose config it could not (one line, before any image is read)
@@ -192,16 +194,6 @@ class TTL(TTAMethod):
             pooled = pooled @ self.visual.proj
         return F.normalize(pooled.float() if pooled.dtype == torch.float16 else pooled, dim=-1)
 
-    def _scaler_update(self, finite: bool) -> None:
-        """GradScaler.update (backoff 0.5, growth 2 after `grad_scale_growth_interval` finite steps)."""
-        s = self.loss_scale
-        if not finite:
-            s["scale"], s["growth_tracker"] = float(s["scale"]) * 0.5, 0
-            return
-        s["growth_tracker"] = int(s["growth_tracker"]) + 1
-        if s["growth_tracker"] == self.config.grad_scale_growth_interval:  # type: ignore[attr-defined]
-            s["scale"], s["growth_tracker"] = float(s["scale"]) * 2.0, 0
-
     def loss(self, logits: torch.Tensor) -> torch.Tensor | None:
         """DeYO's loss on (V, K) logits: mean over views with H <= entropy_filter of H / exp(H − margin_e0), the
         weight detached (deyo.py `forward_and_adapt_sar`); None when no view passes (no step)."""
@@ -230,20 +222,9 @@ class TTL(TTAMethod):
                 loss = self.loss(logits)
             if loss is None:  # no view passed the filter: neither a step nor a scale update
                 continue
-            scale = float(self.loss_scale["scale"]) if amp else 1.0
-            grads = torch.autograd.grad(loss * scale, params)
-            grads = [g.float() / scale for g in grads]
-            # one host sync for all 12 factors' checks (a GPU waits once per step, not once per tensor)
-            finite = bool(torch.stack([torch.isfinite(loss.detach()).all(),
-                                       *(torch.isfinite(g).all() for g in grads)]).all())
-            if finite:
-                for p, g in zip(params, grads):
-                    p.grad = g
-                opt.step()
-            else:
+            if not scaled_step(params, loss, opt, self.loss_scale, amp=amp,
+                               growth_interval=cfg.grad_scale_growth_interval):
                 self.skipped_steps += 1
-            if amp:
-                self._scaler_update(finite)
         with torch.no_grad(), self._autocast(dev):
             return (self.logit_scale * self.features(tokens[:1], lora) @ text.T)[0].float()
 

@@ -89,6 +89,8 @@ class RunOptions:
         anchor: "single" = zero-shot logits from "a photo of a {}." on view 0; "method" = the method's own prompts.
         data_root: datasets folder (None: `extract.defaults.default_data_root()`).
         cupl_dir: CuPL prompt files (None: `extract.defaults.default_cupl_dir()`).
+        descriptions_dir: class-description files of a method that reads them (AWT's `<dataset>.json`; None:
+            `extract.defaults.default_descriptions_dir()`).
         sh_filter: TDA's file-listing quirk on ImageNet-A/-R/-Sketch/-V2, off by default
             (docs/methods.md, "TDA's file-listing quirk (sh_filter)").
         fingerprint: how image files are fingerprinted: "stat" (size and modification time) or "content" (sha256).
@@ -114,6 +116,7 @@ class RunOptions:
     anchor: str = DEFAULT_ANCHOR
     data_root: str | None = None
     cupl_dir: str | None = None
+    descriptions_dir: str | None = None
     sh_filter: bool = False
     fingerprint: str = DEFAULT_FINGERPRINT
     exif_transpose: bool = False
@@ -126,10 +129,10 @@ class RunOptions:
     @classmethod
     def make(cls, method: str, dataset: str, *, overrides: Mapping[str, Any] | None = None,
              data_root: str | os.PathLike | None = None, cupl_dir: str | os.PathLike | None = None,
-             **kw: Any) -> "RunOptions":
+             descriptions_dir: str | os.PathLike | None = None, **kw: Any) -> "RunOptions":
         """Build from the keyword style of `run_extraction` (a mapping of overrides, path-like folders)."""
         return cls(method, dataset, overrides=tuple((overrides or {}).items()), data_root=_path_str(data_root),
-                   cupl_dir=_path_str(cupl_dir), **kw)
+                   cupl_dir=_path_str(cupl_dir), descriptions_dir=_path_str(descriptions_dir), **kw)
 
     def overrides_dict(self) -> dict[str, Any]:
         """The overrides as a mapping, in the order given."""

@@ -57,6 +57,10 @@ class ResumeScope:
         prefix_dependence: why the method's rows depend on the run's length or later samples
             (`TTAMethod.prefix_dependence`); a part written by a run of another length then ends the kept prefix.
             None: parts of a longer or shorter run of the same settings are kept.
+        unit: for a transductive method (`TTAMethod.transductive_unit`), the stream positions it solves jointly
+            (n_run for the whole run); the kept prefix then ends at a unit boundary, so that every row of a unit
+            comes from one solve: the parts of a unit the interrupted run did not write whole are recomputed with
+            it. None: any part boundary ends it.
         state_files: the method's state after each part lies in a file beside it (`PlannedRun.restore` "file");
             a part whose file is missing or changed ends the kept prefix.
     """
@@ -67,6 +71,7 @@ class ResumeScope:
     recompute_changed: bool = False
     state_keys: tuple[str, ...] | None = None
     prefix_dependence: str | None = None
+    unit: int | None = None
     state_files: bool = False
 
 
@@ -123,7 +128,27 @@ def _state_file(run_dir: RunDir, p: int, sh: Any, hi: int) -> Path | None:
 
 def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
     """Read the parts of an interrupted run in order and return where the run resumes. Writes nothing."""
-    n_parts = -(-scope.n_run // scope.part_size)
+    point = _scan(run_dir, scope, -(-scope.n_run // scope.part_size))
+    start = _unit_start(point.start_part, scope)
+    if point.refusal is not None or start == point.start_part:
+        return point
+    kept = _scan(run_dir, scope, start)  # the counts and restamps of the parts before the unit's first
+    note = (f"parts {start}..{point.start_part - 1} of {run_dir.path} hold rows of a transductive unit of "
+            f"{scope.unit} positions that the interrupted run did not write whole; they are recomputed with the rest "
+            "of it")
+    return dataclasses.replace(kept, note=note if point.note is None else f"{note}; {point.note}")
+
+
+def _unit_start(start_part: int, scope: ResumeScope) -> int:
+    """The largest p <= `start_part` whose parts [0, p) end at a transductive unit's boundary (`ResumeScope.unit`):
+    every part when they hold the whole run, else p * part_size a multiple of the unit."""
+    if scope.unit is None or min(start_part * scope.part_size, scope.n_run) == scope.n_run:
+        return start_part
+    return next(p for p in range(start_part, -1, -1) if (p * scope.part_size) % scope.unit == 0)
+
+
+def _scan(run_dir: RunDir, scope: ResumeScope, n_parts: int) -> ResumePoint:
+    """The kept prefix among parts [0, n_parts)."""
     point = ResumePoint()
     for p in range(n_parts):
         path = run_dir.part(p)

@@ -4,7 +4,7 @@ checked against (`finished_run`, `finished_run_mismatch`).
 
 The settings: method config, pretrained weights, anchor, TDA's file filter, the sample list (paths, labels, class
 names: `TestSet.fingerprint()`), the resolved data root and the data fingerprint of the image files
-(`extract.fingerprint`). A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
+(`extract.fingerprint`), and for a method that reads class descriptions (AWT) their fingerprint. A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
 asks the same function before it submits anything, so the two checks cannot drift apart.
 """
 
@@ -16,15 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from extract.run.externals import SETTINGS_KEY as EXTERNAL_SETTINGS_KEY, external_identity
 from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun, RunOptions
 from extract.run.rundata import RunData, set_identity
 from extract.run.rundir import RunDir
+from extract.run.setup import run_descriptions
 
 #: `extract.fingerprint.FINGERPRINT_MODES` (kept here: this module loads before the dataset stack)
 _FINGERPRINT_MODES = ("stat", "content")
 #: what a changed setting of a finished run means, for the refusal message
 _SETTING_HINTS = {"data_fingerprint": "the image files changed (size, modification time or content)",
-                  "data_root": "another data root", "samples": "another split or class list"}
+                  "data_root": "another data root", "samples": "another split or class list",
+                  EXTERNAL_SETTINGS_KEY: "a file the method reads besides the CLIP checkpoint changed (size or "
+                                         "modification time), or is absent"}
 
 
 def load_run_data(planned: PlannedRun) -> RunData:
@@ -65,6 +69,15 @@ def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
     # absent at the default, so that the runs made before it was recorded still match
     if planned.adapt_width != DEFAULT_ADAPT_BATCH:
         settings["adapt_batch"] = planned.adapt_width
+    # the files a method reads besides the CLIP checkpoint (size and modification time); absent for the methods
+    # that read none, so that their runs made before it was recorded still match
+    files = external_identity(planned)
+    if files:
+        settings[EXTERNAL_SETTINGS_KEY] = files
+    # the class descriptions a method reads (AWT): their content decides the rows; absent for the other methods
+    descriptions = run_descriptions(planned, data.testset)
+    if descriptions is not None:
+        settings["descriptions"] = descriptions.fingerprint()
     return settings
 
 

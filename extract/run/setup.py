@@ -12,25 +12,29 @@ import torch
 
 from extract.cache import TextCache
 from extract.models import LoadedModel
-from extract.prompts import PromptSet, build_prompt_set
+from extract.prompts import Descriptions, PromptSet, build_prompt_set, load_descriptions
 from extract.run.ood import ood_meta
 from extract.run.options import DEFAULT_ADAPT_BATCH, PlannedRun
 from extract.run.progress import Progress
 from extract.run.rundata import RunData
 from extract.run.stream import STREAM_RULE
-from schemas.shard import ShardMeta
+from schemas.shard import WHOLE_RUN_UNIT, ShardMeta
 
 
 def build_method(cls: type, config: Any, text_features: torch.Tensor, model: LoadedModel, *, backbone: str,
-                 dataset: str, class_names: Sequence[str] | None = None) -> Any:
+                 dataset: str, class_names: Sequence[str] | None = None,
+                 descriptions: Descriptions | None = None) -> Any:
     """The one place a method object is constructed (episodic methods that tune prompts get the model as
-    `text_encoder` and the class names to build their prompts from; a method that reads pixels gets the model)."""
+    `text_encoder` and the class names to build their prompts from; a method that reads pixels gets the model; a
+    method that reads class descriptions gets them, `run_descriptions`)."""
     kwargs: dict[str, Any] = {"backbone": backbone, "dataset": dataset}
     if getattr(cls, "needs_text_encoder", False):
         kwargs["text_encoder"] = model
         kwargs["class_names"] = class_names
     elif cls.consumes_for(config) in ("view_pixels", "batch_pixels"):  # it runs the image encoder itself
         kwargs["text_encoder"] = model
+    if getattr(cls, "needs_descriptions", False):
+        kwargs["descriptions"] = descriptions
     return cls(config, text_features, model.logit_scale, **kwargs)
 
 
@@ -64,10 +68,29 @@ class RunPrompts:
     method_names: Sequence[str]
     method: PromptSet
     anchor: PromptSet
+    descriptions: Descriptions | None = None
+
+
+def run_descriptions(planned: PlannedRun, testset: Any) -> Descriptions | None:
+    """The class descriptions of a method that reads them (`needs_descriptions`), from the run's descriptions
+    folder; None for any other method. Raises PromptError (one line: the folder, file or class) when they are
+    missing. A registered dataset's official file may name classes otherwise and is paired by position when it
+    holds exactly its K classes; a user's file must name every class."""
+    cls = planned.method_cls
+    if not getattr(cls, "needs_descriptions", False):
+        return None
+    from extract.datasets import get_dataset
+
+    key, ts = planned.class_dataset, testset  # the test set whose classes the run predicts (`TestSet`)
+    names = cls.method_class_names(key, ts.class_names, ts.imagenet_indices)  # type: ignore[attr-defined]
+    file_name, need, where = cls.descriptions_request(planned.config, key)  # type: ignore[attr-defined]
+    return load_descriptions(planned.options.descriptions_dir, file_name, names, method=planned.options.method,
+                             need=need, by_position=get_dataset(key).hparams_from is not None, where=where)
 
 
 def build_prompts(planned: PlannedRun, data: RunData) -> RunPrompts:
-    """The method's prompts (its policy, CuPL sentences when asked) and the anchor's ("a photo of a {}.")."""
+    """The method's prompts (its policy, CuPL sentences when asked), the anchor's ("a photo of a {}.") and the
+    class descriptions of a method that reads them."""
     ts, config, key = data.testset, planned.config, planned.class_dataset  # an OOD run: the in-distribution set's
     names = planned.method_cls.method_class_names(key, ts.class_names,  # type: ignore[attr-defined]
                                                    ts.imagenet_indices)
@@ -77,7 +100,7 @@ def build_prompts(planned: PlannedRun, data: RunData) -> RunPrompts:
         anchor = build_prompt_set(key, ts.class_names, policy="single")
     else:
         anchor = method
-    return RunPrompts(names, method, anchor)
+    return RunPrompts(names, method, anchor, run_descriptions(planned, data.testset))
 
 
 def prompt_features(model: LoadedModel, prompts: RunPrompts, cache: TextCache, progress: Progress | None = None
@@ -107,6 +130,8 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
         "zaec:data_root": data.identity["data_root"],
         "zaec:data_fingerprint": data.identity["data_fingerprint"],
     }
+    if prompts.descriptions is not None:
+        extra["zaec:descriptions"] = json.dumps(prompts.descriptions.describe(), sort_keys=True)
     if tuple(prompts.method_names) != tuple(ts.class_names):
         extra["zaec:method_class_names"] = json.dumps(list(prompts.method_names))
     if ts.imagenet_indices is not None and len(ts.imagenet_indices) != 1000:
@@ -127,6 +152,9 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
     extra.update(ood_meta(planned, data))  # an OOD run's keys (docs/contract.md, "Out-of-distribution runs")
     if planned.method_cls.output_kind != "logits":  # absent means logits (docs/contract.md): older shards stay valid
         extra["zaec:output_kind"] = planned.method_cls.output_kind
+    unit = planned.method_cls.transductive_unit(planned.config)  # [set features] the rows solved jointly
+    if unit is not None:
+        extra["zaec:transductive_unit"] = str(unit) if unit else WHOLE_RUN_UNIT
     return ShardMeta(backbone=planned.backbone, pretrained=model.pretrained, dataset=planned.dataset,
                      method=o.method, seed=o.seed, class_names=ts.class_names, method_config=planned.config_dict(),
                      extra=extra, zs_prompts=zs_desc)

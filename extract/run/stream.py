@@ -111,6 +111,19 @@ class StreamInputs:
     adapt_batch: int
 
 
+def attach_set(inputs: StreamInputs, n_run: int, start: int) -> bool:
+    """[set features] Give a method that consumes "set_features" (StatA, TransCLIP, ZLaP) its reader of the run's
+    cached features, positions [0, n_run), the loop starting at `start`; it solves each transductive unit from them
+    when its first `adapt` call reaches the unit. Returns whether the method took it (False: another kind).
+
+    Such a method carries nothing from one unit to the next, and a resumed run starts at a unit boundary
+    (`ResumeScope.unit`): attaching at `start` is all its "replay"."""
+    if getattr(inputs.method, "consumes", "features") != "set_features":
+        return False
+    inputs.method.attach_set(lambda a, b: torch.from_numpy(inputs.reader.get(a, b)).to(inputs.device), n_run, start)
+    return True
+
+
 def replay(inputs: StreamInputs, stop: int, task: Task) -> None:
     """Rebuild an online method's state after positions [0, stop): the same `adapt` calls on the same inputs."""
     for s in range(0, stop, inputs.adapt_batch):

@@ -46,6 +46,7 @@ from extract.sweep.manifest import Manifest, locked_manifest, manifest_frame, sw
 from extract.defaults import (
     CACHE_DIR_ENV,
     CUPL_DIR_ENV,
+    DESCRIPTIONS_DIR_ENV,
     DATA_ROOT_ENV,
     DEFAULT_BACKBONE,
     DEFAULT_CACHE_DIR,
@@ -354,6 +355,8 @@ def run(
     cache_dir: Optional[Path] = typer.Option(None, help=f"feature cache [default: ${CACHE_DIR_ENV}, else "
                                                         f"{DEFAULT_CACHE_DIR}]; must be visible to every job"),
     cupl_dir: Optional[Path] = typer.Option(None, help=f"CuPL prompt files [default: ${CUPL_DIR_ENV}]"),
+    descriptions_dir: Optional[Path] = typer.Option(None, help="class-description files <dataset>.json (AWT) "
+                                                                f"[default: ${DESCRIPTIONS_DIR_ENV}]"),
     limit: Optional[int] = typer.Option(None, help="only the first N samples of each stream (quick looks)"),
     ood_for: Optional[str] = typer.Option(None, "--ood-for", metavar="KEY",
                                           help="out-of-distribution runs: every dataset of --datasets is mixed into "

@@ -51,6 +51,9 @@ class AdaptCost:
         multi_view: seconds per sample when the run encodes 64 views, where that differs.
         per_position, per_position_class: seconds per sample and stream position (and class).
         provisional: a placeholder for a method still being written, applied once its key is registered.
+        solve: the cost is one solve over the whole run (a transductive method): the per-position terms price
+            its O(N²) work, not a cost that grows along the stream, and a rate measured over a run of N' samples
+            scales to n samples as this model's seconds(n) / seconds(N') (`adapt_seconds`).
     """
 
     per_sample: float
@@ -59,6 +62,7 @@ class AdaptCost:
     per_position: float = 0.0
     per_position_class: float = 0.0
     provisional: bool = False
+    solve: bool = False
 
     def seconds(self, n: int, k: int, views: int) -> float:
         """Estimated adaptation seconds of a run over the first `n` stream positions, `k` classes, `views` views."""
@@ -67,6 +71,10 @@ class AdaptCost:
         return n * (base + self.per_class * k) + growth
 
 
+#: A view-0 image read and preprocessed at 224 px by the run's reader of view pixels (`extract/run/pixels.py`, one
+#: core, in the main process): measured at 2.7-2.8 ms for a 500x375 JPEG (docs/benchmarks.md, "Methods inside the
+#: image encoder: cost per sample")
+PIXEL_READ_S = 0.003
 #: TDA's adapt step measured on a CPU (1 thread, K = 1000, D = 512): the reference the figures below scale from
 TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
 #: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
@@ -89,6 +97,65 @@ BATCH_ENCODER_COSTS: dict[str, AdaptCost] = {
 #: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
 #: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
 ECALP_S_PER_POSITION = 0.0445 / 128.5
+#: DOTA, OGA, BCA and COSMIC, for one GPU at D = 512 (ViT-B-16), from CPU measurements at K = 1000 (one thread):
+#: * DOTA: one D×D inverse (9.7 ms on the CPU, ~1 ms on a GPU) and about 7 passes over the (K, D, D) float32
+#:   covariances per sample (0.44 s a sample on the CPU at 16 GB/s): 7 · 4 · D² bytes a class at ~3 TB/s. RN50's
+#:   D = 1024 quadruples the per-class part.
+#: * OGA: a memory change costs a D×D pseudo-inverse (an SVD: 38-44 ms on the CPU, ~20 ms on a GPU [estimate]) and a
+#:   covariance over up to 8 K items (1.6-52 ms on the CPU, n = 100-8,000); about half the samples change the memory
+#:   (a class's n-th sample enters with probability ~8/n: 8 + 8 ln(N_k / 8.5) entries of N_k, 44% on ImageNet).
+#: * BCA: TDA's order of work (0.22 ms vs TDA's 0.22 ms at one view, 1.29 vs 1.15 ms at 64 views, same run).
+#: * COSMIC: 6.5 ms a sample on the CPU between graph rebuilds (~3 ms on a GPU [estimate]), plus DINOv2 ViT-L/14 on
+#:   the original view (about 4.6x ViT-B-16's work a view, at the encoder's planning rate); a rebuild of both graphs
+#:   is ~0.15 s on a GPU (networkx's clique search on the CPU: 93 ms for 2K = 2,000 nodes) and happens at nearly
+#:   every sample while i <= K·memory (ImageNet: the first 16,000 of 50,000), every 100 after: ~5e-5 s a class.
+FIELD_ONLINE_COSTS: dict[str, AdaptCost] = {
+    "dota": AdaptCost(0.001, per_class=7 * 4 * 512 ** 2 / 3e12),
+    "oga": AdaptCost(0.5 * 0.02),
+    "bca": AdaptCost(TDA_S, multi_view=TDA_S_64_VIEWS * 1.29 / 1.15),
+    "cosmic": AdaptCost(0.003 + 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=5e-5),
+}
+#: DiffTPT's generation per sample at the official settings, an estimate from its work (no GPU run yet): the UNet of
+#: lambdalabs/sd-image-variations-diffusers (Stable Diffusion v1's) on 2 x 63 latents of 64 x 64 (classifier-free
+#: guidance) at each of 50 steps, 1.594 TFLOP per image and step; the VAE decoding the 63 images at 512 px, 2.515
+#: TFLOP each (both counted with torch's FlopCounterMode on the diffusers modules built from that repository's
+#: configs); the CLIP ViT-L/14 conditioning and the policy's encoding of the 63 views, a few TFLOP more: 5.2 PFLOP
+#: a sample. In fp32, the official precision (TF32 convolutions, fp32 matmuls: torch's defaults), at an assumed 50
+#: TFLOP/s effective on an H100-class GPU, about 100 s a sample; `--set diffusion_fp16=true` about a fifth of it.
+DIFFTPT_GENERATION_TFLOP = 63 * (50 * 1.594 + 2.515) + 3.0
+DIFFTPT_FP32_TFLOP_PER_S = 50.0
+DIFFTPT_GENERATION_S = DIFFTPT_GENERATION_TFLOP / DIFFTPT_FP32_TFLOP_PER_S
+#: The transductive solves (StatA, TransCLIP, ZLaP) priced from their work on one H100-class GPU: float32 matrix
+#: products at 20 TFLOP/s, memory at 3 TB/s (what elementwise steps and sparse products are bound by), kernel
+#: launches at 10 us (about 1,200 a solve: 11 iterations of ~110), D = 512.
+#: per pair of samples of a kNN search: 2·D flops and the similarity written and read (float32)
+_KNN_PAIR_S = 2 * 512 / 20e12 + 2 * 4 / 3e12
+#: per sample and class: one (N, D) x (D, K) product in each of the 11 iterations
+_GAUSS_S = 11 * 2 * 512 / 20e12
+#: per sample and class: 55 z-steps of ~15 passes over float32 (N, K) arrays, each read and written
+_ZSTEPS_S = 55 * 15 * 2 * 4 / 3e12
+#: per node and CG column: 8 iterations of ~500 bytes, x3 for the sparse product's gathers
+_CG_S = 3 * 8 * 500 / 3e12
+_SOLVE_LAUNCH_S = 1200 * 10e-6
+#: Measured growth of one solve on a loaded CPU (one thread, K = 1000, D = 512; docs/benchmarks.md, "Transductive
+#: methods: growth with N"): CPU seconds at N = 1,000 / 5,000 / 20,000 and time ~ N^e from 5,000 to 20,000:
+#: stata 1.0 / 7.3 / 52 s, N^1.42; stata-online 1.5 / 5.7 / 30 s (linear work); transclip 0.7 / 4.5 / 43 s, N^1.63;
+#: zlap 0.3 / 2.1 / 12 s, N^1.23; zlap-inductive 0.3 / 9.7 / 155 s, N^2.00. The O(N·K·D) Gaussian steps and z-steps
+#: dominate StatA and TransCLIP at these sizes, the O(N²·D) search grows faster; zlap-inductive's one CG column per
+#: sample makes it O(N²). The GPU figures below follow the work, in the AdaptCost form: per_class the O(N·K) terms,
+#: per_position the O(N²) ones (N(N+1)/2 positions for N² pairs: x2).
+TRANSDUCTIVE_COSTS: dict[str, AdaptCost] = {
+    "stata": AdaptCost(0.0, per_class=4 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
+    # batches of 128 solved alone: ~1,200 kernel launches a batch, the search within the batch only
+    "stata-online": AdaptCost(_SOLVE_LAUNCH_S / 128 + 128 * _KNN_PAIR_S, per_class=4 * _GAUSS_S + _ZSTEPS_S,
+                              solve=True),
+    "transclip": AdaptCost(0.0, per_class=2 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
+    # the image-text search (one product) and K CG columns over the N + K nodes
+    "zlap": AdaptCost(0.0, per_class=_GAUSS_S / 11 + _CG_S, per_position=2 * _KNN_PAIR_S, solve=True),
+    # N CG columns (one per sample) over the N + K nodes: N² work
+    "zlap-inductive": AdaptCost(0.0, per_class=_GAUSS_S / 11, per_position=2 * _KNN_PAIR_S + 2 * _CG_S, solve=True),
+}
+
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
 #: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
 #: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,
@@ -118,11 +185,44 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
     # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
+    # inside the image encoder (docs/benchmarks.md, "Methods inside the image encoder: cost per sample"): each reads
+    # view 0's pixels again in the main process (JPEG decode and preprocess, ~PIXEL_READ_S on one core) and runs the
+    # encoder on them; CALIP batched (one more encoding of view 0; its attention is small next to it), TCA one image
+    # at a time (a batch-1 forward of 12 blocks is launch-bound on a GPU: ~10 ms), its reservoir step small
+    "calip": AdaptCost(PIXEL_READ_S + ENCODE_S_PER_VIEW["vit"]),
+    "tca": AdaptCost(PIXEL_READ_S + 0.010),
+    # prompt tuning with history, averaging or descriptions (docs/benchmarks.md, "Prompt tuning with history,
+    # averaging or descriptions: cost per sample"): HisTPT runs TPT's text passes per sample without batching
+    # across samples (measured 2.3x TPT at K = 10, 1.7x at K = 100; per class 1.5x); DART's text step has one
+    # context per class (no shared prefix, no batching across samples: 0.56 ms per class and sample on the CPU, as
+    # DynaPrompt's 0.60), and its image side costs about 3.75 encodings of the 64 views (ViT-B/16 with the prefix in
+    # block 1: forward, backward and a second forward through 11 of 12 blocks; measured 1.4-1.5x TTL on the bench
+    # model, whose prefix sits in block 1 of 4); AWT needs no gradient: the (views x prompts x K) logits, 51 K²
+    # text-weight entropies and the Sinkhorn rounds, batched over samples (0.23-0.41x TPT measured)
+    "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
+    "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=7 * TPT["per_class"]),
+    "awt": AdaptCost(0.002, per_class=2e-6),
+    # the field's online methods (docs/benchmarks.md, "Training-free online methods: cost per sample")
+    **FIELD_ONLINE_COSTS,
+    # methods that need a second pretrained model (docs/benchmarks.md, "Methods that need a second pretrained
+    # model: cost"): DiffTPT generates 63 images a sample (DIFFTPT_GENERATION_S), then tunes 4 steps over 127 views
+    # (3.9x TPT's one step measured on the CPU at K = 100); PromptAlign back-propagates through the prompted image
+    # tower for its 64 views (1.43x TTL measured on the CPU) plus a TPT-like text pass
+    "difftpt": AdaptCost(DIFFTPT_GENERATION_S + 63 * ENCODE_S_PER_VIEW["vit"] + 4 * TPT["per_sample"],
+                         per_class=4 * TPT["per_class"]),
+    "promptalign": AdaptCost(1.43 * 2 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=TPT["per_class"]),
+    # transductive: one solve over the run (or per batch), priced from its work on one GPU (TRANSDUCTIVE_COSTS);
+    # the CPU growth measured by `make bench-extract BENCH_EXTRACT_ARGS="--only-transductive --transductive-n
+    # 1000,5000,20000"` is in docs/benchmarks.md, "Transductive methods: growth with N"
+    **TRANSDUCTIVE_COSTS,
     # -- methods that adapt the image encoder over batches of test images (docs/benchmarks.md, "Methods that adapt
     # the image encoder over batches: cost per sample"): each reads its batch's images again (one view at the
     # encoder's planning rate, which the loader sets) and runs the encoder on them
     **BATCH_ENCODER_COSTS,
 }
+#: Methods always priced with ADAPT_COSTS, never with a measured rate: their benches run a stand-in second model
+#: whose cost is not the real one's (DiffTPT: a tiny random pipeline; tools/second_models.py)
+FIXED_PRICE: frozenset[str] = frozenset({"difftpt"})
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)
 #: Per-job overhead: start-up, model load, text prototypes (seconds).
@@ -163,7 +263,10 @@ class Rates:
     position: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
 
     def measured(self, backbone: str, method: str) -> str | None:
-        """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None."""
+        """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None
+        (always None for `FIXED_PRICE`)."""
+        if method in FIXED_PRICE:
+            return None
         for m in (method, RATE_PROXY.get(method)):
             if m is not None and (backbone, m) in self.adapt_s:
                 return m
@@ -296,6 +399,11 @@ def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str 
         return adapt_cost(method).seconds(n, k, views_per_image(policy))
     cost = adapt_cost(method)
     pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
+    if cost.solve and pos is not None:
+        # one solve over the run, timed over every position of a run of `size` (mean position (size - 1) / 2): the
+        # measured level, this model's growth from `size` to n
+        size, views = max(1, round(2 * pos + 1)), views_per_image(policy)
+        return n * measured * (cost.seconds(n, k, views) / n) / (cost.seconds(size, k, views) / size)
     if (cost.per_position or cost.per_position_class) and pos:
         # its cost per sample grows in proportion to the samples seen (ECALP's graph): the rate measured around
         # stream position `pos` scales to n (n + 1) / 2 positions in all, as the fixed guess does
@@ -314,6 +422,9 @@ def cost_notes(methods: Sequence[str]) -> list[str]:
                          f"{DEFAULT_ADAPT_COST.per_sample} s a sample")
         elif cost.provisional:
             notes.append(f"{m}: provisional cost figure (extract/sweep/cost.py)")
+        elif cost.solve:
+            notes.append(f"{m}: one transductive solve over the run, whose search grows with the square of its "
+                         "images (--limit caps it)")
         elif cost.per_position or cost.per_position_class:
             notes.append(f"{m}: its cost per sample grows with the samples seen, so a run's cost grows with the "
                          "square of its images (--limit caps it)")

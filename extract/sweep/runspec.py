@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from extract.defaults import DEFAULT_BACKBONE, default_cache_dir, default_cupl_dir, default_data_root
+from extract.defaults import (
+    DEFAULT_BACKBONE,
+    default_cache_dir,
+    default_cupl_dir,
+    default_data_root,
+    default_descriptions_dir,
+)
 from extract.run.options import DEFAULT_OUT, ExecOptions, RunOptions
 from extract.sweep.errors import SweepError
 from schemas.shard import RunKey, shard_dir
@@ -161,7 +167,7 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     """The options every run of a sweep shares, from settings named by field (`sweep_run_fields`,
     `sweep_exec_fields`; None or absent: the extractor's default). The method and dataset stay empty.
 
-    The data root, feature cache and CuPL folder get the extractor's fallbacks (`default_data_root()`, ...) here,
+    The data root, feature cache, CuPL and descriptions folders get the extractor's fallbacks (`default_data_root()`, ...) here,
     and every folder is made absolute: a worker shares neither our environment nor our working directory.
 
     Raises:
@@ -182,6 +188,7 @@ def sweep_options(settings: Mapping[str, Any]) -> tuple[RunOptions, ExecOptions]
     exec_kw = {k: _coerce(ExecOptions, k, exec_fields[k], v) for k, v in given.items() if k in exec_fields}
     run_kw["data_root"] = _abs(run_kw.get("data_root") or default_data_root())
     run_kw["cupl_dir"] = _abs(run_kw.get("cupl_dir") or default_cupl_dir())
+    run_kw["descriptions_dir"] = _abs(run_kw.get("descriptions_dir") or default_descriptions_dir())
     exec_kw["cache_dir"] = _abs(exec_kw.get("cache_dir") or default_cache_dir())
     exec_kw["out"] = _abs(exec_kw.get("out") or DEFAULT_OUT)
     options = RunOptions("", "", **run_kw)
@@ -246,45 +253,54 @@ def extract_run(run: RunSpec, model: Any, log: Callable[[str], None]) -> list[Pa
 
 def check_data(runs: Sequence[RunSpec]) -> None:
     """List every test set of the sweep once (split files and folders only, no image is opened), so a missing or
-    misnamed folder fails before submission with the extractor's expected-layout message."""
+    misnamed folder fails before submission with the extractor's expected-layout message; and read the class
+    descriptions of each run whose method needs them (AWT) as `zaec-extract` does before its model loads."""
     from extract.datasets import load_ood_images, load_testset
+    from extract.methods import get_method
+    from extract.run.options import plan
     from extract.run.settings import data_key
+    from extract.run.setup import run_descriptions
 
-    seen = set()
+    listed: dict[Any, Any] = {}
+    read = set()
     for r in runs:
-        if data_key(r.options) not in seen:
-            seen.add(data_key(r.options))
-            o = r.options
+        o = r.options
+        if data_key(o) not in listed:
             if o.ood_for is None:
-                load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
-            else:  # an OOD run: both of its sets
-                load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
+                listed[data_key(o)] = load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
+            else:  # an OOD run: both of its sets; the classes are the in-distribution set's
+                listed[data_key(o)] = load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
                 load_ood_images(o.dataset, o.data_root, sh_filter=o.sh_filter)
+        if get_method(o.method).needs_descriptions and (o.method, data_key(o), o.descriptions_dir) not in read:
+            read.add((o.method, data_key(o), o.descriptions_dir))
+            r.register_dataset()
+            run_descriptions(plan(o), listed[data_key(o)])
 
 
 def check_models(runs: Sequence[RunSpec]) -> None:
-    """Check the second model each run's method loads (RLCF's reward model) as `zaec-extract` does before its
-    policy loads (`extract.run.reward.check_reward_model`: names, files, weights absent while the hub is offline),
-    each (model, weights) pair once, so that no job is submitted to fail on it. The runs' own backbones are
-    loaded by the jobs.
+    """Check the files each run's method reads besides the CLIP checkpoint (RLCF's reward model, DiffTPT's diffusion
+    pipeline, PromptAlign's prompts and statistics: `TTAMethod.external_files`) as `zaec-extract` does before its
+    policy loads (`extract.run.externals.check_external_files`), each (method, files) once, so that no job is
+    submitted to fail on them. The runs' own backbones are loaded by the jobs.
 
     Raises:
-        RunError: one line naming the method and its `--set reward_*` keys.
+        RunError: one line naming the method, the file, its `--set` setting and where it comes from.
     """
     from extract.methods import get_method
+    from extract.run.externals import check_external_files
     from extract.run.options import plan
-    from extract.run.reward import check_reward_model
 
     seen = set()
     for r in runs:
-        if not getattr(get_method(r.method), "needs_reward_model", False):
+        if not get_method(r.method).external_files:
             continue
         r.register_dataset()
         planned = plan(r.options)
-        pair = (planned.config.reward_backbone, planned.config.reward_pretrained)
-        if pair not in seen:
-            seen.add(pair)
-            check_reward_model(planned)
+        named = tuple((f.setting, getattr(planned.config, f.setting), getattr(planned.config, f.backbone_setting, ""))
+                      for f in planned.method_cls.needed_files(planned.config))
+        if (r.method, named) not in seen:
+            seen.add((r.method, named))
+            check_external_files(planned)
 
 
 def is_complete(run: RunSpec) -> bool:

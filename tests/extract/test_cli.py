@@ -80,7 +80,8 @@ def test_cli_help_lists_options():
 
 #: methods that cannot run on a SigLIP model -> the reason their one-line error names (docs/methods.md, "SigLIP");
 #: every other registered method must run end to end on the tiny SigLIP-style model
-SIGLIP_CANNOT_RUN: dict[str, str] = {}
+SIGLIP_CANNOT_RUN: dict[str, str] = {
+    "promptalign": "promptalign prompts CLIP's causal text tower pooled at the end-of-text token (MaPLe)"}
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +91,23 @@ def siglip_cache(tmp_path_factory):
 
 @pytest.mark.parametrize("key", sorted(REGISTRY))
 def test_every_method_runs_on_a_siglip_model_or_says_why(key, tmp_path, data_root, tiny_siglip_dir,
-                                                         siglip_cache):
+                                                         siglip_cache, tiny_externals):
     """`zaec-extract` on a SigLIP-style model (bidirectional text tower pooled at the last token, logit bias,
     context length 64) loaded through local-dir:, for every registered method."""
     args = ["--method", key, "--dataset", "dtd", "--limit", "3"] + _base(tmp_path, data_root, tiny_siglip_dir)
     if key == "rlcf":  # offline: the policy as its own reward model; 2 classes: its top-k of 3 cannot be drawn
         args += ["--set", "reward_backbone=policy", "--set", "sample_k=2"]
+    elif REGISTRY[key].external_files:  # the tiny second models (tests/support/second_models.py)
+        args += [a for k, v in tiny_externals.overrides(key).items() for a in ("--set", f"{k}={v}")]
+    if REGISTRY[key].needs_descriptions:  # AWT: a description file for the set's classes
+        import json
+
+        from extract.datasets import load_testset
+
+        names = load_testset("dtd", data_root).class_names
+        (tmp_path / "desc").mkdir()
+        (tmp_path / "desc" / "dtd.json").write_text(json.dumps({n: [f"{n} {i}." for i in range(50)] for n in names}))
+        args += ["--descriptions-dir", str(tmp_path / "desc")]
     args[args.index("--cache-dir") + 1] = str(siglip_cache)
     r = _invoke(args)
     if key in SIGLIP_CANNOT_RUN:

@@ -21,6 +21,7 @@ from extract.methods.dlae import DLAE
 from extract.methods.dpe import DPE
 from extract.methods.tda import TDA
 from extract.methods.zero_shot import ZeroShot
+from extract.prompts import PROMPT_POLICIES
 from tests.support.extract import with_views
 
 K, D = 5, 16  # D = the embedding width of the tiny open_clip model of `tests.support.extract`
@@ -45,15 +46,26 @@ def make_stream(n: int, v: int, text: torch.Tensor, seed: int = 1, noise: float 
     return F.normalize(base, dim=-1)
 
 
-def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.float64, encoder=None, **changes):
-    """A method on the random prototypes of `make_text`; methods that tune prompts also get the tiny model."""
+def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.float64, encoder=None,
+          stream: torch.Tensor | None = None, **changes):
+    """A method on the random prototypes of `make_text`; methods that tune prompts also get the tiny model; a
+    transductive method (consumes "set_features") gets `stream` as the run's cached features."""
     if getattr(cls, "needs_reward_model", False):  # RLCF: the policy as its own reward model (no second model)
         changes.setdefault("reward_backbone", "policy")
     facts = {"vision_blocks": len(encoder.model.visual.transformer.resblocks)} if encoder is not None else {}
     if cls.adapt_width(cls.default_config(dataset, "ViT-B-16")) is not None:  # adapts over batches: of 4 here
         changes.setdefault("batch_size", 4)
     cfg = with_views(cls.default_config(dataset, "ViT-B-16"), v, facts, **changes)
+    if cls.external_files and not getattr(cls, "needs_reward_model", False):  # PromptAlign's MaPLe prompts and
+        # statistics, DiffTPT's pipeline: the tiny files of tests/support/second_models.py
+        cfg = apply_overrides(cfg, _EXTERNALS[0].overrides(cls.key))
     extra = {"text_encoder": encoder, "class_names": NAMES} if cls.needs_text_encoder else {}
+    if cls.needs_descriptions:  # AWT: made-up class descriptions, as many as the config needs
+        from extract.prompts import Descriptions
+
+        need = cls.descriptions_request(cfg, dataset)[1]
+        extra["descriptions"] = Descriptions("made-up.json", NAMES, tuple(
+            tuple(f"The {n} has trait {i}." for i in range(need)) for n in NAMES))
     m = cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset, **extra)
     if cls.consumes_for(cfg) == "view_pixels":  # TTL adapts the image encoder: fixed random pixels per position
         size = encoder.preprocess.size[0]
@@ -63,6 +75,15 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
         size = encoder.preprocess.size[0]
         pixels = torch.randn(32, 3, size, size, generator=torch.Generator().manual_seed(11))
         m.attach_pixels(lambda a, b: pixels[a:b])
+    if getattr(cls, "generates_views", False):  # DiffTPT: fixed random features of its generated views
+        gen = F.normalize(torch.randn(32, cfg.diffusion_views, m.dim, generator=torch.Generator().manual_seed(12),
+                                      dtype=dtype), dim=-1)
+        m.attach_generated(lambda a, b: gen[a:b])
+    if getattr(cls, "second_encoder", None):  # COSMIC: fixed random DINOv2 features of the original view
+        second = F.normalize(torch.randn(32, 1, 24, generator=torch.Generator().manual_seed(13), dtype=dtype), dim=-1)
+        m.attach_second_encoder(lambda a, b: second[a:b])
+    if stream is not None and cls.consumes == "set_features":  # StatA, TransCLIP, ZLaP: the whole run up front
+        m.attach_set(lambda a, b: stream[a:b], len(stream))
     return m
 
 
@@ -72,6 +93,14 @@ def feed(m, x: torch.Tensor, chunk: int) -> torch.Tensor:
     width = type(m).adapt_width(m.config)
     step = chunk if width is None else width
     return torch.cat([m.adapt(x[i:i + step]) for i in range(0, len(x), step)])
+
+
+_EXTERNALS: list = []  # the session's `tiny_externals` (set for every test; its files are built on first use)
+
+
+@pytest.fixture(autouse=True)
+def _tiny_externals(tiny_externals):
+    _EXTERNALS[:] = [tiny_externals]
 
 
 @pytest.fixture
@@ -93,13 +122,13 @@ METHODS = sorted(REGISTRY)
 def test_finite_deterministic_and_chunk_invariant(key, v, encoder):
     cls = REGISTRY[key]
     x = make_stream(30, v, make_text(dtype=torch.float32)).float()
-    whole = feed(build(cls, v, dtype=torch.float32, encoder=encoder), x, len(x))
+    whole = feed(build(cls, v, dtype=torch.float32, encoder=encoder, stream=x), x, len(x))
     assert whole.shape == (30, K) and whole.dtype == torch.float32
     assert torch.isfinite(whole).all()
-    again = feed(build(cls, v, dtype=torch.float32, encoder=encoder), x, len(x))
+    again = feed(build(cls, v, dtype=torch.float32, encoder=encoder, stream=x), x, len(x))
     assert torch.equal(whole, again)
     for chunk in (1, 7):
-        m = build(cls, v, dtype=torch.float32, encoder=encoder)
+        m = build(cls, v, dtype=torch.float32, encoder=encoder, stream=x)
         parts = feed(m, x, chunk)
         # a tuner taking several steps per sample carries each step's rounding into the next (RLCF: 5 steps;
         # tests/support/tpt.py `tuned_tol`)
@@ -117,7 +146,7 @@ def test_prefix_stable_declared_and_true(key, encoder):
     x = make_stream(24, 20, make_text(dtype=torch.float32), seed=5).float()
 
     def rows(n):
-        m = build(cls, 20, dtype=torch.float32, encoder=encoder)
+        m = build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x[:n])
         m.set_stream_length(n)
         return torch.cat([m.adapt(x[i:min(i + 4, n)]) for i in range(0, n, 4)])[:8]
 
@@ -143,7 +172,7 @@ def test_default_config_all_datasets_both_backbones(key):
             cfg = cls.default_config(ds, bb)
             assert isinstance(cfg, cls.Config)
             assert cfg.n_views in (1, 64)
-            assert cfg.prompts in ("single", "dataset", "imagenet80", "dpe_cars")
+            assert cfg.prompts in PROMPT_POLICIES
             assert isinstance(cfg.episodic, bool)
             json.dumps(dataclasses.asdict(cfg))  # recorded in the shard metadata
     with pytest.raises(ValueError, match="available: imagenet, imagenet_a"):
@@ -830,13 +859,13 @@ def test_text_residual_gradient_rounded_per_term(cls, amp, monkeypatch):
 def test_state_dict_resume_equals_uninterrupted(key, tmp_path, encoder):
     cls = REGISTRY[key]
     x = make_stream(24, 20, make_text(dtype=torch.float32)).float()
-    whole = feed(build(cls, 20, dtype=torch.float32, encoder=encoder), x, len(x))
-    first = build(cls, 20, dtype=torch.float32, encoder=encoder)
+    whole = feed(build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x), x, len(x))
+    first = build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x)
     width = cls.adapt_width(first.config)
     cut = 11 if width is None else 2 * width  # a batch method resumes at a batch boundary (a part's end)
     head = feed(first, x[:cut], cut)
     torch.save(first.state_dict(), tmp_path / "state.pt")
-    second = build(cls, 20, dtype=torch.float32, encoder=encoder)
+    second = build(cls, 20, dtype=torch.float32, encoder=encoder, stream=x)
     second.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert second.n_seen == cut
     torch.testing.assert_close(torch.cat([head, feed(second, x[cut:], len(x))]), whole, rtol=0, atol=0)
@@ -854,11 +883,11 @@ def test_amp_fp16_needs_cuda(cls):
 
 @pytest.mark.parametrize("key", METHODS)
 def test_state_dict_before_any_sample(key, encoder):
-    m = build(REGISTRY[key], 1, encoder=encoder)
-    fresh = build(REGISTRY[key], 1, encoder=encoder)
-    fresh.load_state_dict(m.state_dict())
     x = make_stream(5, 1, make_text())
-    want = feed(build(REGISTRY[key], 1, encoder=encoder), x, len(x))
+    m = build(REGISTRY[key], 1, encoder=encoder, stream=x)
+    fresh = build(REGISTRY[key], 1, encoder=encoder, stream=x)
+    fresh.load_state_dict(m.state_dict())
+    want = feed(build(REGISTRY[key], 1, encoder=encoder, stream=x), x, len(x))
     torch.testing.assert_close(feed(fresh, x, len(x)), want, rtol=0, atol=0)
 
 

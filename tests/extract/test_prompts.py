@@ -25,6 +25,9 @@ def test_tables():
     assert templates_for("imagenet_r", "dataset") == imagenet80_templates()
     assert len(set(imagenet80_templates())) == 80 and all("{}" in t for t in imagenet80_templates())
     assert templates_for("stanford_cars", "dpe_cars") == DPE_STANFORD_CARS
+    # CoOp's single templates (TransCLIP/StatA `datasets/*.py`): DTD's without a full stop
+    assert templates_for("dtd", "transclip") == ("{} texture",)
+    assert templates_for("imagenet_r", "transclip") == templates_for("sun397", "transclip") == ("a photo of a {}.",)
     # demo sets use their hparams_from set's templates
     assert templates_for("fmnist", "dataset") == TIP_TEMPLATES
     with pytest.raises(PromptError, match="unknown prompt policy 'many'.*single, dataset, imagenet80"):
@@ -34,7 +37,7 @@ def test_tables():
 @pytest.mark.parametrize("key", [k for k, s in REGISTRY.items() if s.group != "ood"])
 def test_every_dataset_has_templates(key):
     # the out-of-distribution sets have no classes: an OOD run builds the in-distribution set's prompts
-    for policy in ("single", "dataset", "imagenet80"):
+    for policy in ("single", "dataset", "imagenet80", "transclip"):
         ts = templates_for(key, policy)
         assert ts and all(t.format("x") != t for t in ts)
 

@@ -258,14 +258,26 @@ def shared_cache(tmp_path_factory):
 
 @pytest.mark.parametrize("method", sorted(methods.REGISTRY))
 def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data_root, method,
-                                     shared_cache):
-    # a method with a second model (RLCF's reward model) gets the tiny model: its default cannot be loaded offline
+                                     shared_cache, tiny_externals):
+    # a method with a second model gets a tiny one (RLCF's reward model: the tiny model; the others': the tiny
+    # files of tests/support/second_models.py): their defaults cannot be had offline
     cls = methods.get_method(method)
     overrides = ({"reward_pretrained": f"local-dir:{tiny_model_dir}", "reward_backbone": ""}
-                 if getattr(cls, "needs_reward_model", False) else {})
+                 if getattr(cls, "needs_reward_model", False)
+                 else tiny_externals.overrides(method) if cls.external_files else {})
     if cls.adapt_width(cls.default_config("dtd", "tiny-clip")) is not None:  # adapts over batches: two of 2 here
         overrides["batch_size"] = "2"
-    paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides)
+    extra = {}
+    if cls.needs_descriptions:  # AWT: a description file for the test set's classes
+        from extract.datasets import load_testset
+
+        names = load_testset("dtd", data_root).class_names
+        (tmp_path / "desc").mkdir()
+        (tmp_path / "desc" / "dtd.json").write_text(json.dumps({n: [f"{n}, trait {i}." for i in range(50)]
+                                                                for n in names}))
+        extra["descriptions_dir"] = tmp_path / "desc"
+    paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides,
+                 **extra)
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
     assert all(validate_shard(p) == [] for p in paths)

@@ -351,3 +351,12 @@ def interrupt_nth_write(monkeypatch, n: int):
 
     monkeypatch.setattr(writer, "write_shard", failing)
     return real_write
+
+
+@pytest.fixture(scope="session")
+def tiny_externals(tmp_path_factory, tiny_model):
+    """`tests.support.second_models.TinyExternals`: `tiny_externals.overrides(key)` is the `--set` values that run a
+    method declaring `external_files` on the tiny model with tiny second models (built offline on first use)."""
+    from tests.support.second_models import TinyExternals
+
+    return TinyExternals(tmp_path_factory.mktemp("externals"), tiny_model)

@@ -47,9 +47,9 @@ from tests.support.tpt import (
 )
 
 # every registered episodic tuner (TPT, C-TPT, O-TPT, A-TPT, TPS, and any added later)
-# (RLCF reuses the tuner with its own loss and a reward model: tests/extract/methods/test_rlcf.py)
-EPISODIC = tuple(k for k, cls in REGISTRY.items()
-                 if issubclass(cls, EpisodicTuner) and not getattr(cls, "needs_reward_model", False))
+# (those with a second model have their own files: RLCF's reward model, tests/extract/methods/test_rlcf.py;
+# DiffTPT's generated views, test_difftpt.py)
+EPISODIC = tuple(k for k, cls in REGISTRY.items() if issubclass(cls, EpisodicTuner) and not cls.external_files)
 EPS64 = torch.finfo(torch.float64).eps
 
 

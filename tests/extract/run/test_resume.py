@@ -98,6 +98,11 @@ def _setup_other_limit(rd):
     _write(rd, 1, _meta(**{"zaec:limit": "8"}))
 
 
+def _setup_two(rd):
+    _write(rd, 0, _meta())
+    _write(rd, 1, _meta())
+
+
 # (name, setup, scope options, start_part, restamped parts, refusal expected)
 TABLE = [
     ("empty", lambda rd: None, {}, 0, (), False),
@@ -109,6 +114,14 @@ TABLE = [
     ("other settings, refused", _setup_other_settings, {}, 1, (), True),
     ("other settings, recomputed", _setup_other_settings, {"recompute_changed": True}, 1, (), False),
     ("another limit: kept, restamped", _setup_other_limit, {}, 2, (0, 1), False),
+    # a transductive method: the kept prefix ends at a unit boundary (every row of a unit from one solve)
+    ("unit = the run, every part: kept", _setup_all, {"unit": N_RUN}, 3, (), False),
+    ("unit = the run, 2 of 3 parts: none kept", _setup_two, {"unit": N_RUN}, 0, (), False),
+    ("unit of 8 = 2 parts, 2 parts: kept", _setup_two, {"unit": 8}, 2, (), False),
+    ("unit of 8, 1 part: none kept", lambda rd: _write(rd, 0, _meta()), {"unit": 8}, 0, (), False),
+    ("unit of 6, 2 parts: none kept (8 is no multiple of 6)", _setup_two, {"unit": 6}, 0, (), False),
+    ("unit of 2 within a part: kept", _setup_two, {"unit": 2}, 2, (), False),
+    ("unit of 8, a gap at part 1: none kept", _setup_gap, {"unit": 8}, 0, (), False),
 ]
 
 
@@ -189,3 +202,16 @@ def test_no_note_where_the_interrupted_run_stopped(tmp_path):
     rd = RunDir(tmp_path, KEY)
     _setup_gap(rd)
     assert scan_resume(rd, _scope()).note is None
+
+
+def test_a_unit_not_written_whole_is_named(tmp_path):
+    """The parts of a transductive unit the interrupted run did not finish are recomputed with a note; a part that
+    ended the prefix for its own reason is named too."""
+    rd = RunDir(tmp_path, KEY)
+    _setup_two(rd)
+    point = scan_resume(rd, _scope(unit=N_RUN))
+    assert point.start_part == 0 and "parts 0..1" in point.note and "transductive unit of 10 positions" in point.note
+    rd2 = RunDir(tmp_path / "b", KEY)
+    _setup_corrupt(rd2)
+    point = scan_resume(rd2, _scope(unit=8))
+    assert point.start_part == 0 and "transductive unit of 8" in point.note and "is unreadable" in point.note

@@ -49,6 +49,7 @@ def _folder(root: Path) -> Path:
 def _values(tmp_path: Path) -> dict[str, object]:
     """A value other than the default for every option a sweep sets for all its runs, by field name."""
     return {"limit": 3, "anchor": "method", "data_root": tmp_path / "root", "cupl_dir": tmp_path / "cupl",
+            "descriptions_dir": tmp_path / "descriptions",
             "sh_filter": True, "fingerprint": "content", "adapt_batch": 2, "part_size": 4,
             "out": tmp_path / "out", "cache_dir": tmp_path / "cache", "device": "cpu", "batch_size": 7,
             "workers": 3, "chunk_size": 9, "exif_transpose": True, "ood_for": "imagenet", "wait_lock": 30.0}
@@ -89,7 +90,7 @@ def test_every_run_option_is_settable_in_a_sweep(how, tmp_path, monkeypatch):
     res = runner.invoke(sweep_cli.app, args)
     assert res.exit_code == 0, res.output + res.stderr
     (run,) = captured
-    absolute = {"data_root", "cupl_dir", "out", "cache_dir"}
+    absolute = {"data_root", "cupl_dir", "descriptions_dir", "out", "cache_dir"}
     for field, v in values.items():
         got = getattr(run.options if field in sweep_run_fields() else run.execution, field)
         assert got == (str(Path(v).resolve()) if field in absolute else v), field
@@ -103,6 +104,7 @@ def test_every_run_option_is_settable_in_a_sweep(how, tmp_path, monkeypatch):
 def test_defaults_are_the_extractors(tmp_path, monkeypatch):
     monkeypatch.delenv("ZAEC_DATA_ROOT", raising=False)
     monkeypatch.delenv("ZAEC_CUPL_DIR", raising=False)
+    monkeypatch.delenv("ZAEC_DESCRIPTIONS_DIR", raising=False)
     monkeypatch.setenv("ZAEC_CACHE_DIR", str(tmp_path / "env-cache"))
     monkeypatch.chdir(tmp_path)
     (run,) = expand_grid(Grid(("tda",), ("dtd",)))
