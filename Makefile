@@ -23,7 +23,7 @@ REFERENCE ?= $(if $(filter $(DEMO_SHARDS),$(SHARDS)),fmnist_blur,imagenet_a)
 help:
 	@echo "make demo           run the whole pipeline on the embedded default (small CLIP trained on Fashion-MNIST)"
 	@echo "make test           run the test suite (creates $(VENV) first; as root also installs SLURM for its tests)"
-	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS) (TS_SOURCE=$(TS_SOURCE))"
+	@echo "make tables         tables and figures from SHARDS=$(SHARDS) into RESULTS=$(RESULTS) (TS_SOURCE=$(TS_SOURCE); ALLOW_PARTIAL=1 uses partial runs)"
 	@echo "make bench          CPU-stage benchmarks (ratios from one run)"
 	@echo "make bench-extract  extraction-stage benchmarks on the CPU with a small model (view generation per core, every method's adapt cost, ECALP's and the transductive methods' growth; BENCH_EXTRACT_ARGS=...)"
 	@echo "make bench-gpu      extraction vs the image encoder's ceiling on a CUDA GPU (random ViT-B-16, RN50); JSON=FILE"
@@ -56,8 +56,11 @@ slurm-packages:
 demo: $(STAMP) fmnist
 	$(VENV)/bin/python -m tools.demo --fmnist-dir $(FMNIST_DIR)
 
+# ALLOW_PARTIAL=1: use runs with fewer samples than their test set (interrupted, or --limit subsets), marked as such
+ALLOW_PARTIAL ?=
 tables: $(STAMP)
-	$(VENV)/bin/zaec-calibrate tables $(SHARDS) --out $(RESULTS) --ts-source $(TS_SOURCE) --reference-dataset $(REFERENCE)
+	ZAEC_ALLOW_PARTIAL_AS='ALLOW_PARTIAL=1 (make tables ALLOW_PARTIAL=1)' $(VENV)/bin/zaec-calibrate tables $(SHARDS) \
+		--out $(RESULTS) --ts-source $(TS_SOURCE) --reference-dataset $(REFERENCE) $(if $(ALLOW_PARTIAL),--allow-partial)
 
 bench: $(STAMP)
 	$(PY) -m tools.bench_calibrate

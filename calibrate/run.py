@@ -8,6 +8,8 @@ score counts (at most N) that the tie-exact selective metrics need (`calibrate.t
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -104,6 +106,16 @@ def run_counts(groups: dict[RunKey, Members]) -> dict[RunKey, Completeness]:
     return {key: run_completeness(members) for key, members in groups.items()}
 
 
+#: how the caller spells `--allow-partial`, when it is not the command line itself: `make tables` sets it to
+#: `ALLOW_PARTIAL=1 (make tables ALLOW_PARTIAL=1)`, so that a refusal names what the user can type there
+ALLOW_PARTIAL_AS_ENV = "ZAEC_ALLOW_PARTIAL_AS"
+
+
+def allow_partial_option() -> str:
+    """`--allow-partial`, or the caller's spelling of it (`ALLOW_PARTIAL_AS_ENV`)."""
+    return os.environ.get(ALLOW_PARTIAL_AS_ENV) or "--allow-partial"
+
+
 def check_complete(
     groups: dict[RunKey, Members], allow_partial: bool = False, counts: dict[RunKey, Completeness] | None = None
 ) -> list[str]:
@@ -133,12 +145,12 @@ def check_complete(
             elif c.interrupted:
                 raise PartialRunError(
                     f"run {key} is incomplete: {c.describe()} (an interrupted or still running extraction?); "
-                    "finish it by rerunning the same zaec-extract command, or pass --allow-partial to use what is "
-                    "there")
+                    f"finish it by rerunning the same zaec-extract command, or pass {allow_partial_option()} to use "
+                    "what is there")
             else:
                 raise PartialRunError(
                     f"run {key} covers only part of its test set: {c.describe()}; rerun zaec-extract without "
-                    f"--limit for all {c.n_total} samples, or pass --allow-partial to use the subset")
+                    f"--limit for all {c.n_total} samples, or pass {allow_partial_option()} to use the subset")
     if unknown:
         notes.append(f"completeness not checked for {len(unknown)} run(s) whose shards carry no 'zaec:n_total' "
                      f"(written by another tool?): {', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}")

@@ -18,7 +18,7 @@ from typing import List, Optional
 import typer
 
 from extract.method_keys import METHOD_KEYS
-from extract.defaults import DEFAULT_BACKBONE
+from extract.defaults import DEFAULT_BACKBONE, DEFAULT_MAX_IMAGE_PIXELS
 from extract.run.options import (
     ADAPT_BATCH_HELP,
     DEFAULT_ADAPT_BATCH,
@@ -104,6 +104,9 @@ def extract(
                                               help="while another process writes the same run: wait at most "
                                                    "SECONDS, then stop (0: stop at once; default: wait until it "
                                                    "finishes)"),
+    max_image_pixels: int = typer.Option(DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                                         help="an image of more pixels stops the run with one line naming it "
+                                              "(Pillow's decompression-bomb guard); 0: no limit"),
 ) -> None:
     """Run METHOD over DATASET and write shards under OUT.
     \f
@@ -128,7 +131,8 @@ def extract(
             cache_dir=cache_dir, cupl_dir=cupl_dir, descriptions_dir=descriptions_dir, sh_filter=tda_sh_filter,
             fingerprint=fingerprint,
             exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet,
-            wait_lock=wait_lock, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size)
+            wait_lock=wait_lock, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size,
+            max_image_pixels=max_image_pixels)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 

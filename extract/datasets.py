@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.resources
@@ -37,11 +38,11 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 
-from extract.defaults import DATA_ROOT_ENV, default_data_root
+from extract.defaults import DATA_ROOT_ENV, DEFAULT_MAX_IMAGE_PIXELS, default_data_root
 
 #: Class names of the embedded demo (Fashion-MNIST), in label order. Helper modules of the demo import this.
 FASHION_MNIST_CLASSES: tuple[str, ...] = (
@@ -119,6 +120,8 @@ class TestSet:
         imagenet_indices: for ImageNet-family sets, the ImageNet class index of each of the K classes.
         notes: facts to record in the shard metadata (e.g. how many files the "sh" filter dropped).
         exif_transpose: images are turned as their EXIF orientation says when read (`open_image`); a run option.
+        max_image_pixels: images of more pixels are refused when read (`open_image`; 0: no limit); how a run
+            executes (`--max-image-pixels`), never part of its identity.
     """
 
     key: str
@@ -130,6 +133,7 @@ class TestSet:
     imagenet_indices: tuple[int, ...] | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
     exif_transpose: bool = False
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -934,6 +938,14 @@ def check_no_duplicates(ts: TestSet, listing: Path) -> TestSet:
     return _check_no_duplicates(ts, listing)
 
 
+def shared_files(a: TestSet, b: TestSet) -> list[tuple[int, int]]:
+    """(sample index in `a`, sample index in `b`) of every image file both sets list: the same file, also through a
+    symlinked file or folder (`_FileKeys`), in `b`'s order."""
+    key_of = _FileKeys()
+    where = {key_of(p): i for i, p in enumerate(a.paths)}
+    return [(where[k], j) for j, k in enumerate(map(key_of, b.paths)) if k in where]
+
+
 class _FileKeys:
     """What makes two listed paths one file, at one `stat` and one listing per folder rather than a `stat` per
     image (ImageNet's 50,000): the folder's (device, inode) and the file's name, after resolving a symlinked file
@@ -1065,7 +1077,7 @@ def _to_rgb(im, path: Path):
         raise DatasetError(f"{path}: cannot convert image mode {im.mode} to RGB ({e})") from None
 
 
-def open_image(path: Path, exif_transpose: bool = False):
+def open_image(path: Path, exif_transpose: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     """Open one image as RGB PIL, whatever its mode (grey-scale, palette, CMYK, RGBA and 16-bit grey are converted;
     unsupported modes are rejected by name).
 
@@ -1080,12 +1092,15 @@ def open_image(path: Path, exif_transpose: bool = False):
             8 rotations and mirrorings) before the conversion. Off by default for fidelity with the official
             code; for photos from cameras and phones. A run that uses it must record it in its settings and
             feature-cache key: the pixels, and so every feature, differ.
+        max_pixels: refuse an image of more pixels (width x height, read from its header before any pixel is
+            decoded: Pillow's decompression-bomb guard, in place of Pillow's own check and warning); 0: no limit.
 
     Returns:
         An RGB PIL image.
 
     Raises:
-        DatasetError: a missing or unreadable file, an unsupported mode, an unreadable EXIF block.
+        DatasetError: a missing or unreadable file, an image over `max_pixels`, an unsupported mode, an unreadable
+            EXIF block.
 
     Example:
         >>> open_image(Path("photo.jpg"), exif_transpose=True).size  # doctest: +SKIP
@@ -1093,7 +1108,12 @@ def open_image(path: Path, exif_transpose: bool = False):
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
     try:
-        with Image.open(path) as im:
+        with _own_pixel_check(Image), Image.open(path) as im:
+            w, h = im.size
+            if max_pixels and w * h > max_pixels:
+                raise DatasetError(f"{path}: {w} x {h} = {w * h:,} pixels, over the limit of {max_pixels:,} "
+                                   "(Pillow's decompression-bomb guard); pass --max-image-pixels N to read larger "
+                                   "images (0: no limit)")
             if exif_transpose:
                 try:
                     im = ImageOps.exif_transpose(im)
@@ -1104,3 +1124,16 @@ def open_image(path: Path, exif_transpose: bool = False):
         raise DatasetError(f"{path}: image listed in the test split does not exist") from None
     except (UnidentifiedImageError, OSError) as e:
         raise DatasetError(f"{path}: cannot read image ({e})") from None
+
+
+@contextlib.contextmanager
+def _own_pixel_check(image_module: Any) -> Iterator[None]:
+    """Pillow's own pixel check off while `open_image` applies its limit: Pillow would warn (a raw warning from a
+    loader process, even under --quiet) or raise its own error past `max_pixels`' reach. Images are read by one
+    thread per process (a loader process, or the main thread), so nothing else sees the change."""
+    old = image_module.MAX_IMAGE_PIXELS
+    image_module.MAX_IMAGE_PIXELS = None
+    try:
+        yield
+    finally:
+        image_module.MAX_IMAGE_PIXELS = old

@@ -1,5 +1,6 @@
-"""The defaults the low floors of the extractor need, at the bottom of the house: the default backbone and the
-folders that fall back on an environment variable (data root, feature cache, CuPL prompts, class descriptions).
+"""The defaults the low floors of the extractor need, at the bottom of the house: the default backbone, the
+folders that fall back on an environment variable (data root, feature cache, CuPL prompts, class descriptions) and
+the pixel limits of an image.
 
 `extract.models`, `extract.datasets`, `extract.cache` and `extract.prompts` read them from here, and so do the run's
 options (`extract.run.options`, where the run's other defaults live) and the command lines; this module imports
@@ -47,3 +48,10 @@ def default_descriptions_dir() -> Path | None:
     else None (a method that needs them stops before the model loads, naming the file it needs)."""
     raw = os.environ.get(DESCRIPTIONS_DIR_ENV)
     return Path(raw).expanduser() if raw else None
+
+#: Pillow's default limits (`PIL.Image.MAX_IMAGE_PIXELS`): an image of more pixels than the first makes Pillow warn
+#: of a possible decompression bomb, of more than twice it Pillow refuses it. A run applies its own limit instead
+#: (`extract.datasets.open_image`, `--max-image-pixels`), by default Pillow's refusal, and reports the images above
+#: the warning threshold once, through its own printer (`extract.run.encode`).
+WARN_IMAGE_PIXELS = 89_478_485
+DEFAULT_MAX_IMAGE_PIXELS = 2 * WARN_IMAGE_PIXELS

@@ -467,14 +467,19 @@ def architecture_facts(backbone: str, pretrained: str) -> dict[str, int]:
         >>> architecture_facts("ViT-B-16", "openai")  # doctest: +SKIP
         {'vision_blocks': 12}
     """
-    if pretrained.startswith(LOCAL_DIR):
-        cfg = _local_dir_config(Path(pretrained[len(LOCAL_DIR):]).expanduser()).get("model_cfg", {})
-    else:
-        import open_clip
-
-        cfg = open_clip.get_model_config(backbone) or {}
-    layers = (cfg.get("vision_cfg") or {}).get("layers")
+    layers = (architecture_config(backbone, pretrained).get("vision_cfg") or {}).get("layers")
     return {"vision_blocks": layers} if isinstance(layers, int) and not isinstance(layers, bool) else {}
+
+
+def architecture_config(backbone: str, pretrained: str) -> dict[str, Any]:
+    """The architecture's open_clip model config (`embed_dim`, `vision_cfg`, `text_cfg`, ...): open_clip's for a
+    named architecture, or the `open_clip_config.json` of a `local-dir:` folder; {} for a name open_clip does not
+    know. Raises ModelError for a `local-dir:` folder without a readable config."""
+    if pretrained.startswith(LOCAL_DIR):
+        return _local_dir_config(Path(pretrained[len(LOCAL_DIR):]).expanduser()).get("model_cfg", {})
+    import open_clip
+
+    return open_clip.get_model_config(backbone) or {}
 
 
 @contextlib.contextmanager
@@ -626,11 +631,13 @@ def load_model(
                        logit_bias=0.0 if bias is None else float(bias.float().mean().item()))
 
 
-def check_weights(backbone: str | None, pretrained: str, *, flags: WeightFlags = MAIN_FLAGS) -> None:
+def check_weights(backbone: str | None, pretrained: str, *, flags: WeightFlags = MAIN_FLAGS,
+                  tag_weights: bool = True) -> None:
     """What `load_model` would refuse before it reads a weight: an unknown architecture or pretrained tag, a
     missing checkpoint file or `local-dir:` folder (or its config or weights file), a folder whose model disagrees
-    with `backbone`, and a tag's weights absent from this machine while the hub is offline. Reads and downloads no
-    weights (with the hub online, absent weights are left for the run to download).
+    with `backbone`, and (`tag_weights`) a tag's weights absent from this machine while the hub is offline. Reads
+    and downloads no weights (with the hub online, absent weights are left for the run to download).
+    `tag_weights=False` checks the names and files only: the weights of a tag may be cached where the run runs.
 
     Raises:
         ModelError: the line `load_model` would raise (`flags` names the settings).
@@ -645,7 +652,7 @@ def check_weights(backbone: str | None, pretrained: str, *, flags: WeightFlags =
                              f"{', '.join(LOCAL_DIR_WEIGHTS)} next to open_clip_config.json")
         local_dir_name(ddir, backbone, flags)
     else:
-        _named_source(backbone, pretrained, None, flags, fetch=False)
+        _named_source(backbone, pretrained, None, flags, fetch=False, tag_weights=tag_weights)
 
 
 @dataclass
@@ -682,9 +689,10 @@ def _local_dir_source(backbone: str | None, pretrained: str, quick_gelu: bool | 
 
 
 def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None, flags: WeightFlags = MAIN_FLAGS,
-                  *, fetch: bool = True) -> _WeightSource | None:
+                  *, fetch: bool = True, tag_weights: bool = True) -> _WeightSource | None:
     """An open_clip architecture with a checkpoint file or a pretrained tag (from the caches, else downloaded).
-    `fetch=False` only checks (`check_weights`): nothing is downloaded or hashed, and None is returned."""
+    `fetch=False` only checks (`check_weights`): nothing is downloaded or hashed, and None is returned;
+    `tag_weights=False` then checks a tag's name, not where its weights are."""
     import open_clip
     from open_clip.pretrained import get_pretrained_cfg
 
@@ -707,7 +715,10 @@ def _named_source(backbone: str | None, pretrained: str, quick_gelu: bool | None
         weights_file, pre_force = str(path), None
     else:
         tag_cfg = get_pretrained_cfg(name, pretrained)
-        found = _tag_weights(name, pretrained, tag_cfg, flags, fetch=fetch)
+        if not tag_cfg or tag_weights:  # an unknown tag is refused there
+            found = _tag_weights(name, pretrained, tag_cfg, flags, fetch=fetch)
+        else:
+            found = None
         if found is None:
             return None
         qg = bool(tag_cfg.get("quick_gelu", False)) if quick_gelu is None else quick_gelu

@@ -102,7 +102,8 @@ def _batches(testset: Any, preprocess: Any, batch_size: int, limit: int | None) 
     gen = ViewGenerator(preprocess, "single")
     n = len(testset) if limit is None else min(limit, len(testset))
     for i in range(0, n, batch_size):
-        yield torch.stack([gen.original(open_image(p, exif_transpose=testset.exif_transpose))
+        yield torch.stack([gen.original(open_image(p, exif_transpose=testset.exif_transpose,
+                                                           max_pixels=testset.max_image_pixels))
                            for p in testset.paths[i:min(i + batch_size, n)]])
 
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from extract.cache import TextCache, resolve_cache_dir
 from extract.datasets import check_outside_dataset
+from extract.defaults import DEFAULT_MAX_IMAGE_PIXELS
 from extract.models import LoadedModel, load_model
 from extract.run.encode import FeatureReader, encode_pass, open_feature_cache
 from extract.run.options import (
@@ -70,7 +71,7 @@ from extract.run.externals import check_external_files
 from extract.run.reward import attach_second_encoder
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
-from extract.run.settings import FinishedRun, finished_run, load_run_data, run_settings
+from extract.run.settings import FinishedRun, finished_run, load_run_data, longer_run_refusal, run_settings
 from extract.run.setup import RunPrompts, build_method, build_prompts, prompt_features, shard_meta
 from extract.run.stream import (RunState, StreamInputs, adapt_stream, attach_set, labelled_counts, replay,
                                 stream_permutation)
@@ -114,6 +115,7 @@ def run_extraction(
     part_size: int = DEFAULT_PART_SIZE,
     progress: bool = True,
     wait_lock: float | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     model: LoadedModel | None = None,
     log: Callable[[str], None] | None = None,
     ood_for: str | None = None,
@@ -135,7 +137,7 @@ def run_extraction(
                               adapt_batch=adapt_batch, part_size=part_size, ood_for=ood_for)
     execution = ExecOptions(out=out, cache_dir=cache_dir, device=device, batch_size=batch_size, workers=workers,
                             chunk_size=chunk_size, resume=resume, force=force, on_changed=on_changed,
-                            progress=progress, wait_lock=wait_lock)
+                            progress=progress, wait_lock=wait_lock, max_image_pixels=max_image_pixels)
     return execute(options, execution, model=model, log=log)
 
 
@@ -153,6 +155,9 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         options = dataclasses.replace(options, backbone=model.backbone, pretrained=model.pretrained)
     planned = plan(options)
     data = load_run_data(planned)
+    # how its images are read (never part of its identity): the loaders refuse one over the pixel limit
+    data = dataclasses.replace(data, testset=dataclasses.replace(data.testset,
+                                                                 max_image_pixels=execution.max_image_pixels))
     for folder, option in ((execution.out, "--out"), (resolve_cache_dir(execution.cache_dir), "--cache-dir")):
         for testset in data.listed_sets():  # files written inside a folder set change its listing
             check_outside_dataset(testset, folder, option)
@@ -171,9 +176,10 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
         elif not force:
-            shorter = shorter_note(planned, run_dir, data.n_total, run_settings(planned, data))
-            if shorter is not None:
-                note(shorter, log)
+            longer = longer_run_refusal(planned, run_dir, data)
+            if longer is not None:
+                raise RunError(f"{longer}: write it elsewhere with --out (both are kept), or pass --force to "
+                               "replace it")
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
         parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)
@@ -216,7 +222,8 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
                             _state_keys(method) if restore == "footer" else None,
                             planned.method_cls.prefix_dependence(planned.config),
-                            None if unit is None else (unit or n_run), state_files=restore == "file")
+                            unit=None if unit is None else (unit or n_run), adapt_batch=planned.adapt_width,
+                            state_files=restore == "file")
         run_dir.remove_marker()
         # force: every part is rewritten; the old ones go only now that the model loaded
         point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
@@ -231,10 +238,14 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
                               model.logit_scale, model.device, perm, data.testset.labels, planned.adapt_width)
         writer = PartWriter(run_dir, meta, method, episodic=restore == "footer", part_size=options.part_size,
                             n_run=n_run, kept=[run_dir.part(p) for p in range(point.start_part)],
-                            state_files=restore == "file")
+                            carried=point.carried, state_files=restore == "file")
         state = RunState(point.start_pos(scope), point.correct_tta, point.correct_zs,
                          labelled=labelled_counts(perm, data.testset.labels) if data.n_id is not None else None)
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
+        if point.kept_note:
+            from rich.markup import escape
+
+            (log or prog.print)(point.kept_note if log is not None else escape(point.kept_note))
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
         for extra in (reward, generated):  # [second encoder] its features of the same views; [generated views]
@@ -285,22 +296,6 @@ def reuse_note(planned: PlannedRun, done: FinishedRun, n_total: int) -> str:
                  f"its adapt calls) and its shards hold all {n_done} (stream_pos < {n_run} are the ones asked for); "
                  "--force would replace it with the shorter run, --out elsewhere keeps both")
     return line
-
-
-def shorter_note(planned: PlannedRun, run_dir: RunDir, n_total: int, settings: Mapping[str, Any]) -> str | None:
-    """The line a limited run prints when it computes its samples although a finished longer run with the same
-    `settings` lies in its folder (`RunDir.shorter_refusal` says why that run's first rows are not this run's);
-    None otherwise (a run with other settings is refused or recomputed by the resume scan, which says so)."""
-    counts = run_dir.finished_counts()
-    n_run = planned.n_run(n_total)
-    if counts is None or counts[0] <= n_run or (run_dir.read_marker() or {}).get("settings") != settings:
-        return None
-    why = run_dir.shorter_refusal(n_run)
-    if why is None:  # served (or refused for its settings) by the finished-run check
-        return None
-    return (f"{planned.options.method} on {planned.dataset}: the finished run under {run_dir.path} holds "
-            f"{counts[0]} samples, but its first {n_run} are not what a {n_run}-sample run computes ({why}); "
-            f"computing the {n_run}-sample run, which replaces it (--out elsewhere keeps both)")
 
 
 def _recompute_or_refuse(done: FinishedRun, on_changed: str, log: Callable[[str], None] | None) -> None:

@@ -317,3 +317,19 @@ def test_every_name_is_imported_from_its_home():
              for p in sorted((REPO / "tests").rglob("*.py"))}
     bad = forwarded_imports(modules, {**modules, **tests})
     assert not bad, "import each name from the module that defines it:\n" + "\n".join(bad)
+
+
+def test_no_test_module_imports_another():
+    """Helpers several test files share live in tests/support/ (docs/architecture.md, "Tests"); a test module
+    importing another (issue 35 item 13: test_ood.py took its stand-in method from test_runner.py) runs that
+    module's imports and ties the two files together."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if "support" in path.relative_to(REPO / "tests").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
+                      if n.startswith("tests.") and not n.startswith("tests.support")]
+    assert found == [], "\n".join(found)

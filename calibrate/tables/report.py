@@ -354,9 +354,10 @@ def figure_2b(ctx: Context) -> Item:
     return written("Figure 2b", what, paths, notes, caption)
 
 
-def _reference_runs(ctx: Context) -> tuple[list[tuple[str, str, dict[str, RunSummary]]], list[str]]:
+def _reference_runs(ctx: Context, drawn_by: str) -> tuple[list[tuple[str, str, dict[str, RunSummary]]], list[str]]:
     """(backbone, reference dataset, method -> its lowest-seed run there) per backbone with TTA runs, and the notes
-    on substituted reference datasets: the runs Figures 2c/2d and 5 draw."""
+    on substituted reference datasets, naming the item that draws them (`drawn_by`: "Figure 5 uses"): the runs
+    Figures 2c/2d and 5 and the risk-coverage figure draw."""
     refs, notes = [], []
     for bb in ctx.backbones:
         present = sorted({k.dataset for k in ctx.summaries.runs if k.backbone == bb and k.method != layout.ZERO_SHOT})
@@ -364,8 +365,7 @@ def _reference_runs(ctx: Context) -> tuple[list[tuple[str, str, dict[str, RunSum
         if ref is None:
             continue
         if ref != ctx.opts.reference_dataset:
-            notes.append(f"{bb}: reference dataset {ctx.opts.reference_dataset!r} absent; Figures 2c/2d and 5 use "
-                         f"{ref!r}")
+            notes.append(f"{bb}: reference dataset {ctx.opts.reference_dataset!r} absent; {drawn_by} {ref!r}")
         refs.append((bb, ref, _lowest_seed(ctx.summaries, bb, ref)))
     return refs, notes
 
@@ -373,7 +373,7 @@ def _reference_runs(ctx: Context) -> tuple[list[tuple[str, str, dict[str, RunSum
 def figures_2cd(ctx: Context) -> Item:
     """Figures 2c/2d: confidence-accuracy gap by entropy-change bin, one run per method on the reference dataset."""
     what = "confidence-accuracy gap by entropy-change bin"
-    refs, notes = _reference_runs(ctx)
+    refs, notes = _reference_runs(ctx, "Figures 2c/2d use")
     if not refs:
         return skipped("Figures 2c/2d", what, NO_TTA)
     frames, paths = [], []
@@ -506,7 +506,7 @@ def figure_5(ctx: Context) -> Item:
     """Figure 5: reliability diagrams on the reference dataset, rows raw / SaLS / ZAEC, columns methods."""
     opts, out = ctx.opts, ctx.out
     what = "reliability diagrams, rows raw / SaLS / ZAEC, columns methods"
-    refs, notes = _reference_runs(ctx)
+    refs, notes = _reference_runs(ctx, "Figure 5 uses")
     if not refs:
         return skipped("Figure 5", what, NO_TTA)
     frames, paths = [], []
@@ -670,7 +670,7 @@ def trust_table(ctx: Context) -> Item:
 def risk_coverage_figure(ctx: Context) -> Item:
     """Beyond the paper: risk-coverage curves of one run per method on the reference dataset (as Figure 5)."""
     what = "risk vs coverage of zero-shot, raw, SaLS, ZAEC and temperature scaling on the reference dataset"
-    refs, notes = _reference_runs(ctx)
+    refs, notes = _reference_runs(ctx, "the risk-coverage figure uses")
     frames, paths = [], []
     for bb, ref, ref_runs in refs:
         curves = trust_tables.risk_coverage_curves(ref_runs, ts_in_sample=ctx.ts_in_sample)

@@ -192,7 +192,8 @@ class DiffusionPass:
             rows = [np.asarray(self.cache.load("generated", c), np.float32)] if kept else []
             for pos in range(start + kept, stop):
                 sid = int(perm[pos])
-                img = open_image(testset.paths[sid], exif_transpose=testset.exif_transpose)
+                img = open_image(testset.paths[sid], exif_transpose=testset.exif_transpose,
+                                 max_pixels=testset.max_image_pixels)
                 rows.append(self.features(self.images(img, sid, seed))[None])
                 self.cache.save("generated", c, np.concatenate(rows))  # a prefix of the chunk, after every sample
                 task.advance(1)

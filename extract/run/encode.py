@@ -10,7 +10,7 @@ import sys
 import threading
 import traceback
 import zlib
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from extract.augmix_device import pack_program, packed_rows, run_packed
 from extract.cache import CacheError, FeatureCache
 from extract.datasets import DatasetError, TestSet, open_image
+from extract.defaults import WARN_IMAGE_PIXELS
 from extract.models import LoadedModel
 from extract.run.progress import Progress
 from extract.views import AUGMIX_MAX_DEPTH, N_AUG_VIEWS, ViewGenerator, ViewPolicy
@@ -36,8 +37,9 @@ CHAIN_SAMPLES = 16
 class _ViewData(torch.utils.data.Dataset):
     """Item i = a group of stream positions (`items[i]`: (position, needs view 0, needs views 1..63) each) ->
     (positions, view 0 raw (n0, 1, S, S, 3) uint8 of the positions that need it, views 1..63 raw (63 n, J, S, S, 3)
-    uint8 of those that need them, their extra); None for a part not needed, and the message in place of view 0
-    when an image cannot be read. The extra: the AugMix coefficients (63 n, 5) float32, or, with `device_chains`
+    uint8 of those that need them, their extra, the (file, pixels) of images over `WARN_IMAGE_PIXELS`); None for a
+    part not needed, and the message in place of view 0 when an image cannot be read (or is over the test set's
+    `max_image_pixels`). The extra: the AugMix coefficients (63 n, 5) float32, or, with `device_chains`
     (AugMix on a GPU), the packed programs (63 n, W) float64 (`augmix_device.pack_program`) while views 1..63 are
     the crops (J = 1).
 
@@ -63,13 +65,16 @@ class _ViewData(torch.utils.data.Dataset):
         v0 = torch.empty((n0, 1, s, s, 3), dtype=torch.uint8) if n0 else None
         if v0 is not None and torch.utils.data.get_worker_info() is not None:
             v0.share_memory_()
-        k, aug, extra = 0, [], []
+        k, aug, extra, large = 0, [], [], []
         for pos, need0, need_aug in jobs:
             sid = int(self.perm[pos])
             try:
-                img = open_image(self.testset.paths[sid], exif_transpose=self.testset.exif_transpose)
+                img = open_image(self.testset.paths[sid], exif_transpose=self.testset.exif_transpose,
+                                 max_pixels=self.testset.max_image_pixels)
             except DatasetError as e:  # passed back as text: a worker's exception would carry its traceback
-                return positions, str(e), None, None
+                return positions, str(e), None, None, None
+            if img.width * img.height > WARN_IMAGE_PIXELS:  # reported by the main process (`encode_pass`)
+                large.append((str(self.testset.paths[sid]), img.width * img.height))
             if need0:
                 v0[k, 0] = torch.from_numpy(self.gen.original_raw(img))  # type: ignore[index]
                 k += 1
@@ -82,7 +87,7 @@ class _ViewData(torch.utils.data.Dataset):
                 aug.append(raw)
                 extra.append(coef)
         # None, not empty tensors, for what is not needed: each tensor between processes costs the receiver time
-        return positions, v0, _cat(aug), _cat(extra)
+        return positions, v0, _cat(aug), _cat(extra), large or None
 
 
 def _cat(parts: list[Any]) -> Any:
@@ -241,9 +246,12 @@ def encode_pass(model: LoadedModel, testset: TestSet, perm: np.ndarray, cache: F
     n_jobs = sum(len(item) for item in items)
     task = (progress or Progress(False)).task(f"encoding {testset.key} ({policy})", n_jobs)
     it = _start_loader(loader)
+    large: list[tuple[str, int]] = []
     try:
         for plan in plans:
-            _encode_chunk(it, plan, cache, model, gen, policy, batch_size, task, device_chains)
+            _encode_chunk(it, plan, cache, model, gen, policy, batch_size, task, device_chains, large)
+        if large and progress is not None:  # Pillow's warning, once and through the run's printer (not --quiet)
+            progress.print(large_images_note(large, testset.max_image_pixels))
     except KeyboardInterrupt:
         _quiet_fd_server()
         raise
@@ -304,17 +312,31 @@ def _start_loader(loader: torch.utils.data.DataLoader) -> Any:
     return it
 
 
+def large_images_note(large: Sequence[tuple[str, int]], limit: int) -> str:
+    """One line for the images over Pillow's warning threshold that a pass read (Pillow warns of a possible
+    decompression bomb there; the run's own limit, `--max-image-pixels`, refuses what it must)."""
+    from rich.markup import escape
+
+    path, pixels = max(large, key=lambda x: x[1])
+    bound = f"the limit is {limit:,} (--max-image-pixels)" if limit else "no limit (--max-image-pixels 0)"
+    return escape(f"note: {len(large)} image(s) of more than {WARN_IMAGE_PIXELS:,} pixels were read (Pillow's "
+                  f"decompression-bomb warning threshold), the largest {path} ({pixels:,} pixels); {bound}")
+
+
 def _encode_chunk(it: Any, plan: tuple[int, int, int, dict[str, int]], cache: FeatureCache, model: LoadedModel,
-                  gen: ViewGenerator, policy: ViewPolicy, batch_size: int, task: Any, device_chains: bool) -> None:
-    """Encode the rows `plan` (`_chunk_plan`) calls for from the loader iterator `it` and store the chunk."""
+                  gen: ViewGenerator, policy: ViewPolicy, batch_size: int, task: Any, device_chains: bool,
+                  large: list[tuple[str, int]]) -> None:
+    """Encode the rows `plan` (`_chunk_plan`) calls for from the loader iterator `it` and store the chunk; the
+    images over `WARN_IMAGE_PIXELS` are added to `large`."""
     c, start, need, keep = plan
     shapes = {part: cache.expected_shape(part, c, need - k) for part, k in keep.items()}  # type: ignore[arg-type]
     batchers = {part: _Batcher(model, math.prod(shape[:-1]), batch_size, gen) for part, shape in shapes.items()}
     todo = need - min(keep.values())
     while todo > 0:
-        positions, x0, xa, extra = next(it)
+        positions, x0, xa, extra, big = next(it)
         if isinstance(x0, str):  # an image the loader cannot read (named in the message)
             raise DatasetError(x0)
+        large += big or ()
         if x0 is not None:
             batchers["view0"].add(x0, None)
         if xa is not None and device_chains:

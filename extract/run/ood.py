@@ -17,7 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.datasets import TestSet, check_no_duplicates, load_ood_images, load_testset
+from extract.datasets import (
+    DatasetError,
+    TestSet,
+    check_no_duplicates,
+    load_ood_images,
+    load_testset,
+    shared_files,
+)
 from extract.run.options import PlannedRun
 from extract.run.rundata import RunData, resolved_root
 from schemas.shard import OOD_LABEL
@@ -35,12 +42,16 @@ def mixed_testset(id_set: TestSet, ood_set: TestSet, key: str) -> TestSet:
         deepest folder holding both sets (paths in its fingerprint are relative to it).
 
     Raises:
-        DatasetError: an image file in both sets (it would be one image with two sample ids and two labels).
+        DatasetError: image files in both sets (each would be one image with two sample ids and two labels): the
+            message says the two sets share their images, how many, and what the OOD set is (`textures` is DTD).
 
     Example:
         >>> mixed_testset(dtd, inat, "inaturalist@dtd").labels[-1]  # doctest: +SKIP
         -1
     """
+    both = shared_files(id_set, ood_set)
+    if both:
+        raise DatasetError(shared_images_message(id_set, ood_set, both))
     root = Path(os.path.commonpath([id_set.dataset_dir, ood_set.dataset_dir]))
     labels = np.concatenate([id_set.labels, np.full(len(ood_set), OOD_LABEL, np.int64)])
     notes = {**id_set.notes, **{f"ood_{k}": v for k, v in ood_set.notes.items()}}
@@ -48,6 +59,21 @@ def mixed_testset(id_set: TestSet, ood_set: TestSet, key: str) -> TestSet:
                  paths=id_set.paths + ood_set.paths, labels=labels, class_names=id_set.class_names,
                  imagenet_indices=id_set.imagenet_indices, notes=notes)
     return check_no_duplicates(ts, ood_set.dataset_dir)
+
+
+def shared_images_message(id_set: TestSet, ood_set: TestSet, both: list[tuple[int, int]]) -> str:
+    """The line for an OOD set that holds in-distribution images: the two sets share their images, how many, an
+    example, and what the OOD set is (its registry description: `textures` is all of DTD's images)."""
+    from extract.datasets import get_dataset
+
+    i, j = both[0]
+    what = get_dataset(ood_set.key).description
+    return (f"--dataset {ood_set.key!r} and --ood-for {id_set.key!r} share their images: {len(both)} of the "
+            f"{len(ood_set)} out-of-distribution images are test images of {id_set.key!r} (e.g. {ood_set.paths[j]}"
+            f"{'' if ood_set.paths[j] == id_set.paths[i] else f' = {id_set.paths[i]}'})"
+            f"{f'; {ood_set.key}: {what}' if what else ''}; an out-of-distribution set must hold none of the "
+            "in-distribution set's images (each would be one image with two labels): choose another --ood-for or "
+            "another out-of-distribution set")
 
 
 def load_mixed_data(planned: PlannedRun) -> RunData:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
-from extract.defaults import DEFAULT_BACKBONE
+from extract.defaults import DEFAULT_BACKBONE, DEFAULT_MAX_IMAGE_PIXELS
 from schemas.atomic import check_output_dir as schemas_check_output_dir
 
 if TYPE_CHECKING:
@@ -104,6 +104,8 @@ class RunOptions:
         ood_for: an out-of-distribution run: the in-distribution dataset's key; `dataset` is then the OOD set, the
             stream mixes both sets' images and every image is classified with the in-distribution set's class
             names, prompts and method settings (docs/extract.md, "Out-of-distribution runs"). None: a plain run.
+        ood_for_ref, ood_for_class_names_file: for a user's in-distribution set, what `dataset_ref` and
+            `class_names_file` are for `dataset` (another process registers it from them).
     """
 
     method: str
@@ -125,6 +127,8 @@ class RunOptions:
     dataset_ref: str | None = None
     class_names_file: str | None = None
     ood_for: str | None = None
+    ood_for_ref: str | None = None
+    ood_for_class_names_file: str | None = None
 
     @classmethod
     def make(cls, method: str, dataset: str, *, overrides: Mapping[str, Any] | None = None,
@@ -168,11 +172,14 @@ class RunOptions:
         return ood_run_dataset(self.dataset, self.ood_for)
 
     def register_dataset(self) -> str:
-        """Register a user's dataset in this process (from `dataset_ref`); returns the dataset key."""
-        if self.dataset_ref is None:
-            return self.dataset
+        """Register a user's dataset in this process (from `dataset_ref`), and a user's in-distribution set of an
+        OOD run (`ood_for_ref`); returns the dataset key."""
         from extract.datasets import resolve_dataset
 
+        if self.ood_for is not None and self.ood_for_ref is not None:
+            resolve_dataset(self.ood_for_ref, name=self.ood_for, class_names=self.ood_for_class_names_file)
+        if self.dataset_ref is None:
+            return self.dataset
         return resolve_dataset(self.dataset_ref, name=self.dataset, class_names=self.class_names_file)
 
 
@@ -193,6 +200,8 @@ class ExecOptions:
         progress: show the rich progress bar.
         wait_lock: seconds to wait while another process owns the run folder (`RunDir.lock`); None: for ever,
             0: stop at once with one line naming the owner.
+        max_image_pixels: an image of more pixels stops the run with one line naming it (Pillow's
+            decompression-bomb guard, `extract.datasets.open_image`); 0: no limit.
     """
 
     out: str | os.PathLike = DEFAULT_OUT
@@ -206,6 +215,7 @@ class ExecOptions:
     on_changed: str = "refuse"
     progress: bool = True
     wait_lock: float | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -462,6 +472,9 @@ def check_options(options: RunOptions, execution: ExecOptions) -> None:
                      "($ZAEC_CACHE_DIR or data/cache; set --cache-dir)")
     if execution.wait_lock is not None and not execution.wait_lock >= 0:
         raise RunError(f"--wait-lock must be >= 0 seconds, got {execution.wait_lock}")
+    n = execution.max_image_pixels
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise RunError(f"--max-image-pixels must be an integer >= 0 (0: no limit), got {n!r}")
     if execution.on_changed not in ON_CHANGED:
         raise RunError(f"on_changed must be 'refuse' or 'recompute', got {execution.on_changed!r}")
 

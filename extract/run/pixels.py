@@ -33,7 +33,7 @@ class ViewImages:
 
     def _one(self, pos: int) -> torch.Tensor:
         self.data.items = [[(pos, True, self.policy != "single")]]
-        _, v0, aug, coef = self.data[0]
+        _, v0, aug, coef, _ = self.data[0]
         if isinstance(v0, str):  # an image that cannot be read (named in the message)
             raise DatasetError(v0)
         dev = self.model.device
@@ -85,7 +85,7 @@ class BatchPixels:
             raise ValueError(f"pixels of positions {start}..{stop - 1} asked for; the run has 0..{self.stop - 1}")
         if start != self._next or self._it is None:
             self._start(start, stop - start)
-        positions, v0, _, _ = next(self._it)
+        positions, v0, _, _, _ = next(self._it)  # large images were reported by the encoding pass
         if isinstance(v0, str):  # an image that cannot be read (named in the message)
             raise DatasetError(v0)
         if positions != list(range(start, stop)):  # a call of another width than the previous ones

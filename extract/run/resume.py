@@ -8,6 +8,9 @@ episodic method, it records the method's state after its last row (for a method 
 pixels: the state file saved beside it, `RunDir.state`, is there with the recorded sha256). The first part that
 fails ends the kept prefix;
 a part with other settings ends it too when the caller recomputes changed runs, and is refused otherwise.
+The last part of a shorter run (`--limit`) holds only the start of its range: its rows are carried into the part
+this run rewrites (`ResumePoint.carried`) where they are this run's rows, that is where the method reads neither
+the stream's length nor a later sample and the shorter run ended an adapt call of this run.
 The kept parts' correct counts continue the run's running accuracy; an episodic method's state after the last kept
 part is loaded instead of replaying (`docs/methods.md`, "Stream order and seeds").
 """
@@ -63,6 +66,8 @@ class ResumeScope:
             it. None: any part boundary ends it.
         state_files: the method's state after each part lies in a file beside it (`PlannedRun.restore` "file");
             a part whose file is missing or changed ends the kept prefix.
+        adapt_batch: samples per `adapt` call: the rows of a shorter run are this run's only up to its last whole
+            call.
     """
 
     expected: Mapping[bytes, bytes]
@@ -73,6 +78,7 @@ class ResumeScope:
     prefix_dependence: str | None = None
     unit: int | None = None
     state_files: bool = False
+    adapt_batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,10 @@ class ResumePoint:
         refusal: a part with other settings that the run must refuse (the message), or None.
         note: why a part on disk ends the kept prefix (unreadable, other settings, ...), for the console; None when
             the prefix ends where the interrupted run stopped.
+        carried: the rows of part `start_part` kept from a finished shorter run (sample ids, labels, zero-shot
+            and adapted logits, stream positions: the start of its range), which the part this run writes begins
+            with; () when none.
+        kept_note: what was kept from a shorter run, for the console (None when nothing was).
     """
 
     start_part: int = 0
@@ -98,10 +108,12 @@ class ResumePoint:
     refusal: str | None = None
     note: str | None = None
     state_file: Path | None = None
+    carried: tuple[np.ndarray, ...] = field(default=())
+    kept_note: str | None = None
 
     def start_pos(self, scope: ResumeScope) -> int:
         """The first stream position to compute."""
-        return min(self.start_part * scope.part_size, scope.n_run)
+        return min(self.start_part * scope.part_size + (len(self.carried[0]) if self.carried else 0), scope.n_run)
 
 
 def _episodic_state(sh: Any, hi: int, keys: Sequence[str]) -> dict[str, Any] | None:
@@ -173,23 +185,47 @@ def _scan(run_dir: RunDir, scope: ResumeScope, n_parts: int) -> ResumePoint:
             return _ends_at(point, path, f"was written by a run of {written_for} samples, this run has "
                             f"{scope.n_run} ({scope.prefix_dependence})")
         lo, hi = p * scope.part_size, min((p + 1) * scope.part_size, scope.n_run)
-        if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
-            return _ends_at(point, path, f"does not hold stream positions {lo}..{hi - 1} (another --limit or part "
-                            "size)")
+        whole = sh.stream_pos is not None and np.array_equal(sh.stream_pos, np.arange(lo, hi))
+        why = None if whole else _shorter_end(sh.stream_pos, lo, hi, written_for, scope)
+        if why is not None:
+            return _ends_at(point, path, why)
+        end = lo + len(sh.stream_pos)  # type: ignore[arg-type]
         state, state_file = point.state, point.state_file
         if scope.state_keys is not None:  # its state after this part: recompute from here when missing
-            state = _episodic_state(sh, hi, scope.state_keys)
+            state = _episodic_state(sh, end, scope.state_keys)
             if state is None:
                 return _ends_at(point, path, "lacks the method state a resumed run loads")
         if scope.state_files:
-            state_file = _state_file(run_dir, p, sh, hi)
+            state_file = _state_file(run_dir, p, sh, end)
             if state_file is None:
                 return _ends_at(point, path, f"lacks the method state a resumed run loads ({run_dir.state(p).name} "
                                 "missing or changed)")
         point = ResumePoint(p + 1, point.correct_tta + int((sh.tta_logits.argmax(1) == sh.label).sum()),
                             point.correct_zs + int((sh.zs_logits.argmax(1) == sh.label).sum()), state,
-                            point.restamp + ((path,) if kv != scope.expected else ()), state_file=state_file)
+                            point.restamp + ((path,) if kv != scope.expected and whole else ()), state_file=state_file)
+        if not whole:  # the end of a finished shorter run: its rows begin the part this run rewrites
+            return dataclasses.replace(point, start_part=p, carried=(sh.sample_id, sh.label, sh.zs_logits,
+                                                                     sh.tta_logits, sh.stream_pos),
+                                       kept_note=f"{path} holds stream positions {lo}..{end - 1}, the end of a "
+                                       f"finished {end}-sample run of the same settings: they are this run's rows "
+                                       f"and are kept; computing from position {end}")
     return point
+
+
+def _shorter_end(stream_pos: np.ndarray | None, lo: int, hi: int, written_for: int | None,
+                 scope: ResumeScope) -> str | None:
+    """Why a part that does not hold its whole range [lo, hi) cannot begin this run's part there, or None where it
+    is the last part of a shorter run (positions lo.. up to that run's end, before hi) whose rows are this run's:
+    the method reads neither the run's length nor a later sample (else the scan ended before), and the shorter run
+    ended an adapt call of this run."""
+    n = 0 if stream_pos is None else len(stream_pos)
+    if not n or n >= hi - lo or written_for != lo + n or not np.array_equal(stream_pos, np.arange(lo, lo + n)):
+        return f"does not hold stream positions {lo}..{hi - 1} (another --limit or part size)"
+    if (lo + n) % scope.adapt_batch:
+        return (f"holds the end of a finished {lo + n}-sample run, whose last adapt call held "
+                f"{(lo + n) % scope.adapt_batch} samples where this run's holds {scope.adapt_batch} (its rows may "
+                "round differently)")
+    return None
 
 
 def _run_length(extra: Mapping[str, str]) -> int | None:
@@ -224,4 +260,5 @@ def apply_resume(run_dir: RunDir, point: ResumePoint, meta: ShardMeta) -> None:
         restamp(path, meta)
     if point.refusal is not None:
         raise RunError(point.refusal)
-    run_dir.remove_parts_from(point.start_part)
+    # a part whose rows are carried stays on disk until the writer replaces it (an interruption keeps them)
+    run_dir.remove_parts_from(point.start_part + (1 if point.carried else 0))

@@ -4,8 +4,10 @@ checked against (`finished_run`, `finished_run_mismatch`).
 
 The settings: method config, pretrained weights, anchor, TDA's file filter, the sample list (paths, labels, class
 names: `TestSet.fingerprint()`), the resolved data root and the data fingerprint of the image files
-(`extract.fingerprint`), and for a method that reads class descriptions (AWT) their fingerprint. A finished run with other settings is refused (or recomputed, `on_changed`); the sweep
-asks the same function before it submits anything, so the two checks cannot drift apart.
+(`extract.fingerprint`), and for a method that reads class descriptions (AWT) their fingerprint. A finished run
+with other settings is refused (or recomputed, `on_changed`), and a finished longer run that cannot serve a shorter
+`--limit` is never replaced unless forced (`longer_run_refusal`); the sweep asks the same functions before it
+submits anything, so the checks cannot drift apart.
 """
 
 from __future__ import annotations
@@ -159,6 +161,28 @@ def finished_run_mismatch(planned: PlannedRun, run_dir: RunDir, data: RunData | 
     if done is None or done.matches or done.predates_fingerprints:
         return None
     return done.changed()
+
+
+def longer_run_refusal(planned: PlannedRun, run_dir: RunDir, data: RunData) -> str | None:
+    """One clause when computing `planned` here would replace a finished run of the same settings that holds more
+    samples than it asks for and cannot serve it (`RunDir.shorter_refusal` says why its first rows are not this
+    run's: the method reads the stream's length or a later sample, or the limit cuts an adapt call); None
+    otherwise. A run never replaces such a run unless forced: hours of a full run are not lost to a quick look.
+    A finished run with other settings is the finished-run check's and the resume scan's (refused, or recomputed
+    with `on_changed="recompute"`). The sweep asks the same before it submits."""
+    counts = run_dir.finished_counts()
+    n_run = planned.n_run(data.n_total)
+    if counts is None or counts[0] <= n_run:
+        return None
+    if (run_dir.read_marker() or {}).get("settings") != run_settings(planned, data):
+        return None
+    why = run_dir.shorter_refusal(n_run)
+    if why is None:  # served by the finished-run check
+        return None
+    o = planned.options
+    return (f"{o.method} on {planned.dataset}: the finished run under {run_dir.path} holds {counts[0]} samples, but "
+            f"its first {n_run} are not what a {n_run}-sample run computes ({why}); computing the {n_run}-sample run "
+            "there would replace it")
 
 
 def data_key(options: RunOptions) -> tuple[Any, ...]:

@@ -56,17 +56,22 @@ class PartWriter:
     Args:
         run_dir: where the parts go. meta: the run's shard metadata. method: the method object (read, not changed).
         episodic: record the method's state in each part. part_size: rows per part. n_run: positions of the run.
-        kept: the parts kept from an interrupted run (listed first in `written`). state_files: save the method's
-        state beside each part instead (`save_state`, `RunDir.state`).
+        kept: the parts kept from an interrupted run (listed first in `written`).
+        carried: rows the next part begins with (sample ids, labels, zero-shot and adapted logits, stream
+            positions), kept from a finished shorter run (`ResumePoint.carried`); () when none.
+        state_files: save the method's state beside each part instead (`save_state`, `RunDir.state`).
     """
 
     def __init__(self, run_dir: RunDir, meta: ShardMeta, method: Any, *, episodic: bool, part_size: int,
-                 n_run: int, kept: Sequence[Path] = (), state_files: bool = False):
+                 n_run: int, kept: Sequence[Path] = (), carried: Sequence[np.ndarray] = (),
+                 state_files: bool = False):
         self.run_dir, self.meta, self.method, self.episodic = run_dir, meta, method, episodic
         self.state_files = state_files
         self.part_size, self.n_run = part_size, n_run
         self.written: list[Path] = list(kept)
         self._rows: dict[str, list[np.ndarray]] = {k: [] for k in _COLUMNS}
+        for k, v in zip(_COLUMNS, carried):
+            self._rows[k].append(v)
 
     def add(self, sample_id: np.ndarray, label: np.ndarray, zs: np.ndarray, tta: np.ndarray, pos: np.ndarray
             ) -> Path | None:

@@ -3,7 +3,7 @@
     cli       the command line (typer): run, status, retry; option parsing, the config file, rendering
     grid      the grid as given, its expansion into resolved runs, grouping by feature cache, packing, the plan
               table
-    cost      the cost model of `--dry-run` (fixed guesses or measured `--rates`), priced per run
+    cost      the cost model of `--dry-run` (measured `--rates`, else each method's work on a card), priced per run
     runspec   where the sweep meets the extractor: RunSpec (RunOptions + ExecOptions), the sweep options derived
               from their fields, the call into `execute`, the extractor's finished-run check
     manifest  the sweep's files: the manifest and its lock, the per-run result files, atomic JSON I/O

@@ -29,7 +29,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 import typer
 
 from calibrate.cli_errors import USER_ERRORS, fail, run_app
-from extract.sweep.cost import cost_notes
+from extract.sweep.cost import cost_notes, plan_title
 from extract.sweep.grid import plan_frame
 from extract.sweep.errors import SweepError
 from extract.sweep.grid import (
@@ -51,6 +51,7 @@ from extract.defaults import (
     DEFAULT_BACKBONE,
     DEFAULT_CACHE_DIR,
     DEFAULT_DATA_ROOT,
+    DEFAULT_MAX_IMAGE_PIXELS,
 )
 from extract.run.options import (
     ADAPT_BATCH_HELP,
@@ -70,7 +71,9 @@ from extract.run.options import (
 from extract.sweep.runspec import (
     RunSpec,
     check_data,
+    check_backbones,
     check_finished_settings,
+    check_longer_runs,
     check_models,
     default_backbones,
     is_complete,
@@ -78,7 +81,7 @@ from extract.sweep.runspec import (
     sweep_run_fields,
 )
 from extract.sweep.state import ACTIVE_STATES, RETRY_STATES, STATES
-from extract.sweep.submit import ExecOptions, sbatch_preview, submit_and_record
+from extract.sweep.submit import ExecOptions, check_setup, sbatch_preview, submit_and_record
 from extract.sweep.track import refresh, split_runs
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -134,8 +137,7 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
     from rich.table import Table
 
     df = plan_frame(groups, opts.cost())
-    priced = f"the rates measured in {opts.rates}" if opts.rates else "fixed guesses (extract/sweep/cost.py)"
-    t = Table(title=f"sweep plan (GPU-hours: an estimate from {priced})")
+    t = Table(title=plan_title([r for g in groups for r in g.runs], opts.cost()))
     for h in ("group (backbone/dataset/views/seed)", "methods", "images", "views", "est. GPU-h"):
         t.add_column(h, justify="right" if h in ("images", "views", "est. GPU-h") else "left")
     for r in df.iter_rows(named=True):
@@ -146,7 +148,7 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
     console.print(f"{n_runs} run(s) to submit in {len(groups)} group(s), about {fmt_hours(total)} GPU-hours; "
                   f"{len(skipped)} complete (skipped); {len(active)} already submitted and still active",
                   highlight=False)
-    for note in cost_notes([m for g in groups for m in g.methods]):
+    for note in cost_notes([r for g in groups for r in g.runs]):
         console.print(f"note: {note}", markup=False, highlight=False)
     if not groups:
         return
@@ -205,6 +207,8 @@ def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run:
         refresh(manifest)
         skipped, active, todo = split_runs(runs, manifest)
         check_finished_settings(skipped)
+        if todo and opts.executor == "slurm":
+            check_setup(opts.slurm_setup)  # what the submission refuses before sbatch runs
         render_plan(group_runs(todo), skipped, active, opts, out, console)
         return 0
     check_finished_settings([r for r in runs if is_complete(r)])
@@ -245,6 +249,7 @@ def sweep_retry(out: Path, overrides: Mapping[str, Any], *, dry_run: bool, wait:
         if not failed:
             console.print("nothing to retry: no failed or lost run in the manifest", highlight=False)
             return 0
+        check_longer_runs(failed)
         groups = group_runs(failed)
         if dry_run:
             render_plan(groups, [], [], opts, out, console)
@@ -331,7 +336,8 @@ _EXEC_HELP = "executor setting (see `zaec-sweep run --help`)"
 
 @app.command()
 def run(
-    methods: Optional[str] = typer.Option(None, help="comma-separated method keys: zero-shot,tda,dpe,dlae"),
+    methods: Optional[str] = typer.Option(None, help="comma-separated method keys (zero-shot,tda,dpe,dlae), or all "
+                                                     "(every registered method)"),
     datasets: Optional[str] = typer.Option(None, help="comma-separated dataset keys, 'all' (the 15 of the paper), "
                                                       "'imagenet_c' (its 75 keys), folder:PATH, split:FILE.json, "
                                                       "NAME=folder:PATH"),
@@ -360,7 +366,9 @@ def run(
     limit: Optional[int] = typer.Option(None, help="only the first N samples of each stream (quick looks)"),
     ood_for: Optional[str] = typer.Option(None, "--ood-for", metavar="KEY",
                                           help="out-of-distribution runs: every dataset of --datasets is mixed into "
-                                               "the stream of the registered in-distribution set KEY (e.g. imagenet)"),
+                                               "the stream of the in-distribution set KEY (e.g. imagenet), or of a "
+                                               "folder:PATH / split:FILE.json set ([NAME=]..., its class names by "
+                                               "--class-names NAME=FILE)"),
     anchor: Optional[str] = typer.Option(None, help=f"zero-shot anchor: {' or '.join(ANCHORS)} "
                                                     f"[default: {DEFAULT_ANCHOR}]"),
     tda_sh_filter: Optional[bool] = typer.Option(None, "--tda-sh-filter/--no-tda-sh-filter",
@@ -382,6 +390,10 @@ def run(
                                               help="while another process writes one of the runs: a job waits at "
                                                    "most SECONDS, then fails that run (0: at once) [default: waits "
                                                    "until it finishes]"),
+    max_image_pixels: Optional[int] = typer.Option(None, metavar="N",
+                                                   help="an image of more pixels fails its run with one line naming "
+                                                        "it (Pillow's decompression-bomb guard); 0: no limit "
+                                                        f"[default: {DEFAULT_MAX_IMAGE_PIXELS:,}]"),
     executor: Optional[str] = typer.Option(None, help="local (this machine) or slurm [default: local]"),
     partition: Optional[str] = typer.Option(None, help="SLURM partition"),
     account: Optional[str] = typer.Option(None, help="SLURM account"),
@@ -401,7 +413,7 @@ def run(
     wait: Optional[bool] = typer.Option(None, "--wait/--no-wait", help="wait for the jobs and show the result "
                                                                        "[default: wait with local, not with slurm]"),
     skip_data_check: bool = typer.Option(False, "--skip-data-check",
-                                         help="do not list the datasets before submitting"),
+                                         help="do not list the datasets before submitting (or in a dry run)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (runs, groups, GPU-hours); submit nothing"),
 ) -> None:
     """Run a grid (the default command: `zaec-sweep --methods ...` is `zaec-sweep run --methods ...`).
@@ -427,8 +439,11 @@ def _run_grid(given: Mapping[str, Any], console: Any) -> int:
     cfg = load_config(given["config"]) if given["config"] is not None else {}
     runs, opts, out_dir = grid_runs(given, cfg)
     pending = [r for r in runs if not is_complete(r)]
-    check_models(pending)  # a dry run too: what this machine can check never waits for a job to fail on it
-    if not given["dry_run"] and not (given["skip_data_check"] or cfg.get("skip_data_check", False)):
+    # a dry run checks what a submission checks: what this machine can check never waits for a job to fail on it
+    check_backbones(pending)
+    check_models(pending)
+    check_longer_runs(pending)
+    if not (given["skip_data_check"] or cfg.get("skip_data_check", False)):
         check_data(pending)
     do_wait = _pick(given["wait"], cfg, "wait")
     if do_wait is None:

@@ -1,9 +1,25 @@
 """The cost model of `zaec-sweep --dry-run`: images and views per group, GPU-seconds per view and per sample.
 
-An estimate, documented as such: fixed guesses per backbone family and method below, replaced by the rates measured
-on one device (`python -m tools.bench_gpu --json FILE`, passed as `--rates FILE`) where that file covers them. The
-plan table (`extract.sweep.grid.plan_frame`), the SLURM time limit and the local executor's packing all price groups
-with it.
+An estimate, documented as such (docs/sweep.md, "The cost model"). A group costs a job's fixed overhead, its
+images x views through the image encoder, and each method's adaptation, priced in this order:
+
+1. measured: the rates of one device (`python -m tools.bench_gpu --json FILE`, passed as `--rates FILE`) where that
+   file holds the backbone and the method;
+2. estimated from its work: a method's `AdaptCost.work` (`Work`: FLOPs, bytes moved, kernel launches and host
+   seconds, each a sum of terms over the run's sizes) priced with the figures of a card (`CARDS`: the rates file's
+   device, else `DEFAULT_CARD`);
+3. estimated in seconds: the seconds figures of an `AdaptCost` without work (an estimate its author wrote in
+   GPU-seconds);
+4. default: `DEFAULT_ADAPT_COST`, for a registered method without an entry (the plan names it).
+
+The plan's title says which priced each method. A new method adds one `ADAPT_COSTS` entry with a few
+numbers: its work per sample (`"N"`), per sample and class (`"N*K"`), per stream position (`"P"`, the n-th sample
+doing n units: a memory of every sample seen), or over the whole set (`"N^2*D"` for a dense affinity, `"N*K"` per
+solver iteration), in the symbols of `SYMBOLS`; the backbone's own figures (`D`, `img_flops`, `txt_flops`, ...) are
+counted from its architecture (`backbone_figures`), so one entry prices every backbone.
+
+The plan table (`extract.sweep.grid.plan_frame`), the SLURM time limit and the local executor's packing all price
+groups with it.
 """
 
 from __future__ import annotations
@@ -12,6 +28,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -36,14 +53,231 @@ DEMO_TEST_SIZE = 10000
 #: on the CPU set the pace; ~1000 views/s (ViT-B-16) and ~1500 views/s (RN50, smaller input pipeline cost per
 #: forward) are the planning figures. Multi-view policies encode 64 views per image.
 ENCODE_S_PER_VIEW: dict[str, float] = {"vit": 1 / 1000, "rn": 1 / 1500}
+
+# ---------------------------------------------------------------------------------------------------------------
+# a method's work, and what a card makes of it
+
+#: The symbols a work term is written in (`Work`): the run's sizes, and the backbone's own figures
+#: (`backbone_figures`).
+SYMBOLS: dict[str, str] = {
+    "N": "samples of the run (its stream positions)",
+    "P": "stream positions summed, N (N + 1) / 2: the n-th sample does n units (a memory of every sample seen)",
+    "K": "classes",
+    "V": "views the run encodes per sample (1, or 64 for the multi-view policies)",
+    "D": "the backbone's embedding dimension",
+    "img_flops": "FLOPs of one image-encoder forward of one view",
+    "txt_flops": "FLOPs of one text-encoder forward of one prompt (its context length of tokens)",
+    "img_params": "parameters of the image encoder",
+    "txt_params": "parameters of the model outside the image encoder (the text encoder)",
+}
+_FACTOR = re.compile(r"([A-Za-z_]+)(?:\^([1-9][0-9]*))?")
+
+
+@functools.lru_cache(maxsize=None)
+def parse_term(term: str) -> tuple[tuple[str, int], ...]:
+    """A work term's factors: `"1"` (once per run) or symbols of `SYMBOLS` joined by `*`, each with an optional
+    integer power. Raises ValueError naming the term and the symbols.
+
+    >>> parse_term("N^2*D"), parse_term("1")
+    ((('N', 2), ('D', 1)), ())
+    """
+    if term.strip() == "1":
+        return ()
+    out = []
+    for f in term.split("*"):
+        m = _FACTOR.fullmatch(f.strip())
+        if m is None or m.group(1) not in SYMBOLS:
+            raise ValueError(f"work term {term!r}: {f.strip()!r} is not SYMBOL or SYMBOL^POWER; symbols: "
+                             f"{', '.join(SYMBOLS)} (or the term '1')")
+        out.append((m.group(1), int(m.group(2) or 1)))
+    return tuple(out)
+
+
+#: What a work total is counted in, in the order `Card.seconds` prices them.
+WORK_KINDS: tuple[str, ...] = ("flops", "fp32_flops", "bytes", "launches", "host_s")
+
+
+@dataclass(frozen=True)
+class Work:
+    """A method's adaptation work over a whole run, each kind a sum of terms {term: coefficient}: the term a product
+    of `SYMBOLS` (`"N*K*D"`: per sample, class and embedding dimension), the coefficient what one unit of it costs.
+
+    Example: a prototype update of K x D floats per sample, read and written once in float32 with an Adam state
+    (params, grads and two moments: about 8 passes of 4 bytes), in about 300 small operations:
+    `Work(bytes={"N*K*D": 32}, launches={"N": 300})`.
+
+    Attributes:
+        flops: FLOPs on tensor cores (fp16 under autocast: encoder passes, prompt tuning).
+        fp32_flops: FLOPs in float32 (no autocast).
+        bytes: bytes read and written in device memory (caches, graphs, optimizer states).
+        launches: kernel launches; each costs the launching host thread `LAUNCH_S` whatever its size, which is what
+            a per-sample step of small tensor operations pays on a GPU.
+        host_s: seconds of the host's CPU the GPU waits on (views generated in the main process).
+    """
+
+    flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    fp32_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    launches: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    host_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind in WORK_KINDS:
+            for term, c in getattr(self, kind).items():
+                parse_term(term)
+                if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+                    raise ValueError(f"work {kind}[{term!r}]: expected a number >= 0, got {c!r}")
+
+    def totals(self, values: Mapping[str, float]) -> dict[str, float]:
+        """Each kind's total over the run whose symbols take `values` (`work_values`)."""
+        return {kind: sum(c * math.prod(values[s] ** p for s, p in parse_term(t))
+                          for t, c in getattr(self, kind).items()) for kind in WORK_KINDS}
+
+    @property
+    def grows_with_stream(self) -> bool:
+        """True when a term grows faster than the samples: a stream position (`P`) or a power of `N` above 1."""
+        return any(s == "P" or (s == "N" and p > 1) for kind in WORK_KINDS for t in getattr(self, kind)
+                   for s, p in parse_term(t))
+
+
+#: The fraction of a card's datasheet FLOP rate a run reaches: TPT's text passes at K = 1000 on the H100 (8.43
+#: samples/s measured; 4 forward-equivalents of 1000 prompts at 5.96 GFLOP, 2.4e13 FLOP a sample)
+#: ran at 0.20 of its 989 TFLOP/s (docs/sweep.md, "The cost model").
+FLOP_EFFICIENCY = 0.2
+#: The fraction of the memory bandwidth a streaming kernel reaches: a planning figure (0.7-0.9 is usual), not
+#: measured here.
+BANDWIDTH_EFFICIENCY = 0.7
+#: Host seconds per kernel launch: the main thread's time per launch measured on the H100 machine
+#: (docs/benchmarks.md, the AugMix chains: 17.7 us a launch). It depends on the host's CPU, not the card.
+LAUNCH_S = 17.7e-6
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU's datasheet figures (dense rates, no sparsity).
+
+    Attributes:
+        name: the card, as `CARDS` keys it.
+        tensor_flops: FLOP/s of fp16/bf16 on tensor cores.
+        fp32_flops: FLOP/s of float32 without tensor cores.
+        bandwidth: bytes/s of its memory.
+    """
+
+    name: str
+    tensor_flops: float
+    fp32_flops: float
+    bandwidth: float
+
+    def seconds(self, totals: Mapping[str, float]) -> float:
+        """GPU-seconds of work `totals` (`Work.totals`): each kind at its attainable rate, one after the other (no
+        overlap assumed, so an upper estimate within a factor of the kinds' count of the roofline)."""
+        return (totals["flops"] / (self.tensor_flops * FLOP_EFFICIENCY)
+                + totals["fp32_flops"] / (self.fp32_flops * FLOP_EFFICIENCY)
+                + totals["bytes"] / (self.bandwidth * BANDWIDTH_EFFICIENCY)
+                + totals["launches"] * LAUNCH_S + totals["host_s"])
+
+
+#: Cards by the name their device string holds (`torch.cuda.get_device_name`, the rates file's "device"; the
+#: longest name found wins: "NVIDIA H100 PCIe" is the PCIe card, "NVIDIA H100 80GB HBM3" the SXM one). NVIDIA's
+#: datasheets, dense rates.
+CARDS: dict[str, Card] = {c.name: c for c in (
+    Card("V100", 125e12, 15.7e12, 900e9),
+    Card("A10", 125e12, 31.2e12, 600e9),
+    Card("A100", 312e12, 19.5e12, 2039e9),  # SXM4 80 GB
+    Card("A100-SXM4-40GB", 312e12, 19.5e12, 1555e9),
+    Card("A100-PCIE-40GB", 312e12, 19.5e12, 1555e9),
+    Card("L40S", 362e12, 91.6e12, 864e9),
+    Card("H100", 989e12, 67e12, 3350e9),  # SXM5
+    Card("H100 PCIe", 756e12, 51e12, 2000e9),
+    Card("H200", 989e12, 67e12, 4800e9),
+)}
+#: The card a plan without a rates file (or with one from a card `CARDS` lacks) estimates for: the planning
+#: figures above are for an A100/H100-class GPU, and the shared measurements are an H100's.
+DEFAULT_CARD = "H100"
+
+
+def card_for(device: str | None) -> Card:
+    """The card a device string names (`CARDS`, longest name first), else `DEFAULT_CARD`'s.
+
+    >>> card_for("NVIDIA H100 PCIe").name, card_for("NVIDIA A100-SXM4-80GB").name, card_for(None).name
+    ('H100 PCIe', 'A100', 'H100')
+    """
+    found = [name for name in CARDS if device and name.lower() in device.lower()]
+    return CARDS[max(found, key=len)] if found else CARDS[DEFAULT_CARD]
+
+
+@dataclass(frozen=True)
+class BackboneFigures:
+    """A backbone's figures for the work terms (`SYMBOLS`): `counted` is False for `REFERENCE_FIGURES` standing in
+    for a backbone whose architecture could not be counted."""
+
+    embed_dim: int
+    img_flops: float
+    txt_flops: float
+    img_params: int
+    txt_params: int
+    counted: bool = True
+
+
+#: ViT-B-16's figures as `backbone_figures` counts them (tests/extract/test_sweep.py checks it): the stand-in for a
+#: backbone whose architecture is not at hand.
+REFERENCE_FIGURES = BackboneFigures(512, 35_126_906_880, 5_959_540_736, 86_192_640, 63_428_097, counted=False)
+
+
+@functools.lru_cache(maxsize=32)
+def backbone_figures(backbone: str, pretrained: str = "") -> BackboneFigures:
+    """Count a backbone's figures from its architecture (open_clip's config, or a `local-dir:` folder's), built on
+    the meta device (no weights, no memory): the FLOPs of one image-encoder forward at its input size and of one
+    text-encoder forward at its context length (torch's `FlopCounterMode`), its parameters and embedding dimension.
+    `REFERENCE_FIGURES` where the architecture cannot be built this way (a timm or Hugging Face tower, a name
+    open_clip does not know)."""
+    from extract.models import architecture_config
+
+    try:
+        cfg = architecture_config(backbone, pretrained)
+        return _count_figures(cfg) if cfg else REFERENCE_FIGURES
+    except Exception:  # noqa: BLE001  (a planning figure: any failure falls back to the reference, said in the plan)
+        return REFERENCE_FIGURES
+
+
+def _count_figures(cfg: Mapping[str, Any]) -> BackboneFigures:
+    import open_clip
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    kwargs = {k: v for k, v in cfg.items() if k != "custom_text"}
+    custom = bool(cfg.get("custom_text")) or "hf_model_name" in (cfg.get("text_cfg") or {})
+    with torch.device("meta"):
+        model = (open_clip.CustomTextCLIP if custom else open_clip.CLIP)(**kwargs)
+        size = cfg["vision_cfg"].get("image_size", 224)
+        h, w = (size, size) if isinstance(size, int) else size
+        images = torch.empty(1, 3, h, w)
+        tokens = torch.zeros(1, int((cfg.get("text_cfg") or {}).get("context_length", 77)), dtype=torch.long)
+        with FlopCounterMode(display=False) as img:
+            model.encode_image(images)
+        with FlopCounterMode(display=False) as txt:
+            model.encode_text(tokens)
+    n_img = sum(p.numel() for p in model.visual.parameters())
+    return BackboneFigures(int(cfg["embed_dim"]), float(img.get_total_flops()), float(txt.get_total_flops()), n_img,
+                           sum(p.numel() for p in model.parameters()) - n_img)
+
+
+def work_values(n: int, k: int, views: int, figures: BackboneFigures) -> dict[str, float]:
+    """The symbols' values (`SYMBOLS`) of a run over `n` samples, `k` classes and `views` views."""
+    return {"N": n, "P": n * (n + 1) / 2, "K": k, "V": views, "D": figures.embed_dim, "img_flops": figures.img_flops,
+            "txt_flops": figures.txt_flops, "img_params": figures.img_params, "txt_params": figures.txt_params}
+
+
 @dataclass(frozen=True)
 class AdaptCost:
-    """The fixed guess of one method's adaptation cost, GPU-seconds, over a stream of N samples with K classes:
+    """One method's adaptation cost over a stream of N samples with K classes: its `work` (estimated on a card:
+    `Work`), or the seconds figures of a guess,
 
         N * (per_sample + per_class * K) + (per_position + per_position_class * K) * N * (N + 1) / 2
 
-    with `multi_view` in place of `per_sample` when the run encodes 64 views. The second term prices a method whose
-    work per sample grows with the samples seen so far (the n-th sample costs n times the per-position figures).
+    GPU-seconds, with `multi_view` in place of `per_sample` when the run encodes 64 views. The second term prices a
+    method whose work per sample grows with the samples seen so far (the n-th sample costs n times the per-position
+    figures). Where `work` is given it prices the method and the seconds figures are not read.
 
     Attributes:
         per_sample: seconds per sample (one view, or any view count when `multi_view` is None).
@@ -54,21 +288,37 @@ class AdaptCost:
         solve: the cost is one solve over the whole run (a transductive method): the per-position terms price
             its O(N²) work, not a cost that grows along the stream, and a rate measured over a run of N' samples
             scales to n samples as this model's seconds(n) / seconds(N') (`adapt_seconds`).
+        work: the method's work (`Work`), priced with a card's figures (`Card`).
     """
 
-    per_sample: float
+    per_sample: float = 0.0
     per_class: float = 0.0
     multi_view: float | None = None
     per_position: float = 0.0
     per_position_class: float = 0.0
     provisional: bool = False
     solve: bool = False
+    work: Work | None = None
 
     def seconds(self, n: int, k: int, views: int) -> float:
-        """Estimated adaptation seconds of a run over the first `n` stream positions, `k` classes, `views` views."""
+        """The seconds figures' adaptation seconds over the first `n` stream positions, `k` classes, `views` views."""
         base = self.multi_view if views > 1 and self.multi_view is not None else self.per_sample
         growth = (self.per_position + self.per_position_class * k) * n * (n + 1) / 2
         return n * (base + self.per_class * k) + growth
+
+    def estimate(self, n: int, k: int, views: int, figures: BackboneFigures = REFERENCE_FIGURES,
+                 card: Card | None = None) -> float:
+        """GPU-seconds of a run over `n` samples: its work on `card` (`DEFAULT_CARD` when None) with the backbone's
+        `figures`, else the seconds figures."""
+        if self.work is None:
+            return self.seconds(n, k, views)
+        return (card or CARDS[DEFAULT_CARD]).seconds(self.work.totals(work_values(n, k, views, figures)))
+
+    @property
+    def grows_with_stream(self) -> bool:
+        """True when the n-th sample costs more than the first (per-position figures, or `Work.grows_with_stream`)."""
+        return bool(self.per_position or self.per_position_class or (self.work and self.work.grows_with_stream))
+
 
 
 #: A view-0 image read and preprocessed at 224 px by the run's reader of view pixels (`extract/run/pixels.py`, one
@@ -80,23 +330,26 @@ TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
 #: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
 #: prompts per sample (about 25 GFLOP per prompt at ~100 TFLOP/s effective fp16): ImageNet's 1000 classes ~0.25 s
 TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
-#: The encoder passes per sample of the methods that adapt the image encoder over batches, in views' worth of the
-#: planning rate (`ENCODE_S_PER_VIEW`): the batch's images read again (1), and the encoder's forward, backward
-#: (about 2 forwards) and the prediction's forward on them, each a fraction of a view's loader-bound time
+#: The methods that adapt the image encoder over batches of test images (docs/benchmarks.md, "Methods that adapt the
+#: image encoder over batches: cost per sample"): each reads its batch's images again (loader-bound: a view at the
+#: encoding pass's planning rate, `ENCODE_S_PER_VIEW`, as host seconds) and runs the image encoder on them, a
+#: backward counted as 2 forwards (measured on the CPU: Tent 3.4, SAR 5.7, DeYO 2.3 up to 5 encodings of an image);
+#: launches: about 370 a ViT-B-16 forward (as RLCF's), so per batch of 64 the passes' launches / 64 a sample
 BATCH_ENCODER_COSTS: dict[str, AdaptCost] = {
-    # Tent: 1 read + forward, backward, forward (~4 encoder forwards, ~1/3 of a loader-bound view each)
-    "tent": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 4 / 3)),
-    # SAR: 1 read + two forwards with their backwards and the prediction's forward (~7 forwards)
-    "sar": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 7 / 3)),
-    # DeYO: 1 read + forward, backward, the shuffled images' forward (at most the batch) and the prediction's (~5)
-    "deyo": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 5 / 3)),
-    # BATCLIP: 1 read + forward and backward (~3), plus the text encoder's forward and backward over the K prompts
-    # once per batch of 64 (TPT's per-class figure covers forward, backward and forward once per sample: 2/3 of it)
-    "batclip": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 3 / 3), per_class=TPT["per_class"] * 2 / 3 / 64),
+    # Tent: forward, backward, the prediction's forward: 4 forwards
+    "tent": AdaptCost(work=Work(flops={"N*img_flops": 4}, launches={"N": 4 * 370 / 64},
+                                host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+    # SAR: two forwards with their backwards and the prediction's forward: 7 forwards
+    "sar": AdaptCost(work=Work(flops={"N*img_flops": 7}, launches={"N": 7 * 370 / 64},
+                               host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+    # DeYO: forward, backward, the shuffled images' forward (at most the batch) and the prediction's: 5 forwards
+    "deyo": AdaptCost(work=Work(flops={"N*img_flops": 5}, launches={"N": 5 * 370 / 64},
+                                host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+    # BATCLIP: the image encoder's forward and backward (3), and the text encoder's over the K prompts once per batch
+    # of 64 (3 forwards of K prompts / 64 a sample)
+    "batclip": AdaptCost(work=Work(flops={"N*img_flops": 3, "N*K*txt_flops": 3 / 64},
+                                   launches={"N": 6 * 370 / 64}, host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
 }
-#: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
-#: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
-ECALP_S_PER_POSITION = 0.0445 / 128.5
 #: DOTA, OGA, BCA and COSMIC, for one GPU at D = 512 (ViT-B-16), from CPU measurements at K = 1000 (one thread):
 #: * DOTA: one D×D inverse (9.7 ms on the CPU, ~1 ms on a GPU) and about 7 passes over the (K, D, D) float32
 #:   covariances per sample (0.44 s a sample on the CPU at 16 GB/s): 7 · 4 · D² bytes a class at ~3 TB/s. RN50's
@@ -156,35 +409,54 @@ TRANSDUCTIVE_COSTS: dict[str, AdaptCost] = {
     "zlap-inductive": AdaptCost(0.0, per_class=_GAUSS_S / 11, per_position=2 * _KNN_PAIR_S + 2 * _CG_S, solve=True),
 }
 
-#: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
-#: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
-#: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,
-#: ECALP, DMN and BoostAdapter use the adapt steps measured on a CPU (1 thread, K = 1000, D = 512): their work per
-#: sample is small tensor operations, which a GPU does not make much faster. docs/sweep.md, "The cost model".
+#: Adaptation cost by method: its work (`Work`), priced on a card. Launches are counted on the CPU around one `adapt`
+#: call of 32 samples through the runner on the bench model (torch's profiler, `tools.bench_extract.count_launches`;
+#: docs/sweep.md, "The cost model", has the counts); FLOPs and bytes follow from each method's tensors at the run's
+#: sizes, as the comments say. Where an encoder pass runs per sample, its FLOPs are the backbone's own
+#: (`txt_flops`, `img_flops`) and its launches those of ViT-B-16's towers.
+#: TPT's work: one forward and backward of the text encoder over the K prompts and the final forward (4 forward
+#: FLOPs each); 450 launches a sample, what the run rate the H100 measured at K = 47 (126 samples/s, 7.9 ms a
+#: sample; docs/benchmarks.md) leaves beside its FLOPs at `LAUNCH_S` a launch
+TPT_WORK = Work(flops={"N*K*txt_flops": 4}, launches={"N": 450})
+#: TDA's cache read-out: up to 3 positive and 2 negative entries a class (5 K keys of D floats and their one-hot
+#: values of K floats), read once per sample in float32, plus the logits of the run's views; 31 launches a sample
+TDA_WORK = Work(fp32_flops={"N*K*D": 10, "N*K^2": 10, "N*V*K*D": 2}, bytes={"N*K*D": 20, "N*K^2": 20},
+                launches={"N": 31})
 ADAPT_COSTS: dict[str, AdaptCost] = {
-    "zero-shot": AdaptCost(0.0001),
-    "tda": AdaptCost(TDA_S, multi_view=TDA_S_64_VIEWS),
-    "dpe": AdaptCost(0.025),
-    "dlae": AdaptCost(0.03),
-    "tps": AdaptCost(0.005),
-    **{m: AdaptCost(**TPT) for m in ("tpt", "ctpt", "otpt", "atpt")},
-    "zero": AdaptCost(0.0036),  # 64 crop+flip views, encoded as TPT's; the adapt step votes over them
-    "mta": AdaptCost(0.0034),  # 64 crop+flip views; the mode seeking over them
-    "onzeta": AdaptCost(0.0027),  # one view
-    "ecalp": AdaptCost(0.0, per_position=ECALP_S_PER_POSITION * 512 / 22512,
-                       per_position_class=ECALP_S_PER_POSITION * 22 / 22512),  # grows with the stream
-    "dmn": AdaptCost(10 * TDA_S),  # ~10x TDA's cache work: 64 views encoded, 32 read out of the memory
-    "dmn-weak": AdaptCost(TDA_S),  # one view through DMN's read-out, priced as TDA's cache read-out
-    "boostadapter": AdaptCost(TDA_S + 0.001, multi_view=TDA_S_64_VIEWS + 0.001),  # TDA + its boosting samples
-    # the prompt-tuning methods of TTA-VLM, as ratios to TPT measured in one bench-extract run (docs/benchmarks.md,
-    # "TTA-VLM methods: cost per sample"): R-TPT 0.9-1.1x, DynaPrompt 6-8x (no batching across samples)
-    "rtpt": AdaptCost(**TPT),
-    "dynaprompt": AdaptCost(7 * TPT["per_sample"], per_class=7 * TPT["per_class"]),
-    # 3.5-4.8x TPT measured (5 steps on the fine-grained sets), plus the 64 views through the reward model once more
-    # (ViT-L-14, about 4.6x ViT-B-16's FLOPs a view, at the encoder's planning rate)
-    "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
-    # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
-    "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
+    "zero-shot": AdaptCost(work=Work(fp32_flops={"N*K*D": 2}, launches={"N": 0.2})),  # one matmul a call
+    "tda": AdaptCost(work=TDA_WORK),
+    # one AdamW step on the (K, D) prototype residuals per sample: params, grads and two moments read and written
+    # (8 passes of 4 bytes), the views' logits forward and backward; TDA-like caches beside it
+    "dpe": AdaptCost(work=Work(fp32_flops={"N*V*K*D": 6, "N*K*D": 10}, bytes={"N*K*D": 52}, launches={"N": 343})),
+    "dlae": AdaptCost(work=Work(fp32_flops={"N*V*K*D": 6, "N*K*D": 10}, bytes={"N*K*D": 84}, launches={"N": 523})),
+    **{m: AdaptCost(work=TPT_WORK) for m in ("tpt", "ctpt", "otpt", "atpt", "rtpt")},  # 18-21 launches counted
+    # one AdamW step on a (K, D) shift for a call's samples: the views' logits forward and backward under autocast
+    "tps": AdaptCost(work=Work(flops={"N*V*K*D": 6}, bytes={"N*K*D": 1}, launches={"N": 5})),
+    "zero": AdaptCost(work=Work(fp32_flops={"N*V*K*D": 2}, launches={"N": 2.25})),  # the views' votes
+    # the views' logits and the mode seeking over their (V, V) affinities (a few iterations)
+    "mta": AdaptCost(work=Work(fp32_flops={"N*V*K*D": 2, "N*V^2*D": 20}, launches={"N": 29.5})),
+    "onzeta": AdaptCost(work=Work(fp32_flops={"N*K*D": 6}, launches={"N": 43})),  # one view, K x D updates
+    # the n-th sample: distances to the n samples seen (D floats each), then about 3 iterations x 3 passes over
+    # the labels gathered along its graph's E ~ 19 n edges (K floats each: 684 K bytes and 342 K FLOPs per
+    # position; docs/benchmarks.md, "ECALP's growth with the stream"); 110 launches a sample
+    "ecalp": AdaptCost(work=Work(fp32_flops={"P*D": 2, "P*K": 342}, bytes={"P*D": 4, "P*K": 684},
+                                 launches={"N": 110})),
+    # a memory of up to 50 entries a class (K x 50 x D floats) read per sample; half the views read out of it
+    **{m: AdaptCost(work=Work(fp32_flops={"N*V*K*D": 50, "N*K*D": 100}, bytes={"N*K*D": 200},
+                              launches={"N": 27.3})) for m in ("dmn", "dmn-weak")},
+    # TDA's caches plus its boosting samples (the confident views join a second cache of the same size)
+    "boostadapter": AdaptCost(work=Work(fp32_flops={"N*K*D": 20, "N*K^2": 20, "N*V*K*D": 2},
+                                        bytes={"N*K*D": 40, "N*K^2": 40}, launches={"N": 65})),
+    # 6-8x TPT's text passes measured (no batching across samples, a text pass over its prompt buffer)
+    "dynaprompt": AdaptCost(work=Work(flops={"N*K*txt_flops": 7 * 4}, launches={"N": 7 * 450})),
+    # about 4 TPT steps (3 on ImageNet, 5 on the fine-grained sets; 3.5-4.8x TPT measured), plus the views through
+    # the reward model once more: its default ViT-L-14 at 162 GFLOP a view as `backbone_figures` counts it, about
+    # 370 launches a forward
+    "rlcf": AdaptCost(work=Work(flops={"N*K*txt_flops": 4 * 4, "N*V": 162e9}, launches={"N": 4 * 450 + 370})),
+    # about 2 encodings of the views a sample (measured 1.97x on the CPU: a frozen forward, the adapted blocks'
+    # backward, the final forward), ~2,000 launches (839 counted with the bench's 4 blocks; ViT-B-16 has 12), and
+    # the views' pixels generated in the main process (about 1,000 views/s on one core at 224 px)
+    "ttl": AdaptCost(work=Work(flops={"N*V*img_flops": 2}, launches={"N": 2000}, host_s={"N*V": 1e-3})),
     # inside the image encoder (docs/benchmarks.md, "Methods inside the image encoder: cost per sample"): each reads
     # view 0's pixels again in the main process (JPEG decode and preprocess, ~PIXEL_READ_S on one core) and runs the
     # encoder on them; CALIP batched (one more encoding of view 0; its attention is small next to it), TCA one image
@@ -245,7 +517,7 @@ RATE_PROXY: dict[str, str] = {"ctpt": "tpt", "otpt": "tpt", "atpt": "tpt", "rtpt
 @dataclass(frozen=True)
 class Rates:
     """Rates measured on one device by `python -m tools.bench_gpu --json FILE`, by backbone: what `--rates FILE`
-    prices a sweep with instead of the fixed guesses above (backbones and methods it did not measure keep those).
+    prices a sweep with instead of the estimates above (backbones and methods it did not measure keep those).
 
     Attributes:
         source: the file.
@@ -254,6 +526,8 @@ class Rates:
         overhead_s: backbone -> seconds of a process's fixed cost.
         position: (backbone, method) -> mean stream position of the samples its rate was timed over (the bench's
             `adapt_detail`; a method whose cost grows with the stream, ECALP, is priced from it).
+        device: the device the file was measured on (its "device"): the card the work of the methods it did not
+            measure is estimated on (`card_for`).
     """
 
     source: str
@@ -261,6 +535,7 @@ class Rates:
     adapt_s: Mapping[tuple[str, str], tuple[tuple[int, float], ...]]
     overhead_s: Mapping[str, float]
     position: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    device: str = ""
 
     def measured(self, backbone: str, method: str) -> str | None:
         """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None
@@ -327,7 +602,8 @@ def load_rates(path: str) -> Rates:
                 raise SweepError(f"{where}: class counts of {method!r} must be integers, got {list(per_k)}") from None
             adapt[(bb, method)] = tuple(pts)
         position.update(_positions(r, bb, where))
-    return Rates(str(path), enc, adapt, over, position)
+    device = doc.get("device")
+    return Rates(str(path), enc, adapt, over, position, device if isinstance(device, str) else "")
 
 
 def _positions(r: Mapping[str, Any], backbone: str, where: str) -> dict[tuple[str, str], float]:
@@ -385,49 +661,102 @@ def _table_size(dataset: str) -> tuple[int, int] | None:
 
 
 def adapt_cost(method: str) -> AdaptCost:
-    """The fixed guess of `method`'s adaptation cost (DEFAULT_ADAPT_COST for a method the table lacks)."""
+    """The cost entry of `method` (DEFAULT_ADAPT_COST for a method the table lacks)."""
     return ADAPT_COSTS.get(method, DEFAULT_ADAPT_COST)
 
 
+#: How a method's adaptation was priced (`price_basis`), in the order the plan's title lists them.
+BASES: tuple[str, ...] = ("measured", "estimated", "seconds", "default")
+
+
+def price_basis(method: str, backbone: str | None, rates: Rates | None = None) -> str:
+    """"measured" (the rates file holds the backbone and the method, or its `RATE_PROXY`), "estimated" (from its
+    `Work` on a card), "seconds" (its entry's seconds figures) or "default" (no entry: `DEFAULT_ADAPT_COST`)."""
+    if rates is not None and backbone is not None and rates.measured(backbone, method) is not None:
+        return "measured"
+    if method not in ADAPT_COSTS:
+        return "default"
+    return "estimated" if ADAPT_COSTS[method].work is not None else "seconds"
+
+
+def plan_card(rates: Rates | None = None) -> Card:
+    """The card a plan estimates work on: the rates file's device, else `DEFAULT_CARD`."""
+    return card_for(rates.device if rates is not None else None)
+
+
 def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str | None = None,
-                  rates: Rates | None = None) -> float:
+                  rates: Rates | None = None, pretrained: str = "") -> float:
     """Estimated adaptation GPU-seconds of `method` over the first `n` samples of `dataset` with view `policy`:
-    measured (`rates`, seconds per sample) where it holds the backbone and method, else `ADAPT_COSTS`."""
+    measured (`rates`, seconds per sample) where it holds the backbone and method, else `ADAPT_COSTS` (its work on
+    `plan_card(rates)` with the backbone's figures, or its seconds figures)."""
     k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
+    cost = adapt_cost(method)
     measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
     if measured is None:
-        return adapt_cost(method).seconds(n, k, views_per_image(policy))
-    cost = adapt_cost(method)
+        figures = backbone_figures(backbone, pretrained) if backbone is not None else REFERENCE_FIGURES
+        return cost.estimate(n, k, views_per_image(policy), figures, plan_card(rates))
     pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
     if cost.solve and pos is not None:
         # one solve over the run, timed over every position of a run of `size` (mean position (size - 1) / 2): the
         # measured level, this model's growth from `size` to n
         size, views = max(1, round(2 * pos + 1)), views_per_image(policy)
         return n * measured * (cost.seconds(n, k, views) / n) / (cost.seconds(size, k, views) / size)
-    if (cost.per_position or cost.per_position_class) and pos:
+    if cost.grows_with_stream and pos:
         # its cost per sample grows in proportion to the samples seen (ECALP's graph): the rate measured around
-        # stream position `pos` scales to n (n + 1) / 2 positions in all, as the fixed guess does
+        # stream position `pos` scales to n (n + 1) / 2 positions in all, as its work does
         return measured / pos * n * (n + 1) / 2
     return n * measured
 
 
-def cost_notes(methods: Sequence[str]) -> list[str]:
-    """One line per method whose fixed guess needs saying: none in the table, a provisional one, or a cost that
-    grows with the stream (quadratic in a run's images)."""
+def price_bases(runs: Sequence["RunSpec"], rates: Rates | None = None) -> dict[str, list[str]]:
+    """basis (`BASES`) -> the methods it priced, in the runs' order; a method priced one way on one backbone and
+    another way on another is listed under each with the backbone, `tpt (RN50)`."""
+    per_method: dict[str, dict[str, str]] = {}
+    for r in runs:
+        per_method.setdefault(r.method, {})[r.backbone] = price_basis(r.method, r.backbone, rates)
+    out: dict[str, list[str]] = {b: [] for b in BASES}
+    for method, per_backbone in per_method.items():
+        if len(set(per_backbone.values())) == 1:
+            out[next(iter(per_backbone.values()))].append(method)
+        else:
+            for backbone, basis in per_backbone.items():
+                out[basis].append(f"{method} ({backbone})")
+    return {b: v for b, v in out.items() if v}
+
+
+def plan_title(runs: Sequence["RunSpec"], rates: Rates | None = None) -> str:
+    """The plan table's title: how the encoding and, per method, the adaptation were priced (`price_bases`)."""
+    card = plan_card(rates).name
+    labels = {"measured": f"measured in {rates.source if rates else ''}",
+              "estimated": f"estimated from their work on an {card}",
+              "seconds": "estimated in GPU-seconds (extract/sweep/cost.py)",
+              "default": f"no cost entry, {DEFAULT_ADAPT_COST.per_sample} s a sample"}
+    encoding = f"measured in {rates.source}" if rates is not None else "the planning rates of extract/sweep/cost.py"
+    parts = [f"{labels[b]}: {', '.join(ms)}" for b, ms in price_bases(runs, rates).items()]
+    return f"sweep plan (GPU-hours, an estimate; encoding: {encoding}; adaptation {'; '.join(parts) or 'none'})"
+
+
+def cost_notes(runs: Sequence["RunSpec"]) -> list[str]:
+    """One line per method whose price needs saying (none in the table, a provisional one, a cost that grows
+    faster than its images) and per backbone whose architecture could not be counted for the work estimates."""
     notes = []
-    for m in dict.fromkeys(methods):
+    for m in dict.fromkeys(r.method for r in runs):
         cost = ADAPT_COSTS.get(m)
         if cost is None:
-            notes.append(f"{m}: no cost figure in extract/sweep/cost.py; priced at "
+            notes.append(f"{m}: no cost entry in extract/sweep/cost.py; priced at "
                          f"{DEFAULT_ADAPT_COST.per_sample} s a sample")
         elif cost.provisional:
             notes.append(f"{m}: provisional cost figure (extract/sweep/cost.py)")
         elif cost.solve:
             notes.append(f"{m}: one transductive solve over the run, whose search grows with the square of its "
                          "images (--limit caps it)")
-        elif cost.per_position or cost.per_position_class:
-            notes.append(f"{m}: its cost per sample grows with the samples seen, so a run's cost grows with the "
-                         "square of its images (--limit caps it)")
+        elif cost.grows_with_stream:
+            notes.append(f"{m}: its cost per sample grows with the samples seen (or the set's size), so a run's "
+                         "cost grows with the square of its images (--limit caps it)")
+    for backbone, pretrained in dict.fromkeys((r.backbone, r.pretrained) for r in runs):
+        if not backbone_figures(backbone, pretrained).counted:
+            notes.append(f"{backbone}: its architecture could not be counted; methods' work is priced with "
+                         "ViT-B-16's figures")
     return notes
 
 
@@ -472,10 +801,11 @@ def views_per_image(policy: str) -> int:
 
 def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> float:
     """Estimated GPU-hours of a group of runs sharing one feature cache: one encoding pass of the group's views plus
-    each method's adaptation, priced with the measured `rates` where they cover it, else with the fixed guesses."""
+    each method's adaptation, priced with the measured `rates` where they cover it, else from its work (or seconds
+    figures)."""
     r0 = runs[0]
     n = n_images(r0.dataset, r0.limit)
     views = views_per_image(r0.policy)
     enc = n * views * encode_seconds(r0.backbone, r0.policy, rates)
-    adapt = sum(adapt_seconds(r.method, r.dataset, n, r.policy, r.backbone, rates) for r in runs)
+    adapt = sum(adapt_seconds(r.method, r.dataset, n, r.policy, r.backbone, rates, r.pretrained) for r in runs)
     return (overhead_seconds(r0.backbone, rates) + enc + adapt) / 3600.0

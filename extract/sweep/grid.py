@@ -71,6 +71,18 @@ def parse_seeds(raw: str | Sequence[Any]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def expand_methods(entries: Sequence[str]) -> tuple[str, ...]:
+    """`--methods` entries -> method keys, in order, duplicates removed: `all` = every registered method
+    (`extract.methods.REGISTRY`, in its order, as the demo's `--methods all`); other names are resolved by `plan`.
+
+    >>> expand_methods(["tda", "all"])[:3]
+    ('tda', 'zero-shot', 'dpe')
+    """
+    from extract.methods import REGISTRY
+
+    return tuple(dict.fromkeys(m for e in entries for m in (REGISTRY if e == "all" else (e,))))
+
+
 def method_overrides(items: Sequence[str], methods: Sequence[str]) -> dict[str, dict[str, str]]:
     """`--set` items -> {method: {key: value}}: `key=value` applies to every method, `method.key=value` to one.
 
@@ -136,44 +148,74 @@ def class_names_files(raw: Mapping[str, Any] | str | Sequence[Any] | None) -> di
     return out
 
 
-def expand_datasets(entries: Sequence[str], class_names: Mapping[str, str] | None = None) -> tuple[str, ...]:
+def expand_datasets(entries: Sequence[str], class_names: Mapping[str, str] | None = None,
+                    others: Sequence[str] = ()) -> tuple[str, ...]:
     """`--datasets` entries -> canonical dataset keys, in order, duplicates removed.
 
     `all` = the 15 of the paper; `imagenet_c` = its 75 keys, `imagenet_c:<corruption>` its 5 severities;
     `folder:PATH` / `split:FILE.json` a user's dataset named after its folder, `NAME=folder:PATH` named NAME
     (registered in this process, see `extract.datasets.resolve_dataset`). `class_names` maps such a dataset's
-    canonical name to its class-names file.
+    canonical name to its class-names file; `others` are user datasets' names given elsewhere (`--ood-for`) that
+    `class_names` may name too.
 
     Raises:
         SweepError: two different user datasets with one name, a `class_names` name that is no user dataset of
             the entries. DatasetError: a bad reference, name or class-names file.
     """
-    from extract.datasets import PAPER_DATASETS, dataset_source, expand_dataset_keys, resolve_dataset
+    from extract.datasets import PAPER_DATASETS, dataset_source, expand_dataset_keys
 
     class_names = class_names or {}
     out: list[str] = []
     refs: dict[str, str] = {}
     for d in entries:
-        name, sep, ref = d.partition("=")
-        if not sep or d.startswith(("folder:", "split:")):
-            name, ref = "", d
-        if ref.startswith(("folder:", "split:")):
-            key = resolve_dataset(ref, name=name or None)
-            if key in class_names:
-                key = resolve_dataset(ref, name=key, class_names=class_names[key])
+        key = user_dataset(d, class_names, "--datasets")
+        if key is not None:
             source = dataset_source(key)
             if refs.setdefault(key, str(source)) != str(source):
                 raise SweepError(f"--datasets: two datasets are named {key!r}; name one with NAME=folder:PATH")
             out.append(key)
-        elif sep:
-            raise SweepError(f"--datasets entry {d!r}: NAME=... names folder:PATH or split:FILE.json datasets only")
         else:
             out += PAPER_DATASETS if d == "all" else expand_dataset_keys(d)
-    unknown = [n for n in class_names if n not in refs]
+    unknown = [n for n in class_names if n not in refs and n not in others]
     if unknown:
-        raise SweepError(f"--class-names {unknown[0]}=...: no folder:PATH or split:FILE.json dataset of --datasets "
-                         f"is named {unknown[0]!r}; the sweep's own datasets: {', '.join(refs) or 'none'}")
+        where = "--datasets or --ood-for" if others else "--datasets"
+        raise SweepError(f"--class-names {unknown[0]}=...: no folder:PATH or split:FILE.json dataset of {where} is "
+                         f"named {unknown[0]!r}; the sweep's own datasets: {', '.join([*refs, *others]) or 'none'}")
     return tuple(dict.fromkeys(out))
+
+
+def user_dataset(entry: str, class_names: Mapping[str, str], option: str) -> str | None:
+    """The key of a user's dataset entry (`folder:PATH`, `split:FILE.json`, `NAME=` either), registered in this
+    process with its `class_names` file where one is given for its name; None for any other entry (a registered
+    key, resolved by `plan`).
+
+    Raises:
+        SweepError: `NAME=` before something else. DatasetError: a bad reference, name or class-names file.
+    """
+    from extract.datasets import resolve_dataset
+
+    name, sep, ref = entry.partition("=")
+    if not sep or entry.startswith(("folder:", "split:")):
+        name, ref = "", entry
+    if not ref.startswith(("folder:", "split:")):
+        if sep:
+            raise SweepError(f"{option} entry {entry!r}: NAME=... names folder:PATH or split:FILE.json datasets only")
+        return None
+    key = resolve_dataset(ref, name=name or None)
+    return resolve_dataset(ref, name=key, class_names=class_names[key]) if key in class_names else key
+
+
+def ood_for_source(ood_for: str | None, class_names: Mapping[str, str]) -> dict[str, str | None]:
+    """The `RunOptions` fields of `--ood-for`: a registered key as it is, or a user's `folder:`/`split:` set
+    (`NAME=` allowed, `--class-names NAME=FILE` for its class names) registered here, by its key, with the source
+    a job registers it from (`ood_for_ref`, `ood_for_class_names_file`), as `zaec-extract --ood-for` takes it."""
+    from extract.datasets import dataset_source
+
+    key = user_dataset(ood_for, class_names, "--ood-for") if ood_for is not None else None
+    if key is None:
+        return {"ood_for": ood_for}
+    ref, names = dataset_source(key) or (None, None)
+    return {"ood_for": key, "ood_for_ref": ref, "ood_for_class_names_file": names}
 
 
 def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings: Any) -> list[RunSpec]:
@@ -196,8 +238,11 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings:
     """
     from extract.datasets import dataset_source
 
-    datasets, backbones, per_method = _checked_grid(grid, settings.get("limit"))
-    base, execution = sweep_options({**settings, "out": out})
+    grid = dataclasses.replace(grid, methods=expand_methods(grid.methods))
+    ood = ood_for_source(settings.get("ood_for"), dict(grid.class_names))
+    datasets, backbones, per_method = _checked_grid(grid, settings.get("limit"), ood["ood_for"])
+    base, execution = sweep_options({**settings, "out": out, "ood_for": ood["ood_for"]})
+    base = dataclasses.replace(base, **{k: v for k, v in ood.items() if k != "ood_for"})
     runs: dict[str, RunSpec] = {}
     weights_of: dict[str, str] = {}
     for entry in backbones:
@@ -220,13 +265,13 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings:
     return list(runs.values())
 
 
-def _checked_grid(grid: Grid, limit: Any
+def _checked_grid(grid: Grid, limit: Any, ood_for: str | None = None
                   ) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[str, dict[str, str]]]:
     """(dataset keys, backbone entries, per-method overrides) of a grid; SweepError for an empty dimension or a bad
     `--limit` (checked in this order, so the first problem of the command line is the one named)."""
     if not grid.methods:
         raise SweepError("no methods given (--methods tda,dpe,...)")
-    datasets = expand_datasets(grid.datasets or (), dict(grid.class_names))
+    datasets = expand_datasets(grid.datasets or (), dict(grid.class_names), (ood_for,) if ood_for else ())
     if not datasets:
         raise SweepError("no datasets given (--datasets all, or a list: dtd,eurosat,...)")
     if not grid.seeds:
@@ -255,7 +300,7 @@ class Group:
 
     def estimate_hours(self, rates: Rates | None = None) -> float:
         """Estimated GPU-hours: one encoding pass of the group's views plus each method's adaptation, priced with
-        the measured `rates` where they cover it, else with the fixed guesses (`extract.sweep.cost`)."""
+        the measured `rates` where they cover it, else from each method's work (`extract.sweep.cost`)."""
         return estimate_hours(self.runs, rates)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 
 from extract.sweep.errors import NotSubmitted, SweepError
 from extract.sweep.runspec import OLD_MANIFEST, RunSpec
+from extract.sweep.state import STATES
 from schemas.atomic import write_json_atomic
 
 SWEEP_DIRNAME = "_sweep"
@@ -67,6 +68,69 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[0].strip()}" if msg else type(exc).__name__
 
 
+#: a manifest row's fields and their JSON types (those the sweep reads: `record_submission` writes them all);
+#: `run_id`, the run key, `state` and `spec` are required
+ROW_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "run_id": str, "backbone": str, "dataset": str, "method": str, "seed": int, "state": str, "spec": dict,
+    "group": str, "policy": str, "job_id": str, "executor": str, "shard_dir": str, "error": str, "log": str,
+    "token": str, "submitted": str, "updated": str, "attempts": int}
+REQUIRED_ROW_FIELDS: tuple[str, ...] = ("run_id", "backbone", "dataset", "method", "seed", "state", "spec")
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def manifest_problem(doc: Any) -> str | None:
+    """The first thing that keeps `doc` (a parsed manifest.json) from being a manifest of this version, as a
+    clause (`is not a sweep manifest: runs[2] lacks 'spec'`), or None. Every row is checked for the fields the
+    sweep reads, and its spec for what `retry` resubmits (`RunSpec.from_dict`), so that no command meets a broken
+    row halfway."""
+    if not isinstance(doc, dict):
+        return f"is not a sweep manifest: expected a JSON object, got {_json_type(doc)}"
+    version = doc.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version < MANIFEST_VERSION:
+        return f"was {OLD_MANIFEST}"
+    if version != MANIFEST_VERSION:
+        return f"has version {version!r}, expected {MANIFEST_VERSION}"
+    if not isinstance(doc.get("runs"), list):
+        return f"is not a sweep manifest: 'runs' must be a list, got {_json_type(doc.get('runs'))}"
+    if not isinstance(doc.get("executor", {}), dict):
+        return f"is not a sweep manifest: 'executor' must be an object, got {_json_type(doc['executor'])}"
+    seen: set[str] = set()
+    for i, row in enumerate(doc["runs"]):
+        why = _row_problem(row, seen)
+        if why is not None:
+            return f"is not a sweep manifest: runs[{i}] {why}"
+    return None
+
+
+def _row_problem(row: Any, seen: set[str]) -> str | None:
+    """What is wrong with one row (a clause), or None; `seen` collects the run ids so far."""
+    if not isinstance(row, dict):
+        return f"must be an object, got {_json_type(row)}"
+    missing = [k for k in REQUIRED_ROW_FIELDS if k not in row]
+    if missing:
+        return f"lacks {', '.join(repr(k) for k in missing)}"
+    for k, kind in ROW_FIELDS.items():
+        v = row.get(k)
+        if k in row and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+            return f"({row['run_id']!r}): {k!r} must be {_json_type(kind())}, got {_json_type(v)} {v!r}"[:300]
+    if row["run_id"] in seen:
+        return f"repeats run id {row['run_id']!r}"
+    seen.add(row["run_id"])
+    if row["state"] not in STATES:
+        return f"({row['run_id']!r}): unknown state {row['state']!r}; states: {', '.join(STATES)}"
+    try:
+        RunSpec.from_dict(row["spec"])
+    except SweepError:
+        return f"({row['run_id']!r}): its spec was {OLD_MANIFEST}"
+    except (TypeError, ValueError, KeyError) as e:  # RunError is a ValueError
+        return f"({row['run_id']!r}): 'spec' is not a run's spec ({error_line(e)})"
+    return None
+
+
 @dataclass
 class Manifest:
     """The sweep manifest: one row per run, keyed by run id, plus the executor settings of the last submission.
@@ -83,17 +147,17 @@ class Manifest:
     @classmethod
     def load(cls, out: str | os.PathLike, *, must_exist: bool = False) -> "Manifest":
         path = manifest_path(out)
-        doc = read_json(path)
-        if doc is None:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
             if must_exist or path.exists():
                 what = "is unreadable" if path.exists() else "does not exist"
                 raise SweepError(f"sweep manifest {path} {what}; start a sweep with `zaec-sweep --out {out} ...`")
             return cls(Path(out))
-        if isinstance(doc.get("version"), int) and doc["version"] < MANIFEST_VERSION:
-            raise SweepError(f"sweep manifest {path} was {OLD_MANIFEST}")
-        if doc.get("version") != MANIFEST_VERSION:
-            raise SweepError(f"{path}: manifest version {doc.get('version')!r}, expected {MANIFEST_VERSION}")
-        rows = {r["run_id"]: r for r in doc.get("runs", [])}
+        why = manifest_problem(doc)
+        if why is not None:
+            raise SweepError(f"sweep manifest {path} {why}")
+        rows = {r["run_id"]: r for r in doc["runs"]}
         return cls(Path(out), rows, dict(doc.get("executor", {})))
 
     def save(self) -> Path:

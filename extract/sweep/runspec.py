@@ -16,7 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from extract.defaults import (
     DEFAULT_BACKBONE,
@@ -35,7 +35,8 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 #: value for the whole sweep)
 GRID_FIELDS: dict[str, str] = {"method": "methods", "dataset": "datasets", "dataset_ref": "datasets",
                                "class_names_file": "class_names", "backbone": "backbones", "pretrained": "pretrained",
-                               "seed": "seeds", "overrides": "set"}
+                               "seed": "seeds", "overrides": "set", "ood_for_ref": "ood_for",
+                               "ood_for_class_names_file": "class_names"}
 #: sweep option names that differ from the field's name: `zaec-extract`'s spelling of the option
 OPTION_NAMES: dict[str, str] = {"sh_filter": "tda_sh_filter"}
 #: `ExecOptions` fields a sweep fixes: a job resumes, never forces, refuses changed settings (the sweep checks them
@@ -277,6 +278,21 @@ def check_data(runs: Sequence[RunSpec]) -> None:
             run_descriptions(plan(o), listed[data_key(o)])
 
 
+def check_backbones(runs: Sequence[RunSpec]) -> None:
+    """Check each run's backbone and weights as `load_model` checks them before it reads a weight
+    (`extract.models.check_weights`: the architecture, the pretrained tag, a checkpoint file, a `local-dir:`
+    folder), each pair once, so that no job is submitted to fail on a name; a tag's weights may be cached where
+    the jobs run, so their presence on this machine is not asked.
+
+    Raises:
+        ModelError: the line `zaec-extract` would print.
+    """
+    from extract.models import check_weights
+
+    for backbone, pretrained in dict.fromkeys((r.backbone, r.pretrained) for r in runs):
+        check_weights(backbone, pretrained, tag_weights=False)
+
+
 def check_models(runs: Sequence[RunSpec]) -> None:
     """Check the files each run's method reads besides the CLIP checkpoint (RLCF's reward model, DiffTPT's diffusion
     pipeline, PromptAlign's prompts and statistics: `TTAMethod.external_files`) as `zaec-extract` does before its
@@ -308,28 +324,33 @@ def is_complete(run: RunSpec) -> bool:
     return bool(run.run_dir().is_complete(run.limit))
 
 
-def finished_mismatches(runs: Sequence[RunSpec]) -> list[tuple[RunSpec, str]]:
-    """(run, what differs) for each finished run whose recorded settings differ from the sweep's: the extractor's
-    `finished_run_mismatch`, which `zaec-extract` applies before it reuses or refuses a finished run.
-
-    Each test set is listed and fingerprinted once (`data_key`), and only for runs that are finished.
-    """
+def _planned_runs(runs: Sequence[RunSpec], wanted: Callable[[RunSpec], bool]
+                  ) -> Iterator[tuple[RunSpec, Any, Any]]:
+    """(run, its `plan`, its `load_run_data`) for each run `wanted` picks, each test set listed and fingerprinted
+    once (`data_key`), and only for the runs picked."""
     from extract.run.options import plan
-    from extract.run.settings import data_key, finished_run_mismatch, load_run_data
+    from extract.run.settings import data_key, load_run_data
 
     data: dict[tuple[Any, ...], Any] = {}
-    bad = []
     for r in runs:
-        if not is_complete(r):
+        if not wanted(r):
             continue
         r.register_dataset()
         planned = plan(r.options)
         if data_key(r.options) not in data:
             data[data_key(r.options)] = load_run_data(planned)
-        why = finished_run_mismatch(planned, r.run_dir(), data[data_key(r.options)])
-        if why:
-            bad.append((r, why))
-    return bad
+        yield r, planned, data[data_key(r.options)]
+
+
+def finished_mismatches(runs: Sequence[RunSpec]) -> list[tuple[RunSpec, str]]:
+    """(run, what differs) for each finished run whose recorded settings differ from the sweep's: the extractor's
+    `finished_run_mismatch`, which `zaec-extract` applies before it reuses or refuses a finished run (only runs
+    that are finished are listed)."""
+    from extract.run.settings import finished_run_mismatch
+
+    found = ((r, finished_run_mismatch(planned, r.run_dir(), data))
+             for r, planned, data in _planned_runs(runs, is_complete))
+    return [(r, why) for r, why in found if why]
 
 
 def check_finished_settings(runs: Sequence[RunSpec]) -> None:
@@ -340,3 +361,23 @@ def check_finished_settings(runs: Sequence[RunSpec]) -> None:
         raise SweepError(f"{len(bad)} finished run(s) used other settings than this sweep, e.g. {r.run_id} "
                          f"({d}) under {r.shard_dir}; write the sweep to another --out, or recompute them with "
                          "zaec-extract --force")
+
+
+def _holds_more(run: RunSpec) -> bool:
+    """A finished run lies in the run's folder with more samples than its `--limit` asks for, and does not serve
+    it."""
+    counts = run.run_dir().finished_counts()
+    return counts is not None and run.limit is not None and counts[0] > run.limit and not is_complete(run)
+
+
+def check_longer_runs(runs: Sequence[RunSpec]) -> None:
+    """Raise SweepError when a run would replace a finished run of the same settings that holds more samples than
+    its `--limit` asks for and cannot serve it: the extractor's `longer_run_refusal`, which `zaec-extract` refuses
+    without `--force` (a sweep never forces)."""
+    from extract.run.settings import longer_run_refusal
+
+    bad = [why for r, planned, data in _planned_runs(runs, _holds_more)
+           for why in [longer_run_refusal(planned, r.run_dir(), data)] if why]
+    if bad:
+        raise SweepError(f"{len(bad)} run(s) would replace a finished longer run, e.g. {bad[0]}; write the sweep "
+                         "to another --out (both are kept), or replace them with zaec-extract --force")

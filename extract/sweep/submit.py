@@ -54,7 +54,7 @@ class ExecOptions:
         slurm_setup: shell lines run before the job (e.g. `source /path/.venv/bin/activate`).
         local_jobs: processes the local executor runs side by side (1 = the groups one after the other).
         rates: JSON of `python -m tools.bench_gpu --json`: estimates (plan, SLURM time limit, local packing) use
-            its measured rates instead of the fixed guesses of `extract.sweep.cost`.
+            its measured rates, and the card of its device for the methods it lacks (`extract.sweep.cost`).
     """
 
     executor: str = "local"
@@ -86,7 +86,7 @@ class ExecOptions:
         self.cost()  # a bad --rates file fails here, before anything is planned
 
     def cost(self) -> Rates | None:
-        """The measured rates of `--rates`, or None (the fixed guesses)."""
+        """The measured rates of `--rates`, or None (each method's work on the default card)."""
         return None if self.rates is None else load_rates(str(self.rates))
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,7 +100,7 @@ class ExecOptions:
         kw = {k: v for k, v in d.items() if k in names}
         kw["slurm_setup"] = tuple(kw.get("slurm_setup", ()))
         if kw.get("rates") and not Path(kw["rates"]).is_file():
-            kw["rates"] = None  # the rates file of the first submission is gone: `retry` prices with the guesses
+            kw["rates"] = None  # the rates file of the first submission is gone: `retry` prices with the estimates
         return cls(**kw)
 
 

@@ -153,3 +153,34 @@ def test_count_columns_are_null_for_other_writers(tmp_path, make_meta, rng):
     _write_run(tmp_path, make_meta, rng, announce=False, marker=False)
     m = calibrate_paths([tmp_path], calibrators="none").metrics
     assert m["n"].to_list() == [64, 64] and m["n_total"].null_count() == m["limit"].null_count() == 2
+
+
+def _make_tables_line(**variables) -> str:
+    """The command `make tables` runs (`make -n`: printed, not run), its continuation lines joined."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["make", "-n", "-s", "tables", "VENV=/nonexistent", *(f"{k}={v}" for k, v in variables.items())]
+    out = subprocess.run(args, cwd=root, capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    (line,) = [ln for ln in out.splitlines() if "zaec-calibrate tables" in ln]
+    return line
+
+
+def test_make_tables_takes_allow_partial_and_its_refusal_names_the_make_form(tmp_path, make_meta, rng, capsys,
+                                                                            monkeypatch):
+    """Issue 35 item 7: `make tables` could not pass --allow-partial, yet its refusal said to. `ALLOW_PARTIAL=1`
+    passes it, and the refusal of a run from make names that form."""
+    import shlex
+
+    assert "--allow-partial" in _make_tables_line(ALLOW_PARTIAL=1) and "--allow-partial" not in _make_tables_line()
+    env, _, _ = _make_tables_line().partition(" /nonexistent/bin/zaec-calibrate")
+    name, _, value = shlex.split(env)[0].partition("=")
+    monkeypatch.setenv(name, value)
+    _write_run(tmp_path / "s", make_meta, rng, dataset="dtd", keep={0, 1}, marker=False)
+    code, out, err = _cli(["tables", tmp_path / "s", "--out", tmp_path / "o", "--quiet", "--bootstrap", "0"], capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 2 and "or pass ALLOW_PARTIAL=1 (make tables ALLOW_PARTIAL=1) to use what is there" in line
+    monkeypatch.delenv(name)
+    code, out, err = _cli(["tables", tmp_path / "s", "--out", tmp_path / "o", "--quiet", "--bootstrap", "0"], capsys)
+    assert code == 2 and "or pass --allow-partial to use what is there" in err

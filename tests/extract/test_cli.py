@@ -232,3 +232,102 @@ def test_cli_help_of_adapt_batch_and_part_size_is_the_sweeps():
         assert mine[name].default.default == default and f"[default: {default}]" in theirs[name].default.help
     shown = _invoke(["--help"]).output
     assert "--adapt-batch" in shown and "--part-size" in shown
+
+
+# --- issue 35 item 3: images over Pillow's pixel limits ----------------------------------------------------------
+
+def _bomb(path):
+    """A PNG whose header says 14,000 x 13,000 pixels (182 M, over Pillow's hard limit of 178,956,970): one bit a
+    pixel, all zero, so the file is a few kilobytes (its pixels are never decoded)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("1", (14000, 13000)).save(path)
+    return path
+
+
+def _folder_set(root, n=4, size=(40, 48)):
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        for i in range(n // 2):
+            write_image(root / c / f"{i}.png", rng, size)
+    return root
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_an_image_over_the_pixel_limit_is_one_line_naming_it(tmp_path, tiny_model_dir, workers):
+    """Pillow's DecompressionBombError (182 megapixels) ended the run with a traceback and exit 1, from a loader
+    process too; now one line naming the file, its pixels and the limit, with the option that allows it."""
+    root = _folder_set(tmp_path / "set")
+    bomb = _bomb(root / "b" / "huge.png")
+    r = runner.invoke(app, ["--method", "zero-shot", "--dataset", f"folder:{root}", "--workers", workers]
+                      + _base(tmp_path, root, tiny_model_dir))
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and str(bomb) in err[0], r.stderr
+    assert "14000 x 13000 = 182,000,000 pixels, over the limit of 178,956,970" in err[0]
+    assert "--max-image-pixels" in err[0]
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_max_image_pixels_sets_the_limit(tmp_path, tiny_model_dir, workers):
+    """`--max-image-pixels N` refuses images of more than N pixels, 0 none; the sweep passes it to its jobs."""
+    root = _folder_set(tmp_path / "set")
+    base = ["--method", "zero-shot", "--dataset", f"folder:{root}", "--workers", workers] + \
+        _base(tmp_path, root, tiny_model_dir)
+    r = runner.invoke(app, [*base, "--max-image-pixels", "1919"])
+    assert r.exit_code == 2 and "40 x 48 = 1,920 pixels, over the limit of 1,919" in r.stderr, r.output
+    assert runner.invoke(app, [*base, "--max-image-pixels", "1920"]).exit_code == 0
+    assert runner.invoke(app, [*base, "--max-image-pixels", "0", "--force"]).exit_code == 0
+    r = runner.invoke(app, [*base, "--max-image-pixels", "-1"])
+    assert r.exit_code == 2 and "--max-image-pixels must be an integer >= 0" in r.stderr
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_large_images_are_noted_once_through_the_run_and_pillow_stays_silent(tmp_path, tiny_model_dir, quiet,
+                                                                             monkeypatch):
+    """Images between Pillow's warning threshold and the limit: Pillow's raw warning (two lines from its
+    site-packages file, from each loader process, even under --quiet) is gone; the run notes them once through its
+    own printer, and not under --quiet. The thresholds are lowered here so that 40 x 48 images stand for 90 M."""
+    import warnings
+
+    from PIL import Image
+
+    from extract.run import encode
+
+    # Pillow warns over 1,500 pixels (the 40 x 48 images), refuses over 3,000 (the model's 32 x 32 views are below)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1500)
+    monkeypatch.setattr(encode, "WARN_IMAGE_PIXELS", 1500)
+    root = _folder_set(tmp_path / "set")
+    args = ["--method", "zero-shot", "--dataset", f"folder:{root}", *_base(tmp_path, root, tiny_model_dir)]
+    if not quiet:
+        args.remove("--quiet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "DecompressionBomb" not in r.output and "site-packages" not in r.output
+    said = [ln for ln in r.output.splitlines() if "image(s) of more than 1,500 pixels were read" in ln]
+    assert len(said) == (0 if quiet else 1), r.output
+    if not quiet:
+        assert "the limit is 178,956,970 (--max-image-pixels)" in " ".join(r.output.split())
+
+
+def test_every_option_is_in_the_documented_option_list():
+    """Issue 35 item 6: docs/extract.md's option list (the paragraph from "Options:") names every option of
+    `zaec-extract`; --exif-transpose was missing, and the docs called it "not yet a command-line option"."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from extract import cli
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "extract.md").read_text(encoding="utf-8")
+    options = doc[doc.index("Options:"):doc.index("The last line on stdout")]
+    documented = set(re.findall(r"--[a-z][a-z0-9-]*", options))
+    flags = set()
+    for p in inspect.signature(cli.extract).parameters.values():
+        decls = [d for d in p.default.param_decls if d.startswith("--")] or [f"--{p.name.replace('_', '-')}"]
+        flags.add(decls[0].split("/")[0])
+    assert sorted(flags - documented) == []
+    assert "not yet a command-line option" not in doc

@@ -495,7 +495,7 @@ def test_sweep_cli_dry_run_with_imagenet_c_and_a_folder(tmp_path):
     a = make_folder(tmp_path / "scans", {"x": ["1.png", "2.png"], "y": ["3.png"]})
     out = tmp_path / "out"
     res = cli.invoke(sweep_cli.app, ["run", "--methods", "zero-shot,tda", "--datasets", f"imagenet_c,mine=folder:{a}",
-                                     "--out", str(out), "--dry-run"])
+                                     "--out", str(out), "--dry-run", "--skip-data-check"])
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert "152 run(s) to submit in 76 group(s)" in text and "mine" in text
@@ -556,7 +556,7 @@ def test_sweep_class_names_errors(tmp_path, entry, needle):
     entry = entry.format(names=names, missing=tmp_path / "nope.txt", three=three)
     out = tmp_path / "out"
     res = cli.invoke(sweep_cli.app, ["run", "--methods", "tda", "--datasets", f"dtd,derm=folder:{root}",
-                                     "--class-names", entry, "--out", str(out), "--dry-run"])
+                                     "--class-names", entry, "--out", str(out), "--dry-run", "--skip-data-check"])
     assert res.exit_code == 2, res.output
     assert needle in " ".join(res.output.split()) and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) <= 3  # one message (rich may wrap long paths)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from extract import runner
 from extract.run import encode as run_encode
 from extract.run import writer as run_writer
 from extract.datasets import imagenet_synsets, load_testset, open_image
-from extract.methods.base import MethodConfig, TTAMethod, apply_overrides
+from extract.methods.base import apply_overrides
 from extract.run.options import RunError
 from extract.run.rundir import run_is_complete
 from extract.run.stream import stream_permutation
@@ -42,47 +40,21 @@ def _run(method, tmp_path, model, data_root, **kw):
                           **{k: v for k, v in args.items() if k != "dataset"})
 
 
+def _whole_run_equals_a_fresh_one(method, tmp_path, tiny_model, data_root):
+    """Run `method` over the whole set into tmp_path/out (over what lies there), check it equals a run into an empty
+    folder, and return the lines the first printed."""
+    lines: list[str] = []
+    got = _table(_run(method, tmp_path, tiny_model, data_root, log=lines.append))
+    fresh = _table(_run(method, tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
+    for k, v in fresh.items():
+        np.testing.assert_array_equal(got[k], v)
+    return lines
+
+
 def _table(paths):
     shards = [read_shard(p) for p in paths]
     return {k: np.concatenate([getattr(s, k) for s in shards])
             for k in ("sample_id", "label", "zs_logits", "tta_logits", "stream_pos")}
-
-
-# --- a stand-in online method whose output depends on the whole history (tests resume replay exactly) ----------
-
-@dataclass(frozen=True)
-class RunningMeanConfig(MethodConfig):
-    n_views: int = 1
-    prompts: str = "single"  # type: ignore[assignment]
-    weight: float = 3.0
-
-
-class RunningMean(TTAMethod):
-    """logits = scale * (f0 + weight * mean of all f0 seen so far, this batch included) @ T^T."""
-
-    key: ClassVar[str] = "running-mean"
-    Config: ClassVar[type] = RunningMeanConfig
-
-    @classmethod
-    def default_config(cls, hparams_key, backbone):
-        return RunningMeanConfig()
-
-    def _adapt(self, view_feats):
-        f0 = view_feats[:, 0].double()
-        if not hasattr(self, "acc"):
-            self.acc = torch.zeros(f0.shape[1], dtype=torch.float64)
-        out = []
-        for f in f0:
-            self.acc += f
-            mean = self.acc / (self.n_seen + len(out) + 1)
-            out.append(self.logit_scale * (f + self.config.weight * mean) @ self.text_features.double().T)
-        return torch.stack(out).float()
-
-
-@pytest.fixture
-def running_mean(monkeypatch):
-    monkeypatch.setitem(methods.REGISTRY, RunningMean.key, RunningMean)
-    return RunningMean.key
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -614,41 +586,136 @@ def test_switching_fingerprint_mode_does_not_blame_the_files(tmp_path, tiny_mode
 
 # --- issue 32 item 1: a longer finished run serves a --limit only where its first rows are the limited run's -----
 
-def test_limit_after_a_full_onzeta_run_computes_the_limited_run(tmp_path, tiny_model, data_root):
-    """OnZeta's schedule reads the stream's length: the full run's first 8 rows are not an 8-sample run's."""
+def test_limit_after_a_full_onzeta_run_computes_the_limited_run_when_forced(tmp_path, tiny_model, data_root):
+    """OnZeta's schedule reads the stream's length: the full run's first 8 rows are not an 8-sample run's. The
+    8-sample run is refused without --force (issue 35 item 1); forced, it equals a fresh 8-sample run."""
     full = _table(_run("onzeta", tmp_path, tiny_model, data_root))
+    with pytest.raises(RunError) as e:
+        _run("onzeta", tmp_path, tiny_model, data_root, limit=8)
+    assert "holds 18 samples" in str(e.value) and "stream's length" in str(e.value)
     lines: list[str] = []
-    limited = _table(_run("onzeta", tmp_path, tiny_model, data_root, limit=8, log=lines.append))
+    limited = _table(_run("onzeta", tmp_path, tiny_model, data_root, limit=8, force=True, log=lines.append))
     fresh = _table(_run("onzeta", tmp_path / "fresh", tiny_model, data_root, limit=8, cache_dir=tmp_path / "cache"))
     assert len(limited["sample_id"]) == 8
     for k, v in fresh.items():
         np.testing.assert_array_equal(limited[k], v)
     assert not np.array_equal(full["tta_logits"][:8], fresh["tta_logits"])  # what reusing it would have served
-    said = [ln for ln in lines if "computing the 8-sample run" in ln]
-    assert len(said) == 1 and "holds 18 samples" in said[0] and "stream's length" in said[0]
     assert not any("already finished" in ln for ln in lines)
 
 
 def test_a_full_onzeta_run_keeps_no_part_of_a_limited_one(tmp_path, tiny_model, data_root):
     """The resume scan: part 0 of an 8-sample OnZeta run holds positions 0..7, but with another schedule."""
     _run("onzeta", tmp_path, tiny_model, data_root, limit=8)
-    lines: list[str] = []
-    extended = _table(_run("onzeta", tmp_path, tiny_model, data_root, log=lines.append))
-    fresh = _table(_run("onzeta", tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
-    for k, v in fresh.items():
-        np.testing.assert_array_equal(extended[k], v)
+    lines = _whole_run_equals_a_fresh_one("onzeta", tmp_path, tiny_model, data_root)
     assert any("was written by a run of 8 samples, this run has 18" in ln for ln in lines)
 
 
-def test_a_limit_that_ends_inside_an_adapt_call_is_computed(tmp_path, tiny_model, data_root):
+def test_a_limit_that_ends_inside_an_adapt_call_is_computed_when_forced(tmp_path, tiny_model, data_root):
     """TDA reads no later sample, but 5 samples end inside the longer run's second adapt call (adapt_batch 4): the
-    5-sample run is computed, keeping the longer run's whole first part only where it holds the same calls."""
+    5-sample run is refused without --force, and forced it equals a fresh 5-sample run."""
     _run("tda", tmp_path, tiny_model, data_root, part_size=4)
-    lines: list[str] = []
-    limited = _table(_run("tda", tmp_path, tiny_model, data_root, limit=5, part_size=4, log=lines.append))
+    with pytest.raises(RunError, match="5 is not a multiple of its adapt_batch 4"):
+        _run("tda", tmp_path, tiny_model, data_root, limit=5, part_size=4)
+    limited = _table(_run("tda", tmp_path, tiny_model, data_root, limit=5, part_size=4, force=True))
     fresh = _table(_run("tda", tmp_path / "fresh", tiny_model, data_root, limit=5, part_size=4,
                         cache_dir=tmp_path / "cache"))
     for k, v in fresh.items():
         np.testing.assert_array_equal(limited[k], v)
-    said = [ln for ln in lines if "computing the 5-sample run" in ln]
-    assert len(said) == 1 and "5 is not a multiple of its adapt_batch 4" in said[0]
+
+
+# --- issue 35 items 1-2: a shorter run never replaces a finished longer one; a longer run reuses a shorter one ----
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if not p.name.startswith(".")}
+
+
+@pytest.mark.parametrize("method,limit,why", [
+    ("tda", 5, "5 is not a multiple of its adapt_batch 4"),  # the issue's case: the limit cuts an adapt call
+    ("onzeta", 8, "stream's length"),  # a method whose rows read the stream's length (prefix_stable False)
+    # a method that declares its rows may read later samples (prefix_stable False: the transductive and
+    # batch-adapted methods), even at a limit that ends an adapt call
+    ("running-mean", 8, "running-mean's rows depend on the samples after them"),
+])
+def test_a_shorter_run_never_replaces_a_finished_longer_one(tmp_path, tiny_model, data_root, running_mean, method,
+                                                            limit, why):
+    """A quick `--limit` check that the finished run cannot serve is refused naming that run, and the run stays as
+    it was (parts and marker, byte for byte); --out elsewhere keeps both, --force replaces it."""
+    paths = _run(method, tmp_path, tiny_model, data_root)
+    folder = paths[0].parent
+    before = _files(folder)
+    with pytest.raises(RunError) as e:
+        _run(method, tmp_path, tiny_model, data_root, limit=limit)
+    msg = str(e.value)
+    assert f"the finished run under {folder} holds 18 samples" in msg and why in msg
+    assert "--out" in msg and "--force" in msg and "\n" not in msg
+    assert _files(folder) == before and run_is_complete(tmp_path / "out", RunKey("tiny-clip", "dtd", method, 1))
+    elsewhere = _run(method, tmp_path / "quick", tiny_model, data_root, limit=limit, cache_dir=tmp_path / "cache")
+    assert len(_table(elsewhere)["sample_id"]) == limit and _files(folder) == before
+    forced = _run(method, tmp_path, tiny_model, data_root, limit=limit, force=True)
+    assert len(_table(forced)["sample_id"]) == limit
+
+
+def test_zaec_extract_refuses_a_shorter_run_over_a_finished_one_in_one_line(tmp_path, tiny_model_dir, data_root):
+    from typer.testing import CliRunner
+
+    from extract.cli import app
+
+    args = ["--method", "tda", "--dataset", "dtd", "--pretrained", f"local-dir:{tiny_model_dir}", "--data-root",
+            str(data_root), "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu",
+            "--quiet"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    res = CliRunner().invoke(app, [*args, "--limit", "50"])
+    assert res.exit_code == 0, res.output  # 50 > 18: the whole set, served
+    res = CliRunner().invoke(app, [*args, "--limit", "5"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "holds 18 samples" in err[0] and "--force" in err[0], res.stderr
+
+
+@pytest.mark.parametrize("method", ["tda", "zero"])
+def test_a_full_run_after_a_limited_one_keeps_its_rows(tmp_path, tiny_model, data_root, method):
+    """A finished 4-sample run (one adapt call, half of part 0) of a method whose rows read no later sample: the
+    full run keeps its rows (an online method replays them, an episodic one loads the state recorded after them),
+    says so, and equals a fresh full run; no row of positions 0..3 is adapted again outside the replay."""
+    _run(method, tmp_path, tiny_model, data_root, limit=4)
+    lines: list[str] = []
+    calls: list[int] = []
+    cls = methods.REGISTRY[method]
+    real = cls.adapt
+
+    def counted(self, view_feats):
+        calls.append(int(view_feats.shape[0]))
+        return real(self, view_feats)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cls, "adapt", counted)
+        extended = _table(_run(method, tmp_path, tiny_model, data_root, log=lines.append))
+    fresh = _table(_run(method, tmp_path / "fresh", tiny_model, data_root, cache_dir=tmp_path / "cache"))
+    for k, v in fresh.items():
+        np.testing.assert_array_equal(extended[k], v)
+    kept = [ln for ln in lines if "holds stream positions 0..3" in ln]
+    assert len(kept) == 1 and "are kept; computing from position 4" in kept[0]
+    assert not any("recomputed" in ln or "warning" in ln for ln in lines), lines
+    assert sum(calls) == (14 if method == "zero" else 18)  # online TDA replays positions 0..3, episodic ZERO not
+
+
+def test_a_full_run_after_a_limited_one_that_cut_an_adapt_call_recomputes_it_and_says_why(tmp_path, tiny_model,
+                                                                                          data_root):
+    _run("tda", tmp_path, tiny_model, data_root, limit=5)
+    lines = _whole_run_equals_a_fresh_one("tda", tmp_path, tiny_model, data_root)
+    said = [ln for ln in lines if "part-00000" in ln]
+    assert len(said) == 1 and "the end of a finished 5-sample run, whose last adapt call held 1 samples where this " \
+        "run's holds 4" in said[0] and "nothing kept" in said[0]
+
+
+def test_an_interrupted_extension_of_a_limited_run_resumes_equal(tmp_path, tiny_model, data_root, monkeypatch):
+    """The part whose rows are carried stays on disk until the writer replaces it: interrupted before, the rerun
+    carries them again."""
+    _run("tda", tmp_path, tiny_model, data_root, limit=4)
+    real = interrupt_nth_write(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        _run("tda", tmp_path, tiny_model, data_root)
+    monkeypatch.setattr(run_writer, "write_shard", real)
+    assert list((tmp_path / "out").rglob("part-00000.parquet"))
+    lines = _whole_run_equals_a_fresh_one("tda", tmp_path, tiny_model, data_root)
+    assert any("are kept; computing from position 4" in ln for ln in lines)

@@ -110,9 +110,9 @@ def test_a_limit_that_cuts_a_batch_is_another_run(tmp_path, data_root, tiny_mode
     served = run(tmp_path, tiny_model, data_root, limit=6, log=lines.append)
     assert any("already finished" in line for line in lines)
     assert len(table(served)["sample_id"]) == 8  # the finished run's parts, positions < 6 asked for
-    lines.clear()
-    cut = table(run(tmp_path, tiny_model, data_root, limit=5, log=lines.append))
-    assert any("not a multiple of its adapt_batch 2" in line for line in lines)
+    with pytest.raises(RunError, match="not a multiple of its adapt_batch 2"):  # it would replace the longer run
+        run(tmp_path, tiny_model, data_root, limit=5)
+    cut = table(run(tmp_path, tiny_model, data_root, limit=5, force=True))
     np.testing.assert_array_equal(cut["tta_logits"][:4], long["tta_logits"][:4])
     assert not np.array_equal(cut["tta_logits"][4], long["tta_logits"][4])
 
@@ -146,3 +146,16 @@ def test_every_batch_method_resumes_as_uninterrupted(tmp_path, data_root, tiny_m
         np.testing.assert_array_equal(resumed[k], full[k])
     assert read_shard(RunDir(tmp_path / "r" / "out", RunKey("tiny-clip", "dtd", method, 1)).part(0)).meta.extra[
         "zaec:consumes"] == "batch_pixels"
+
+
+def test_a_longer_limit_continues_a_finished_shorter_run(tmp_path, data_root, tiny_model):
+    """A finished 6-sample run (its last part holds positions 4..5, whole batches) and then a 10-sample run in the same
+    folder: the longer run keeps the shorter run's rows, loads the state saved after position 6 and adapts from
+    there, which gives the rows of a 10-sample run computed afresh."""
+    fresh = table(run(tmp_path / "fresh", tiny_model, data_root, limit=10))
+    run(tmp_path / "r", tiny_model, data_root, limit=6)
+    lines = []
+    longer = table(run(tmp_path / "r", tiny_model, data_root, limit=10, log=lines.append))
+    assert any("holds stream positions 4..5" in line for line in lines)
+    for k in fresh:
+        np.testing.assert_array_equal(longer[k], fresh[k])

@@ -1,7 +1,7 @@
 """Shared test fixtures for the extraction stage: a tiny open_clip model and tiny image datasets on disk.
 
 Nothing here downloads anything. Import the helpers with `from tests.support.extract import ...`; the pytest
-fixtures at the end (`tiny_model_dir`, `tiny_model`, `one_thread`) are registered by tests/conftest.py
+fixtures at the end (`tiny_model_dir`, `tiny_model`, `one_thread`, `running_mean`) are registered by tests/conftest.py
 (`pytest_plugins`): name them as test arguments, never import them.
 
     model_dir = make_tiny_model_dir(tmp_path / "model")               # local-dir: layout
@@ -360,3 +360,13 @@ def tiny_externals(tmp_path_factory, tiny_model):
     from tests.support.second_models import TinyExternals
 
     return TinyExternals(tmp_path_factory.mktemp("externals"), tiny_model)
+
+
+@pytest.fixture
+def running_mean(monkeypatch):
+    """Register the stand-in online method `RunningMean` (tests/support/methods.py) for one test; its key."""
+    import extract.methods as methods
+    from tests.support.methods import RunningMean
+
+    monkeypatch.setitem(methods.REGISTRY, RunningMean.key, RunningMean)
+    return RunningMean.key

@@ -90,8 +90,9 @@ def ood_sentence(metrics: pl.DataFrame) -> str:
 
     Per (backbone, method) of the OOD runs (dataset `<ood>@<id>`), the max-softmax OOD AUROC and FPR95 of
     `zaec-calibrate` (`ood_auroc_msp`, `ood_fpr95_msp`), raw (`none`) and `zaec`, over the TTA methods (not the
-    zero-shot run, which ZAEC leaves unchanged). ZAEC "helps" when it raises AUROC
-    and lowers FPR95 in most pairs, "hurts" when it lowers AUROC and raises FPR95 in most, otherwise neither clearly.
+    zero-shot run, which ZAEC leaves unchanged). ZAEC "helps" when it raises AUROC and lowers FPR95 in most pairs
+    and on average, "hurts" when it lowers AUROC and raises FPR95 in most pairs and on average, "mixed" when those
+    disagree, otherwise neither clearly (`verdict.raw_vs_zaec`).
     Pairs with an undefined metric (NaN) are left out.
     """
     head = "OOD detection (beyond the paper; Fashion-MNIST against synthetic shapes): "
@@ -107,7 +108,7 @@ def ood_sentence(metrics: pl.DataFrame) -> str:
         return head + "undecided, no OOD run has raw and ZAEC rows with defined metrics."
     (au0, au1), (fpr0, fpr1) = c.means["ood_auroc_msp"], c.means["ood_fpr95_msp"]
     return head + (
-        f"ZAEC {c.verdict} OOD detection here ({', '.join(c.methods)}; {c.n} backbone-method pairs): AUROC "
+        f"{c.says('OOD detection')} here ({', '.join(c.methods)}; {c.n} backbone-method pairs): AUROC "
         f"{100 * au0:.1f}% raw -> {100 * au1:.1f}% with ZAEC (higher is "
         f"better; higher in {c.better['ood_auroc_msp']} of {c.n}), FPR at 95% TPR {100 * fpr0:.1f}% -> "
         f"{100 * fpr1:.1f}% (lower is better; lower in {c.better['ood_fpr95_msp']} of {c.n}), both from the max "

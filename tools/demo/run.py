@@ -314,8 +314,10 @@ def selective_sentence(
 
     Per (backbone, TTA method), AURC and misclassification AUROC (max softmax probability score, `aurc_msp`,
     `auroc_msp` of ``zaec-calibrate``) are macro-averaged over the shifted sets, raw (``none``) and ``zaec``. ZAEC
-    "helps" when it lowers AURC and raises AUROC in most pairs, "hurts" when it raises AURC and lowers AUROC in most,
-    and otherwise neither clearly. Runs where AUROC is undefined (no misclassified sample: NaN) are left out.
+    "helps" when it lowers AURC and raises AUROC in most pairs and on average, "hurts" when it raises AURC and lowers
+    AUROC in most pairs and on average, "mixed" when those disagree (a mean AURC that rises while most pairs
+    improve), and otherwise neither clearly (`verdict.raw_vs_zaec`). Runs where AUROC is undefined (no
+    misclassified sample: NaN) are left out.
     """
     head = "Selective prediction (beyond the paper): "
     if not {"aurc_msp", "auroc_msp"} <= set(metrics.columns):
@@ -329,7 +331,7 @@ def selective_sentence(
                        "(AUROC needs at least one misclassified sample).")
     (aurc0, aurc1), (auroc0, auroc1) = c.means["aurc_msp"], c.means["auroc_msp"]
     return head + (
-        f"ZAEC {c.verdict} deciding which predictions to trust here: AURC {_pct(aurc0)} raw -> "
+        f"{c.says('deciding which predictions to trust')} here: AURC {_pct(aurc0)} raw -> "
         f"{_pct(aurc1)} with ZAEC (lower is better; lower in {c.better['aurc_msp']} of {c.n} pairs), "
         f"misclassification AUROC {_pct(auroc0)} -> {_pct(auroc1)} (higher is better; "
         f"higher in {c.better['auroc_msp']} of {c.n}), both from the max softmax probability.")

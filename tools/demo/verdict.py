@@ -17,8 +17,10 @@ class RawVsZaec:
         n: (backbone, method) pairs with every metric defined on both sides.
         means: metric -> (mean raw, mean ZAEC) over those pairs.
         better, worse: metric -> pairs where ZAEC is strictly better / worse (ties count as neither).
-        verdict: "helps" (better in most pairs on every metric), "hurts" (worse in most on every metric), else
-            "neither clearly helps nor hurts".
+        verdict: weighing, for every metric, both the pair counts (better or worse in most pairs) and the means
+            (better or worse on average): "helps" (every one better), "hurts" (every one worse), "mixed" (some
+            better, some worse: a mean that rises while most pairs improve, or metrics that disagree), else
+            "neither" (no clear direction anywhere).
         methods: the methods of the pairs, sorted.
     """
 
@@ -29,10 +31,16 @@ class RawVsZaec:
     verdict: str
     methods: tuple[str, ...]
 
+    def says(self, what: str) -> str:
+        """The verdict as the start of a sentence about `what` ("deciding which predictions to trust")."""
+        return {"helps": f"ZAEC helps {what}", "hurts": f"ZAEC hurts {what}",
+                "mixed": f"ZAEC's effect on {what} is mixed (its pair counts and its means do not agree)",
+                }.get(self.verdict, f"ZAEC neither clearly helps nor hurts {what}")
+
 
 def raw_vs_zaec(rows: pl.DataFrame, metrics: Sequence[str], higher_is_better: Sequence[bool]) -> RawVsZaec | None:
     """Average each metric per (backbone, method, calibrator) over `rows` (NaN as missing), pair `none` with `zaec`,
-    drop pairs with a missing value, and count where ZAEC is better; None when no pair is left."""
+    drop pairs with a missing value, count where ZAEC is better and compare the means; None when no pair is left."""
     per = (rows.with_columns(pl.col(*metrics).cast(pl.Float64).fill_nan(None))
            .group_by(["backbone", "method", "calibrator"]).agg(pl.col(*metrics).mean())
            .pivot(on="calibrator", index=["backbone", "method"], values=list(metrics)))
@@ -41,16 +49,15 @@ def raw_vs_zaec(rows: pl.DataFrame, metrics: Sequence[str], higher_is_better: Se
     if not per.height:
         return None
     n = per.height
-    better, worse = {}, {}
+    better, worse, signs = {}, {}, []
+    means = {m: (float(per[f"{m}_none"].mean()), float(per[f"{m}_zaec"].mean())) for m in metrics}
     for m, higher in zip(metrics, higher_is_better):
         diff = per[f"{m}_zaec"] - per[f"{m}_none"]
         up, down = int((diff > 0).sum()), int((diff < 0).sum())
         better[m], worse[m] = (up, down) if higher else (down, up)
-    if all(better[m] > n / 2 for m in metrics):
-        verdict = "helps"
-    elif all(worse[m] > n / 2 for m in metrics):
-        verdict = "hurts"
-    else:
-        verdict = "neither clearly helps nor hurts"
-    means = {m: (float(per[f"{m}_none"].mean()), float(per[f"{m}_zaec"].mean())) for m in metrics}
+        signs.append(1 if better[m] > n / 2 else -1 if worse[m] > n / 2 else 0)  # most pairs
+        change = (means[m][1] - means[m][0]) * (1 if higher else -1)
+        signs.append(1 if change > 0 else -1 if change < 0 else 0)  # the means
+    verdict = ("helps" if all(s > 0 for s in signs) else "hurts" if all(s < 0 for s in signs)
+               else "mixed" if 1 in signs and -1 in signs else "neither")
     return RawVsZaec(n, means, better, worse, verdict, tuple(sorted(set(per["method"].to_list()))))

@@ -136,7 +136,7 @@ def test_tables_end_to_end(shards, tmp_path, capsys):
     assert dict(zip(t4["backbone"], t4["datasets"])) == {"ViT-B-16": "imagenet,imagenet_a", "RN50": "imagenet_a"}
     zrow = t4.filter(pl.col("calibrator") == "zaec")
     assert zrow["diff_zaec"].null_count() == zrow.height and t4["diff_contains_zero"].null_count() == zrow.height
-    assert "absent; Figures 2c/2d and 5 use" not in readme  # imagenet_a is present for both backbones
+    assert "reference dataset 'imagenet_a' absent" not in readme  # imagenet_a is present for both backbones
 
 
 def test_missing_inputs_are_skipped_with_notes(tmp_path, capsys):
@@ -169,7 +169,13 @@ def test_reference_dataset_fallback_and_dispatch_through_zaec_calibrate(tmp_path
             ["tables", str(root), "--out", str(out), "--bootstrap", "20", "--ts-source", "fmnist", "--quiet"])
     assert e.value.code == 0
     readme = (out / "README.md").read_text()
-    assert "Figures 2c/2d and 5 use 'fmnist_blur'" in readme  # not the temperature-scaling source
+    # not the temperature-scaling source; each item's note names the item itself (issue 35 item 8: the
+    # risk-coverage figure's note spoke of Figures 2c/2d and 5)
+    absent = "tiny-vit: reference dataset 'imagenet_a' absent;"
+    for says in ("Figures 2c/2d use 'fmnist_blur'", "Figure 5 uses 'fmnist_blur'",
+                 "the risk-coverage figure uses 'fmnist_blur'"):
+        assert f"{absent} {says}" in readme, says
+    assert "Figures 2c/2d and 5 use" not in readme
     assert (out / "fig5_reliability_tiny-vit.png").stat().st_size > 0
 
 

@@ -297,7 +297,7 @@ def test_sweep_dry_run_checks_the_reward_model(tmp_path, no_reward_weights, extr
     from extract.sweep import cli as sweep
 
     res = CliRunner().invoke(sweep.app, ["run", "--methods", "rlcf,tda", "--datasets", "dtd", "--out",
-                                         str(tmp_path / "out"), "--dry-run", *extra])
+                                         str(tmp_path / "out"), "--dry-run", "--skip-data-check", *extra])
     if ok:
         assert res.exit_code == 0, res.output
         return

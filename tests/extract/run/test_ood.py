@@ -12,14 +12,12 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-import extract.methods as methods
 from extract.cli import app
 from extract.datasets import DatasetError, load_ood_images, load_testset
 from extract.run import writer as run_writer
 from extract.runner import run_extraction
 from schemas.shard import OOD_LABEL, read_shard, validate_shard
 
-from tests.extract.test_runner import RunningMean
 from tests.support.extract import interrupt_nth_write, make_json_dataset, write_image
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
@@ -55,12 +53,6 @@ def _reference_stream(key: str, seed: int, n: int) -> np.ndarray:
     """docs/extract.md, "Out-of-distribution runs": one permutation of the n_id + n_ood sample ids, seeded by the
     seed and the run's dataset key `<ood>@<id>` (written out here, not taken from `stream_permutation`)."""
     return np.random.default_rng([seed, zlib.crc32(key.encode())]).permutation(n)
-
-
-@pytest.fixture
-def running_mean(monkeypatch):
-    monkeypatch.setitem(methods.REGISTRY, RunningMean.key, RunningMean)
-    return RunningMean.key
 
 
 def test_ood_images_listing(data_root):
@@ -167,8 +159,22 @@ def test_file_in_both_sets_refused(data_root):
     from extract.run.options import RunOptions, plan
 
     name = resolve_dataset(f"folder:{data_root / 'dtd' / 'images'}", name="dtd-copy")
-    with pytest.raises(DatasetError, match=r"of dataset 'dtd-copy@dtd' are listed more than once \(18 extra"):
+    with pytest.raises(DatasetError, match=r"'dtd-copy' and --ood-for 'dtd' share their images: 18 of the 18 "):
         load_mixed_data(plan(RunOptions("zero-shot", name, data_root=str(data_root), ood_for="dtd")))
+
+
+def test_textures_against_dtd_says_the_two_sets_share_their_images(tmp_path, tiny_model_dir, data_root):
+    """Issue 35 item 9: `--dataset textures --ood-for dtd` was refused with "18 image file(s) ... listed more than
+    once", right but not what the user needs to know: that the two sets share their images (textures is DTD)."""
+    args = ["--method", "zero-shot", "--dataset", "textures", "--ood-for", "dtd", "--data-root", str(data_root),
+            "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--pretrained",
+            f"local-dir:{tiny_model_dir}", "--device", "cpu", "--quiet"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    (line,) = r.stderr.strip().splitlines()
+    assert "--dataset 'textures' and --ood-for 'dtd' share their images: 18 of the 18 out-of-distribution images " \
+        "are test images of 'dtd'" in line
+    assert "textures: Textures: all 5,640 DTD images" in line and "listed more than once" not in line
 
 
 def test_calibrate_reports_ood_metrics(tmp_path, tiny_model, data_root):

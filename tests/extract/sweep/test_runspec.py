@@ -52,7 +52,8 @@ def _values(tmp_path: Path) -> dict[str, object]:
             "descriptions_dir": tmp_path / "descriptions",
             "sh_filter": True, "fingerprint": "content", "adapt_batch": 2, "part_size": 4,
             "out": tmp_path / "out", "cache_dir": tmp_path / "cache", "device": "cpu", "batch_size": 7,
-            "workers": 3, "chunk_size": 9, "exif_transpose": True, "ood_for": "imagenet", "wait_lock": 30.0}
+            "workers": 3, "chunk_size": 9, "exif_transpose": True, "ood_for": "imagenet", "wait_lock": 30.0,
+            "max_image_pixels": 1000}
 
 
 def test_the_sweep_options_are_the_fields_of_the_run_options():
@@ -76,14 +77,14 @@ def test_every_run_option_is_settable_in_a_sweep(how, tmp_path, monkeypatch):
             "backbones": "RN50", "seeds": "3", "pretrained": "openai", "set": ["tda.alpha=2.5"]}
     by_key = {sweep_run_fields().get(f, f): v for f, v in values.items()}
     if how == "options":
-        args = ["run", "--dry-run", "--class-names", f"mine={names}", "--set", "tda.alpha=2.5"]
+        args = ["run", "--dry-run", "--skip-data-check", "--class-names", f"mine={names}", "--set", "tda.alpha=2.5"]
         args += [a for k, v in grid.items() if k not in ("class_names", "set") for a in (f"--{k}", v)]
         for k, v in by_key.items():
             args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     else:
         toml = "".join(f"{k} = {json.dumps(v if isinstance(v, (int, list)) else str(v))}\n"
                        for k, v in {**{k: v for k, v in grid.items() if k != "class_names"}, **by_key}.items())
-        (tmp_path / "grid.toml").write_text(toml + f'[class_names]\nmine = "{names}"\n')
+        (tmp_path / "grid.toml").write_text(toml + f'skip_data_check = true\n[class_names]\nmine = "{names}"\n')
         args = ["run", "--dry-run", "--config", str(tmp_path / "grid.toml")]
     captured: list[RunSpec] = []
     monkeypatch.setattr(sweep_cli, "sweep_run", lambda runs, *a, **k: captured.extend(runs) or 0)
@@ -129,7 +130,8 @@ def test_ood_runs_in_a_sweep(tmp_path, monkeypatch):
 
     captured: list[RunSpec] = []
     monkeypatch.setattr(sweep_cli, "sweep_run", lambda runs, *a, **k: captured.extend(runs) or 0)
-    res = runner.invoke(sweep_cli.app, ["run", "--dry-run", "--methods", "tda,zero-shot", "--datasets", "ninco,sun",
+    res = runner.invoke(sweep_cli.app, ["run", "--dry-run", "--skip-data-check", "--methods", "tda,zero-shot",
+                                        "--datasets", "ninco,sun",
                                         "--ood-for", "dtd", "--out", str(tmp_path / "o"),
                                         "--data-root", str(tmp_path)])
     assert res.exit_code == 0, res.output + res.stderr
@@ -228,3 +230,131 @@ def test_a_finished_run_with_other_settings_is_refused(change, field, finished, 
     assert why.split(" (")[0] == field, why
     with pytest.raises(SweepError, match=rf"1 finished run\(s\) used other settings .*\({field}"):
         check_finished_settings(other)
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_sweep_whose_limit_a_finished_longer_run_cannot_serve_is_refused_before_submitting(finished, dry_run):
+    """Issue 35 item 1: a `--limit 5` sweep over a finished 6-sample run (5 ends no adapt call of 64) would replace
+    it; refused with the extractor's reason in one line, dry run or not, nothing submitted, the run unchanged. A
+    limit the run serves (6 and more: the whole set) is skipped as complete."""
+    runs, kw = finished
+    folder = runs[0].shard_dir
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in Path(folder).iterdir())
+    args = ["run", "--methods", "zero-shot", "--datasets", "dtd", "--pretrained", runs[0].pretrained, "--data-root",
+            str(kw["data_root"]), "--out", str(kw["out"]), "--cache-dir", str(kw["cache_dir"]), "--device", "cpu"]
+    res = runner.invoke(sweep_cli.app, [*args, "--limit", "5", "--dry-run" if dry_run else "--no-wait"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "1 run(s) would replace a finished longer run" in err[0], res.stderr
+    assert f"the finished run under {folder} holds 6 samples" in err[0] and "adapt_batch 64" in err[0]
+    assert "another --out" in err[0] and "zaec-extract --force" in err[0]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in Path(folder).iterdir()) == before
+    assert not (Path(kw["out"]) / "_sweep" / "manifest.json").exists()
+    res = runner.invoke(sweep_cli.app, [*args, "--limit", "6", "--dry-run"])
+    assert res.exit_code == 0 and "1 complete (skipped)" in " ".join(res.output.split()), res.output
+
+
+# --- issue 35 item 5: a dry run refuses everything a submission refuses ------------------------------------------
+
+def _no_submission(monkeypatch):
+    """Make any submission fail loudly: a check that let a bad run through would submit it."""
+    from extract.sweep import submit
+
+    class Refuse:
+        def __init__(self, *a, **k):
+            raise AssertionError("a job was submitted")
+
+    monkeypatch.setattr(submit, "_import_submitit", lambda: type("stub", (), {"SlurmExecutor": Refuse,
+                                                                            "LocalExecutor": Refuse}))
+
+
+REFUSALS = {
+    "unknown backbone": (["--pretrained", "openai", "--backbones", "ViT-B-61"], "unknown backbone 'ViT-B-61'"),
+    "unknown pretrained tag": (["--pretrained", "nosuchtag", "--backbones", "RN50"],
+                               "unknown pretrained tag 'nosuchtag' for RN50"),
+    "missing checkpoint": (["--pretrained", "{tmp}/nope/w.safetensors", "--backbones", "ViT-B-16"],
+                           "w.safetensors does not exist"),
+    "missing local-dir": (["--pretrained", "local-dir:{tmp}/nope"], "no such directory"),
+    "data root": (["--data-root", "{tmp}/nonexistent"], "nonexistent (from --data-root) is not a directory"),
+    "dataset missing": (["--data-root", "{tmp}/mine"], "dataset 'dtd' not found under data root"),
+    "split file": (["--datasets", "split:{tmp}/nope.json"], "nope.json"),
+    "folder set": (["--datasets", "folder:{tmp}/nope"], "is not a folder"),
+    "class names file": (["--datasets", "mine=folder:{tmp}/mine", "--class-names", "mine={tmp}/nope.txt"],
+                         "not a readable text file"),
+    "unknown --ood-for": (["--ood-for", "nosuch"], "unknown dataset 'nosuch'"),
+    "--ood-for folder": (["--ood-for", "folder:{tmp}/nope"], "is not a folder"),
+    "bad --set": (["--set", "zero-shot.nope=1"], "valid keys"),
+    "rates file": (["--rates", "{tmp}/nope.json"], "cannot read a JSON file"),
+    "slurm setup": (["--executor", "slurm", "--slurm-setup", "source {tmp}/nope/activate"],
+                    "does not exist on this machine"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_dry_run_refuses_what_the_submission_refuses(case, tmp_path, tiny_model_dir, monkeypatch):
+    """docs/sweep.md: every name is resolved before anything is submitted, dry run included. Each refusal of the
+    real command (exit 2, one message, nothing submitted) is the dry run's too, word for word (the real command
+    may add what it recorded: a refused submission's rows in the manifest)."""
+    _no_submission(monkeypatch)
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=2, per_class=2)
+    _folder(tmp_path / "mine")
+    extra, message = REFUSALS[case]
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    base = ["run", "--methods", "zero-shot", "--datasets", "dtd", "--pretrained", f"local-dir:{tiny_model_dir}",
+            "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--cache-dir",
+            str(tmp_path / "cache"), "--device", "cpu", "--no-wait"]
+    args = base + extra  # a later option wins
+    said = []
+    for mode in ([], ["--dry-run"]):
+        res = runner.invoke(sweep_cli.app, [*args, *mode])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (mode, res.output)
+        assert message in " ".join(res.stderr.split()), (mode, res.stderr)
+        said.append(" ".join(res.stderr.split()))
+    assert said[0].startswith(said[1])
+    assert not list((tmp_path / "out").rglob("*.parquet"))
+
+
+def test_the_refusals_cover_what_the_command_checks(tmp_path, tiny_model_dir, monkeypatch):
+    """The baseline of the cases above submits (to the stub): each case's refusal is its own option's."""
+    _no_submission(monkeypatch)
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=2, per_class=2)
+    args = ["run", "--methods", "zero-shot", "--datasets", "dtd", "--pretrained", f"local-dir:{tiny_model_dir}",
+            "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--cache-dir",
+            str(tmp_path / "cache"), "--device", "cpu", "--no-wait"]
+    assert runner.invoke(sweep_cli.app, [*args, "--dry-run"]).exit_code == 0
+    res = runner.invoke(sweep_cli.app, args)
+    assert res.exit_code == 2 and "a job was submitted" in res.stderr, res.output
+
+
+def test_ood_for_a_folder_set_in_a_sweep(tmp_path, tiny_model_dir, monkeypatch):
+    """`--ood-for NAME=folder:PATH` with `--class-names NAME=FILE`, as `zaec-extract --ood-for folder:PATH` takes
+    it: the runs are keyed `<ood>@NAME`, carry the set's source, and a job in a fresh process (no dataset
+    registered) registers it from the spec and runs."""
+    import extract.datasets as ds
+    from extract.sweep.job import run_group
+
+    ind, ood = _folder(tmp_path / "scans"), tmp_path / "odd"
+    (ood / "any").mkdir(parents=True)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(ood / "any" / "z.png")
+    names = tmp_path / "names.txt"
+    names.write_text("ex\nwhy\n")
+    captured: list[RunSpec] = []
+    monkeypatch.setattr(sweep_cli, "sweep_run", lambda runs, *a, **k: captured.extend(runs) or 0)
+    res = runner.invoke(sweep_cli.app, ["run", "--dry-run", "--methods", "zero-shot", "--datasets",
+                                        f"folder:{ood}", "--ood-for", f"mine=folder:{ind}", "--class-names",
+                                        f"mine={names}", "--pretrained", f"local-dir:{tiny_model_dir}", "--out",
+                                        str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+                                        "--device", "cpu"])
+    assert res.exit_code == 0, res.output + res.stderr
+    (run,) = captured
+    assert run.dataset == "odd@mine" and run.options.ood_for == "mine"
+    assert (run.options.ood_for_ref, run.options.ood_for_class_names_file) == (f"folder:{ind.resolve()}",
+                                                                                str(names.resolve()))
+    spec = RunSpec.from_dict(json.loads(json.dumps(run.to_dict())))
+    monkeypatch.setattr(ds, "_USER_SPECS", {})  # a worker's process: nothing registered
+    assert [r["state"] for r in run_group(group_runs([spec])[0], "tok")] == ["done"]
+    (shard,) = Path(run.shard_dir).glob("part-*.parquet")
+    from schemas.shard import read_shard
+
+    sh = read_shard(shard)
+    assert sh.meta.class_names == ("ex", "why") and len(sh.sample_id) == 3

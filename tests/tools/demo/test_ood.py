@@ -37,9 +37,11 @@ def test_sentence_helps_hurts_neither_and_undecided():
     assert "ZAEC hurts OOD detection here (tda; 2 backbone-method pairs)" in tied
     hurts = ood_sentence(_metrics([("V", "tda", 0.7, 0.6, 0.5, 0.6), ("R", "tda", 0.8, 0.7, 0.4, 0.5)]))
     assert "ZAEC hurts OOD detection" in hurts and "higher in 0 of 2" in hurts
-    # AUROC up but FPR95 up too: no clear verdict
+    # AUROC up but FPR95 up too: mixed
     mixed = ood_sentence(_metrics([("V", "tda", 0.6, 0.7, 0.5, 0.6)]))
-    assert "neither clearly helps nor hurts" in mixed
+    assert "ZAEC's effect on OOD detection is mixed" in mixed
+    # nothing changes: no clear verdict
+    assert "neither clearly helps nor hurts" in ood_sentence(_metrics([("V", "tda", 0.6, 0.6, 0.5, 0.5)]))
     # a pair with an undefined metric is left out; none left: undecided
     nan = float("nan")
     assert "1 backbone-method pairs" in ood_sentence(_metrics([("V", "tda", 0.6, 0.7, 0.8, 0.5),

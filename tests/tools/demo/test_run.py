@@ -128,7 +128,10 @@ def test_selective_sentence_helps_hurts_and_undecided():
     assert "ZAEC hurts" in hurts and "lower in 0 of 4 pairs" in hurts
     mixed = selective_sentence(_with_selective(_paper_like(), {"none": 0.30, "zaec": 0.25},
                                                {"none": 0.75, "zaec": 0.70}))
-    assert "neither clearly helps nor hurts" in mixed
+    assert "ZAEC's effect on deciding which predictions to trust is mixed" in mixed
+    same = selective_sentence(_with_selective(_paper_like(), {"none": 0.30, "zaec": 0.30},
+                                              {"none": 0.70, "zaec": 0.70}))
+    assert "neither clearly helps nor hurts" in same
     assert "undecided" in selective_sentence(_paper_like()) and "aurc_msp" in selective_sentence(_paper_like())
     # AUROC undefined (NaN: no misclassified sample) everywhere: undecided, never a made-up number
     nan = selective_sentence(_with_selective(_paper_like(), {"none": 0.0, "zaec": 0.0},
