@@ -14,4 +14,5 @@ METHOD_KEYS: tuple[str, ...] = (
     "dota", "oga", "bca",
     "difftpt", "promptalign", "cosmic",
     "stata", "stata-online", "transclip", "zlap", "zlap-inductive",
+    "tent", "sar", "deyo", "batclip",
 )

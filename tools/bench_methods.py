@@ -83,6 +83,17 @@ def bench_overrides(cls: type, model_dir: Path, stand_ins: Any = None) -> dict[s
     return {}
 
 
+def batch_overrides(cls: type, positions: int, adapt_batch: int) -> dict[str, str]:
+    """The `--set` a method that adapts over batches of its own (`adapt_width`: Tent, SAR, ...) needs to be timed
+    on `positions` one-view positions: none where they hold two of its batches (the first call is the untimed
+    warm-up), so it is timed at its official batch, reading its batches' pixels as a run does; on fewer (a smoke
+    run of a few images) its batch becomes `adapt_batch` (at most half the positions), so that it still runs."""
+    width = cls.adapt_width(cls.default_config("dtd", "ViT-B-16"))  # type: ignore[attr-defined]
+    if width is None or positions >= 2 * width:
+        return {}
+    return {"batch_size": str(max(1, min(adapt_batch, positions // 2)))}
+
+
 class _Enough(BaseException):
     """Raised from inside `adapt` once the budget is spent: ends the run (a BaseException, so that no `except
     Exception` of the runner takes it for a failure of the method)."""
@@ -140,7 +151,7 @@ def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], lim
 
 
 def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict[str, int], *,
-                budget_s: float, stand_ins: Any = None) -> MethodCost:
+                budget_s: float, adapt_batch: int = 64, stand_ins: Any = None) -> MethodCost:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
     bench's model, set, caches and adapt batch bound in).
 
@@ -150,12 +161,13 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
         model_dir: the bench model's folder (for `bench_overrides`).
         limits: view policy -> stream positions cached for it (the run's `limit`).
         budget_s: CPU seconds of timed `adapt` calls after which the run is ended.
+        adapt_batch: the bench's samples per call (`batch_overrides`).
         stand_ins: the stand-ins of second models (`bench_overrides`).
     """
     from extract.methods import get_method
 
     cls = get_method(key)
-    overrides = bench_overrides(cls, model_dir, stand_ins)
+    overrides = {**bench_overrides(cls, model_dir, stand_ins), **batch_overrides(cls, limits["single"], adapt_batch)}
     policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s))
     if failed:
         return MethodCost(key, policy, skipped=failed)
@@ -226,7 +238,8 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
     with one_torch_thread():
         for key in dict.fromkeys([*REFERENCES, *keys]):
             log(f"timing {key}")
-            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s, stand_ins=stand_ins))
+            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s, adapt_batch=adapt_batch,
+                                       stand_ins=stand_ins))
     return results
 
 
@@ -337,7 +350,7 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
 
 
 def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str], limits: dict[str, int], *,
-             budget_s: float | None) -> RunRate:
+             budget_s: float | None, adapt_batch: int = 64) -> RunRate:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
     bench's model, K-class set, caches and the runner's default adapt batch bound in): `RunRate` of its adapt loop
     after the first call, until `budget_s` seconds of it (None: the whole run) or the cached positions end.
@@ -348,10 +361,13 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
         overrides: `--set` values (`run_overrides`).
         limits: view policy -> stream positions cached for it (the run's `limit`).
         budget_s: seconds (`bench_clock`) after the first batch after which the run is ended.
+        adapt_batch: the runner's samples per call (`batch_overrides`).
     """
     from extract.methods import get_method
 
-    policy, failed, rec = _timed_run(key, run, overrides, limits, _wall_timer(get_method(key), budget_s))
+    cls = get_method(key)
+    overrides = {**overrides, **batch_overrides(cls, limits["single"], adapt_batch)}
+    policy, failed, rec = _timed_run(key, run, overrides, limits, _wall_timer(cls, budget_s))
     if failed:
         return RunRate(key, k, policy, skipped=failed)
     calls = rec["rows"]
@@ -485,14 +501,16 @@ def agreement(model: Any, root: Path, work: Path, keys: Sequence[str], k: int, *
     out = []
     for key in keys:
         log(f"bench and runs of {key} at K = {k}")
-        overrides = run_overrides(get_method(key), reward_dir, stand_ins)
+        cls = get_method(key)
+        overrides = {**run_overrides(cls, reward_dir, stand_ins), **batch_overrides(cls, limits["single"], adapt_batch)}
+        first = _call_width(key, overrides, adapt_batch)  # the first adapt call: the method's batch, if it has one
         rates, t_first, t_all = [], [], []
         for _ in range(max(1, repeat)):
-            rates.append(run_rate(key, k, runs, overrides, limits, budget_s=None))
+            rates.append(run_rate(key, k, runs, overrides, limits, budget_s=None, adapt_batch=adapt_batch))
             if rates[-1].skipped:
                 break
             n = limits[rates[-1].policy]
-            t_first.append(runs(key, overrides=overrides, limit=adapt_batch))
+            t_first.append(runs(key, overrides=overrides, limit=first))
             t_all.append(runs(key, overrides=overrides, limit=n))
         if rates[-1].skipped:
             out.append(Agreement(key, k, rates[-1].policy, skipped=rates[-1].skipped))
@@ -501,11 +519,22 @@ def agreement(model: Any, root: Path, work: Path, keys: Sequence[str], k: int, *
         n = limits[policy]
         extra = min(t_all) - min(t_first)
         if extra <= 0:  # the longer run was not measurably slower (microsecond methods, or noise): no marginal rate
-            log(f"{key}: the run of {n} positions took no longer than the run of {adapt_batch} "
+            log(f"{key}: the run of {n} positions took no longer than the run of {first} "
                 f"({min(t_all):.3f} s vs {min(t_first):.3f} s); its marginal rate reads as infinite")
-        marginal = (n - adapt_batch) / extra if extra > 0 else math.inf
+        marginal = (n - first) / extra if extra > 0 else math.inf
         out.append(Agreement(key, k, policy, bench, marginal, n / min(t_all)))
     return out
+
+
+def _call_width(key: str, overrides: dict[str, str], adapt_batch: int) -> int:
+    """Samples in a run's first adapt call: the method's own batch with `overrides`, else `adapt_batch`
+    (`PlannedRun.adapt_width`; `adapt_batch` when the method cannot plan, as its line then says)."""
+    from extract.run.options import RunOptions, plan
+
+    try:
+        return plan(RunOptions.make(key, "dtd", overrides=overrides, adapt_batch=adapt_batch)).adapt_width
+    except Exception:  # noqa: BLE001  (the timed run reports the failure on the method's line)
+        return adapt_batch
 
 
 def parse_methods(raw: str, registry: Sequence[str]) -> list[str]:

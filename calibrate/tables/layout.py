@@ -89,6 +89,8 @@ METHOD_LABELS: dict[str, str] = {
     # transductive (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")
     "stata": "StatA", "stata-online": "StatA-online", "transclip": "TransCLIP", "zlap": "ZLaP",
     "zlap-inductive": "ZLaP-inductive",
+    # the methods that adapt the image encoder over batches (docs/methods.md, "The methods at a glance")
+    "tent": "Tent", "sar": "SAR", "deyo": "DeYO", "batclip": "BATCLIP",
 }
 #: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
 #: is over the paper's TTA methods, so these are left out of it by default

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from extract.methods.atpt import ATPT
 from extract.methods.awt import AWT
+from extract.methods.batclip import BATCLIP
 from extract.methods.base import TTAMethod
 from extract.methods.bca import BCA
 from extract.methods.boostadapter import BoostAdapter
 from extract.methods.calip import CALIP
 from extract.methods.cosmic import COSMIC
 from extract.methods.dart import DART
+from extract.methods.deyo import DeYO
 from extract.methods.difftpt import DiffTPT
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
@@ -28,9 +30,11 @@ from extract.methods.onzeta import OnZeta
 from extract.methods.promptalign import PromptAlign
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
+from extract.methods.sar import SAR
 from extract.methods.stata import StatA, StatAOnline
-from extract.methods.tda import TDA
 from extract.methods.tca import TCA
+from extract.methods.tda import TDA
+from extract.methods.tent import Tent
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.transclip import TransCLIP
@@ -54,7 +58,10 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              DiffTPT, PromptAlign, COSMIC,
                              # transductive: each row solved jointly with its unit
                              # (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")
-                             StatA, StatAOnline, TransCLIP, ZLaP, ZLaPInductive)
+                             StatA, StatAOnline, TransCLIP, ZLaP, ZLaPInductive,
+                             # methods that adapt the image encoder over batches of test images (consume
+                             # "batch_pixels"), each with its section in docs/methods.md
+                             Tent, SAR, DeYO, BATCLIP)
 }
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from extract.methods.base import IMAGENET_FAMILY, MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, setting
 from extract.methods.common import n_confident
+from extract.methods.panda import PandaBatchFields, PandaPlugin
 
 # Entropy epsilons of the official code: view selection (`dmn_main.py` `select_confident_samples`) and the memory
 # entropy of the averaged prediction (`dmn_main.py` `DualMem.update_memory_bank`).
@@ -54,8 +55,9 @@ DMNCrops = Literal["official", "shared"]
 
 
 @dataclass(frozen=True)
-class DMNConfig(MethodConfig):
-    """DMN's knobs; defaults are the zero-shot ImageNet run of `scripts/run.sh`."""
+class DMNConfig(PandaBatchFields, MethodConfig):
+    """DMN's knobs; defaults are the zero-shot ImageNet run of `scripts/run.sh`; Panda's (`--set panda=true`,
+    docs/methods.md "Panda (`--set panda=true`)"): off by default."""
 
     # The runner's multi-view policy (original + 63); DMN reads views 0 .. used_views-1 (see `used_views`).
     n_views: int = 64
@@ -82,8 +84,10 @@ class DMNConfig(MethodConfig):
     mem_weight: float = setting(1.0, ge=0)
 
 
-class DMN(TTAMethod):
-    """Zero-shot DMN with the official 32 views; returns log((p_text + w·p_mem) / (1 + w)) (module docstring)."""
+class DMN(PandaPlugin, TTAMethod):
+    """Zero-shot DMN with the official 32 views; returns log((p_text + w·p_mem) / (1 + w)) (module docstring).
+    With Panda the text logits are s·(x − β·m̄)·t̂ᵀ while the memory keeps and reads the features themselves
+    (ruxideng/Panda `DMN.py`: `orig_logits - beta * aug_logits`, the cache on `feat`)."""
 
     key: ClassVar[str] = "dmn"
     prefix_stable: ClassVar[bool] = True  # the memory holds only samples already seen
@@ -123,7 +127,7 @@ class DMN(TTAMethod):
         if self.memory is None:
             self.memory = torch.zeros(self.n_classes, c.memory_size, self.dim, dtype=dt, device=x.device)
             self.mem_entropy = torch.zeros(self.n_classes, c.memory_size, dtype=dt, device=x.device)
-        z = self.logit_scale * x @ t.T  # (B, V', K)
+        z = self.logit_scale * self.panda_shift(x) @ t.T  # (B, V', K)
         p = z.softmax(-1)
         h_view = -(p * torch.log(p + SELECT_ENTROPY_EPS)).sum(-1)  # (B, V')
         sel = torch.argsort(h_view, dim=1, stable=True)[:, :n_confident(v, c.selection_p)]

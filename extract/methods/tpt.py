@@ -62,6 +62,7 @@ from extract.methods.base import (
     text_setting,
 )
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
+from extract.methods.panda import PandaBatchFields, PandaPlugin
 
 # ImageNet-A/-V2/-R/-Sketch: the natural-shift ("ds") group of the C-TPT/O-TPT scripts
 NATURAL_SHIFT: frozenset[str] = IMAGENET_FAMILY - {"imagenet"}
@@ -576,8 +577,9 @@ class EpisodicTuner(TTAMethod):
 # TPT, C-TPT, O-TPT
 
 @dataclass(frozen=True)
-class TPTConfig(EpisodicConfig):
-    """TPT (`azshue/TPT @63ecbac`). AugMix on the fine-grained sets only (`augmix = len(set_id) > 1`)."""
+class TPTConfig(PandaBatchFields, EpisodicConfig):
+    """TPT (`azshue/TPT @63ecbac`). AugMix on the fine-grained sets only (`augmix = len(set_id) > 1`). Panda's
+    fields (`--set panda=true`, docs/methods.md "Panda (`--set panda=true`)"): off by default."""
 
     # the prompts are the learnable "{ctx_init} {class}." themselves: no prototype set to choose
     prompts: PromptSet = field(default="single", metadata={"fixed": True})
@@ -590,8 +592,9 @@ class TPTConfig(EpisodicConfig):
     text_shortcuts: bool = True
 
 
-class TPT(EpisodicTuner):
-    """Test-time prompt tuning: a shared learnable context, one AdamW step per sample, episodic."""
+class TPT(PandaPlugin, EpisodicTuner):
+    """Test-time prompt tuning: a shared learnable context, one AdamW step per sample, episodic. With Panda the
+    views' features are f̂ = normalize(f − β·m̄) (ruxideng/Panda `TPT.py`: its CoOp model normalises them)."""
 
     key: ClassVar[str] = "tpt"
     prefix_stable: ClassVar[bool] = True  # episodic (the run's loss scale follows the samples already seen)
@@ -624,6 +627,9 @@ class TPT(EpisodicTuner):
 
     def _share_first_forward(self) -> bool:
         return bool(self.config.text_shortcuts)  # type: ignore[attr-defined]
+
+    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
+        return super()._adapt(self.panda_shift(view_feats, renormalize=True))
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,15 @@ import torch
 
 from extract.methods.base import MethodConfig, OutputKind, PromptSet, TTAMethod, check_hparams_key, setting
 from extract.methods.common import n_confident
+from extract.methods.panda import PandaBatchFields, PandaPlugin
 
 TieBreak = Literal["official", "fixed"]
 
 
 @dataclass(frozen=True)
-class ZeroConfig(MethodConfig):
-    """ZERO's knobs: one setting for every dataset (`ttas/zero.py` hard-codes them, `scripts/zero.sh`)."""
+class ZeroConfig(PandaBatchFields, MethodConfig):
+    """ZERO's knobs: one setting for every dataset (`ttas/zero.py` hard-codes them, `scripts/zero.sh`); Panda's
+    (`--set panda=true`, docs/methods.md "Panda (`--set panda=true`)"): off by default."""
 
     n_views: int = 64  # self.num_views = 64 (`ttas/zero.py:23`); --num_views 64 (`run.py`)
     augmix: bool = False  # RandomResizedCrop + flip only (`data/augs.py` via `prepare_dataset`), on every set
@@ -55,8 +57,9 @@ class ZeroConfig(MethodConfig):
     tie_break: TieBreak = "official"
 
 
-class Zero(TTAMethod):
-    """ZERO: confident views, zero-temperature softmax, vote. Stateless; every sample is independent."""
+class Zero(PandaPlugin, TTAMethod):
+    """ZERO: confident views, zero-temperature softmax, vote. Stateless; every sample is independent. With Panda
+    the views' features are f̂ − β·m̄, not renormalised (ruxideng/Panda `Zero.py`)."""
 
     key: ClassVar[str] = "zero"
     prefix_stable: ClassVar[bool] = True  # each row is its own sample's vote
@@ -72,7 +75,7 @@ class Zero(TTAMethod):
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         cfg: ZeroConfig = self.config  # type: ignore[assignment]
         dt = self.compute_dtype(view_feats)
-        feats = view_feats.to(dt)  # (B, V, D), L2-normalised
+        feats = self.panda_shift(view_feats).to(dt)  # (B, V, D), L2-normalised (Panda: shifted)
         cos = feats @ self.text_features.to(dt).T  # (B, V, K) unscaled cosines
         temp = float(torch.tensor(1.0 / self.logit_scale, dtype=torch.float32))  # `self.model.temp`, fp32
         if cfg.logits_fp16:

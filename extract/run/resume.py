@@ -4,7 +4,9 @@ rewrites that reading calls for (`apply_resume`).
 A part is kept while, in order from part 0: it is on disk and readable, it carries a data fingerprint (written
 after they existed), its settings equal this run's (apart from the keys that follow the stream,
 `PART_STATE_KEYS`, and the limit it announces, `RESTAMPED_KEYS`), it holds exactly its stream range, and, for an
-episodic method, it records the method's state after its last row. The first part that fails ends the kept prefix;
+episodic method, it records the method's state after its last row (for a method that adapts over batches of
+pixels: the state file saved beside it, `RunDir.state`, is there with the recorded sha256). The first part that
+fails ends the kept prefix;
 a part with other settings ends it too when the caller recomputes changed runs, and is refused otherwise.
 The last part of a shorter run (`--limit`) holds only the start of its range: its rows are carried into the part
 this run rewrites (`ResumePoint.carried`) where they are this run's rows, that is where the method reads neither
@@ -24,12 +26,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from extract.run.options import RunError
-from extract.run.rundir import RunDir
+from extract.run.rundir import RunDir, file_sha256
 from schemas.shard import ShardError, ShardMeta, read_shard, write_shard
 
 # Per-part metadata that follows the stream (the method's state and summary after the part's last row): left out
 # when a resumed run compares the settings of the parts on disk with its own.
-PART_STATE_KEYS: frozenset[bytes] = frozenset({b"zaec:method_state", b"zaec:method_summary"})
+PART_STATE_KEYS: frozenset[bytes] = frozenset({b"zaec:method_state", b"zaec:method_summary",
+                                              b"zaec:method_state_file"})
 #: metadata keys that may differ between the kept parts of a resumed run and the run resuming them
 RESTAMPED_KEYS: tuple[bytes, ...] = (b"zaec:limit",)
 
@@ -61,6 +64,8 @@ class ResumeScope:
             (n_run for the whole run); the kept prefix then ends at a unit boundary, so that every row of a unit
             comes from one solve: the parts of a unit the interrupted run did not write whole are recomputed with
             it. None: any part boundary ends it.
+        state_files: the method's state after each part lies in a file beside it (`PlannedRun.restore` "file");
+            a part whose file is missing or changed ends the kept prefix.
         adapt_batch: samples per `adapt` call: the rows of a shorter run are this run's only up to its last whole
             call.
     """
@@ -72,6 +77,7 @@ class ResumeScope:
     state_keys: tuple[str, ...] | None = None
     prefix_dependence: str | None = None
     unit: int | None = None
+    state_files: bool = False
     adapt_batch: int = 1
 
 
@@ -84,6 +90,7 @@ class ResumePoint:
         correct_tta, correct_zs: correct adapted / zero-shot predictions in the kept parts.
         state: an episodic method's state after the last kept part (None: nothing kept, or an online method).
         restamp: kept parts whose footer differs from this run's only in `RESTAMPED_KEYS` (rewritten with it).
+        state_file: the state file saved beside the last kept part (`ResumeScope.state_files`; None otherwise).
         refusal: a part with other settings that the run must refuse (the message), or None.
         note: why a part on disk ends the kept prefix (unreadable, other settings, ...), for the console; None when
             the prefix ends where the interrupted run stopped.
@@ -100,6 +107,7 @@ class ResumePoint:
     restamp: tuple[Path, ...] = field(default=())
     refusal: str | None = None
     note: str | None = None
+    state_file: Path | None = None
     carried: tuple[np.ndarray, ...] = field(default=())
     kept_note: str | None = None
 
@@ -116,6 +124,18 @@ def _episodic_state(sh: Any, hi: int, keys: Sequence[str]) -> dict[str, Any] | N
     except (KeyError, ValueError, TypeError):
         return None
     return state if usable else None
+
+
+def _state_file(run_dir: RunDir, p: int, sh: Any, hi: int) -> Path | None:
+    """The state file saved beside part `p` (`sh`) if its metadata names it as the state after position `hi` and
+    the file holds the bytes it recorded, else None."""
+    try:
+        info = json.loads(sh.meta.extra["zaec:method_state_file"])
+        path = run_dir.state(p)
+        usable = int(info["n_seen"]) == hi and info["file"] == path.name and path.is_file()
+    except (KeyError, ValueError, TypeError):
+        return None
+    return path if usable and file_sha256(path) == info["sha256"] else None
 
 
 def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
@@ -170,14 +190,19 @@ def _scan(run_dir: RunDir, scope: ResumeScope, n_parts: int) -> ResumePoint:
         if why is not None:
             return _ends_at(point, path, why)
         end = lo + len(sh.stream_pos)  # type: ignore[arg-type]
-        state = point.state
+        state, state_file = point.state, point.state_file
         if scope.state_keys is not None:  # its state after this part: recompute from here when missing
             state = _episodic_state(sh, end, scope.state_keys)
             if state is None:
                 return _ends_at(point, path, "lacks the method state a resumed run loads")
+        if scope.state_files:
+            state_file = _state_file(run_dir, p, sh, end)
+            if state_file is None:
+                return _ends_at(point, path, f"lacks the method state a resumed run loads ({run_dir.state(p).name} "
+                                "missing or changed)")
         point = ResumePoint(p + 1, point.correct_tta + int((sh.tta_logits.argmax(1) == sh.label).sum()),
                             point.correct_zs + int((sh.zs_logits.argmax(1) == sh.label).sum()), state,
-                            point.restamp + ((path,) if kv != scope.expected and whole else ()))
+                            point.restamp + ((path,) if kv != scope.expected and whole else ()), state_file=state_file)
         if not whole:  # the end of a finished shorter run: its rows begin the part this run rewrites
             return dataclasses.replace(point, start_part=p, carried=(sh.sample_id, sh.label, sh.zs_logits,
                                                                      sh.tta_logits, sh.stream_pos),

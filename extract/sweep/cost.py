@@ -330,6 +330,26 @@ TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
 #: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
 #: prompts per sample (about 25 GFLOP per prompt at ~100 TFLOP/s effective fp16): ImageNet's 1000 classes ~0.25 s
 TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
+#: The methods that adapt the image encoder over batches of test images (docs/benchmarks.md, "Methods that adapt the
+#: image encoder over batches: cost per sample"): each reads its batch's images again (loader-bound: a view at the
+#: encoding pass's planning rate, `ENCODE_S_PER_VIEW`, as host seconds) and runs the image encoder on them, a
+#: backward counted as 2 forwards (measured on the CPU: Tent 3.4, SAR 5.7, DeYO 2.3 up to 5 encodings of an image);
+#: launches: about 370 a ViT-B-16 forward (as RLCF's), so per batch of 64 the passes' launches / 64 a sample
+BATCH_ENCODER_COSTS: dict[str, AdaptCost] = {
+    # Tent: forward, backward, the prediction's forward: 4 forwards
+    "tent": AdaptCost(work=Work(flops={"N*img_flops": 4}, launches={"N": 4 * 370 / 64},
+                                host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+    # SAR: two forwards with their backwards and the prediction's forward: 7 forwards
+    "sar": AdaptCost(work=Work(flops={"N*img_flops": 7}, launches={"N": 7 * 370 / 64},
+                               host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+    # DeYO: forward, backward, the shuffled images' forward (at most the batch) and the prediction's: 5 forwards
+    "deyo": AdaptCost(work=Work(flops={"N*img_flops": 5}, launches={"N": 5 * 370 / 64},
+                                host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+    # BATCLIP: the image encoder's forward and backward (3), and the text encoder's over the K prompts once per batch
+    # of 64 (3 forwards of K prompts / 64 a sample)
+    "batclip": AdaptCost(work=Work(flops={"N*img_flops": 3, "N*K*txt_flops": 3 / 64},
+                                   launches={"N": 6 * 370 / 64}, host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+}
 #: DOTA, OGA, BCA and COSMIC, for one GPU at D = 512 (ViT-B-16), from CPU measurements at K = 1000 (one thread):
 #: * DOTA: one D×D inverse (9.7 ms on the CPU, ~1 ms on a GPU) and about 7 passes over the (K, D, D) float32
 #:   covariances per sample (0.44 s a sample on the CPU at 16 GB/s): 7 · 4 · D² bytes a class at ~3 TB/s. RN50's
@@ -467,6 +487,10 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     # the CPU growth measured by `make bench-extract BENCH_EXTRACT_ARGS="--only-transductive --transductive-n
     # 1000,5000,20000"` is in docs/benchmarks.md, "Transductive methods: growth with N"
     **TRANSDUCTIVE_COSTS,
+    # -- methods that adapt the image encoder over batches of test images (docs/benchmarks.md, "Methods that adapt
+    # the image encoder over batches: cost per sample"): each reads its batch's images again (one view at the
+    # encoder's planning rate, which the loader sets) and runs the encoder on them
+    **BATCH_ENCODER_COSTS,
 }
 #: Methods always priced with ADAPT_COSTS, never with a measured rate: their benches run a stand-in second model
 #: whose cost is not the real one's (DiffTPT: a tiny random pipeline; tools/second_models.py)

@@ -237,6 +237,8 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
     overrides = ({"reward_pretrained": f"local-dir:{tiny_model_dir}", "reward_backbone": ""}
                  if getattr(cls, "needs_reward_model", False)
                  else tiny_externals.overrides(method) if cls.external_files else {})
+    if cls.adapt_width(cls.default_config("dtd", "tiny-clip")) is not None:  # adapts over batches: two of 2 here
+        overrides["batch_size"] = "2"
     extra = {}
     if cls.needs_descriptions:  # AWT: a description file for the test set's classes
         from extract.datasets import load_testset
