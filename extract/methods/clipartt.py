@@ -1,6 +1,6 @@
 """CLIPArTT: test-time adaptation of CLIP's image encoder per batch with pseudo-labels from a batch text graph
-(`dosowiechi/CLIPArTT @6f439ba`, `adapt.py`, `models/tent.py`, `configuration.py`; docs/methods.md, "CLIPArTT:
-pseudo-labels from a batch text graph").
+(`dosowiechi/CLIPArTT @6f439ba`, `adapt.py`, `models/tent.py`, `configuration.py`;
+docs/methods.md, "CLIPArTT: pseudo-labels from a batch text graph").
 
 Per batch of 128 test images (model and Adam reset before each batch): 10 steps, each one pseudo-labelling every
 image with its K = 3 most likely classes under the current encoder, encoding the prompt "a photo of a c1 or c2 or

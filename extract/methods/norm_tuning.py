@@ -1,7 +1,7 @@
 """What the per-batch encoder methods (WATT, CLIPArTT) share: their own copy of CLIP at the precision the official
 `clip.load` gives it, the normalisation layers they tune on each backbone, the reset to the frozen values, and
-CLIPArTT's text-graph loss, which WATT reuses (docs/methods.md, "Methods that adapt the image encoder per batch
-(WATT, CLIPArTT)").
+CLIPArTT's text-graph loss, which WATT reuses
+(docs/methods.md, "Methods that adapt the image encoder per batch (WATT, CLIPArTT)").
 
 The copy: `clip.load(name, device)` builds OpenAI CLIP with `convert_weights` (WATT and CLIPArTT `clip/model.py`):
 the weights of convolutions, linear layers, attention projections and the `proj` / `text_projection` matrices in

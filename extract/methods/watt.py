@@ -1,6 +1,6 @@
 """WATT: weight-average test-time adaptation of CLIP's image encoder, per batch (`Mehrdad-Noori/WATT @40e3fae`,
-`adapt/watt.py`, `main.py`, `templates.yaml`, `bash/watt_{s,p}/*/*.sh`; docs/methods.md, "WATT: weight averaging
-over text templates").
+`adapt/watt.py`, `main.py`, `templates.yaml`, `bash/watt_{s,p}/*/*.sh`;
+docs/methods.md, "WATT: weight averaging over text templates").
 
 Per batch of 128 test images (everything reset before each batch): for each of the 8 templates of
 `templates.yaml`, `l` = 2 Adam steps (lr 1e-4) on the LayerNorm affine parameters of the image encoder, each step

@@ -1,7 +1,7 @@
 """Shared helpers of the per-batch encoder methods' tests (tests/extract/methods/test_watt.py, test_clipartt.py,
 test_norm_tuning.py): tiny ViT and ResNet CLIPs on the CPU, OpenAI's `convert_weights` and fp16 LayerNorm written
-out, the official model's forward pieces, and tolerances. Written from docs/methods.md, "Methods that adapt the
-image encoder per batch (WATT, CLIPArTT)"."""
+out, the official model's forward pieces, and tolerances. Written from
+docs/methods.md, "Methods that adapt the image encoder per batch (WATT, CLIPArTT)"."""
 
 from __future__ import annotations
 

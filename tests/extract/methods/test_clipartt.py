@@ -1,7 +1,7 @@
 """CLIPArTT (extract/methods/clipartt.py) on tiny ViT and ResNet CLIPs, against a slow transcription of the official
 code (`adapt.py` `setup_tent` and its per-batch loop, `models/tent.py` `Tent`, `forward_and_adapt`,
-`configure_model`, `collect_params`) written here from docs/methods.md, "CLIPArTT: pseudo-labels from a batch text
-graph"."""
+`configure_model`, `collect_params`) written here from
+docs/methods.md, "CLIPArTT: pseudo-labels from a batch text graph"."""
 
 from __future__ import annotations
 
