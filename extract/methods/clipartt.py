@@ -17,7 +17,7 @@ fp32 on the CPU; no autocast and no loss scale in the official code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -123,6 +123,7 @@ class CLIPArTT(TTAMethod):
         self.kind = norm_kind(getattr(text_encoder, "model", text_encoder).visual)
         self.class_names = tuple(class_names) if class_names is not None else tuple(map(str, range(self.n_classes)))
         self._clip: TunedCLIP | None = None
+        self._pixels: Callable[[int, int], torch.Tensor] | None = None
         self._class_text: torch.Tensor | None = None
 
     @classmethod
@@ -141,16 +142,31 @@ class CLIPArTT(TTAMethod):
             self._clip = clip
         return self._clip
 
+    @classmethod
+    def adapt_width(cls, config: MethodConfig) -> int | None:
+        """The official batch: every `adapt` call is one batch of `batch_size` images (the last one shorter)."""
+        return int(config.batch_size)  # type: ignore[attr-defined]
+
+    def attach_pixels(self, reader: Callable[[int, int], torch.Tensor]) -> None:
+        """`reader(start, stop)` -> (stop − start, 3, S, S) preprocessed original views of those stream positions."""
+        self._pixels = reader
+
     def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits (reset, adapt, predict)."""
+        """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
         cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
         clip = self.build(images.device)
         clipartt_adapt(clip, self.text_encoder.tokenizer, images, self._class_text, self.class_names, cfg,
                        self.logit_scale)
         out = clipartt_predict(clip, images, self._class_text, self.logit_scale).float()
         clip.reset()
-        self.n_seen += len(images)
         return out
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        raise ValueError("clipartt adapts the image encoder on batches of pixels (`adapt_images`)")
+        b = view_feats.shape[0]
+        if self._pixels is None:
+            raise ValueError("clipartt adapts the image encoder and needs the batch's pixels; the runner attaches them "
+                             "(`attach_pixels`)")
+        images = torch.as_tensor(self._pixels(self.n_seen, self.n_seen + b)).to(view_feats.device)
+        if images.ndim != 4 or images.shape[0] != b:
+            raise ValueError(f"clipartt: pixels of shape {tuple(images.shape)} for a batch of {b}")
+        return self.adapt_images(images)

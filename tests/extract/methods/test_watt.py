@@ -176,11 +176,14 @@ def test_template_average_is_the_official_sum():
 def test_reset_between_batches_and_the_run_model_untouched(loaded):
     """A batch's logits do not depend on the batches before it, and the run's frozen model is never changed."""
     before = copy.deepcopy(loaded.model.state_dict())
-    x1, x2 = pixels(4, 5), pixels(4, 6)
-    m = make(loaded, rounds=1)
-    m.adapt_images(x1)
-    assert torch.equal(m.adapt_images(x2), make(loaded, rounds=1).adapt_images(x2))
-    assert m.n_seen == 8
+    x = pixels(8, 5)
+    m = make(loaded, rounds=1, batch_size=4)
+    m.attach_pixels(lambda a, b: x[a:b])
+    feats = torch.zeros(4, 1, 16)  # what the run feeds besides the pixels (unused)
+    first, second = m.adapt(feats), m.adapt(feats)
+    assert m.n_seen == 8 and WATT.adapt_width(m.config) == 4
+    assert torch.equal(second, make(loaded, rounds=1).adapt_images(x[4:]))
+    assert torch.equal(first, make(loaded, rounds=1).adapt_images(x[:4]))
     after = loaded.model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
