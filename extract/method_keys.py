@@ -9,4 +9,5 @@ METHOD_KEYS: tuple[str, ...] = (
     "zero-shot", "tda", "dpe", "dlae", "tpt", "ctpt", "otpt", "atpt", "tps",
     "zero", "mta", "onzeta", "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt", "rlcf",
     "ttl",
+    "tent",
 )

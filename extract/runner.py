@@ -12,7 +12,8 @@ a run"):
        metadata;
     4. `scan_resume` / `apply_resume`: keep the valid parts of an interrupted run;
     5. `encode_pass`: fill the missing chunks of the feature cache (view 0, plus views 1..63 if the method uses them);
-    6. `adapt_stream`: feed the cached features in stream order, `adapt_batch` samples per `method.adapt` call,
+    6. `adapt_stream`: feed the cached features in stream order, `adapt_batch` samples per `method.adapt` call (a
+       method that adapts over batches of pixels: its own batch, with the batch's pixels, `attach_pixels`),
        pair each adapted logit row with the zero-shot anchor (single prompt "a photo of a {}." on view 0, or the
        method's own prompts with `anchor="method"`), and write parts of `part_size` rows (`PartWriter`) as the
        stream advances; then the completion marker.
@@ -22,7 +23,8 @@ keeps every valid part with the same metadata and rebuilds the method's state at
 online method (TDA, DPE, DLAE) replays the features of the prefix - the same `adapt` calls on the same cached
 inputs -; an episodic method (the TPT family, TPS), whose only state is small (the loss scale and the count of
 skipped steps), loads the state recorded in the last kept part (`zaec:method_state`, the state after the part's
-last row). Either way the result equals an uninterrupted run. A finished run carries a marker file
+last row); a method that adapts over batches of pixels loads its state saved beside the last kept part
+(`state-0000p.pt`, parameters and optimiser included). Either way the result equals an uninterrupted run. A finished run carries a marker file
 `_zaec_complete.json` next to its parts (`run_is_complete`).
 
 Only the run itself lives here (`run_extraction`, `execute`, `plan_run` and the notes they print); each step is
@@ -60,7 +62,7 @@ from extract.run.options import (
 )
 from extract.run.progress import Progress, warn
 from extract.run.resume import ResumePoint, ResumeScope, apply_resume, scan_resume, settings_kv
-from extract.run.pixels import attach_views
+from extract.run.pixels import attach_pixels
 from extract.run.reward import attach_reward, check_reward_model
 from extract.run.rundata import RunData
 from extract.run.rundir import RunDir
@@ -190,15 +192,14 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         reward = attach_reward(method, planned, model, prompts.method_names, cache_root=cache_root,
                                testset_key=data.cache_key(), seed=options.seed, perm=perm,
                                chunk_size=execution.chunk_size)
-        # [view pixels] TTL adapts the image encoder: it reads the views themselves (extract/run/pixels.py)
-        attach_views(method, model, data.testset, perm, planned.policy, options.seed)
         n_run = planned.n_run(data.n_total)
         method.set_stream_length(n_run)  # before its warnings are read: OnZeta warns when it must do without
         warnings = [*planned.model_notes, *prompts.method.warnings, *method.warnings]
         meta = shard_meta(planned, data, model, prompts, warnings)
+        restore = planned.restore  # how a resumed run rebuilds the method's state: replay, footer or file
         scope = ResumeScope(settings_kv(meta), n_run, options.part_size, execution.on_changed == "recompute",
-                            _state_keys(method) if planned.episodic else None,
-                            planned.method_cls.prefix_dependence(planned.config))
+                            _state_keys(method) if restore == "footer" else None,
+                            planned.method_cls.prefix_dependence(planned.config), state_files=restore == "file")
         run_dir.remove_marker()
         # force: every part is rewritten; the old ones go only now that the model loaded
         point = scan_resume(run_dir, scope) if execution.resume and not force else ResumePoint()
@@ -206,10 +207,14 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         workers = execution.workers
         if workers is None:
             workers = min(MAX_CUDA_WORKERS, os.cpu_count() or 1) if model.device.type == "cuda" else 0
+        # [pixels] TTL's views, or the batches of a method that adapts the image encoder over them (run/pixels.py)
+        pixels = attach_pixels(method, planned.consumes, model, data.testset, perm, planned.policy, options.seed,
+                               stop=n_run, width=planned.adapt_width, workers=workers)
         inputs = StreamInputs(options.method, method, FeatureReader(cache, planned.policy), anchor_text,
-                              model.logit_scale, model.device, perm, data.testset.labels, options.adapt_batch)
-        writer = PartWriter(run_dir, meta, method, episodic=planned.episodic, part_size=options.part_size,
-                            n_run=n_run, kept=[run_dir.part(p) for p in range(point.start_part)])
+                              model.logit_scale, model.device, perm, data.testset.labels, planned.adapt_width)
+        writer = PartWriter(run_dir, meta, method, episodic=restore == "footer", part_size=options.part_size,
+                            n_run=n_run, kept=[run_dir.part(p) for p in range(point.start_part)],
+                            state_files=restore == "file")
         state = RunState(point.start_pos(scope), point.correct_tta, point.correct_zs,
                          labelled=labelled_counts(perm, data.testset.labels) if data.n_id is not None else None)
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
@@ -218,9 +223,13 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
         if reward is not None:  # [reward model] its features of the same views, into its own cache
             reward.encode(data.testset, perm, n_run, seed=options.seed, batch_size=execution.batch_size,
                           workers=workers, progress=prog)
-        _restore_method(inputs, point, state.position, n_run, planned.episodic, prog)
-        adapt_stream(inputs, state, n_run, writer, prog.task(f"{options.method} on {planned.dataset}",
-                                                              n_run - state.position))
+        try:
+            _restore_method(inputs, point, state.position, n_run, restore, prog)
+            adapt_stream(inputs, state, n_run, writer, prog.task(f"{options.method} on {planned.dataset}",
+                                                                  n_run - state.position))
+        finally:
+            if pixels is not None:
+                pixels.close()
         summary = method.summary()
         if summary:
             (log or prog.print)(f"{options.method} on {planned.dataset}: "
@@ -228,7 +237,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
     return writer.written, marker_doc(n_run=n_run, n_total=data.n_total, limit=options.limit,
                                       settings=run_settings(planned, data), parts=writer.written,
                                       method_summary=method.summary(), accuracies=state.accuracies(n_run),
-                                      prefix_dependence=scope.prefix_dependence, adapt_batch=options.adapt_batch)
+                                      prefix_dependence=scope.prefix_dependence, adapt_batch=planned.adapt_width)
 
 
 def note(line: str, log: Callable[[str], None] | None) -> None:
@@ -296,7 +305,11 @@ def _state_keys(method: Any) -> tuple[str, ...]:
 
 
 def _announce(planned: PlannedRun, warnings: list[str], prog: Progress, log: Callable[[str], None] | None) -> None:
-    """Before the first image: which settings apply to a dataset without official ones, then every warning."""
+    """Before the first image: which settings apply to a dataset without official ones, that `--adapt-batch` does
+    not apply to a method with its own batch, then every warning."""
+    width = planned.width_note()
+    if width is not None:
+        (log or prog.print)(width)
     if planned.settings_note:
         from rich.markup import escape
 
@@ -308,11 +321,16 @@ def _announce(planned: PlannedRun, warnings: list[str], prog: Progress, log: Cal
         warn(w, prog, log)
 
 
-def _restore_method(inputs: StreamInputs, point: ResumePoint, start_pos: int, n_run: int, episodic: bool,
+def _restore_method(inputs: StreamInputs, point: ResumePoint, start_pos: int, n_run: int, restore: str,
                     prog: Progress) -> None:
-    """The method's state at `start_pos`: an online method replays the kept prefix (nothing when every part was
-    kept: nothing is left to adapt); an episodic one loads the state of the last kept part."""
-    if 0 < start_pos < n_run and not episodic:
+    """The method's state at `start_pos` (`PlannedRun.restore`): an online method replays the kept prefix
+    (nothing when every part was kept: nothing is left to adapt); an episodic one loads the state recorded in the
+    last kept part; a method that adapts over batches of pixels loads the state file saved beside it."""
+    if 0 < start_pos < n_run and restore == "replay":
         replay(inputs, start_pos, prog.task(f"replaying {start_pos} samples", start_pos))
+    elif 0 < start_pos < n_run and restore == "file" and point.state_file is not None:
+        import torch
+
+        inputs.method.load_state_dict(torch.load(point.state_file, map_location="cpu", weights_only=True))
     elif start_pos and point.state is not None:
         inputs.method.load_state_dict(point.state)

@@ -57,6 +57,12 @@ OPTIONAL_META_KEYS: dict[str, str] = {
                              "sha256)",
     "zaec:output_kind": 'what the tta_logits rows are: "logits" (default when the key is absent) or "log_probs" '
                         "(finite natural-log probabilities; see docs/contract.md)",
+    "zaec:adapt_batch": "samples per adapt call (integer as a string; absent: 64); for a method that adapts over "
+                        "batches of test images (zaec:consumes = batch_pixels) its batch: stream positions "
+                        "[k*B, (k+1)*B) are adapted together, the last batch of a run shorter",
+    "zaec:consumes": 'what the method read besides the cached features, where it matters to the rows: "batch_pixels" '
+                     "(the image encoder adapted over batches of the original views, so a row depends on its batch "
+                     "and the batches before it)",
     "zaec:ood_for": "OOD runs only: the in-distribution dataset's key; the run's class names are that dataset's and "
                     "its out-of-distribution rows carry label -1 (docs/contract.md, \"Out-of-distribution runs\")",
     "zaec:ood_dataset": "OOD runs only: the out-of-distribution set's name; the run's dataset key is "

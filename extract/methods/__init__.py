@@ -19,6 +19,7 @@ from extract.methods.onzeta import OnZeta
 from extract.methods.rlcf import RLCF
 from extract.methods.rtpt import RTPT
 from extract.methods.tda import TDA
+from extract.methods.tent import Tent
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.ttl import TTL
@@ -28,7 +29,10 @@ from extract.methods.zero_shot import ZeroShot
 REGISTRY: dict[str, type[TTAMethod]] = {
     cls.key: cls for cls in (ZeroShot, TDA, DPE, DLAE, TPT, CTPT, OTPT, ATPT, TPS,
                              # TTA-VLM's methods, each with its section in docs/methods.md
-                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL)
+                             Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
+                             # methods that adapt the image encoder over batches of test images (consume
+                             # "batch_pixels"), each with its section in docs/methods.md
+                             Tent)
 }
 
 

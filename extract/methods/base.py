@@ -54,10 +54,12 @@ OutputKind = Literal["logits", "log_probs"]
 BackboneFamily = Literal["rn", "vit"]
 # What a method reads from the run; the run's steps serve each kind (docs/architecture.md, "The objects of a run"):
 #   features      the cached view features of consecutive samples, (B, V, D) per `adapt` call (the default)
-#   view_pixels   besides them, the pixels of each sample's views (TTL adapts the image encoder per sample:
-#                 `attach_views`, extract/run/pixels.py)
-#   batch_pixels  the pixels of a batch of test images: the image encoder itself is adapted over batches (Tent,
-#                 SAR, DeYO, ...)
+#   view_pixels   besides them, the pixels of each sample's views (TTL adapts the image encoder per sample: the
+#                 run calls its `attach_views`, extract/run/pixels.py)
+#   batch_pixels  besides them, the pixels of a batch of test images (`attach_pixels`, extract/run/pixels.py): the
+#                 image encoder itself is adapted over batches (Tent, SAR, DeYO, BATCLIP); each `adapt` call is one
+#                 batch of the method's own width (`adapt_width`), and the state after each part is saved beside
+#                 it (docs/architecture.md, "A method that adapts over batches")
 #   set_features  the cached features of a whole transductive unit (the run, or a batch of it) before any of its
 #                 rows is written (StatA, TransCLIP, ZLaP)
 Consumes = Literal["features", "view_pixels", "batch_pixels", "set_features"]
@@ -495,6 +497,34 @@ class TTAMethod(abc.ABC):
         out = self._adapt(view_feats)
         self.n_seen += b
         return out.detach().float()
+
+    @classmethod
+    def consumes_for(cls, config: MethodConfig) -> Consumes:
+        """What the run feeds the method with `config`: its `consumes`, unless a setting changes it (Panda on TPT,
+        ZERO and DMN also reads the pixels of a batch of test images: `--set panda=true`)."""
+        return cls.consumes
+
+    @classmethod
+    def adapt_width(cls, config: MethodConfig) -> int | None:
+        """Samples every `adapt` call must hold, or None for the run's `--adapt-batch`.
+
+        A method that adapts over batches of test images returns its batch size (a setting: the official batch); the
+        run then cuts the stream into batches [k·B, (k+1)·B) (the last one shorter) and calls `adapt` once per batch,
+        so a batch's rows depend on the samples of the batch and on the batches before it, never on later ones.
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> get_method("tda").adapt_width(get_method("tda").default_config("dtd", "RN50")) is None
+            True
+        """
+        return None
+
+    def attach_pixels(self, reader: Any) -> None:
+        """Receive the reader of a batch's pixels (a method that consumes "batch_pixels"; the runner calls it once,
+        before the first `adapt`): `reader(start, stop)` -> (stop - start, 3, S, S) float32 original views (view 0)
+        of stream positions [start, stop) on the model's device, preprocessed as the encoding pass preprocesses
+        them (extract/run/pixels.py `BatchPixels`)."""
+        raise ValueError(f"{self.key} reads no pixels (consumes {self.consumes_for(self.config)!r})")
 
     @classmethod
     def prefix_dependence(cls, config: MethodConfig) -> str | None:

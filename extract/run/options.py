@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 Anchor = Literal["single", "method"]
 ANCHORS: tuple[str, ...] = ("single", "method")
 OnChanged = Literal["refuse", "recompute"]
+#: how an interrupted run rebuilds the method's state (`PlannedRun.restore`)
+Restore = Literal["replay", "footer", "file"]
 ON_CHANGED: tuple[str, ...] = ("refuse", "recompute")
 
 DEFAULT_PRETRAINED = "openai"
@@ -257,6 +259,39 @@ class PlannedRun:
         """The method config as recorded in shards and settings."""
         return config_dict(self.config)
 
+    @property
+    def consumes(self) -> str:
+        """What the run feeds the method (`TTAMethod.consumes_for`): "features", "view_pixels", "batch_pixels" or
+        "set_features"."""
+        return self.method_cls.consumes_for(self.config)  # type: ignore[attr-defined]
+
+    @property
+    def adapt_width(self) -> int:
+        """Samples per `adapt` call: the method's batch where it has one (`TTAMethod.adapt_width`), else
+        `--adapt-batch`."""
+        own = self.method_cls.adapt_width(self.config)  # type: ignore[attr-defined]
+        return self.options.adapt_batch if own is None else int(own)
+
+    def width_note(self) -> str | None:
+        """The line a run prints when `--adapt-batch` was given to a method that adapts in batches of its own
+        (it does not apply there), else None."""
+        own = self.method_cls.adapt_width(self.config)  # type: ignore[attr-defined]
+        asked = self.options.adapt_batch
+        if own is None or asked in (DEFAULT_ADAPT_BATCH, own):
+            return None
+        return (f"{self.options.method} adapts in batches of its batch_size ({own}): --adapt-batch {asked} does not "
+                "apply (--set batch_size=N changes the batch)")
+
+    @property
+    def restore(self) -> Restore:
+        """How an interrupted run rebuilds the method's state at the end of its kept parts: "replay" (an online
+        method on cached features: the same `adapt` calls again), "footer" (an episodic method: the small state
+        recorded in the last kept part's metadata) or "file" (a method that adapts over batches of pixels: the
+        state saved beside the last kept part, `RunDir.state`)."""
+        if self.consumes == "batch_pixels":
+            return "file"
+        return "footer" if self.episodic else "replay"
+
     def n_run(self, n_total: int) -> int:
         """Stream positions the run covers out of `n_total`."""
         return n_total if self.options.limit is None else min(self.options.limit, n_total)
@@ -309,6 +344,7 @@ def plan(options: RunOptions) -> PlannedRun:
     except ValueError as e:
         raise RunError(f"{o.method}: {e}") from None
     note = _unseen_note(o.method, cls, spec.key, config, overrides) if unseen else ""
+    _check_part_size(o, cls.adapt_width(config))
     if ood is None:
         return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note,
                           model_notes=model_notes)
@@ -317,6 +353,16 @@ def plan(options: RunOptions) -> PlannedRun:
     key = ood_run_dataset(ood.key, spec.key)
     return PlannedRun(o, cls, config, key, name, policy, RunKey(name, key, o.method, int(o.seed)), note,
                       ood_for=spec.key, ood_dataset=ood.key, model_notes=model_notes)
+
+
+def _check_part_size(o: RunOptions, width: int | None) -> None:
+    """Parts hold whole adapt calls: `part_size` a multiple of `adapt_batch`, or of the method's own batch where it
+    has one (`width`, `TTAMethod.adapt_width`; `--adapt-batch` does not apply to it). RunError otherwise."""
+    if width is None and o.part_size % o.adapt_batch:
+        raise RunError(f"part_size ({o.part_size}) must be a multiple of adapt_batch ({o.adapt_batch})")
+    if width is not None and o.part_size % width:
+        raise RunError(f"{o.method} adapts in batches of {width} samples: --part-size ({o.part_size}) must be a "
+                       f"multiple of it (e.g. --part-size {max(1, o.part_size // width) * width})")
 
 
 def _checked_config(method: str, config: Any, overrides: Mapping[str, Any], backbone: str,
@@ -395,13 +441,12 @@ def _unseen_note(method: str, cls: type, dataset: str, config: Any, overrides: M
 
 
 def check_options(options: RunOptions, execution: ExecOptions) -> None:
-    """The numeric options and the output folders of a run, checked before any image is read (RunError)."""
+    """The numeric options and the output folders of a run, checked before any image is read (RunError); that the
+    parts hold whole adapt calls is `plan`'s check (it knows the method's batch)."""
     for name in ("adapt_batch", "part_size"):
         value = getattr(options, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RunError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if options.part_size % options.adapt_batch:
-        raise RunError(f"part_size ({options.part_size}) must be a multiple of adapt_batch ({options.adapt_batch})")
     if execution.batch_size < 1:
         raise RunError(f"--batch-size must be a positive integer, got {execution.batch_size}")
     if execution.workers is not None and execution.workers < 0:

@@ -1,6 +1,14 @@
-"""The views' pixels for a method that adapts the image encoder (TTL): per stream position, the original view and
-views 1..63 drawn exactly as the encoding pass draws them (`extract/run/encode.py` `_ViewData`: same generator,
-seed and policy), finished on the model's device (docs/methods.md, "TTL: LoRA on the image encoder")."""
+"""The pixels a method reads besides the cached features (`TTAMethod.consumes_for`), drawn exactly as the encoding
+pass draws them (`extract/run/encode.py` `_ViewData`: the same loader item, generator, seed and policy) and
+finished on the model's device:
+
+- "view_pixels" (TTL, which adapts the image encoder per sample): per stream position the original view and views
+  1..63 (`ViewImages`);
+- "batch_pixels" (Tent, SAR, DeYO, BATCLIP, ...: the image encoder adapted over batches of test images): per batch
+  of stream positions the original views (`BatchPixels`), read ahead by loader processes where the run has them.
+
+docs/architecture.md, "A method that adapts over batches"; docs/methods.md, "TTL: LoRA on the image encoder".
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ import torch
 
 from extract.datasets import DatasetError, TestSet
 from extract.models import LoadedModel
-from extract.run.encode import _ViewData
+from extract.run.encode import _ignore_sigint, _start_loader, _to_device, _ViewData
 from extract.views import ViewGenerator, ViewPolicy
 
 
@@ -38,8 +46,69 @@ class ViewImages:
         return torch.stack([self._one(p) for p in range(start, stop)])
 
 
-def attach_views(method: Any, model: LoadedModel, testset: TestSet, perm: np.ndarray, policy: ViewPolicy,
-                 seed: int) -> None:
-    """Give a method that consumes "view_pixels" its reader of the views' pixels (nothing is read until it adapts)."""
-    if getattr(method, "consumes", "features") == "view_pixels":
+class BatchPixels:
+    """`get(start, stop)` -> (stop − start, 3, S, S) float32 original views (view 0) of stream positions
+    [start, stop) on the model's device: the pixels the encoding pass encodes into the cache's view 0 (a loader
+    item of those positions, `ViewGenerator.original_raw`, then `finish` on the device).
+
+    The calls of a run continue one another (batch after batch); the loader then reads ahead, one item per batch,
+    in `workers` processes (0: in this process, nothing ahead). A call that does not continue the previous one (a
+    resumed run, a replay) starts the loader again at its `start`. `close` stops the loader processes.
+
+    Args:
+        model: the run's model (its preprocessing and device). testset, perm: the test set and the stream.
+        seed: the run's seed (view 0 draws nothing; kept for the generator's identity). stop: the run's last
+            position + 1. width: positions per item (the method's batch). workers: loader processes.
+    """
+
+    def __init__(self, model: LoadedModel, testset: TestSet, perm: np.ndarray, seed: int, *, stop: int, width: int,
+                 workers: int = 0):
+        self.model, self.testset, self.perm = model, testset, perm
+        self.stop, self.width, self.workers = int(stop), int(width), int(workers)
+        self.gen = ViewGenerator(model.preprocess, "single", seed=seed)
+        self._it: Any = None
+        self._next = -1  # the first position of the loader's next item
+
+    def _start(self, start: int, width: int) -> None:
+        self.close()
+        items = [[(p, True, False) for p in range(s, min(s + width, self.stop))]
+                 for s in range(start, self.stop, width)]
+        dev = self.model.device
+        loader = torch.utils.data.DataLoader(_ViewData(self.testset, self.perm, items, self.gen), batch_size=None,
+                                             shuffle=False, num_workers=self.workers,
+                                             pin_memory=dev.type == "cuda",
+                                             worker_init_fn=_ignore_sigint if self.workers else None)
+        self._it, self._next = _start_loader(loader), start
+
+    def get(self, start: int, stop: int) -> torch.Tensor:
+        if not 0 <= start < stop <= self.stop:
+            raise ValueError(f"pixels of positions {start}..{stop - 1} asked for; the run has 0..{self.stop - 1}")
+        if start != self._next or self._it is None:
+            self._start(start, stop - start)
+        positions, v0, _, _ = next(self._it)
+        if isinstance(v0, str):  # an image that cannot be read (named in the message)
+            raise DatasetError(v0)
+        if positions != list(range(start, stop)):  # a call of another width than the previous ones
+            self._start(start, stop - start)
+            return self.get(start, stop)
+        self._next = stop
+        return self.gen.finish(_to_device(v0, self.model.device))
+
+    def close(self) -> None:
+        """Stop the loader processes (nothing to do without them)."""
+        if self._it is not None:
+            getattr(self._it, "_shutdown_workers", lambda: None)()
+        self._it, self._next = None, -1
+
+
+def attach_pixels(method: Any, consumes: str, model: LoadedModel, testset: TestSet, perm: np.ndarray,
+                  policy: ViewPolicy, seed: int, *, stop: int, width: int, workers: int = 0) -> BatchPixels | None:
+    """Give a method that reads pixels (`consumes`: "view_pixels" or "batch_pixels") its reader; nothing is read
+    until it adapts. Returns the `BatchPixels` to close at the end of the run, else None."""
+    if consumes == "view_pixels":
         method.attach_views(ViewImages(model, testset, perm, policy, seed).get)
+    if consumes != "batch_pixels":
+        return None
+    reader = BatchPixels(model, testset, perm, seed, stop=stop, width=width, workers=workers)
+    method.attach_pixels(reader.get)
+    return reader

@@ -4,7 +4,9 @@ rewrites that reading calls for (`apply_resume`).
 A part is kept while, in order from part 0: it is on disk and readable, it carries a data fingerprint (written
 after they existed), its settings equal this run's (apart from the keys that follow the stream,
 `PART_STATE_KEYS`, and the limit it announces, `RESTAMPED_KEYS`), it holds exactly its stream range, and, for an
-episodic method, it records the method's state after its last row. The first part that fails ends the kept prefix;
+episodic method, it records the method's state after its last row (for a method that adapts over batches of
+pixels: the state file saved beside it, `RunDir.state`, is there with the recorded sha256). The first part that
+fails ends the kept prefix;
 a part with other settings ends it too when the caller recomputes changed runs, and is refused otherwise.
 The kept parts' correct counts continue the run's running accuracy; an episodic method's state after the last kept
 part is loaded instead of replaying (`docs/methods.md`, "Stream order and seeds").
@@ -21,12 +23,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from extract.run.options import RunError
-from extract.run.rundir import RunDir
+from extract.run.rundir import RunDir, file_sha256
 from schemas.shard import ShardError, ShardMeta, read_shard, write_shard
 
 # Per-part metadata that follows the stream (the method's state and summary after the part's last row): left out
 # when a resumed run compares the settings of the parts on disk with its own.
-PART_STATE_KEYS: frozenset[bytes] = frozenset({b"zaec:method_state", b"zaec:method_summary"})
+PART_STATE_KEYS: frozenset[bytes] = frozenset({b"zaec:method_state", b"zaec:method_summary",
+                                              b"zaec:method_state_file"})
 #: metadata keys that may differ between the kept parts of a resumed run and the run resuming them
 RESTAMPED_KEYS: tuple[bytes, ...] = (b"zaec:limit",)
 
@@ -54,6 +57,8 @@ class ResumeScope:
         prefix_dependence: why the method's rows depend on the run's length or later samples
             (`TTAMethod.prefix_dependence`); a part written by a run of another length then ends the kept prefix.
             None: parts of a longer or shorter run of the same settings are kept.
+        state_files: the method's state after each part lies in a file beside it (`PlannedRun.restore` "file");
+            a part whose file is missing or changed ends the kept prefix.
     """
 
     expected: Mapping[bytes, bytes]
@@ -62,6 +67,7 @@ class ResumeScope:
     recompute_changed: bool = False
     state_keys: tuple[str, ...] | None = None
     prefix_dependence: str | None = None
+    state_files: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class ResumePoint:
         correct_tta, correct_zs: correct adapted / zero-shot predictions in the kept parts.
         state: an episodic method's state after the last kept part (None: nothing kept, or an online method).
         restamp: kept parts whose footer differs from this run's only in `RESTAMPED_KEYS` (rewritten with it).
+        state_file: the state file saved beside the last kept part (`ResumeScope.state_files`; None otherwise).
         refusal: a part with other settings that the run must refuse (the message), or None.
         note: why a part on disk ends the kept prefix (unreadable, other settings, ...), for the console; None when
             the prefix ends where the interrupted run stopped.
@@ -85,6 +92,7 @@ class ResumePoint:
     restamp: tuple[Path, ...] = field(default=())
     refusal: str | None = None
     note: str | None = None
+    state_file: Path | None = None
 
     def start_pos(self, scope: ResumeScope) -> int:
         """The first stream position to compute."""
@@ -99,6 +107,18 @@ def _episodic_state(sh: Any, hi: int, keys: Sequence[str]) -> dict[str, Any] | N
     except (KeyError, ValueError, TypeError):
         return None
     return state if usable else None
+
+
+def _state_file(run_dir: RunDir, p: int, sh: Any, hi: int) -> Path | None:
+    """The state file saved beside part `p` (`sh`) if its metadata names it as the state after position `hi` and
+    the file holds the bytes it recorded, else None."""
+    try:
+        info = json.loads(sh.meta.extra["zaec:method_state_file"])
+        path = run_dir.state(p)
+        usable = int(info["n_seen"]) == hi and info["file"] == path.name and path.is_file()
+    except (KeyError, ValueError, TypeError):
+        return None
+    return path if usable and file_sha256(path) == info["sha256"] else None
 
 
 def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
@@ -131,14 +151,19 @@ def scan_resume(run_dir: RunDir, scope: ResumeScope) -> ResumePoint:
         if sh.stream_pos is None or not np.array_equal(sh.stream_pos, np.arange(lo, hi)):
             return _ends_at(point, path, f"does not hold stream positions {lo}..{hi - 1} (another --limit or part "
                             "size)")
-        state = point.state
+        state, state_file = point.state, point.state_file
         if scope.state_keys is not None:  # its state after this part: recompute from here when missing
             state = _episodic_state(sh, hi, scope.state_keys)
             if state is None:
                 return _ends_at(point, path, "lacks the method state a resumed run loads")
+        if scope.state_files:
+            state_file = _state_file(run_dir, p, sh, hi)
+            if state_file is None:
+                return _ends_at(point, path, f"lacks the method state a resumed run loads ({run_dir.state(p).name} "
+                                "missing or changed)")
         point = ResumePoint(p + 1, point.correct_tta + int((sh.tta_logits.argmax(1) == sh.label).sum()),
                             point.correct_zs + int((sh.zs_logits.argmax(1) == sh.label).sum()), state,
-                            point.restamp + ((path,) if kv != scope.expected else ()))
+                            point.restamp + ((path,) if kv != scope.expected else ()), state_file=state_file)
     return point
 
 

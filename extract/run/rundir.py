@@ -1,13 +1,15 @@
 """`RunDir`: the one object that knows where a run's files live (its shard folder, parts and completion marker).
 
 Parts are shards over fixed stream ranges [p * part_size, (p + 1) * part_size), named `part-00000.parquet`, ...;
-a finished run carries the marker `_zaec_complete.json` beside them, listing its parts. Every file is written under
+a finished run carries the marker `_zaec_complete.json` beside them, listing its parts. A method that adapts over
+batches of pixels has its state after part p saved beside it, `state-0000p.pt` (`state`). Every file is written under
 a temporary name `.<name>.<random>.tmp` in the same folder and renamed (`schemas.atomic`), so a reader never sees a
 half-written part or marker. The run's lock (`lock`) lives in the same folder (`.zaec-lock`, `.zaec-owner`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -16,6 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from schemas.shard import COMPLETE_MARKER, RunKey, shard_dir, shard_path
 from schemas.atomic import write_json_atomic
+
+#: the file of the method's state after part p (`RunDir.state`), and the pattern that finds them all
+STATE_TEMPLATE = "state-{:05d}.pt"
+STATE_GLOB = "state-*.pt"
 
 if TYPE_CHECKING:
     from extract.run.lock import RunLock
@@ -50,8 +56,18 @@ class RunDir:
 
     @staticmethod
     def part_index(path: Path) -> int:
-        """The index of a part from its file name (`part-00003.parquet` -> 3)."""
+        """The index of a part (or of the state saved beside it) from its file name (`part-00003.parquet` -> 3)."""
         return int(path.stem.split("-")[1])
+
+    def state(self, index: int) -> Path:
+        """The method's state after part `index` (`state-00003.pt`, `torch.save`, read with `weights_only=True`)
+        for a method that adapts over batches of pixels (`PlannedRun.restore` "file"), written just before the part.
+
+        Example:
+            >>> RunDir(Path("out"), RunKey("ViT-B-16", "dtd", "tent", 1)).state(3).name
+            'state-00003.pt'
+        """
+        return self.path / STATE_TEMPLATE.format(index)
 
     def existing_parts(self) -> list[Path]:
         """Part files on disk, sorted by index (not validated)."""
@@ -62,8 +78,11 @@ class RunDir:
         return sorted(self.path.glob(".*.tmp")) if self.path.is_dir() else []
 
     def remove_parts_from(self, start: int) -> list[Path]:
-        """Delete every part with index >= `start` (parts a run will rewrite, or stale parts of a longer run)."""
+        """Delete every part with index >= `start` (parts a run will rewrite, or stale parts of a longer run) and the
+        method states saved beside them (`state`)."""
         gone = [p for p in self.existing_parts() if self.part_index(p) >= start]
+        states = sorted(self.path.glob(STATE_GLOB)) if self.path.is_dir() else []
+        gone += [p for p in states if self.part_index(p) >= start]
         for p in gone:
             p.unlink()
         return gone
@@ -136,6 +155,15 @@ class RunDir:
             return (f"{n_run} is not a multiple of its adapt_batch {batch}: a {n_run}-sample run ends with an "
                     f"adapt call of {n_run % batch} samples where it had {batch}, whose rows may round differently")
         return None
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes (a state file's identity, recorded in the part it follows)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def run_is_complete(out: str | os.PathLike, key: RunKey, *, limit: int | None = None) -> bool:

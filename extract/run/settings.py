@@ -61,10 +61,10 @@ def run_settings(planned: PlannedRun, data: RunData) -> dict[str, Any]:
     o = planned.options
     settings = {"method_config": planned.config_dict(), "pretrained": o.pretrained, "anchor": o.anchor,
                 "sh_filter": bool(o.sh_filter), "samples": data.testset.fingerprint(), **data.identity}
-    # an adapt call's width may change the rounding of its rows; absent at the default, so that the runs made
-    # before it was recorded still match
-    if o.adapt_batch != DEFAULT_ADAPT_BATCH:
-        settings["adapt_batch"] = o.adapt_batch
+    # an adapt call's width may change the rounding of its rows (a batch method's rows themselves: its batch);
+    # absent at the default, so that the runs made before it was recorded still match
+    if planned.adapt_width != DEFAULT_ADAPT_BATCH:
+        settings["adapt_batch"] = planned.adapt_width
     return settings
 
 

@@ -24,11 +24,13 @@ from schemas.shard import ShardMeta
 def build_method(cls: type, config: Any, text_features: torch.Tensor, model: LoadedModel, *, backbone: str,
                  dataset: str, class_names: Sequence[str] | None = None) -> Any:
     """The one place a method object is constructed (episodic methods that tune prompts get the model as
-    `text_encoder` and the class names to build their prompts from)."""
+    `text_encoder` and the class names to build their prompts from; a method that reads pixels gets the model)."""
     kwargs: dict[str, Any] = {"backbone": backbone, "dataset": dataset}
     if getattr(cls, "needs_text_encoder", False):
         kwargs["text_encoder"] = model
         kwargs["class_names"] = class_names
+    elif cls.consumes_for(config) in ("view_pixels", "batch_pixels"):  # it runs the image encoder itself
+        kwargs["text_encoder"] = model
     return cls(config, text_features, model.logit_scale, **kwargs)
 
 
@@ -116,9 +118,12 @@ def shard_meta(planned: PlannedRun, data: RunData, model: LoadedModel, prompts: 
     if ts.exif_transpose:  # written only when on: the default's shards keep their bytes
         extra["zaec:exif_transpose"] = "true"
     # an adapt call's width may change the rounding of its rows (a resumed run compares it); written only away
-    # from the default, so the default's shards keep their bytes
-    if o.adapt_batch != DEFAULT_ADAPT_BATCH:
-        extra["zaec:adapt_batch"] = str(o.adapt_batch)
+    # from the default, so the default's shards keep their bytes. A method that adapts over batches of pixels
+    # always records its batch and what it consumes (docs/contract.md)
+    if planned.adapt_width != DEFAULT_ADAPT_BATCH or planned.consumes == "batch_pixels":
+        extra["zaec:adapt_batch"] = str(planned.adapt_width)
+    if planned.consumes == "batch_pixels":
+        extra["zaec:consumes"] = planned.consumes
     extra.update(ood_meta(planned, data))  # an OOD run's keys (docs/contract.md, "Out-of-distribution runs")
     if planned.method_cls.output_kind != "logits":  # absent means logits (docs/contract.md): older shards stay valid
         extra["zaec:output_kind"] = planned.method_cls.output_kind

@@ -75,6 +75,13 @@ TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
 #: ECALP's seconds per stream position at K = 1000, D = 512: 44.5 ms a sample measured over the first 256 samples,
 #: whose mean position is 128.5; its work per sample is O(n D + E K) with E ~ 22 n edges, split in that ratio
 ECALP_S_PER_POSITION = 0.0445 / 128.5
+#: The encoder passes per sample of the methods that adapt the image encoder over batches, in views' worth of the
+#: planning rate (`ENCODE_S_PER_VIEW`): the batch's images read again (1), and the encoder's forward, backward
+#: (about 2 forwards) and the prediction's forward on them, each a fraction of a view's loader-bound time
+BATCH_ENCODER_COSTS: dict[str, AdaptCost] = {
+    # Tent: 1 read + forward, backward, forward (~4 encoder forwards, ~1/3 of a loader-bound view each)
+    "tent": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 4 / 3)),
+}
 #: Adaptation cost by method. The figures of zero-shot, DPE, DLAE, TPS and the TPT family are guesses for one GPU
 #: (zero-shot is one matmul; DPE and DLAE one AdamW step on the prototype residuals per sample, DLAE adds its
 #: reflection step; TPS one AdamW step on a (K, D) shift for a batch of samples at once). TDA, ZERO, MTA, OnZeta,
@@ -104,6 +111,10 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     "rlcf": AdaptCost(4 * TPT["per_sample"] + 64 * 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=4 * TPT["per_class"]),
     # measured at 1.97x the bench model's encoding of its 64 views, independent of K: about 2 encodings of 64 views
     "ttl": AdaptCost(2 * 64 * ENCODE_S_PER_VIEW["vit"]),
+    # -- methods that adapt the image encoder over batches of test images (docs/benchmarks.md, "Methods that adapt
+    # the image encoder over batches: cost per sample"): each reads its batch's images again (one view at the
+    # encoder's planning rate, which the loader sets) and runs the encoder on them
+    **BATCH_ENCODER_COSTS,
 }
 #: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
 DEFAULT_ADAPT_COST = AdaptCost(0.03)

@@ -50,14 +50,28 @@ def build(cls, v: int, dataset: str = "dtd", scale: float = 100.0, dtype=torch.f
     if getattr(cls, "needs_reward_model", False):  # RLCF: the policy as its own reward model (no second model)
         changes.setdefault("reward_backbone", "policy")
     facts = {"vision_blocks": len(encoder.model.visual.transformer.resblocks)} if encoder is not None else {}
+    if cls.adapt_width(cls.default_config(dataset, "ViT-B-16")) is not None:  # adapts over batches: of 4 here
+        changes.setdefault("batch_size", 4)
     cfg = with_views(cls.default_config(dataset, "ViT-B-16"), v, facts, **changes)
     extra = {"text_encoder": encoder, "class_names": NAMES} if cls.needs_text_encoder else {}
     m = cls(cfg, make_text(dtype=dtype), scale, backbone="ViT-B-16", dataset=dataset, **extra)
-    if cls.consumes == "view_pixels":  # TTL adapts the image encoder: fixed random pixels per position
+    if cls.consumes_for(cfg) == "view_pixels":  # TTL adapts the image encoder: fixed random pixels per position
         size = encoder.preprocess.size[0]
         pixels = torch.randn(32, v, 3, size, size, generator=torch.Generator().manual_seed(11))
         m.attach_views(lambda a, b: pixels[a:b])
+    if cls.consumes_for(cfg) == "batch_pixels":  # the original view of each position: fixed random pixels
+        size = encoder.preprocess.size[0]
+        pixels = torch.randn(32, 3, size, size, generator=torch.Generator().manual_seed(11))
+        m.attach_pixels(lambda a, b: pixels[a:b])
     return m
+
+
+def feed(m, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`m.adapt` over the stream `x` in calls of `chunk` samples, or of the method's own batch where it has one
+    (`adapt_width`: the run never calls it otherwise)."""
+    width = type(m).adapt_width(m.config)
+    step = chunk if width is None else width
+    return torch.cat([m.adapt(x[i:i + step]) for i in range(0, len(x), step)])
 
 
 @pytest.fixture
@@ -79,14 +93,14 @@ METHODS = sorted(REGISTRY)
 def test_finite_deterministic_and_chunk_invariant(key, v, encoder):
     cls = REGISTRY[key]
     x = make_stream(30, v, make_text(dtype=torch.float32)).float()
-    whole = build(cls, v, dtype=torch.float32, encoder=encoder).adapt(x)
+    whole = feed(build(cls, v, dtype=torch.float32, encoder=encoder), x, len(x))
     assert whole.shape == (30, K) and whole.dtype == torch.float32
     assert torch.isfinite(whole).all()
-    again = build(cls, v, dtype=torch.float32, encoder=encoder).adapt(x)
+    again = feed(build(cls, v, dtype=torch.float32, encoder=encoder), x, len(x))
     assert torch.equal(whole, again)
     for chunk in (1, 7):
         m = build(cls, v, dtype=torch.float32, encoder=encoder)
-        parts = torch.cat([m.adapt(x[i:i + chunk]) for i in range(0, len(x), chunk)])
+        parts = feed(m, x, chunk)
         # a tuner taking several steps per sample carries each step's rounding into the next (RLCF: 5 steps;
         # tests/support/tpt.py `tuned_tol`)
         tol = LOGIT_TOL32 * max(1, getattr(m.config, "tta_steps", 1))
@@ -816,14 +830,16 @@ def test_text_residual_gradient_rounded_per_term(cls, amp, monkeypatch):
 def test_state_dict_resume_equals_uninterrupted(key, tmp_path, encoder):
     cls = REGISTRY[key]
     x = make_stream(24, 20, make_text(dtype=torch.float32)).float()
-    whole = build(cls, 20, dtype=torch.float32, encoder=encoder).adapt(x)
+    whole = feed(build(cls, 20, dtype=torch.float32, encoder=encoder), x, len(x))
     first = build(cls, 20, dtype=torch.float32, encoder=encoder)
-    head = first.adapt(x[:11])
+    width = cls.adapt_width(first.config)
+    cut = 11 if width is None else 2 * width  # a batch method resumes at a batch boundary (a part's end)
+    head = feed(first, x[:cut], cut)
     torch.save(first.state_dict(), tmp_path / "state.pt")
     second = build(cls, 20, dtype=torch.float32, encoder=encoder)
     second.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
-    assert second.n_seen == 11
-    torch.testing.assert_close(torch.cat([head, second.adapt(x[11:])]), whole, rtol=0, atol=0)
+    assert second.n_seen == cut
+    torch.testing.assert_close(torch.cat([head, feed(second, x[cut:], len(x))]), whole, rtol=0, atol=0)
     other = "tda" if key != "tda" else "dpe"
     with pytest.raises(ValueError, match="cannot be loaded"):
         build(REGISTRY[other], 20, dtype=torch.float32).load_state_dict(first.state_dict())
@@ -842,8 +858,8 @@ def test_state_dict_before_any_sample(key, encoder):
     fresh = build(REGISTRY[key], 1, encoder=encoder)
     fresh.load_state_dict(m.state_dict())
     x = make_stream(5, 1, make_text())
-    want = build(REGISTRY[key], 1, encoder=encoder).adapt(x)
-    torch.testing.assert_close(fresh.adapt(x), want, rtol=0, atol=0)
+    want = feed(build(REGISTRY[key], 1, encoder=encoder), x, len(x))
+    torch.testing.assert_close(feed(fresh, x, len(x)), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cls", [DPE, DLAE])

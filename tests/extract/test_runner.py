@@ -260,8 +260,11 @@ def shared_cache(tmp_path_factory):
 def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data_root, method,
                                      shared_cache):
     # a method with a second model (RLCF's reward model) gets the tiny model: its default cannot be loaded offline
+    cls = methods.get_method(method)
     overrides = ({"reward_pretrained": f"local-dir:{tiny_model_dir}", "reward_backbone": ""}
-                 if getattr(methods.get_method(method), "needs_reward_model", False) else {})
+                 if getattr(cls, "needs_reward_model", False) else {})
+    if cls.adapt_width(cls.default_config("dtd", "tiny-clip")) is not None:  # adapts over batches: two of 2 here
+        overrides["batch_size"] = "2"
     paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides)
     t = _table(paths)
     assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()

@@ -24,12 +24,17 @@ TINY_MEAN = (0.48145466, 0.4578275, 0.40821073)
 TINY_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def tiny_model_cfg(image_size: int = TINY_IMAGE_SIZE, quick_gelu: bool = True) -> dict:
-    """open_clip CLIP config of a ViT with width 32, one layer, patch 8, 32 px input, a one-layer text tower."""
+def tiny_model_cfg(image_size: int = TINY_IMAGE_SIZE, quick_gelu: bool = True, vision: str = "vit") -> dict:
+    """open_clip CLIP config of a ViT with width 32, one layer, patch 8, 32 px input, a one-layer text tower;
+    `vision="rn"`: an open_clip ModifiedResNet image tower instead (one bottleneck per stage, width 8, its
+    BatchNorms and attention pooling), the stand-in for RN50."""
+    vision_cfg = ({"image_size": image_size, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8}
+                  if vision == "vit" else {"image_size": image_size, "layers": [1, 1, 1, 1], "width": 8,
+                                           "head_width": 16})
     return {
         "embed_dim": 16,
         "quick_gelu": quick_gelu,
-        "vision_cfg": {"image_size": image_size, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+        "vision_cfg": vision_cfg,
         "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
     }
 
@@ -51,13 +56,14 @@ def _state_dict(model) -> dict:
 
 
 def make_tiny_model_dir(path: Path, *, seed: int = 0, model_name: str | None = "tiny-clip",
-                        quick_gelu: bool = True, image_size: int = TINY_IMAGE_SIZE) -> Path:
-    """Write `open_clip_config.json` + `open_clip_model.safetensors` of a tiny random CLIP into `path`."""
+                        quick_gelu: bool = True, image_size: int = TINY_IMAGE_SIZE, vision: str = "vit") -> Path:
+    """Write `open_clip_config.json` + `open_clip_model.safetensors` of a tiny random CLIP into `path` (`vision`:
+    "vit" or "rn", `tiny_model_cfg`)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_model_cfg(image_size, quick_gelu)
+    cfg = tiny_model_cfg(image_size, quick_gelu, vision)
     doc = {"model_cfg": cfg, "preprocess_cfg": {"mean": list(TINY_MEAN), "std": list(TINY_STD),
                                                  "interpolation": "bicubic", "resize_mode": "shortest"}}
     if model_name:
@@ -274,6 +280,21 @@ def tiny_model(tiny_model_dir):
     from extract.models import load_model
 
     return load_model(None, f"local-dir:{tiny_model_dir}", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_rn_model_dir(tmp_path_factory) -> Path:
+    """A `local-dir:` model folder with a tiny random CLIP whose image tower is open_clip's ModifiedResNet (its
+    BatchNorms), named "RN-tiny" so that the per-backbone tables read its RN column."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-rn"), model_name="RN-tiny", vision="rn")
+
+
+@pytest.fixture(scope="session")
+def tiny_rn_model(tiny_rn_model_dir):
+    """The tiny RN model loaded on the CPU through `extract.models.load_model`."""
+    from extract.models import load_model
+
+    return load_model(None, f"local-dir:{tiny_rn_model_dir}", "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,9 @@ def test_plan_resolves_names_and_settings():
     (RunOptions("tda", "dtd", anchor="both"), "unknown anchor 'both'; available: single, method"),
     (RunOptions("tda", "dtd", limit=0), "--limit must be >= 1"),
     (RunOptions("tda", "dtd", seed=-1), "seed must be >= 0"),
+    (RunOptions("tda", "dtd", part_size=10, adapt_batch=4), "multiple of adapt_batch"),
+    (RunOptions("tent", "dtd", part_size=100, adapt_batch=4, overrides=(("batch_size", "8"),)),
+     r"tent adapts in batches of 8 samples: --part-size \(100\) must be a multiple of it \(e.g. --part-size 96\)"),
 ])
 def test_plan_refuses_bad_options(opts, message):
     with pytest.raises(RunError, match=message):
@@ -88,7 +91,6 @@ def test_plan_refuses_bad_options(opts, message):
 
 
 @pytest.mark.parametrize("opts,execution,message", [
-    (RunOptions("tda", "dtd", part_size=10, adapt_batch=4), ExecOptions(), "multiple of adapt_batch"),
     (RunOptions("tda", "dtd"), ExecOptions(batch_size=0), "--batch-size must be a positive integer"),
     (RunOptions("tda", "dtd"), ExecOptions(workers=-1), "--workers must be >= 0"),
     (RunOptions("tda", "dtd"), ExecOptions(on_changed="ignore"), "on_changed must be"),
