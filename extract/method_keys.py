@@ -10,4 +10,5 @@ METHOD_KEYS: tuple[str, ...] = (
     "zero", "mta", "onzeta", "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt", "rlcf",
     "ttl",
     "tent",
+    "watt", "clipartt",
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from extract.methods.atpt import ATPT
 from extract.methods.base import TTAMethod
 from extract.methods.boostadapter import BoostAdapter
+from extract.methods.clipartt import CLIPArTT
 from extract.methods.dlae import DLAE
 from extract.methods.dmn import DMN, DMNWeak
 from extract.methods.dpe import DPE
@@ -23,6 +24,7 @@ from extract.methods.tent import Tent
 from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.ttl import TTL
+from extract.methods.watt import WATT
 from extract.methods.zero import Zero
 from extract.methods.zero_shot import ZeroShot
 
@@ -32,7 +34,10 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              Zero, MTA, OnZeta, ECALP, DMN, DMNWeak, BoostAdapter, RTPT, DynaPrompt, RLCF, TTL,
                              # methods that adapt the image encoder over batches of test images (consume
                              # "batch_pixels"), each with its section in docs/methods.md
-                             Tent)
+                             Tent,
+                             # per batch, reset before each batch:
+                             # docs/methods.md, "Methods that adapt the image encoder per batch (WATT, CLIPArTT)"
+                             WATT, CLIPArTT)
 }
 
 

@@ -16,28 +16,28 @@ fp32 on the CPU; no autocast and no loss scale in the official code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
 
 import torch
 
-from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hparams_key, setting, text_setting
+from extract.methods.base import MethodConfig, check_hparams_key, setting, text_setting
+from extract.methods.batch import BatchConfig, PixelBatchMethod
+from extract.methods.normtta import open_clip_model
 from extract.methods.norm_tuning import (TargetMethod, TunedCLIP, adam, norm_kind, step, text_graph_loss,
                                          WeightsDtype, fp16_weights, tokenize)
 
 
 @dataclass(frozen=True)
-class CLIPArTTConfig(MethodConfig):
+class CLIPArTTConfig(BatchConfig):
     """CLIPArTT's settings (`configuration.py` argparse defaults, `adapt.py`, `models/tent.py`)."""
 
-    prompts: PromptSet = field(default="single", metadata={"fixed": True})  # its own prompt (`template`)
-    cupl: bool = field(default=False, metadata={"fixed": True})
-    # `Tent(..., episodic=True)` and `model.reset()` before every batch: nothing carries to the next batch
-    episodic: bool = field(default=True, metadata={"fixed": True})
     batch_size: int = setting(128, ge=1)  # `--batch-size` 128
     lr: float = setting(1e-3, ge=0)  # `setup_optimizer`: Adam lr=1e-3 (`--adapt-lr` is never read)
     steps: int = setting(10, ge=1)  # `--niter` 10 (`Tent` asserts steps > 0)
-    top_k: int = setting(3, ge=1)  # `--K` 3: classes per image prompt (at most the number of classes)
+    # `--K` 3: classes per image prompt; above the number of classes every prompt names them all (with a note; the
+    # official `topk` would stop)
+    top_k: int = setting(3, ge=1)
     target_method: TargetMethod = 1  # `--target-method` 1: targets from (S_I + S_T) / 2
     beta1: float = setting(0.9, ge=0, lt=1)  # optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
     beta2: float = setting(0.999, ge=0, lt=1)
@@ -77,7 +77,7 @@ def clipartt_step(clip: TunedCLIP, opt: torch.optim.Optimizer, tokenizer: Any, i
     with torch.no_grad():
         f = clip.image_features(images)
         probs = (scale * f @ class_text.T).softmax(dim=-1)
-    prompts = top_k_prompts(probs, cfg.top_k, class_names, cfg.template, cfg.joiner)
+    prompts = top_k_prompts(probs, min(cfg.top_k, len(class_names)), class_names, cfg.template, cfg.joiner)
     text = clip.text_features(tokenize(tokenizer, prompts, images.device))  # (B, D)
     img = clip.image_features(images)
     logits = clip.logit_scale * text @ img.t()
@@ -100,15 +100,14 @@ def clipartt_predict(clip: TunedCLIP, images: torch.Tensor, class_text: torch.Te
     return scale * clip.image_features(images) @ class_text.T
 
 
-class CLIPArTT(TTAMethod):
+class CLIPArTT(PixelBatchMethod):
     """CLIPArTT: per batch, norm-layer affine parameters tuned on pseudo-labels from the batch's text graph."""
 
     key: ClassVar[str] = "clipartt"
-    # a row depends on the other samples of its batch; batches are cut at fixed stream positions
-    prefix_stable: ClassVar[bool] = False
+    # a row depends on the other images of its batch only (reset before each batch); batches are cut at fixed
+    # stream positions, so the first batches of a longer run are these
+    prefix_stable: ClassVar[bool] = True
     Config: ClassVar[type[MethodConfig]] = CLIPArTTConfig
-    needs_text_encoder: ClassVar[bool] = True  # the runner passes the model: its copy is adapted
-    consumes: ClassVar[Any] = "batch_pixels"
     # Unseen data: every row is the same (no per-dataset setting)
     unseen_like: ClassVar[str] = "imagenet"
 
@@ -118,12 +117,11 @@ class CLIPArTT(TTAMethod):
                          text_encoder=text_encoder)
         cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
         if cfg.top_k > self.n_classes:
-            raise ValueError(f"clipartt: top_k={cfg.top_k} exceeds the {self.n_classes} classes of the dataset; "
-                             f"valid: 1 <= top_k <= {self.n_classes}")
-        self.kind = norm_kind(getattr(text_encoder, "model", text_encoder).visual)
+            self.warnings.append(f"clipartt: top_k={cfg.top_k} exceeds the dataset's {self.n_classes} classes: each "
+                                 f"image's prompt names all {self.n_classes}")
+        self.kind = norm_kind(open_clip_model(text_encoder, self.key).visual)
         self.class_names = tuple(class_names) if class_names is not None else tuple(map(str, range(self.n_classes)))
         self._clip: TunedCLIP | None = None
-        self._pixels: Callable[[int, int], torch.Tensor] | None = None
         self._class_text: torch.Tensor | None = None
 
     @classmethod
@@ -135,21 +133,12 @@ class CLIPArTT(TTAMethod):
         """The tuned copy on `device` and the classes' text features (once per run: they never change)."""
         cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
         if self._clip is None or self._clip.logit_scale.device != device:
-            model = getattr(self.text_encoder, "model", self.text_encoder)
+            model = open_clip_model(self.text_encoder, self.key)
             clip = TunedCLIP.build(model, self.kind, fp16=fp16_weights(cfg.weights_dtype, device), device=device)
             prompts = [cfg.template.format(c) for c in self.class_names]
             self._class_text = clip.text_features(tokenize(self.text_encoder.tokenizer, prompts, device))
             self._clip = clip
         return self._clip
-
-    @classmethod
-    def adapt_width(cls, config: MethodConfig) -> int | None:
-        """The official batch: every `adapt` call is one batch of `batch_size` images (the last one shorter)."""
-        return int(config.batch_size)  # type: ignore[attr-defined]
-
-    def attach_pixels(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, 3, S, S) preprocessed original views of those stream positions."""
-        self._pixels = reader
 
     def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
@@ -162,11 +151,5 @@ class CLIPArTT(TTAMethod):
         return out
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        b = view_feats.shape[0]
-        if self._pixels is None:
-            raise ValueError("clipartt adapts the image encoder and needs the batch's pixels; the runner attaches them "
-                             "(`attach_pixels`)")
-        images = torch.as_tensor(self._pixels(self.n_seen, self.n_seen + b)).to(view_feats.device)
-        if images.ndim != 4 or images.shape[0] != b:
-            raise ValueError(f"clipartt: pixels of shape {tuple(images.shape)} for a batch of {b}")
-        return self.adapt_images(images)
+        """One batch: its pixels (positions [n_seen, n_seen + B)) adapted on; the cached features are unused."""
+        return self.adapt_images(self.batch_images(view_feats.shape[0], view_feats.device, torch.float32))

@@ -15,8 +15,8 @@ scale; on the CPU in fp32. `official_copy` builds the same from an open_clip mod
 Which parameters train (CLIPArTT `models/tent.py` `configure_model`, `collect_params`; WATT `adapt/watt.py`
 `set_ln_grads`, `collect_ln_params`): on a ViT the weight and bias of every `nn.LayerNorm` of the image encoder, the
 model in eval mode; on a ResNet (a name containing "RN") the weight and bias of every `nn.BatchNorm2d` of the image
-encoder, the image encoder in train mode with its running statistics removed, so every forward (the adapting ones
-and the final prediction) normalises with the statistics of the batch at hand.
+encoder, its running statistics removed, so every forward (the adapting ones and the final prediction) normalises
+with the statistics of the batch at hand.
 """
 
 from __future__ import annotations
@@ -67,12 +67,6 @@ def official_copy(model: torch.nn.Module, *, fp16: bool) -> torch.nn.Module:
     return twin
 
 
-def norm_layers(visual: torch.nn.Module, kind: NormKind) -> list[torch.nn.Module]:
-    """The image encoder's LayerNorms (`kind="layernorm"`) or BatchNorm2d layers, in module order."""
-    cls = torch.nn.LayerNorm if kind == "layernorm" else torch.nn.BatchNorm2d
-    return [m for m in visual.modules() if isinstance(m, cls)]
-
-
 def norm_kind(visual: torch.nn.Module) -> NormKind:
     """Which layers an image encoder's adaptation tunes: BatchNorm for a ResNet (an encoder with BatchNorm2d
     layers), LayerNorm otherwise. The official code decides by the model's name (`'RN' in name_model`), which is
@@ -102,28 +96,24 @@ class TunedCLIP:
     @classmethod
     def build(cls, model: torch.nn.Module, kind: NormKind, *, fp16: bool,
               device: torch.device | None = None) -> "TunedCLIP":
-        """`official_copy` of `model` on `device` with the `kind` layers of its image encoder set up for tuning
-        (CLIPArTT `configure_model` / WATT `set_ln_grads`).
+        """`official_copy` of `model` on `device`, its image encoder configured as the CLIP ports do
+        (`extract.methods.normtta.configure_norms`: every BatchNorm2d on batch statistics, the normalisation
+        layers' weight and bias the only trainable parameters), which is CLIPArTT's `configure_model` / WATT's
+        `set_ln_grads`. CLIPArTT also puts a ResNet's encoder in train mode; in open_clip's ModifiedResNet that
+        changes nothing else (its attention pool's dropout is 0), so the copy stays in eval mode.
 
         Raises:
-            ValueError: the image encoder has no layer of that kind (WATT on a ResNet: the official Adam gets an
+            ValueError: the image encoder has no layer of `kind` (WATT on a ResNet: the official Adam gets an
                 empty parameter list).
         """
+        from extract.methods.normtta import configure_norms
+
         twin = official_copy(model, fp16=fp16)
         if device is not None:
             twin = twin.to(device)
-        layers = norm_layers(twin.visual, kind)
-        if not layers:
+        if norm_kind(twin.visual) != kind:
             raise ValueError(f"the image encoder has no {kind} layer to adapt")
-        if kind == "batchnorm":
-            twin.visual.train()  # `model.train()`: batch statistics in every forward
-            for m in layers:
-                m.track_running_stats = False
-                m.running_mean = None
-                m.running_var = None
-        params = [p for m in layers for p in (m.weight, m.bias) if p is not None]
-        for p in params:
-            p.requires_grad_(True)
+        params = [p for _, p in configure_norms(twin.visual, lambda name: True)]
         with torch.no_grad():
             scale = twin.logit_scale.exp()
         return cls(twin, kind, params, [p.detach().clone() for p in params], scale)

@@ -21,11 +21,13 @@ fp32 on the CPU; no autocast and no loss scale in the official code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 import torch
 
-from extract.methods.base import MethodConfig, PromptSet, TTAMethod, check_hparams_key, setting
+from extract.methods.base import MethodConfig, check_hparams_key, setting
+from extract.methods.batch import BatchConfig, PixelBatchMethod
+from extract.methods.normtta import open_clip_model
 from extract.methods.norm_tuning import (NormKind, TunedCLIP, adam, norm_kind, step, text_graph_loss,
                                          WeightsDtype, fp16_weights, tokenize)
 
@@ -39,13 +41,9 @@ REFERENCE_TEMPLATE = "a photo of a {}"  # `adapt/watt.py` REFERENCE_TEMPLATE (th
 
 
 @dataclass(frozen=True)
-class WATTConfig(MethodConfig):
+class WATTConfig(BatchConfig):
     """WATT's settings (`main.py` argparse defaults, `adapt/watt.py`, the scripts `bash/watt_{s,p}/*/*.sh`)."""
 
-    prompts: PromptSet = field(default="single", metadata={"fixed": True})  # its own templates (`templates`)
-    cupl: bool = field(default=False, metadata={"fixed": True})
-    # `main.py` resets before every batch and `adapt` again: nothing carries from one batch to the next
-    episodic: bool = field(default=True, metadata={"fixed": True})
     # BATCH_SIZE=128 in every script (`--batch-size` default 128)
     batch_size: int = setting(128, ge=1)
     # LR=1e-4 in the scripts of every natural-image set (OfficeHome, PACS, VLCS, VisDA) and `--lr`'s default;
@@ -183,15 +181,14 @@ def averaged_text_layernorms(clip: TunedCLIP, n_templates: int, rounds: int) -> 
     return out
 
 
-class WATT(TTAMethod):
+class WATT(PixelBatchMethod):
     """WATT: per batch, LayerNorm (ViT) or BatchNorm (ResNet) affine parameters tuned per template and averaged."""
 
     key: ClassVar[str] = "watt"
-    # a row depends on the other samples of its batch; batches are cut at fixed stream positions
-    prefix_stable: ClassVar[bool] = False
+    # a row depends on the other images of its batch only (reset before each batch); batches are cut at fixed
+    # stream positions, so the first batches of a longer run are these
+    prefix_stable: ClassVar[bool] = True
     Config: ClassVar[type[MethodConfig]] = WATTConfig
-    needs_text_encoder: ClassVar[bool] = True  # the runner passes the model: its copy is adapted
-    consumes: ClassVar[Any] = "batch_pixels"
     # Unseen data: every row is the same (no per-dataset setting)
     unseen_like: ClassVar[str] = "imagenet"
 
@@ -200,14 +197,13 @@ class WATT(TTAMethod):
         super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
                          text_encoder=text_encoder)
         cfg: WATTConfig = self.config  # type: ignore[assignment]
-        self.kind: NormKind = norm_kind(getattr(text_encoder, "model", text_encoder).visual)
+        self.kind: NormKind = norm_kind(open_clip_model(text_encoder, self.key).visual)
         if self.kind == "batchnorm" and not cfg.rn_batchnorm:
             raise ValueError(f"watt adapts the LayerNorms of the image encoder; {backbone}'s is a ResNet without "
                              f"any (the official code stops there); use a ViT backbone, or rn_batchnorm=true to adapt "
                              f"its BatchNorms as CLIPArTT does")
         self.class_names = tuple(class_names) if class_names is not None else None
         self._clip: TunedCLIP | None = None
-        self._pixels: Callable[[int, int], torch.Tensor] | None = None
         self._texts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -219,7 +215,7 @@ class WATT(TTAMethod):
         """The tuned copy on `device` and the run's text features (once per run: they never change)."""
         cfg: WATTConfig = self.config  # type: ignore[assignment]
         if self._clip is None or self._clip.logit_scale.device != device:
-            model = getattr(self.text_encoder, "model", self.text_encoder)
+            model = open_clip_model(self.text_encoder, self.key)
             clip = TunedCLIP.build(model, self.kind, fp16=fp16_weights(cfg.weights_dtype, device), device=device)
             tok = self.text_encoder.tokenizer
             names = self.class_names or tuple(str(i) for i in range(self.n_classes))
@@ -235,15 +231,6 @@ class WATT(TTAMethod):
             self._clip, self._texts = clip, (per_template, eval_text)
         return self._clip
 
-    @classmethod
-    def adapt_width(cls, config: MethodConfig) -> int | None:
-        """The official batch: every `adapt` call is one batch of `batch_size` images (the last one shorter)."""
-        return int(config.batch_size)  # type: ignore[attr-defined]
-
-    def attach_pixels(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, 3, S, S) preprocessed original views of those stream positions."""
-        self._pixels = reader
-
     def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
         cfg: WATTConfig = self.config  # type: ignore[assignment]
@@ -255,11 +242,5 @@ class WATT(TTAMethod):
         return out
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        b = view_feats.shape[0]
-        if self._pixels is None:
-            raise ValueError("watt adapts the image encoder and needs the batch's pixels; the runner attaches them "
-                             "(`attach_pixels`)")
-        images = torch.as_tensor(self._pixels(self.n_seen, self.n_seen + b)).to(view_feats.device)
-        if images.ndim != 4 or images.shape[0] != b:
-            raise ValueError(f"watt: pixels of shape {tuple(images.shape)} for a batch of {b}")
-        return self.adapt_images(images)
+        """One batch: its pixels (positions [n_seen, n_seen + B)) adapted on; the cached features are unused."""
+        return self.adapt_images(self.batch_images(view_feats.shape[0], view_feats.device, torch.float32))

@@ -18,12 +18,11 @@ EPS16 = torch.finfo(torch.float16).eps
 
 
 def tiny_cfg(family: str) -> dict:
-    """open_clip config of a tiny CLIP: a one-block ViT (width 32, patch 8) or a ModifiedResNet with one bottleneck
-    per stage (width 8: 3 stem BatchNorms, 3 per bottleneck, 1 per downsample), both 32 px, embedding 16."""
-    vision = ({"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8} if family == "vit"
-              else {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 16})
-    return {"embed_dim": 16, "quick_gelu": True, "vision_cfg": vision,
-            "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    """The tiny CLIP of tests/support/extract.py (`tiny_model_cfg`): a one-block ViT or a ModifiedResNet with one
+    bottleneck per stage (3 stem BatchNorms, 3 per bottleneck, 1 per downsample), both 32 px, embedding 16."""
+    from tests.support.extract import tiny_model_cfg
+
+    return tiny_model_cfg(vision=family)
 
 
 def tiny_loaded(family: str, seed: int = 0):

@@ -175,9 +175,13 @@ def test_reset_between_batches_and_the_run_model_untouched(loaded):
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
 
 
-def test_top_k_above_the_classes_is_refused():
-    with pytest.raises(ValueError, match=r"clipartt: top_k=6 exceeds the 5 classes"):
-        make(tiny_loaded("vit"), top_k=6)
+def test_top_k_above_the_classes_names_them_all():
+    """The official `topk(3)` stops on fewer classes; here every prompt names them all, with a note."""
+    loaded = tiny_loaded("vit")
+    m = make(loaded, top_k=6, steps=2)
+    assert m.warnings == ["clipartt: top_k=6 exceeds the dataset's 5 classes: each image's prompt names all 5"]
+    x = pixels(4, 7)
+    assert torch.equal(m.adapt_images(x), make(loaded, top_k=5, steps=2).adapt_images(x))
 
 
 def test_prompt_and_loss_pieces():

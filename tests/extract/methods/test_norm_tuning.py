@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from extract.methods.norm_tuning import TunedCLIP, fp16_weights, norm_kind, norm_layers, official_copy
+from extract.methods.norm_tuning import TunedCLIP, fp16_weights, norm_kind, official_copy
 from tests.support.norm_tuning import openai_fp16, pixels, tiny_loaded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,18 +34,18 @@ def test_fp16_copy_is_openai_conversion(family):
 
 
 def test_layers_tuned_per_backbone():
-    """ViT: ln_pre, ln_1/ln_2 per block, ln_post, eval mode; ResNet: every BatchNorm2d, train mode, batch
-    statistics only."""
+    """ViT: ln_pre, ln_1/ln_2 per block, ln_post; ResNet: every BatchNorm2d, on batch statistics only; nothing
+    else trains."""
     vit, rn = tiny_loaded("vit").model, tiny_loaded("rn").model
     assert norm_kind(vit.visual) == "layernorm" and norm_kind(rn.visual) == "batchnorm"
-    assert len(norm_layers(vit.visual, "layernorm")) == 2 + 2 * len(vit.visual.transformer.resblocks)
-    assert len(norm_layers(rn.visual, "batchnorm")) == 3 + 4 * 3 + 4  # stem, 4 bottlenecks, 4 downsamples
     t = TunedCLIP.build(vit, "layernorm", fp16=False)
-    assert len(t.params) == 2 * len(norm_layers(vit.visual, "layernorm")) and not t.model.training
+    assert len(t.params) == 2 * (2 + 2 * len(vit.visual.transformer.resblocks)) and not t.model.training
     assert {id(p) for p in t.model.parameters() if p.requires_grad} == {id(p) for p in t.params}
     t = TunedCLIP.build(rn, "batchnorm", fp16=False)
-    assert t.model.visual.training and all(m.running_mean is None and not m.track_running_stats
-                                           for m in norm_layers(t.model.visual, "batchnorm"))
+    bns = [m for m in t.model.visual.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bns) == 3 + 4 * 3 + 4 and len(t.params) == 2 * len(bns)  # stem, 4 bottlenecks, 4 downsamples
+    assert all(m.running_mean is None and not m.track_running_stats for m in bns)
+    assert {id(p) for p in t.model.parameters() if p.requires_grad} == {id(p) for p in t.params}
     with pytest.raises(ValueError, match="no layernorm layer to adapt"):
         TunedCLIP.build(rn, "layernorm", fp16=False)
 
