@@ -49,11 +49,16 @@ class MethodCost:
         return self.seconds / self.samples if self.samples else math.nan
 
 
-def bench_overrides(cls: type, model_dir: Path) -> dict[str, str]:
+def bench_overrides(cls: type, model_dir: Path, batch: int | None = None) -> dict[str, str]:
     """The `--set` values a method needs to run in the bench: a method with a reward model (RLCF) gets the bench's
-    own small model as its reward model (a second load of the same weights; its features come from the same cache)."""
+    own small model as its reward model (a second load of the same weights; its features come from the same cache);
+    a method that adapts in batches of its own (`adapt_width`: Tent, WATT, CLIPArTT) adapts in batches of the
+    bench's `batch` (its official 64 or 128 would need that many cached positions per timed call; on a CPU the
+    cost per sample hardly depends on the batch)."""
     if getattr(cls, "needs_reward_model", False):
         return {"reward_backbone": "", "reward_pretrained": f"local-dir:{model_dir}"}
+    if batch is not None and cls.adapt_width(cls.default_config("dtd", "ViT-B-16")) is not None:
+        return {"batch_size": str(batch)}
     return {}
 
 
@@ -114,7 +119,7 @@ def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], lim
 
 
 def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict[str, int], *,
-                budget_s: float) -> MethodCost:
+                budget_s: float, batch: int | None = None) -> MethodCost:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
     bench's model, set, caches and adapt batch bound in).
 
@@ -124,11 +129,12 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
         model_dir: the bench model's folder (for `bench_overrides`).
         limits: view policy -> stream positions cached for it (the run's `limit`).
         budget_s: CPU seconds of timed `adapt` calls after which the run is ended.
+        batch: the batch of a method that adapts in batches of its own (`bench_overrides`).
     """
     from extract.methods import get_method
 
     cls = get_method(key)
-    overrides = bench_overrides(cls, model_dir)
+    overrides = bench_overrides(cls, model_dir, batch)
     policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s))
     if failed:
         return MethodCost(key, policy, skipped=failed)
@@ -187,7 +193,7 @@ def method_costs(model: Any, model_dir: Path, root: Path, work: Path, keys: Sequ
     with one_torch_thread():
         for key in dict.fromkeys([*REFERENCES, *keys]):
             log(f"timing {key}")
-            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s))
+            results.append(method_cost(key, run, model_dir, limits, budget_s=budget_s, batch=adapt_batch))
     return results
 
 
