@@ -95,3 +95,26 @@ def logit_tol(dtype: torch.dtype, steps: int, width: int = 32) -> float:
     twice that into the next (tests/support/tpt.py `tuned_tol`), the logits times the scale."""
     eps = EPS16 if dtype == torch.float16 else EPS32
     return (2 + 2 * steps) * width * eps * SCALE
+
+
+def assert_reset_per_batch(loaded, make) -> None:
+    """Two batches of 4 through `adapt` (the run's call, pixels attached) equal each batch adapted alone by a fresh
+    method: nothing carries from one batch to the next; and the run's frozen model is never changed.
+
+    Args:
+        loaded: the `LoadedModel`; make: `make(batch_size=...)` -> a fresh method on it.
+    """
+    import copy
+
+    before = copy.deepcopy(loaded.model.state_dict())
+    x = pixels(8, 5)
+    m = make(batch_size=4)
+    m.attach_pixels(lambda a, b: x[a:b])
+    feats = torch.zeros(4, 1, 16)  # what the run feeds besides the pixels (unused)
+    first, second = m.adapt(feats), m.adapt(feats)
+    assert m.n_seen == 8 and type(m).adapt_width(m.config) == 4
+    assert torch.equal(second, make().adapt_images(x[4:]))
+    assert torch.equal(first, make().adapt_images(x[:4]))
+    after = loaded.model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())

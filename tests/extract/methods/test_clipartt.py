@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from extract.methods.clipartt import CLIPArTT, top_k_prompts
 from extract.methods.norm_tuning import text_graph_loss
-from tests.support.norm_tuning import (NAMES, SCALE, cross_entropy, encode_image, logit_tol, openai_fp16, pixels,
-                                       tiny_loaded)
+from tests.support.norm_tuning import (NAMES, SCALE, assert_reset_per_batch, cross_entropy, encode_image, logit_tol,
+                                       openai_fp16, pixels, tiny_loaded)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,18 +161,8 @@ def test_lr_zero_is_the_zero_shot_of_its_prompt(loaded):
 
 
 def test_reset_between_batches_and_the_run_model_untouched(loaded):
-    before = copy.deepcopy(loaded.model.state_dict())
-    x = pixels(8, 5)
-    m = make(loaded, steps=2, batch_size=4)
-    m.attach_pixels(lambda a, b: x[a:b])
-    feats = torch.zeros(4, 1, 16)  # what the run feeds besides the pixels (unused)
-    first, second = m.adapt(feats), m.adapt(feats)
-    assert m.n_seen == 8 and CLIPArTT.adapt_width(m.config) == 4
-    assert torch.equal(second, make(loaded, steps=2).adapt_images(x[4:]))
-    assert torch.equal(first, make(loaded, steps=2).adapt_images(x[:4]))
-    after = loaded.model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
+    """A batch's logits do not depend on the batches before it, and the run's frozen model is never changed."""
+    assert_reset_per_batch(loaded, lambda **kw: make(loaded, steps=2, **kw))
 
 
 def test_top_k_above_the_classes_names_them_all():

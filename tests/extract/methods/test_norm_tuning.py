@@ -23,7 +23,8 @@ def test_fp16_copy_is_openai_conversion(family):
     ref = openai_fp16(copy.deepcopy(model))
     a, b = dict(ours.named_parameters()), dict(ref.named_parameters())
     assert a.keys() == b.keys()
-    assert {k for k, p in a.items() if p.dtype == torch.float16} == {k for k, p in b.items() if p.dtype == torch.float16}
+    half = torch.float16
+    assert {k for k, p in a.items() if p.dtype == half} == {k for k, p in b.items() if p.dtype == half}
     assert all(torch.equal(a[k], b[k]) for k in a) and not any(p.requires_grad for p in a.values())
     x = pixels(3)
     with torch.no_grad():

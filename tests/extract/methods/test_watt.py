@@ -11,10 +11,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from extract.methods.norm_tuning import TunedCLIP
 from extract.methods.watt import WATT, WATT_TEMPLATES, template_average
-from tests.support.norm_tuning import (NAMES, SCALE, cross_entropy, encode_image, logit_tol, openai_fp16, pixels,
-                                       tiny_loaded)
+from tests.support.norm_tuning import (NAMES, SCALE, assert_reset_per_batch, cross_entropy, encode_image, logit_tol,
+                                       openai_fp16, pixels, tiny_loaded)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,18 +174,7 @@ def test_template_average_is_the_official_sum():
 
 def test_reset_between_batches_and_the_run_model_untouched(loaded):
     """A batch's logits do not depend on the batches before it, and the run's frozen model is never changed."""
-    before = copy.deepcopy(loaded.model.state_dict())
-    x = pixels(8, 5)
-    m = make(loaded, rounds=1, batch_size=4)
-    m.attach_pixels(lambda a, b: x[a:b])
-    feats = torch.zeros(4, 1, 16)  # what the run feeds besides the pixels (unused)
-    first, second = m.adapt(feats), m.adapt(feats)
-    assert m.n_seen == 8 and WATT.adapt_width(m.config) == 4
-    assert torch.equal(second, make(loaded, rounds=1).adapt_images(x[4:]))
-    assert torch.equal(first, make(loaded, rounds=1).adapt_images(x[:4]))
-    after = loaded.model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
+    assert_reset_per_batch(loaded, lambda **kw: make(loaded, rounds=1, **kw))
 
 
 def test_resnet_refused_without_rn_batchnorm():
