@@ -74,10 +74,12 @@ from extract.run.writer import PartWriter, marker_doc
 
 def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str, seed: int,
              overrides: Mapping[str, Any] | None, anchor: str, limit: int | None,
-             ood_for: str | None = None) -> PlannedRun:
-    """`plan(RunOptions(...))` in the keyword style of `run_extraction` (resolves names; raises on any bad one)."""
+             ood_for: str | None = None, part_size: int = DEFAULT_PART_SIZE) -> PlannedRun:
+    """`plan(RunOptions(...))` in the keyword style of `run_extraction` (resolves names; raises on any bad one;
+    `part_size`: the plan checks that it holds whole batches of a method that adapts in batches of its own)."""
     return plan(RunOptions.make(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed,
-                                overrides=overrides, anchor=anchor, limit=limit, ood_for=ood_for))
+                                overrides=overrides, anchor=anchor, limit=limit, ood_for=ood_for,
+                                part_size=part_size))
 
 
 def run_extraction(

@@ -24,8 +24,8 @@ import torch
 from extract.methods.base import MethodConfig, check_hparams_key, setting, text_setting
 from extract.methods.batch import BatchConfig, PixelBatchMethod
 from extract.methods.normtta import open_clip_model
-from extract.methods.norm_tuning import (TargetMethod, TunedCLIP, adam, norm_kind, step, text_graph_loss,
-                                         WeightsDtype, fp16_weights, tokenize)
+from extract.methods.norm_tuning import (TargetMethod, TunedCLIP, WeightsDtype, adam, batch_statistics_hint,
+                                         fp16_weights, norm_kind, step, text_graph_loss, tokenize)
 
 
 @dataclass(frozen=True)
@@ -142,12 +142,13 @@ class CLIPArTT(PixelBatchMethod):
 
     def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
-        cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
-        clip = self.build(images.device)
-        clipartt_adapt(clip, self.text_encoder.tokenizer, images, self._class_text, self.class_names, cfg,
-                       self.logit_scale)
-        out = clipartt_predict(clip, images, self._class_text, self.logit_scale).float()
-        clip.reset()
+        with batch_statistics_hint(self.key, len(images)):
+            cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
+            clip = self.build(images.device)
+            clipartt_adapt(clip, self.text_encoder.tokenizer, images, self._class_text, self.class_names, cfg,
+                           self.logit_scale)
+            out = clipartt_predict(clip, images, self._class_text, self.logit_scale).float()
+            clip.reset()
         return out
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,10 @@ with the statistics of the batch at hand.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +188,20 @@ def step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+@contextlib.contextmanager
+def batch_statistics_hint(key: str, n: int) -> Iterator[None]:
+    """Turn torch's refusal of batch statistics over one value per channel (a one-image batch through a ResNet
+    whose last stage is 1×1 at its input size; RN50 at 224 px is 7×7) into one line saying what to change."""
+    try:
+        yield
+    except ValueError as e:
+        if "more than 1 value per channel" not in str(e):
+            raise
+        raise ValueError(f"{key}: a batch of {n} image(s) gives a BatchNorm of the ResNet one value per channel "
+                         f"(its last stage is 1x1 at this input size), so no batch statistics; choose a batch_size "
+                         f"that leaves no such batch at the end of the stream") from None
 
 
 def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device) -> torch.Tensor:

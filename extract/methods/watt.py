@@ -28,8 +28,8 @@ import torch
 from extract.methods.base import MethodConfig, check_hparams_key, setting
 from extract.methods.batch import BatchConfig, PixelBatchMethod
 from extract.methods.normtta import open_clip_model
-from extract.methods.norm_tuning import (NormKind, TunedCLIP, adam, norm_kind, step, text_graph_loss,
-                                         WeightsDtype, fp16_weights, tokenize)
+from extract.methods.norm_tuning import (NormKind, TunedCLIP, WeightsDtype, adam, batch_statistics_hint,
+                                         fp16_weights, norm_kind, step, text_graph_loss, tokenize)
 
 # templates.yaml, in its order (the first and second without a full stop, as written there)
 WATT_TEMPLATES: tuple[str, ...] = (
@@ -233,12 +233,13 @@ class WATT(PixelBatchMethod):
 
     def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
-        cfg: WATTConfig = self.config  # type: ignore[assignment]
-        clip = self.build(images.device)
-        per_template, eval_text = self._texts  # type: ignore[misc]
-        watt_adapt(clip, images, per_template, cfg, self.logit_scale)
-        out = watt_predict(clip, images, eval_text, self.logit_scale).float()
-        clip.reset()
+        with batch_statistics_hint(self.key, len(images)):
+            cfg: WATTConfig = self.config  # type: ignore[assignment]
+            clip = self.build(images.device)
+            per_template, eval_text = self._texts  # type: ignore[misc]
+            watt_adapt(clip, images, per_template, cfg, self.logit_scale)
+            out = watt_predict(clip, images, eval_text, self.logit_scale).float()
+            clip.reset()
         return out
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:

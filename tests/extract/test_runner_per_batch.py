@@ -104,3 +104,26 @@ def test_zaec_extract_on_a_folder_set(tmp_path, tiny_rn_model_dir, method):
     s = read_shard(path)
     assert len(s) == 6 and np.isfinite(s.tta_logits).all() and s.meta.method == method
     assert s.meta.method_config["batch_size"] == 4
+
+
+def test_batch_part_size_and_a_one_image_resnet_batch_on_the_command_line(tmp_path, tiny_rn_model_dir):
+    """`--set batch_size=7 --part-size 7` is a valid run (the plan checks the part size given, not the default);
+    15 images leave a last batch of one, which the tiny ResNet's 1x1 last stage cannot normalise with batch
+    statistics: one line saying what to change, exit 2."""
+    rng = np.random.default_rng(1)
+    for cls in ("shirt", "shoe", "bag"):
+        for i in range(5):
+            write_image(tmp_path / "set" / cls / f"{i}.png", rng)
+    def invoke(batch: int):
+        args = ["--method", "clipartt", "--dataset", f"folder:{tmp_path / 'set'}", "--set", f"batch_size={batch}",
+                "--set", "steps=1", "--part-size", str(batch), "--out", str(tmp_path / f"out{batch}"),
+                "--cache-dir", str(tmp_path / "cache"), "--pretrained", f"local-dir:{tiny_rn_model_dir}",
+                "--device", "cpu", "--quiet"]
+        return CliRunner().invoke(app, args, catch_exceptions=False)
+
+    r = invoke(7)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "clipartt: a batch of 1 image(s) gives a BatchNorm of the ResNet one value per channel" in r.output
+    r = invoke(5)
+    assert r.exit_code == 0, r.output
+    assert len(read_shard(find_shards([tmp_path / "out5"])[0])) == 5  # parts of one batch each
