@@ -124,7 +124,7 @@ def extract(
         dataset, ood_for = resolve_sets(dataset, dataset_name, class_names, ood_for, ood_for_name)
         # resolve every name before any file is read (run_extraction repeats it; it is cheap)
         plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
-                 anchor=anchor, limit=limit, ood_for=ood_for)
+                 anchor=anchor, limit=limit, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size)
         paths = run_extraction(
             method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
             device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,

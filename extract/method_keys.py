@@ -15,4 +15,5 @@ METHOD_KEYS: tuple[str, ...] = (
     "difftpt", "promptalign", "cosmic",
     "stata", "stata-online", "transclip", "zlap", "zlap-inductive",
     "tent", "sar", "deyo", "batclip",
+    "watt", "clipartt",
 )

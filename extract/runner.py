@@ -80,10 +80,13 @@ from extract.run.writer import PartWriter, marker_doc
 
 def plan_run(method: str, dataset: str, *, backbone: str | None, pretrained: str, seed: int,
              overrides: Mapping[str, Any] | None, anchor: str, limit: int | None,
-             ood_for: str | None = None) -> PlannedRun:
-    """`plan(RunOptions(...))` in the keyword style of `run_extraction` (resolves names; raises on any bad one)."""
+             ood_for: str | None = None, adapt_batch: int = DEFAULT_ADAPT_BATCH,
+             part_size: int = DEFAULT_PART_SIZE) -> PlannedRun:
+    """`plan(RunOptions(...))` in the keyword style of `run_extraction` (resolves names; raises on any bad one,
+    a `part_size` that does not hold whole adapt calls included)."""
     return plan(RunOptions.make(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed,
-                                overrides=overrides, anchor=anchor, limit=limit, ood_for=ood_for))
+                                overrides=overrides, anchor=anchor, limit=limit, ood_for=ood_for,
+                                adapt_batch=adapt_batch, part_size=part_size))
 
 
 def run_extraction(

@@ -13,6 +13,7 @@ from extract.methods.base import TTAMethod
 from extract.methods.bca import BCA
 from extract.methods.boostadapter import BoostAdapter
 from extract.methods.calip import CALIP
+from extract.methods.clipartt import CLIPArTT
 from extract.methods.cosmic import COSMIC
 from extract.methods.dart import DART
 from extract.methods.deyo import DeYO
@@ -39,6 +40,7 @@ from extract.methods.tps import TPS
 from extract.methods.tpt import CTPT, OTPT, TPT
 from extract.methods.transclip import TransCLIP
 from extract.methods.ttl import TTL
+from extract.methods.watt import WATT
 from extract.methods.zero import Zero
 from extract.methods.zero_shot import ZeroShot
 from extract.methods.zlap import ZLaP, ZLaPInductive
@@ -61,7 +63,10 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              StatA, StatAOnline, TransCLIP, ZLaP, ZLaPInductive,
                              # methods that adapt the image encoder over batches of test images (consume
                              # "batch_pixels"), each with its section in docs/methods.md
-                             Tent, SAR, DeYO, BATCLIP)
+                             Tent, SAR, DeYO, BATCLIP,
+                             # per batch, reset before each batch:
+                             # docs/methods.md, "Methods that adapt the image encoder per batch (WATT, CLIPArTT)"
+                             WATT, CLIPArTT)
 }
 
 

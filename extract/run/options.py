@@ -370,7 +370,10 @@ def plan(options: RunOptions) -> PlannedRun:
 
 def _check_part_size(o: RunOptions, width: int | None) -> None:
     """Parts hold whole adapt calls: `part_size` a multiple of `adapt_batch`, or of the method's own batch where it
-    has one (`width`, `TTAMethod.adapt_width`; `--adapt-batch` does not apply to it). RunError otherwise."""
+    has one (`width`, `TTAMethod.adapt_width`; `--adapt-batch` does not apply to it). RunError otherwise. Sizes
+    below 1 are `check_options`' to refuse, naming the option."""
+    if min(o.part_size, o.adapt_batch) < 1:
+        return
     if width is None and o.part_size % o.adapt_batch:
         raise RunError(f"part_size ({o.part_size}) must be a multiple of adapt_batch ({o.adapt_batch})")
     if width is not None and o.part_size % width:

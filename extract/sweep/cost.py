@@ -491,6 +491,13 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     # the image encoder over batches: cost per sample"): each reads its batch's images again (one view at the
     # encoder's planning rate, which the loader sets) and runs the encoder on them
     **BATCH_ENCODER_COSTS,
+    # -- per batch, reset before each batch (docs/benchmarks.md, "WATT and CLIPArTT: cost per sample"): the batch's
+    # images read again (one view at the planning rate) plus the encoder work measured on a CPU in forwards of one
+    # view (a forward ~1/3 of a loader-bound view, as above). WATT-S: 5 rounds x 8 templates x 2 steps, each a
+    # forward without gradient, one with and its backward: ~200 forwards; CLIPArTT: 10 such steps plus the B
+    # prompts' text forward each: ~27 forwards. Neither depends on K (the class texts are encoded once per run).
+    "watt": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 200 / 3)),
+    "clipartt": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 27 / 3)),
 }
 #: Methods always priced with ADAPT_COSTS, never with a measured rate: their benches run a stand-in second model
 #: whose cost is not the real one's (DiffTPT: a tiny random pipeline; tools/second_models.py)
