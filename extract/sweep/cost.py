@@ -4,19 +4,18 @@ An estimate, documented as such (docs/sweep.md, "The cost model"). A group costs
 images x views through the image encoder, and each method's adaptation, priced in this order:
 
 1. measured: the rates of one device (`python -m tools.bench_gpu --json FILE`, passed as `--rates FILE`) where that
-   file holds the backbone and the method;
+   file holds the backbone and the method (never for `FIXED_PRICE`);
 2. estimated from its work: a method's `AdaptCost.work` (`Work`: FLOPs, bytes moved, kernel launches and host
    seconds, each a sum of terms over the run's sizes) priced with the figures of a card (`CARDS`: the rates file's
    device, else `DEFAULT_CARD`);
-3. estimated in seconds: the seconds figures of an `AdaptCost` without work (an estimate its author wrote in
-   GPU-seconds);
-4. default: `DEFAULT_ADAPT_COST`, for a registered method without an entry (the plan names it).
+3. default: `DEFAULT_ADAPT_COST`, for a registered method without an entry (the plan names it; a test fails for it).
 
 The plan's title says which priced each method. A new method adds one `ADAPT_COSTS` entry with a few
 numbers: its work per sample (`"N"`), per sample and class (`"N*K"`), per stream position (`"P"`, the n-th sample
-doing n units: a memory of every sample seen), or over the whole set (`"N^2*D"` for a dense affinity, `"N*K"` per
-solver iteration), in the symbols of `SYMBOLS`; the backbone's own figures (`D`, `img_flops`, `txt_flops`, ...) are
-counted from its architecture (`backbone_figures`), so one entry prices every backbone.
+doing n units: a memory of every sample seen), once per run (`"1"`, `"K*txt_flops"`) or over the whole set (a
+transductive solve, `AdaptCost.solve`: `"N^2*D"` for its kNN search, `"N*K*D"` for its iterations), in the symbols
+of `SYMBOLS`; the backbone's own figures (`D`, `img_flops`, `txt_flops`, ...) are counted from its architecture
+(`backbone_figures`), so one entry prices every backbone.
 
 The plan table (`extract.sweep.grid.plan_frame`), the SLURM time limit and the local executor's packing all price
 groups with it.
@@ -270,150 +269,213 @@ def work_values(n: int, k: int, views: int, figures: BackboneFigures) -> dict[st
 
 @dataclass(frozen=True)
 class AdaptCost:
-    """One method's adaptation cost over a stream of N samples with K classes: its `work` (estimated on a card:
-    `Work`), or the seconds figures of a guess,
-
-        N * (per_sample + per_class * K) + (per_position + per_position_class * K) * N * (N + 1) / 2
-
-    GPU-seconds, with `multi_view` in place of `per_sample` when the run encodes 64 views. The second term prices a
-    method whose work per sample grows with the samples seen so far (the n-th sample costs n times the per-position
-    figures). Where `work` is given it prices the method and the seconds figures are not read.
+    """One method's adaptation cost over a run of N samples with K classes: its `work` (`Work`), priced with a
+    card's figures and the backbone's (`estimate`).
 
     Attributes:
-        per_sample: seconds per sample (one view, or any view count when `multi_view` is None).
-        per_class: seconds per sample and class (the methods that run the text encoder per sample).
-        multi_view: seconds per sample when the run encodes 64 views, where that differs.
-        per_position, per_position_class: seconds per sample and stream position (and class).
-        provisional: a placeholder for a method still being written, applied once its key is registered.
-        solve: the cost is one solve over the whole run (a transductive method): the per-position terms price
-            its O(N²) work, not a cost that grows along the stream, and a rate measured over a run of N' samples
-            scales to n samples as this model's seconds(n) / seconds(N') (`adapt_seconds`).
-        work: the method's work (`Work`), priced with a card's figures (`Card`).
+        work: what the method computes and moves over a run, in the symbols of `SYMBOLS`.
+        solve: the work is one solve over the whole run (a transductive method, whose first `adapt` call holds it):
+            a rate measured over a run of N' samples scales to a run of n as the work does, estimate(n) /
+            estimate(N') (`adapt_seconds`), not as n / N'.
     """
 
-    per_sample: float = 0.0
-    per_class: float = 0.0
-    multi_view: float | None = None
-    per_position: float = 0.0
-    per_position_class: float = 0.0
-    provisional: bool = False
+    work: Work
     solve: bool = False
-    work: Work | None = None
-
-    def seconds(self, n: int, k: int, views: int) -> float:
-        """The seconds figures' adaptation seconds over the first `n` stream positions, `k` classes, `views` views."""
-        base = self.multi_view if views > 1 and self.multi_view is not None else self.per_sample
-        growth = (self.per_position + self.per_position_class * k) * n * (n + 1) / 2
-        return n * (base + self.per_class * k) + growth
 
     def estimate(self, n: int, k: int, views: int, figures: BackboneFigures = REFERENCE_FIGURES,
                  card: Card | None = None) -> float:
-        """GPU-seconds of a run over `n` samples: its work on `card` (`DEFAULT_CARD` when None) with the backbone's
-        `figures`, else the seconds figures."""
-        if self.work is None:
-            return self.seconds(n, k, views)
+        """GPU-seconds of a run over `n` samples, `k` classes and `views` views: its work on `card`
+        (`DEFAULT_CARD` when None) with the backbone's `figures`."""
         return (card or CARDS[DEFAULT_CARD]).seconds(self.work.totals(work_values(n, k, views, figures)))
 
     @property
     def grows_with_stream(self) -> bool:
-        """True when the n-th sample costs more than the first (per-position figures, or `Work.grows_with_stream`)."""
-        return bool(self.per_position or self.per_position_class or (self.work and self.work.grows_with_stream))
+        """True when the n-th sample costs more than the first (`Work.grows_with_stream`)."""
+        return self.work.grows_with_stream
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the methods' work (docs/sweep.md, "The cost model", has the table of every method)
 
-#: A view-0 image read and preprocessed at 224 px by the run's reader of view pixels (`extract/run/pixels.py`, one
-#: core, in the main process): measured at 2.7-2.8 ms for a 500x375 JPEG (docs/benchmarks.md, "Methods inside the
-#: image encoder: cost per sample")
+#: Host seconds per image read again and preprocessed at 224 px in the main process, one core (the run's reader of
+#: view pixels, `extract/run/pixels.py`): 2.7-2.8 ms measured for a 500x375 JPEG (docs/benchmarks.md, "Methods
+#: inside the image encoder: cost per sample")
 PIXEL_READ_S = 0.003
-#: TDA's adapt step measured on a CPU (1 thread, K = 1000, D = 512): the reference the figures below scale from
-TDA_S, TDA_S_64_VIEWS = 0.0039, 0.0063
-#: TPT's per-sample text-encoder pass: one forward + backward and one forward of the text transformer over the K
-#: prompts per sample (about 25 GFLOP per prompt at ~100 TFLOP/s effective fp16): ImageNet's 1000 classes ~0.25 s
-TPT = {"per_sample": 0.005, "per_class": 2.5e-4}
+#: Host seconds per view of a sample generated in the main process at 224 px (`ViewImages`, one core: 54-61 ms a
+#: sample of 64 crop+flip or AugMix crops; docs/benchmarks.md, "Loader items, AugMix launches and the weights' read")
+VIEW_PIXELS_S = 1e-3
+#: Host seconds per image read again through the loader processes (a batch's images, a second model's view): the
+#: encoding pass's loader-bound planning rate of one view (`ENCODE_S_PER_VIEW`)
+LOADER_READ_S = ENCODE_S_PER_VIEW["vit"]
+#: Seconds per matrix column of a dense D x D factorisation on a GPU, which is latency-bound (its panels in
+#: sequence, which the host issues and waits on), not FLOP-bound, so written as host seconds: an LU for an inverse
+#: about 1 ms at D = 512, an SVD for a pseudo-inverse about 20 ms (estimates of the helpers who wrote DOTA and OGA,
+#: not measured on a GPU; docs/benchmarks.md, "Training-free online methods: cost per sample")
+LU_S_PER_COLUMN, SVD_S_PER_COLUMN = 1e-3 / 512, 20e-3 / 512
+
 #: The methods that adapt the image encoder over batches of test images (docs/benchmarks.md, "Methods that adapt the
 #: image encoder over batches: cost per sample"): each reads its batch's images again (loader-bound: a view at the
-#: encoding pass's planning rate, `ENCODE_S_PER_VIEW`, as host seconds) and runs the image encoder on them, a
+#: encoding pass's planning rate, `LOADER_READ_S`) and runs the image encoder on them, a
 #: backward counted as 2 forwards (measured on the CPU: Tent 3.4, SAR 5.7, DeYO 2.3 up to 5 encodings of an image);
 #: launches: about 370 a ViT-B-16 forward (as RLCF's), so per batch of 64 the passes' launches / 64 a sample
 BATCH_ENCODER_COSTS: dict[str, AdaptCost] = {
     # Tent: forward, backward, the prediction's forward: 4 forwards
     "tent": AdaptCost(work=Work(flops={"N*img_flops": 4}, launches={"N": 4 * 370 / 64},
-                                host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+                                host_s={"N": LOADER_READ_S})),
     # SAR: two forwards with their backwards and the prediction's forward: 7 forwards
     "sar": AdaptCost(work=Work(flops={"N*img_flops": 7}, launches={"N": 7 * 370 / 64},
-                               host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+                               host_s={"N": LOADER_READ_S})),
     # DeYO: forward, backward, the shuffled images' forward (at most the batch) and the prediction's: 5 forwards
     "deyo": AdaptCost(work=Work(flops={"N*img_flops": 5}, launches={"N": 5 * 370 / 64},
-                                host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+                                host_s={"N": LOADER_READ_S})),
     # BATCLIP: the image encoder's forward and backward (3), and the text encoder's over the K prompts once per batch
     # of 64 (3 forwards of K prompts / 64 a sample)
     "batclip": AdaptCost(work=Work(flops={"N*img_flops": 3, "N*K*txt_flops": 3 / 64},
-                                   launches={"N": 6 * 370 / 64}, host_s={"N": ENCODE_S_PER_VIEW["vit"]})),
+                                   launches={"N": 6 * 370 / 64}, host_s={"N": LOADER_READ_S})),
 }
-#: DOTA, OGA, BCA and COSMIC, for one GPU at D = 512 (ViT-B-16), from CPU measurements at K = 1000 (one thread):
-#: * DOTA: one D×D inverse (9.7 ms on the CPU, ~1 ms on a GPU) and about 7 passes over the (K, D, D) float32
-#:   covariances per sample (0.44 s a sample on the CPU at 16 GB/s): 7 · 4 · D² bytes a class at ~3 TB/s. RN50's
-#:   D = 1024 quadruples the per-class part.
-#: * OGA: a memory change costs a D×D pseudo-inverse (an SVD: 38-44 ms on the CPU, ~20 ms on a GPU [estimate]) and a
-#:   covariance over up to 8 K items (1.6-52 ms on the CPU, n = 100-8,000); about half the samples change the memory
-#:   (a class's n-th sample enters with probability ~8/n: 8 + 8 ln(N_k / 8.5) entries of N_k, 44% on ImageNet).
-#: * BCA: TDA's order of work (0.22 ms vs TDA's 0.22 ms at one view, 1.29 vs 1.15 ms at 64 views, same run).
-#: * COSMIC: 6.5 ms a sample on the CPU between graph rebuilds (~3 ms on a GPU [estimate]), plus DINOv2 ViT-L/14 on
-#:   the original view (about 4.6x ViT-B-16's work a view, at the encoder's planning rate); a rebuild of both graphs
-#:   is ~0.15 s on a GPU (networkx's clique search on the CPU: 93 ms for 2K = 2,000 nodes) and happens at nearly
-#:   every sample while i <= K·memory (ImageNet: the first 16,000 of 50,000), every 100 after: ~5e-5 s a class.
-FIELD_ONLINE_COSTS: dict[str, AdaptCost] = {
-    "dota": AdaptCost(0.001, per_class=7 * 4 * 512 ** 2 / 3e12),
-    "oga": AdaptCost(0.5 * 0.02),
-    "bca": AdaptCost(TDA_S, multi_view=TDA_S_64_VIEWS * 1.29 / 1.15),
-    "cosmic": AdaptCost(0.003 + 4.6 * ENCODE_S_PER_VIEW["vit"], per_class=5e-5),
-}
-#: DiffTPT's generation per sample at the official settings, an estimate from its work (no GPU run yet): the UNet of
-#: lambdalabs/sd-image-variations-diffusers (Stable Diffusion v1's) on 2 x 63 latents of 64 x 64 (classifier-free
-#: guidance) at each of 50 steps, 1.594 TFLOP per image and step; the VAE decoding the 63 images at 512 px, 2.515
-#: TFLOP each (both counted with torch's FlopCounterMode on the diffusers modules built from that repository's
-#: configs); the CLIP ViT-L/14 conditioning and the policy's encoding of the 63 views, a few TFLOP more: 5.2 PFLOP
-#: a sample. In fp32, the official precision (TF32 convolutions, fp32 matmuls: torch's defaults), at an assumed 50
-#: TFLOP/s effective on an H100-class GPU, about 100 s a sample; `--set diffusion_fp16=true` about a fifth of it.
-DIFFTPT_GENERATION_TFLOP = 63 * (50 * 1.594 + 2.515) + 3.0
-DIFFTPT_FP32_TFLOP_PER_S = 50.0
-DIFFTPT_GENERATION_S = DIFFTPT_GENERATION_TFLOP / DIFFTPT_FP32_TFLOP_PER_S
-#: The transductive solves (StatA, TransCLIP, ZLaP) priced from their work on one H100-class GPU: float32 matrix
-#: products at 20 TFLOP/s, memory at 3 TB/s (what elementwise steps and sparse products are bound by), kernel
-#: launches at 10 us (about 1,200 a solve: 11 iterations of ~110), D = 512.
-#: per pair of samples of a kNN search: 2·D flops and the similarity written and read (float32)
-_KNN_PAIR_S = 2 * 512 / 20e12 + 2 * 4 / 3e12
-#: per sample and class: one (N, D) x (D, K) product in each of the 11 iterations
-_GAUSS_S = 11 * 2 * 512 / 20e12
-#: per sample and class: 55 z-steps of ~15 passes over float32 (N, K) arrays, each read and written
-_ZSTEPS_S = 55 * 15 * 2 * 4 / 3e12
-#: per node and CG column: 8 iterations of ~500 bytes, x3 for the sparse product's gathers
-_CG_S = 3 * 8 * 500 / 3e12
-_SOLVE_LAUNCH_S = 1200 * 10e-6
-#: Measured growth of one solve on a loaded CPU (one thread, K = 1000, D = 512; docs/benchmarks.md, "Transductive
-#: methods: growth with N"): CPU seconds at N = 1,000 / 5,000 / 20,000 and time ~ N^e from 5,000 to 20,000:
-#: stata 1.0 / 7.3 / 52 s, N^1.42; stata-online 1.5 / 5.7 / 30 s (linear work); transclip 0.7 / 4.5 / 43 s, N^1.63;
-#: zlap 0.3 / 2.1 / 12 s, N^1.23; zlap-inductive 0.3 / 9.7 / 155 s, N^2.00. The O(N·K·D) Gaussian steps and z-steps
-#: dominate StatA and TransCLIP at these sizes, the O(N²·D) search grows faster; zlap-inductive's one CG column per
-#: sample makes it O(N²). The GPU figures below follow the work, in the AdaptCost form: per_class the O(N·K) terms,
-#: per_position the O(N²) ones (N(N+1)/2 positions for N² pairs: x2).
-TRANSDUCTIVE_COSTS: dict[str, AdaptCost] = {
-    "stata": AdaptCost(0.0, per_class=4 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
-    # batches of 128 solved alone: ~1,200 kernel launches a batch, the search within the batch only
-    "stata-online": AdaptCost(_SOLVE_LAUNCH_S / 128 + 128 * _KNN_PAIR_S, per_class=4 * _GAUSS_S + _ZSTEPS_S,
-                              solve=True),
-    "transclip": AdaptCost(0.0, per_class=2 * _GAUSS_S + _ZSTEPS_S, per_position=2 * _KNN_PAIR_S, solve=True),
-    # the image-text search (one product) and K CG columns over the N + K nodes
-    "zlap": AdaptCost(0.0, per_class=_GAUSS_S / 11 + _CG_S, per_position=2 * _KNN_PAIR_S, solve=True),
-    # N CG columns (one per sample) over the N + K nodes: N² work
-    "zlap-inductive": AdaptCost(0.0, per_class=_GAUSS_S / 11, per_position=2 * _KNN_PAIR_S + 2 * _CG_S, solve=True),
+#: FLOPs of DINOv2 ViT-L/14 with registers (COSMIC's second model, timm's `vit_large_patch14_reg4_dinov2`) on one
+#: view at 224 px, counted with torch's FlopCounterMode on the meta device (under autocast: tensor-core FLOPs)
+DINO_VIEW_FLOPS = 164.6e9
+#: Stable Diffusion v1's UNet (lambdalabs/sd-image-variations-diffusers, the architecture
+#: `tools.second_models.write_sd_pipeline(size="official")` builds) at one denoising step of one generated image (its
+#: 2 latents of 64 x 64: classifier-free guidance), and its VAE decoding one image at 512 px: FLOPs counted with
+#: torch's FlopCounterMode on the meta device, the convolutions apart from the matrix products (attention included)
+SD_UNET_STEP_FLOPS, SD_VAE_FLOPS = {"conv": 0.888e12, "matmul": 0.706e12}, {"conv": 2.472e12, "matmul": 0.043e12}
+#: DiffTPT's generation per sample at its official settings (63 images, 50 steps, one pipeline call of 63, float32:
+#: docs/methods.md, "DiffTPT: views generated by Stable Diffusion"), the field's most expensive work by far (about 5.2
+#: PFLOP a sample). In float32 torch runs convolutions in TF32 on tensor cores (cuDNN's default), at half the fp16 rate
+#: of an A100/H100 (datasheets: their FLOPs count twice in `flops`), and matrix products in plain float32 (no TF32 by
+#: default: `fp32_flops`), plus the pipeline's CLIP ViT-L/14 on the conditioning image (0.162 TFLOP, float32). Each
+#: image then goes to PIL, is stored as JPEG and read back, and preprocessed in the main process: 5.4-8.4 ms on one
+#: core (measured, 512 px). Launches: 50 x (the UNet's 3,006, counted on the meta device, and the scheduler's and
+#: guidance's ~25), the VAE's 462 and the conditioning's 1,943. With `--set diffusion_fp16=true` the FLOPs run at the
+#: fp16 rate: about a fifth of the time.
+DIFFTPT_GENERATION = Work(
+    flops={"N": 2 * 63 * (50 * SD_UNET_STEP_FLOPS["conv"] + SD_VAE_FLOPS["conv"])},
+    fp32_flops={"N": 63 * (50 * SD_UNET_STEP_FLOPS["matmul"] + SD_VAE_FLOPS["matmul"]) + 0.162e12},
+    host_s={"N": 63 * 6e-3}, launches={"N": 50 * (3006 + 25) + 462 + 1943})
+#: The field's methods beyond TTA-VLM's, by family (docs/methods.md has each method; docs/benchmarks.md their CPU
+#: measurements). Launches: `python -m tools.bench_launches` (ViT-B-16's depth, K = 1,000 with ImageNet's names,
+#: per sample in the runner's calls of 64 or the method's own batch; docs/sweep.md has the counts).
+FIELD_COSTS: dict[str, AdaptCost] = {
+    # -- inside the image encoder, training-free (docs/benchmarks.md, "Methods inside the image encoder: cost per
+    # sample"). CALIP: view 0 read again (`PIXEL_READ_S`) and encoded once more for its token map, in the call's
+    # batch under autocast; its attention, three (L, K) x D products over ViT-B/16's L = 197 tokens (RN50: 50,
+    # priced as 197), in float32
+    "calip": AdaptCost(Work(flops={"N*img_flops": 1}, fp32_flops={"N*K*D": 6 * 197}, host_s={"N": PIXEL_READ_S},
+                            launches={"N": 12})),
+    # TCA: view 0 read again and one batch-1 forward through the condensing blocks (197 tokens, then 143, 104 and
+    # 77 from blocks 3, 6, 9: 0.66 of a forward's work); its reservoir of up to 3 items a class, each the class
+    # token after the 12 blocks (12 x 768 = 18 D floats at ViT-B/16's D = 512), read about 4 times a sample (the
+    # affinities, the eviction, the context's class means) in float32; 741 launches a sample (a batch-1 forward
+    # is launch-bound on a GPU)
+    "tca": AdaptCost(Work(flops={"N*img_flops": 0.66}, fp32_flops={"N*K*D": 2 * 3 * 18},
+                          bytes={"N*K*D": 4 * 4 * 3 * 18}, host_s={"N": PIXEL_READ_S}, launches={"N": 741})),
+    # -- prompt tuning with history, averaging or descriptions (docs/benchmarks.md, "Prompt tuning with history,
+    # averaging or descriptions: cost per sample"). HisTPT: TPT's text work per sample without TPT's batching across
+    # samples (1.5x TPT's per class, measured on the CPU) plus the prediction's autocast forward on CUDA (one pass
+    # more of TPT's 4: x 5/4); its three memories of (K, D) prompts (32 local, 32 hard, the global one) pushed, sorted
+    # and averaged, about 290 float32 passes of K x D a sample; 13,053 launches a sample, one sample at a time (6
+    # prompt-length groups at K = 1,000 through 12 blocks, forward, backward, forward)
+    "histpt": AdaptCost(Work(flops={"N*K*txt_flops": 4 * 1.5 * 5 / 4}, bytes={"N*K*D": 290 * 4},
+                             launches={"N": 13053})),
+    # DART: its image side about 3.75 encodings of the 64 views a sample (block 0 once without gradient, blocks
+    # 1-11 forward, backward as 2 forwards, and forward again: 1/12 + 11/12 x 4), their pixels generated in the
+    # main process; its text step with a context per class (no shared prefix, no batching across samples: 7x TPT's
+    # per class on the CPU, as DynaPrompt); the AdamW step on the (K, 4, D) contexts (8 float32 passes); one sample
+    # at a time: 7,582 launches a sample (AugMix's device chains of its views included)
+    "dart": AdaptCost(Work(flops={"N*V*img_flops": 3.75, "N*K*txt_flops": 7 * 4}, bytes={"N*K*D": 4 * 4 * 8},
+                           host_s={"N*V": VIEW_PIXELS_S}, launches={"N": 7582})),
+    # AWT: no gradient; per sample the (51 views x 51 prompts x K) logits, 51 K² text-weight entropies (about 8
+    # float32 passes over their (51, K, K) rows) and up to 100 Sinkhorn rounds over (K, 51, 51) (2 passes each, the
+    # cap: an upper estimate); the 51 K prompts encoded once per run. Samples in groups of 2^24 / (51 x 51 x K)
+    # (6 at K = 1,000): 108 launches a group, 30 a sample
+    "awt": AdaptCost(Work(fp32_flops={"N*K*D": 2 * 51 * 51, "N*K^2": 51 * 6, "N*K": 51 * 51 * 100 * 4},
+                          bytes={"N*K^2": 51 * 8 * 4, "N*K": 51 * 51 * 4 * (10 + 100 * 2)},
+                          flops={"K*txt_flops": 51}, launches={"N": 30, "N*K": 108 * 51 * 51 / 2 ** 24})),
+    # -- training-free online (docs/benchmarks.md, "Training-free online methods: cost per sample"). DOTA: per sample
+    # about 7 float32 passes over the (K, D, D) covariances (scale, rank-n update, divide, mean: 1.05 GB at ImageNet's
+    # K = 1,000, D = 512) with the update's 2 n K D² FLOPs (n = 1 kept view, or 6 of 64), and a D x D inverse
+    # (8/3 D³ FLOPs, latency-bound)
+    "dota": AdaptCost(Work(fp32_flops={"N*K*D^2": 2, "N*V*K*D^2": 0.2, "N*D^3": 8 / 3}, bytes={"N*K*D^2": 7 * 4},
+                           host_s={"N*D": LU_S_PER_COLUMN}, launches={"N": 78})),
+    # OGA: per sample its Gaussian scores (two (K, D) x (D, D) products); about half the samples change the memory
+    # (44% on ImageNet: a class's n-th sample enters with probability ~8/n), each change a covariance over up to 8 K
+    # items (2 x 8 K D² FLOPs), a pass over the (K, 8, D) float16 memory and a D x D pseudo-inverse (an SVD,
+    # latency-bound); 100 launches a sample, about 200 more a change
+    "oga": AdaptCost(Work(fp32_flops={"N*K*D^2": 4 + 0.5 * 16}, bytes={"N*K*D": 0.5 * 8 * 2 * 4},
+                          host_s={"N*D": 0.5 * SVD_S_PER_COLUMN}, launches={"N": 196})),
+    # BCA: TDA's order: per sample the views' logits against the K centres, the (K, K) table product, a centre and a
+    # table row updated; 4 host syncs among its 75 launches
+    "bca": AdaptCost(Work(fp32_flops={"N*V*K*D": 2, "N*K^2": 2}, bytes={"N*K*D": 4, "N*K^2": 4},
+                          launches={"N": 75})),
+    # COSMIC (docs/methods.md, "COSMIC: a second image encoder (DINOv2) and dual memories"): DINOv2 ViT-L/14 on the
+    # original view (`DINO_VIEW_FLOPS`), read again through the loader; per sample the 8 views' logits, DMN's
+    # read-out of K x 17 keys (about 7 float32 passes) and the DINOv2 class means (K x 16 x 1024 floats, 2 passes):
+    # 733 launches (counted with the rebuilds off). A graph rebuild (both graphs: 2K CLIP and K DINOv2 nodes) happens at nearly
+    # every sample while i <= K x memory (16 on the ImageNet family: 16 K rebuilds; 8 on the fine-grained sets, where
+    # this term is twice the work), then every 100 samples: 16 K + N / 100 rebuilds, each the similarities (12 K² D
+    # FLOPs), their sort (about 5 K² floats, 64 bytes each through a radix sort), the second-order edges (A ⊙ A²:
+    # 18 K³ FLOPs), networkx's clique search on the host (0.14 s at K = 1,000 measured on the CPU, linear in the
+    # nodes: 1.4e-4 K s) and about 11.85 K launches (11,854 counted at K = 1,000: its cliques one by one)
+    "cosmic": AdaptCost(Work(flops={"N": DINO_VIEW_FLOPS},
+                             fp32_flops={"N*K*D": 2 * 8 + 6 * 17, "K^3*D": 16 * 12, "N*K^2*D": 12 / 100,
+                                         "K^4": 16 * 18, "N*K^3": 18 / 100},
+                             bytes={"N*K*D": 4 * (7 * 17 + 2 * 32), "K^3": 16 * 5 * 64, "N*K^2": 5 * 64 / 100},
+                             host_s={"N": LOADER_READ_S, "K^2": 16 * 1.4e-4, "N*K": 1.4e-4 / 100},
+                             launches={"N": 733, "K^2": 16 * 11.85, "N*K": 11.85 / 100})),
+    # -- methods that need a second pretrained model (docs/benchmarks.md, "Methods that need a second pretrained
+    # model: cost"). DiffTPT: its generation (`DIFFTPT_GENERATION`, the most expensive work of the field) in the
+    # encoding step, the 63 generated views encoded by the policy (autocast), and its tuning, 4 steps over 127 views
+    # (3.9x TPT's text work measured on the CPU at K = 100; 4,227 launches a sample in passes of 64)
+    "difftpt": AdaptCost(Work(flops={"N": DIFFTPT_GENERATION.flops["N"], "N*img_flops": 63,
+                                     "N*K*txt_flops": 3.9 * 4},
+                              fp32_flops=DIFFTPT_GENERATION.fp32_flops, host_s=DIFFTPT_GENERATION.host_s,
+                              launches={"N": DIFFTPT_GENERATION.launches["N"] + 4227})),
+    # PromptAlign: the 64 views read in the main process and through the MaPLe-prompted image tower forward and
+    # backward (3 encodings; 1.43-1.50x TTL's 2 measured on the CPU), the tuned model's prediction on view 0, and a
+    # TPT step on the text side one sample at a time (1.5x TPT's per class, as HisTPT); 2,540 launches a sample
+    "promptalign": AdaptCost(Work(flops={"N*V*img_flops": 3, "N*img_flops": 1, "N*K*txt_flops": 4 * 1.5},
+                                  host_s={"N*V": VIEW_PIXELS_S}, launches={"N": 2540})),
+    # -- transductive (docs/benchmarks.md, "Transductive methods: growth with N"; `solve`): one solve over the run
+    # (StatA-online: over each batch of 128). Its kNN search, 2 D float32 FLOPs and 8 bytes (the similarity written
+    # and read in blocks) per pair of samples (N² pairs); StatA's 11 likelihoods and 10 refits, two (N, D) x (D, K)
+    # products each (84 N K D FLOPs; TransCLIP one each: 42), and the 55 z-steps, about 15 float32 passes over
+    # (N, K) arrays each read and written (55 x 120 bytes per sample and class); the launches of a solve counted
+    # (they do not grow with N but for the search's blocks). ZLaP: the image-text search (2 N K D) and conjugate
+    # gradients in float64 over the graph's N + K nodes (about 20 edges a node): 8 iterations of about 500 bytes a
+    # node and column, x3 for the sparse product's gathers; K columns (`zlap`), N + K for `zlap-inductive` (one a
+    # sample), so its N² term
+    "stata": AdaptCost(Work(fp32_flops={"N^2*D": 2, "N*K*D": 84}, bytes={"N^2": 8, "N*K": 55 * 120},
+                            launches={"1": 2344}), solve=True),
+    "stata-online": AdaptCost(Work(fp32_flops={"N*D": 2 * 128, "N*K*D": 84}, bytes={"N": 8 * 128, "N*K": 55 * 120},
+                                   launches={"N": 2344 / 128}), solve=True),
+    "transclip": AdaptCost(Work(fp32_flops={"N^2*D": 2, "N*K*D": 42}, bytes={"N^2": 8, "N*K": 55 * 120},
+                                launches={"1": 1956}), solve=True),
+    "zlap": AdaptCost(Work(fp32_flops={"N^2*D": 2, "N*K*D": 2}, bytes={"N^2": 8, "N*K": 3 * 8 * 500,
+                                                                       "K^2": 3 * 8 * 500},
+                           launches={"1": 272}), solve=True),
+    "zlap-inductive": AdaptCost(Work(fp32_flops={"N^2*D": 2, "N*K*D": 2},
+                                     bytes={"N^2": 8 + 3 * 8 * 500, "N*K": 3 * 8 * 500},
+                                     launches={"1": 390}), solve=True),
+    # -- the image encoder adapted per batch and reset (docs/benchmarks.md, "WATT and CLIPArTT: cost per sample"):
+    # the batch's images read again through the loader and the encoder's passes (fp16 weights on CUDA; a backward
+    # as 2 forwards, as Tent's). WATT-S: 5 rounds x 8 templates x 2 steps, each a forward without gradient (the
+    # pseudo-labels), one with and its backward, then the prediction: 321 forwards; its 8 K template prompts encoded
+    # twice once per run. CLIPArTT: 10 such steps, each encoding the batch's B prompts (its top 3 classes), then the
+    # prediction: 41 forwards and 10 text forwards a sample. Launches counted per batch of their 128.
+    "watt": AdaptCost(Work(flops={"N*img_flops": 80 * 4 + 1, "K*txt_flops": 16}, host_s={"N": LOADER_READ_S},
+                           launches={"N": 143628 / 128 + 1})),
+    "clipartt": AdaptCost(Work(flops={"N*img_flops": 10 * 4 + 1, "N*txt_flops": 10, "K*txt_flops": 1},
+                               host_s={"N": LOADER_READ_S}, launches={"N": 20356 / 128 + 21})),
 }
 
-#: Adaptation cost by method: its work (`Work`), priced on a card. Launches are counted on the CPU around one `adapt`
-#: call of 32 samples through the runner on the bench model (torch's profiler, `tools.bench_extract.count_launches`;
-#: docs/sweep.md, "The cost model", has the counts); FLOPs and bytes follow from each method's tensors at the run's
-#: sizes, as the comments say. Where an encoder pass runs per sample, its FLOPs are the backbone's own
-#: (`txt_flops`, `img_flops`) and its launches those of ViT-B-16's towers.
+#: Adaptation cost by method: its work (`Work`), priced on a card. The launches of TTA-VLM's methods were counted on
+#: the CPU around one `adapt` call of 32 samples through the runner on the bench model (torch's profiler,
+#: `tools.bench_extract.count_launches`), those of the field's (`FIELD_COSTS`, `BATCH_ENCODER_COSTS`) with
+#: `tools.bench_launches` at ViT-B-16's depth (docs/sweep.md, "The cost model", has the counts); FLOPs and bytes
+#: follow from each method's tensors at the run's sizes, as the comments say. Where an encoder pass runs per sample,
+#: its FLOPs are the backbone's own (`txt_flops`, `img_flops`) and its launches those of ViT-B-16's towers.
 #: TPT's work: one forward and backward of the text encoder over the K prompts and the final forward (4 forward
 #: FLOPs each); 450 launches a sample, what the run rate the H100 measured at K = 47 (126 samples/s, 7.9 ms a
 #: sample; docs/benchmarks.md) leaves beside its FLOPs at `LAUNCH_S` a launch
@@ -456,54 +518,19 @@ ADAPT_COSTS: dict[str, AdaptCost] = {
     # about 2 encodings of the views a sample (measured 1.97x on the CPU: a frozen forward, the adapted blocks'
     # backward, the final forward), ~2,000 launches (839 counted with the bench's 4 blocks; ViT-B-16 has 12), and
     # the views' pixels generated in the main process (about 1,000 views/s on one core at 224 px)
-    "ttl": AdaptCost(work=Work(flops={"N*V*img_flops": 2}, launches={"N": 2000}, host_s={"N*V": 1e-3})),
-    # inside the image encoder (docs/benchmarks.md, "Methods inside the image encoder: cost per sample"): each reads
-    # view 0's pixels again in the main process (JPEG decode and preprocess, ~PIXEL_READ_S on one core) and runs the
-    # encoder on them; CALIP batched (one more encoding of view 0; its attention is small next to it), TCA one image
-    # at a time (a batch-1 forward of 12 blocks is launch-bound on a GPU: ~10 ms), its reservoir step small
-    "calip": AdaptCost(PIXEL_READ_S + ENCODE_S_PER_VIEW["vit"]),
-    "tca": AdaptCost(PIXEL_READ_S + 0.010),
-    # prompt tuning with history, averaging or descriptions (docs/benchmarks.md, "Prompt tuning with history,
-    # averaging or descriptions: cost per sample"): HisTPT runs TPT's text passes per sample without batching
-    # across samples (measured 2.3x TPT at K = 10, 1.7x at K = 100; per class 1.5x); DART's text step has one
-    # context per class (no shared prefix, no batching across samples: 0.56 ms per class and sample on the CPU, as
-    # DynaPrompt's 0.60), and its image side costs about 3.75 encodings of the 64 views (ViT-B/16 with the prefix in
-    # block 1: forward, backward and a second forward through 11 of 12 blocks; measured 1.4-1.5x TTL on the bench
-    # model, whose prefix sits in block 1 of 4); AWT needs no gradient: the (views x prompts x K) logits, 51 K²
-    # text-weight entropies and the Sinkhorn rounds, batched over samples (0.23-0.41x TPT measured)
-    "histpt": AdaptCost(2 * TPT["per_sample"], per_class=1.5 * TPT["per_class"]),
-    "dart": AdaptCost(3.75 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=7 * TPT["per_class"]),
-    "awt": AdaptCost(0.002, per_class=2e-6),
-    # the field's online methods (docs/benchmarks.md, "Training-free online methods: cost per sample")
-    **FIELD_ONLINE_COSTS,
-    # methods that need a second pretrained model (docs/benchmarks.md, "Methods that need a second pretrained
-    # model: cost"): DiffTPT generates 63 images a sample (DIFFTPT_GENERATION_S), then tunes 4 steps over 127 views
-    # (3.9x TPT's one step measured on the CPU at K = 100); PromptAlign back-propagates through the prompted image
-    # tower for its 64 views (1.43x TTL measured on the CPU) plus a TPT-like text pass
-    "difftpt": AdaptCost(DIFFTPT_GENERATION_S + 63 * ENCODE_S_PER_VIEW["vit"] + 4 * TPT["per_sample"],
-                         per_class=4 * TPT["per_class"]),
-    "promptalign": AdaptCost(1.43 * 2 * 64 * ENCODE_S_PER_VIEW["vit"] + TPT["per_sample"], per_class=TPT["per_class"]),
-    # transductive: one solve over the run (or per batch), priced from its work on one GPU (TRANSDUCTIVE_COSTS);
-    # the CPU growth measured by `make bench-extract BENCH_EXTRACT_ARGS="--only-transductive --transductive-n
-    # 1000,5000,20000"` is in docs/benchmarks.md, "Transductive methods: growth with N"
-    **TRANSDUCTIVE_COSTS,
-    # -- methods that adapt the image encoder over batches of test images (docs/benchmarks.md, "Methods that adapt
-    # the image encoder over batches: cost per sample"): each reads its batch's images again (one view at the
-    # encoder's planning rate, which the loader sets) and runs the encoder on them
+    "ttl": AdaptCost(work=Work(flops={"N*V*img_flops": 2}, launches={"N": 2000}, host_s={"N*V": VIEW_PIXELS_S})),
+    # the field's methods beyond TTA-VLM's (`FIELD_COSTS`) and those that adapt the image encoder over batches
+    **FIELD_COSTS,
     **BATCH_ENCODER_COSTS,
-    # -- per batch, reset before each batch (docs/benchmarks.md, "WATT and CLIPArTT: cost per sample"): the batch's
-    # images read again (one view at the planning rate) plus the encoder work measured on a CPU in forwards of one
-    # view (a forward ~1/3 of a loader-bound view, as above). WATT-S: 5 rounds x 8 templates x 2 steps, each a
-    # forward without gradient, one with and its backward: ~200 forwards; CLIPArTT: 10 such steps plus the B
-    # prompts' text forward each: ~27 forwards. Neither depends on K (the class texts are encoded once per run).
-    "watt": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 200 / 3)),
-    "clipartt": AdaptCost(ENCODE_S_PER_VIEW["vit"] * (1 + 27 / 3)),
 }
-#: Methods always priced with ADAPT_COSTS, never with a measured rate: their benches run a stand-in second model
-#: whose cost is not the real one's (DiffTPT: a tiny random pipeline; tools/second_models.py)
+#: Methods always priced from their work, never with a measured rate: their benches run a stand-in second model whose
+#: cost is not the real one's, inside the rate they time (DiffTPT: a tiny random pipeline generating its views;
+#: tools/second_models.py). A rate without the generation would miss the work that dominates its price.
 FIXED_PRICE: frozenset[str] = frozenset({"difftpt"})
-#: Adaptation cost assumed for a registered method missing from ADAPT_COSTS (the plan names such methods).
-DEFAULT_ADAPT_COST = AdaptCost(0.03)
+#: Seconds a sample assumed for a registered method missing from ADAPT_COSTS (the plan names such methods; a test
+#: fails for each): seconds as they are, whatever the card
+DEFAULT_S_PER_SAMPLE = 0.03
+DEFAULT_ADAPT_COST = AdaptCost(Work(host_s={"N": DEFAULT_S_PER_SAMPLE}))
 #: Per-job overhead: start-up, model load, text prototypes (seconds).
 JOB_OVERHEAD_S = 120.0
 #: Classes per dataset (CoOp splits; ImageNet-A/-R are 200-class subsets), for the per-class costs.
@@ -546,7 +573,7 @@ class Rates:
 
     def measured(self, backbone: str, method: str) -> str | None:
         """The method whose rate prices `method`: itself when the file has it, else its `RATE_PROXY`, else None
-        (always None for `FIXED_PRICE`)."""
+        (always None for `FIXED_PRICE`, whose bench runs a stand-in second model)."""
         if method in FIXED_PRICE:
             return None
         for m in (method, RATE_PROXY.get(method)):
@@ -673,17 +700,15 @@ def adapt_cost(method: str) -> AdaptCost:
 
 
 #: How a method's adaptation was priced (`price_basis`), in the order the plan's title lists them.
-BASES: tuple[str, ...] = ("measured", "estimated", "seconds", "default")
+BASES: tuple[str, ...] = ("measured", "estimated", "default")
 
 
 def price_basis(method: str, backbone: str | None, rates: Rates | None = None) -> str:
     """"measured" (the rates file holds the backbone and the method, or its `RATE_PROXY`), "estimated" (from its
-    `Work` on a card), "seconds" (its entry's seconds figures) or "default" (no entry: `DEFAULT_ADAPT_COST`)."""
+    `Work` on a card) or "default" (no entry: `DEFAULT_ADAPT_COST`)."""
     if rates is not None and backbone is not None and rates.measured(backbone, method) is not None:
         return "measured"
-    if method not in ADAPT_COSTS:
-        return "default"
-    return "estimated" if ADAPT_COSTS[method].work is not None else "seconds"
+    return "estimated" if method in ADAPT_COSTS else "default"
 
 
 def plan_card(rates: Rates | None = None) -> Card:
@@ -695,19 +720,21 @@ def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str 
                   rates: Rates | None = None, pretrained: str = "") -> float:
     """Estimated adaptation GPU-seconds of `method` over the first `n` samples of `dataset` with view `policy`:
     measured (`rates`, seconds per sample) where it holds the backbone and method, else `ADAPT_COSTS` (its work on
-    `plan_card(rates)` with the backbone's figures, or its seconds figures)."""
+    `plan_card(rates)` with the backbone's figures)."""
     k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
     cost = adapt_cost(method)
     measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
+    figures = backbone_figures(backbone, pretrained) if backbone is not None else REFERENCE_FIGURES
+    views = views_per_image(policy)
     if measured is None:
-        figures = backbone_figures(backbone, pretrained) if backbone is not None else REFERENCE_FIGURES
-        return cost.estimate(n, k, views_per_image(policy), figures, plan_card(rates))
+        return cost.estimate(n, k, views, figures, plan_card(rates))
     pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
     if cost.solve and pos is not None:
         # one solve over the run, timed over every position of a run of `size` (mean position (size - 1) / 2): the
-        # measured level, this model's growth from `size` to n
-        size, views = max(1, round(2 * pos + 1)), views_per_image(policy)
-        return n * measured * (cost.seconds(n, k, views) / n) / (cost.seconds(size, k, views) / size)
+        # measured level, its work's growth from `size` to n on the plan's card
+        size, card = max(1, round(2 * pos + 1)), plan_card(rates)
+        return size * measured * cost.estimate(n, k, views, figures, card) / cost.estimate(size, k, views, figures,
+                                                                                           card)
     if cost.grows_with_stream and pos:
         # its cost per sample grows in proportion to the samples seen (ECALP's graph): the rate measured around
         # stream position `pos` scales to n (n + 1) / 2 positions in all, as its work does
@@ -736,25 +763,21 @@ def plan_title(runs: Sequence["RunSpec"], rates: Rates | None = None) -> str:
     card = plan_card(rates).name
     labels = {"measured": f"measured in {rates.source if rates else ''}",
               "estimated": f"estimated from their work on an {card}",
-              "seconds": "estimated in GPU-seconds (extract/sweep/cost.py)",
-              "default": f"no cost entry, {DEFAULT_ADAPT_COST.per_sample} s a sample"}
+              "default": f"no cost entry, {DEFAULT_S_PER_SAMPLE} s a sample"}
     encoding = f"measured in {rates.source}" if rates is not None else "the planning rates of extract/sweep/cost.py"
     parts = [f"{labels[b]}: {', '.join(ms)}" for b, ms in price_bases(runs, rates).items()]
     return f"sweep plan (GPU-hours, an estimate; encoding: {encoding}; adaptation {'; '.join(parts) or 'none'})"
 
 
 def cost_notes(runs: Sequence["RunSpec"]) -> list[str]:
-    """One line per method whose price needs saying (none in the table, a provisional one, a cost that grows
-    faster than its images) and per backbone whose architecture could not be counted for the work estimates."""
+    """One line per method whose price needs saying (none in the table, a cost that grows faster than its images) and
+    per backbone whose architecture could not be counted for the work estimates."""
     notes = []
     for m in dict.fromkeys(r.method for r in runs):
         cost = ADAPT_COSTS.get(m)
         if cost is None:
-            notes.append(f"{m}: no cost entry in extract/sweep/cost.py; priced at "
-                         f"{DEFAULT_ADAPT_COST.per_sample} s a sample")
-        elif cost.provisional:
-            notes.append(f"{m}: provisional cost figure (extract/sweep/cost.py)")
-        elif cost.solve:
+            notes.append(f"{m}: no cost entry in extract/sweep/cost.py; priced at {DEFAULT_S_PER_SAMPLE} s a sample")
+        elif cost.solve and cost.grows_with_stream:
             notes.append(f"{m}: one transductive solve over the run, whose search grows with the square of its "
                          "images (--limit caps it)")
         elif cost.grows_with_stream:
@@ -808,8 +831,7 @@ def views_per_image(policy: str) -> int:
 
 def estimate_hours(runs: Sequence["RunSpec"], rates: Rates | None = None) -> float:
     """Estimated GPU-hours of a group of runs sharing one feature cache: one encoding pass of the group's views plus
-    each method's adaptation, priced with the measured `rates` where they cover it, else from its work (or seconds
-    figures)."""
+    each method's adaptation, priced with the measured `rates` where they cover it, else from its work."""
     r0 = runs[0]
     n = n_images(r0.dataset, r0.limit)
     views = views_per_image(r0.policy)

@@ -37,10 +37,5 @@ def work_seconds(work, n: int, k: int, views: int, fig, card=H100) -> float:
 
 
 def adapt_reference(cost, n: int, k: int, views: int, fig, card=H100) -> float:
-    """An `AdaptCost`'s seconds over a run: its work on `card`, else its seconds figures sample by sample (the n-th
-    sample costs its per-sample figure, the 64-view one for 64 views, plus n times its per-position figures)."""
-    if cost.work is not None:
-        return work_seconds(cost.work, n, k, views, fig, card)
-    per_sample = cost.multi_view if views > 1 and cost.multi_view is not None else cost.per_sample
-    return n * (per_sample + cost.per_class * k) + sum(range(1, n + 1)) * (cost.per_position
-                                                                          + cost.per_position_class * k)
+    """An `AdaptCost`'s seconds over a run: its work on `card`."""
+    return work_seconds(cost.work, n, k, views, fig, card)

@@ -26,21 +26,17 @@ EPS = sys.float_info.epsilon
 A100 = {"tensor": 312e12, "fp32": 19.5e12, "bandwidth": 2039e9}
 
 
-#: the 20 method keys registered when issue 35 item 12 was fixed (ECALP, DMN, BoostAdapter and others had been
-#: priced from adapt steps timed on a CPU): each is priced from its work now
-WORK_PRICED = ("zero-shot", "tda", "dpe", "dlae", "tpt", "ctpt", "otpt", "atpt", "tps", "zero", "mta", "onzeta",
-               "ecalp", "dmn", "dmn-weak", "boostadapter", "rtpt", "dynaprompt", "rlcf", "ttl")
-
-
 @pytest.mark.parametrize("method", sorted(REGISTRY))
-def test_an_unmeasured_method_is_priced_from_its_entry_on_the_card(method):
-    """Every registered method without a measured rate: its work on the default card (an H100) with ViT-B-16's
-    counted figures, or its seconds figures, as docs/sweep.md writes them out."""
+def test_an_unmeasured_method_is_priced_from_its_work_on_the_card(method):
+    """Every registered method has a work entry (issue 35 item 12: no method priced from adapt steps timed on a CPU
+    or from a seconds figure) and, without a measured rate, is priced from it on the default card (an H100) with
+    ViT-B-16's counted figures, as docs/sweep.md writes the model out."""
     fig = cost.backbone_figures("ViT-B-16")
+    assert method in cost.ADAPT_COSTS, f"give {method} a work entry in extract/sweep/cost.py (docs/sweep.md, " \
+        "'The cost model')"
     entry = cost.ADAPT_COSTS[method]
-    if method in WORK_PRICED:
-        assert entry.work is not None, f"{method} is priced from its work (docs/sweep.md, 'The cost model')"
-    assert cost.price_basis(method, "ViT-B-16") == ("estimated" if entry.work is not None else "seconds")
+    assert isinstance(entry.work, cost.Work)
+    assert cost.price_basis(method, "ViT-B-16") == "estimated"
     for dataset, policy, views in (("imagenet", "single", 1), ("dtd", "augmix", 64), ("eurosat", "crop_flip", 64)):
         n, k = cost.TEST_SIZES[dataset], cost.NUM_CLASSES[dataset]
         got = cost.adapt_seconds(method, dataset, n, policy, "ViT-B-16")
@@ -165,22 +161,58 @@ def test_the_plan_title_says_per_method_whether_measured_or_estimated(tmp_path, 
                                                                                             method="no-entry"))])
 
 
-def test_a_seconds_figure_still_prices_a_method_without_work():
-    """An entry given in seconds (the form before work terms) keeps its meaning: N (per_sample + per_class K) +
-    (per_position + per_position_class K) N (N + 1) / 2, `multi_view` for 64 views; the plan says it is estimated in
-    GPU-seconds."""
-    c = cost.AdaptCost(0.01, per_class=1e-5, multi_view=0.02, per_position=1e-7, per_position_class=1e-9)
-    for views in (1, 64):
-        assert c.estimate(300, 47, views) == pytest.approx(adapt_reference(c, 300, 47, views, None), rel=16 * EPS,
-                                                           abs=0)
-    assert c.grows_with_stream and not cost.AdaptCost(0.01).grows_with_stream
-    cost.ADAPT_COSTS["seconds-entry"] = c
-    try:
-        assert cost.price_basis("seconds-entry", "ViT-B-16") == "seconds"
-        run = RunSpec(RunOptions("tda", "dtd", backbone="ViT-B-16"), ExecOptions(), "single")
-        title = cost.plan_title([dataclasses.replace(run, options=dataclasses.replace(run.options,
-                                                                                      method="seconds-entry"))])
-        assert "adaptation estimated in GPU-seconds (extract/sweep/cost.py): seconds-entry" in title
-    finally:
-        del cost.ADAPT_COSTS["seconds-entry"]
+def test_a_method_without_a_work_entry_is_priced_at_the_default_and_named():
+    """An entry is its work (`AdaptCost` takes nothing else); a registered method without one is priced at
+    `DEFAULT_S_PER_SAMPLE` seconds a sample whatever the card, and the plan names it (the test above fails for
+    it)."""
+    with pytest.raises(TypeError):
+        cost.AdaptCost()  # type: ignore[call-arg]
+    run = RunSpec(RunOptions("no-entry", "dtd", backbone="ViT-B-16"), ExecOptions(), "single")
+    assert cost.price_basis("no-entry", "ViT-B-16") == "default"
+    assert cost.adapt_seconds("no-entry", "dtd", 1692, "single", "ViT-B-16") == pytest.approx(
+        1692 * cost.DEFAULT_S_PER_SAMPLE, rel=4 * EPS, abs=0)
+    assert "no cost entry, 0.03 s a sample: no-entry" in cost.plan_title([run])
+    assert "no-entry: no cost entry in extract/sweep/cost.py; priced at 0.03 s a sample" in cost.cost_notes([run])
     assert work_seconds(cost.Work(launches={"N": 1}), 10, 1, 1, cost.REFERENCE_FIGURES) == pytest.approx(10 * 17.7e-6)
+
+
+def _field_bound_s(k: int, fig, card) -> float:
+    """Seconds a sample that no method but DiffTPT exceeds, on `card` at the model's rates: the envelope of the
+    field's largest per-sample work (docs/sweep.md, "The cost model"): 8 TPT steps of text work over the K prompts
+    (32 K text-encoder forwards; DynaPrompt and DART measured 6-8x TPT on the CPU), 4 encodings of the 64 views
+    (DART 3.75), 20,000 kernel launches (the most counted: HisTPT's 13,053 at K = 1,000) and 0.1 s of host time
+    (64 views generated in the main process: 64 ms)."""
+    flops = 32 * k * fig.txt_flops + 4 * 64 * fig.img_flops
+    return flops / (card.tensor_flops * cost.FLOP_EFFICIENCY) + 20_000 * cost.LAUNCH_S + 0.1
+
+
+def test_the_field_grid_dry_run_prices_every_method_plausibly(tmp_path, monkeypatch, tiny_externals):
+    """The dry run of the field's whole grid (`--methods all --datasets all --backbones ViT-B-16`, the second
+    models' tiny stand-ins) prices every method from its work, within `_field_bound_s` a sample on every dataset;
+    the transductive solves in minutes on ImageNet (issue 36: "in minutes, not hours"); DiffTPT the most expensive
+    on every dataset, at least its UNet's 63 x 50 evaluations a sample at the card's whole fp16 datasheet rate."""
+    monkeypatch.chdir(tmp_path)
+    externals = [f"{m}.{k}={v}" for m, cls in REGISTRY.items() if cls.external_files
+                 for k, v in tiny_externals.overrides(m).items()]
+    args = ["run", "--dry-run", "--skip-data-check", "--methods", "all", "--datasets", "all", "--backbones",
+            "ViT-B-16", "--out", "o", *(a for e in externals for a in ("--set", e))]
+    res = CliRunner().invoke(sweep.app, args)
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    assert "adaptation estimated from their work on an H100: " in flat and "no cost entry" not in flat
+    captured: list[RunSpec] = []
+    monkeypatch.setattr(sweep, "sweep_run", lambda runs, *a, **kw: captured.extend(runs) or 0)
+    assert CliRunner().invoke(sweep.app, args).exit_code == 0
+    assert {r.method for r in captured} == set(REGISTRY) and {r.dataset for r in captured} == set(cost.TEST_SIZES)
+    fig, card = cost.backbone_figures("ViT-B-16"), cost.CARDS["H100"]
+    hours = {(r.method, r.dataset): cost.adapt_seconds(r.method, r.dataset, cost.n_images(r.dataset), r.policy,
+                                                       r.backbone) / 3600 for r in captured}
+    for (m, d), h in hours.items():
+        n, k = cost.TEST_SIZES[d], cost.NUM_CLASSES[d]
+        if m != "difftpt":
+            assert 0 < h <= n * _field_bound_s(k, fig, card) / 3600, (m, d, h)
+            assert h < hours[("difftpt", d)], (m, d)
+    unet = 63 * 50 * sum(cost.SD_UNET_STEP_FLOPS.values())
+    assert hours[("difftpt", "imagenet")] >= 50_000 * unet / card.tensor_flops / 3600
+    for m in ("stata", "stata-online", "transclip", "zlap", "zlap-inductive"):
+        assert hours[(m, "imagenet")] < 1 / 6, m
