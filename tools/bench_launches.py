@@ -10,11 +10,12 @@ patches, 12 text blocks, 77 tokens) at width 64 instead of 768/512, random weigh
 Each method runs through `run_extraction` as `bench-gpu`'s rates run it (`tools.bench_methods.RateRuns`): a
 dtd-layout set of K classes named after ImageNet's (the text passes run one transformer call per group of prompt
 lengths), feature caches filled first, the method's own input from the run (pixels, second models as the benches'
-stand-ins), calls of `--adapt-batch` samples. One `adapt` call is counted with torch's profiler
-(`tools.bench_extract.count_launches`: the leaf aten operations, less views and allocations): the second (the first
-is the warm-up), or the first for a transductive method, whose first call holds its solve of the whole unit; the
-count is divided by the call's samples. A second model's encoding pass (COSMIC's DINOv2, DiffTPT's generation) runs
-before the stream and is not in it.
+stand-ins). The second `adapt` call of a run (the first is the warm-up) is counted with torch's profiler
+(`tools.bench_extract.count_launches`: the leaf aten operations, less views and allocations), in runs whose calls
+hold 1 and 2 samples (2 and 4 as the batch of a method that adapts over batches of its own), and the launches are
+fitted as per call + per sample x samples: what a sample pays in the runner's calls of 64 on a GPU, or in the
+method's own batch. A transductive method's first call holds its solve of the whole run: counted whole. A second
+model's encoding pass (COSMIC's DINOv2, DiffTPT's generation) runs before the stream and is not in it.
 
     python -m tools.bench_launches --methods calip,tca,dota --classes 1000
 """

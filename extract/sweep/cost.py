@@ -395,14 +395,14 @@ FIELD_COSTS: dict[str, AdaptCost] = {
                           flops={"K*txt_flops": 51}, launches={"N": 30, "N*K": 108 * 51 * 51 / 2 ** 24})),
     # -- training-free online (docs/benchmarks.md, "Training-free online methods: cost per sample"). DOTA: per sample
     # about 7 float32 passes over the (K, D, D) covariances (scale, rank-n update, divide, mean: 1.05 GB at ImageNet's
-    # K = 1,000, D = 512) with the update's 2 n K D² FLOPs (n = 1 kept view, or 6 of 64), and a D x D inverse
-    # (8/3 D³ FLOPs, latency-bound)
+    # K = 1,000, D = 512) with the update's 2 n K D² FLOPs (n kept views, about V / 10: 1, or 6 of 64; written
+    # 2 + 0.2 V, a slight overcount), and a D x D inverse (8/3 D³ FLOPs, latency-bound); 78 launches a sample
     "dota": AdaptCost(Work(fp32_flops={"N*K*D^2": 2, "N*V*K*D^2": 0.2, "N*D^3": 8 / 3}, bytes={"N*K*D^2": 7 * 4},
                            host_s={"N*D": LU_S_PER_COLUMN}, launches={"N": 78})),
     # OGA: per sample its Gaussian scores (two (K, D) x (D, D) products); about half the samples change the memory
     # (44% on ImageNet: a class's n-th sample enters with probability ~8/n), each change a covariance over up to 8 K
-    # items (2 x 8 K D² FLOPs), a pass over the (K, 8, D) float16 memory and a D x D pseudo-inverse (an SVD,
-    # latency-bound); 100 launches a sample, about 200 more a change
+    # items (2 x 8 K D² FLOPs), about 4 passes over the (K, 8, D) float16 memory and a D x D pseudo-inverse (an SVD,
+    # latency-bound); 196 launches a sample (about 100, and 200 more a change)
     "oga": AdaptCost(Work(fp32_flops={"N*K*D^2": 4 + 0.5 * 16}, bytes={"N*K*D": 0.5 * 8 * 2 * 4},
                           host_s={"N*D": 0.5 * SVD_S_PER_COLUMN}, launches={"N": 196})),
     # BCA: TDA's order: per sample the views' logits against the K centres, the (K, K) table product, a centre and a
@@ -412,12 +412,13 @@ FIELD_COSTS: dict[str, AdaptCost] = {
     # COSMIC (docs/methods.md, "COSMIC: a second image encoder (DINOv2) and dual memories"): DINOv2 ViT-L/14 on the
     # original view (`DINO_VIEW_FLOPS`), read again through the loader; per sample the 8 views' logits, DMN's
     # read-out of K x 17 keys (about 7 float32 passes) and the DINOv2 class means (K x 16 x 1024 floats, 2 passes):
-    # 733 launches (counted with the rebuilds off). A graph rebuild (both graphs: 2K CLIP and K DINOv2 nodes) happens at nearly
-    # every sample while i <= K x memory (16 on the ImageNet family: 16 K rebuilds; 8 on the fine-grained sets, where
-    # this term is twice the work), then every 100 samples: 16 K + N / 100 rebuilds, each the similarities (12 K² D
-    # FLOPs), their sort (about 5 K² floats, 64 bytes each through a radix sort), the second-order edges (A ⊙ A²:
-    # 18 K³ FLOPs), networkx's clique search on the host (0.14 s at K = 1,000 measured on the CPU, linear in the
-    # nodes: 1.4e-4 K s) and about 11.85 K launches (11,854 counted at K = 1,000: its cliques one by one)
+    # 733 launches (counted with the rebuilds off). A rebuild of both graphs (2 K CLIP and K DINOv2 nodes) happens at
+    # nearly every sample while i <= K x memory (16 on the ImageNet family: 16 K rebuilds; 8 on the fine-grained
+    # sets, where this term is twice the work), then every 100 samples: 16 K + N / 100 rebuilds, each the
+    # similarities (12 K² D FLOPs), their sort (about 5 K² floats, 64 bytes each through a radix sort), the
+    # second-order edges (A ⊙ A²: 18 K³ FLOPs), networkx's clique search on the host (0.14 s at K = 1,000 measured
+    # on the CPU, linear in the nodes: 1.4e-4 K s) and about 11.85 K launches (11,854 counted at K = 1,000: its
+    # cliques one by one)
     "cosmic": AdaptCost(Work(flops={"N": DINO_VIEW_FLOPS},
                              fp32_flops={"N*K*D": 2 * 8 + 6 * 17, "K^3*D": 16 * 12, "N*K^2*D": 12 / 100,
                                          "K^4": 16 * 18, "N*K^3": 18 / 100},
