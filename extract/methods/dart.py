@@ -1,7 +1,7 @@
 """DART: dual-modal adaptive online prompting and knowledge retention (AAAI'24, `zhoujiahuan1991/AAAI2024-DART
 @dbdfa2b`, `main.py`, `clip/my_clip_CSTP.py`, `utils/ema.py`, `data/datautils.py`; the command of `readme.md`).
 
-Spec: docs/methods.md, "DART (`extract/methods/dart.py`)".
+Spec: docs/methods.md, "DART (`dart`)".
 
 Prompts: a class-specific text context (K, 4, W) - the token embeddings at positions 1..4 of each class's own prompt
 (`init_text_prompts`, CSTP) - and an image prompt: one key token and one value token added to the attention of

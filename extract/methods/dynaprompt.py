@@ -1,5 +1,5 @@
 """DynaPrompt: an online buffer of prompts, tuned and selected per sample (`zzzx1224/DynaPrompt @acd33cf`,
-`dynap_classification.py` via `run_dynap.sh`; docs/methods.md, "DynaPrompt (`extract/methods/dynaprompt.py`)").
+`dynap_classification.py` via `run_dynap.sh`; docs/methods.md, "DynaPrompt (`dynaprompt`)").
 
 State carried over the whole stream (never reset): P = 12 residual contexts r_j (P, 4, W), starting at 0, each
 giving the prompt embed("a photo of a") + r_j; `ctx_order` (least recently used first) and `ctx_use` (times

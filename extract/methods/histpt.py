@@ -1,6 +1,6 @@
 """HisTPT: online prompt tuning with memory banks of past prompts (NeurIPS'24).
 
-Spec: docs/methods.md, "HisTPT (`extract/methods/histpt.py`)".
+Spec: docs/methods.md, "HisTPT (`histpt`)".
 
 The official repository (`jingyi0000/HisTPT`) holds only the authors' segmentation code (SEEM); the CLIP
 classification version is TTABC's `ttabc/model_selection/histpt.py` (walawalagoose/TTABC, the reference here), with
