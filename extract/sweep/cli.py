@@ -195,7 +195,7 @@ def wait_for(out: Path, run_ids: Sequence[str], live: Mapping[str, Any], console
 def say_left_out(left_out: Sequence[str], console: Any) -> None:
     """One note per (method, backbone) pair the grid left out (`expand_grid`: the method cannot run there)."""
     for why in left_out:
-        console.print(f"note: left out of the grid: {why}", markup=False, highlight=False)
+        console.print(f"note: left out of the grid: {why}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _say_notes(notes: Sequence[str], said: set[str], console: Any) -> None:
