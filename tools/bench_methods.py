@@ -423,14 +423,15 @@ def fill_caches(model: Any, root: Path, cache_dir: Path, limits: dict[str, int],
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _policies(keys: Sequence[str]) -> set[str]:
-    """The view policies the methods of `keys` read on the dtd layout (a method that cannot plan adds none)."""
+def _policies(keys: Sequence[str], pretrained: str) -> set[str]:
+    """The view policies the methods of `keys` read on the dtd layout with the model `pretrained` (a method that
+    cannot plan, or cannot run on the model, adds none)."""
     from extract.run.options import RunOptions, plan
 
     out = set()
     for key in keys:
         with contextlib.suppress(Exception):
-            out.add(plan(RunOptions.make(key, "dtd")).policy)
+            out.add(plan(RunOptions.make(key, "dtd", backbone=None, pretrained=pretrained)).policy)
     return out
 
 
@@ -447,7 +448,7 @@ class RateRuns:
         self.base_cache = work / "cache"
         self.descriptions = bench_descriptions(root, work / "descriptions")
         fill_caches(model, root, self.base_cache, limits, adapt_batch=adapt_batch, log=log,
-                    policies=[p for p in POLICY_OVERRIDES if p in _policies(keys)])
+                    policies=[p for p in POLICY_OVERRIDES if p in _policies(keys, model.pretrained)])
         self._ids = iter(range(1_000_000))
 
     def __call__(self, key: str, *, overrides: dict[str, str], limit: int) -> float:
