@@ -158,6 +158,9 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         options = dataclasses.replace(options, backbone=model.backbone, pretrained=model.pretrained)
     planned = plan(options)
     data = load_run_data(planned)
+    last_batch = planned.last_batch_refusal(data.n_total)  # a batch of one image the method cannot adapt
+    if last_batch is not None:
+        raise RunError(last_batch)
     # how its images are read (never part of its identity): the loaders refuse one over the pixel limit
     data = dataclasses.replace(data, testset=dataclasses.replace(data.testset,
                                                                  max_image_pixels=execution.max_image_pixels))

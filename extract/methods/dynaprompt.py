@@ -39,8 +39,10 @@ import torch
 
 from extract.methods.base import (
     IMAGENET_FAMILY,
+    PROMPT_TUNING,
     MethodConfig,
     PromptSet,
+    Towers,
     TTAMethod,
     check_hparams_key,
     setting,
@@ -126,6 +128,10 @@ class DynaPrompt(TTAMethod):
     _state_fields: ClassVar[tuple[str, ...]] = ("residual", "ctx_order", "ctx_use", "loss_scale", "skipped_steps")
     # unseen data: the fine-grained views (AugMix); nothing else depends on the dataset
     unseen_like: ClassVar[str] = "dtd"
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        return PROMPT_TUNING  # `prompt_encoder` checks the loaded model's text tower
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:

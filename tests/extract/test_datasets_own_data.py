@@ -289,10 +289,14 @@ def test_imagenet_c_keys_and_layout(tmp_path):
     assert ts.labels.tolist() == [0, 0, 417, 417, 999, 999]
     assert "imagenet-c/<corruption>" not in _err(load_testset, "imagenet_c:fog:1", tmp_path)  # its own folder
     assert f"{tmp_path}/imagenet-c/fog/1/<wnid>/<image>" in _err(load_testset, "imagenet_c:fog:1", tmp_path)
-    for key in METHODS:  # ImageNet's method settings and prompts
-        plan = plan_run(key, "imagenet_c:glass_blur:4", backbone="RN50", pretrained="openai", seed=1, overrides=None,
+    from extract.run.options import RunOptions, backbone_refusal
+
+    for key in METHODS:  # ImageNet's method settings and prompts (on RN50, or ViT-B-16 for a method RN50 refuses)
+        bb = "RN50" if backbone_refusal(RunOptions(key, "imagenet_c:glass_blur:4", backbone="RN50")) is None \
+            else "ViT-B-16"
+        plan = plan_run(key, "imagenet_c:glass_blur:4", backbone=bb, pretrained="openai", seed=1, overrides=None,
                         anchor="single", limit=None)
-        assert plan.config == METHODS[key].default_config("imagenet", "RN50") and plan.settings_note == ""
+        assert plan.config == METHODS[key].default_config("imagenet", bb) and plan.settings_note == ""
     assert build_prompt_set("imagenet_c:fog:1", ["x"], policy="dataset").templates == \
         build_prompt_set("imagenet", ["x"], policy="dataset").templates
 
