@@ -667,6 +667,19 @@ class TTAMethod(abc.ABC):
         return cls.external_files
 
     @classmethod
+    def config_refusal(cls, config: MethodConfig) -> str | None:
+        """Why this method cannot run with `config` although every field lies in its range (a combination of settings
+        it does not support), or None; `plan` refuses such a run in one line before any file is read. None by default;
+        Panda's hosts override it (`extract.methods.panda.PandaPlugin`).
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> get_method("tda").config_refusal(get_method("tda").default_config("dtd", "RN50")) is None
+            True
+        """
+        return None
+
+    @classmethod
     def prefix_dependence(cls, config: MethodConfig) -> str | None:
         """Why the first rows of a run with `config` depend on what follows them, or None when they do not
         (`prefix_stable`; a method whose dependence is a setting, OnZeta's `stream_length`, overrides this).

@@ -224,8 +224,13 @@ class ExecOptions:
 
 
 def config_dict(config: Any) -> dict[str, Any]:
-    """A method config as plain JSON values (what shards and the finished-run check record)."""
-    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    """A method config as plain JSON values (what shards and the finished-run check record). A field whose metadata
+    names a bool field in `recorded_with` is recorded only while that field is true (Panda's settings on its hosts:
+    a run without Panda records what it recorded before Panda existed)."""
+    off = {f.name for f in dataclasses.fields(config)
+           if "recorded_with" in f.metadata and not getattr(config, f.metadata["recorded_with"])}
+    full = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    return {k: v for k, v in full.items() if k not in off}
 
 
 @dataclass(frozen=True)
@@ -371,6 +376,9 @@ def plan(options: RunOptions) -> PlannedRun:
     overrides = o.overrides_dict()
     config, model_notes = _checked_config(o.method, config, overrides, name, o.pretrained)
     one_image = _check_towers(o.method, cls, config, name, o.pretrained)
+    refusal = cls.config_refusal(config)
+    if refusal is not None:
+        raise RunError(refusal)
     try:
         policy = view_policy(int(config.n_views), bool(config.augmix), config.crop_scale)
     except ValueError as e:
