@@ -482,6 +482,83 @@ def architecture_config(backbone: str, pretrained: str) -> dict[str, Any]:
     return open_clip.get_model_config(backbone) or {}
 
 
+#: the kinds of image tower a method declares it runs on (`extract.methods.base.Towers`), as `tower_kinds` reads them
+#: from an architecture's config (docs/methods.md, "Which backbones a method runs on")
+IMAGE_TOWERS: dict[str, str] = {
+    "vit": "a ViT pooled at its class token (CLIP's ViTs)",
+    "vit-pooled": "a ViT pooled otherwise (CoCa's attention pool, CLIPA's average)",
+    "resnet": "a ResNet (CLIP's ModifiedResNet)",
+    "timm": "a timm model (SigLIP's ViTs)",
+}
+#: the kinds of text tower, likewise
+TEXT_TOWERS: dict[str, str] = {
+    "clip": "CLIP's causal tower pooled at its end-of-text token",
+    "open_clip": "another open_clip text transformer (SigLIP's bidirectional one)",
+    "other": "one no prompt can be learned in (a Hugging Face tower, or CoCa's with a class token)",
+}
+#: a ResNet image tower's last stage is its input size / 32 (open_clip's ModifiedResNet: stem /4, then 3 strides of 2)
+RESNET_STRIDE = 32
+
+
+@dataclass(frozen=True)
+class TowerKinds:
+    """What an architecture's towers are, read from its config before any weight (`tower_kinds`).
+
+    Attributes:
+        image: a key of `IMAGE_TOWERS`; text: a key of `TEXT_TOWERS`; None where the config is unknown.
+        last_stage: a ResNet's last feature map side at its input size (RN50 at 224 px: 7), else None.
+    """
+
+    image: str | None = None
+    text: str | None = None
+    last_stage: int | None = None
+
+
+def tower_kinds(backbone: str, pretrained: str) -> TowerKinds:
+    """`classify_towers` of the architecture's config (`architecture_config`: open_clip's for a named architecture,
+    the folder's for `local-dir:`); every field None for a name open_clip does not know.
+
+    Example:
+        >>> tower_kinds("RN50", "openai")  # doctest: +SKIP
+        TowerKinds(image='resnet', text='clip', last_stage=7)
+    """
+    return classify_towers(architecture_config(backbone, pretrained))
+
+
+def classify_towers(cfg: dict[str, Any]) -> TowerKinds:
+    """The towers open_clip's `create_model` builds from model config `cfg` (what `tower_kinds` reads).
+
+    Image: `timm_model_name` -> "timm"; `layers` a list (stage depths) -> "resnet"; a ViT with an attention pool,
+    a pool type other than its class token, or its LayerNorm after pooling -> "vit-pooled"; else "vit". Text: a
+    Hugging Face tower, a class token, or a pool type the prompt learner does not read (`extract.text_encoder`)
+    -> "other"; open_clip's `CLIP` (no `custom_text`) with a causal tower pooled at the end-of-text token (argmax)
+    -> "clip"; any other open_clip text transformer -> "open_clip".
+    """
+    from extract.text_encoder import POOL_TYPES
+
+    if not cfg:
+        return TowerKinds()
+    v, t = cfg.get("vision_cfg") or {}, cfg.get("text_cfg") or {}
+    last_stage = None
+    if v.get("timm_model_name"):
+        image = "timm"
+    elif isinstance(v.get("layers"), (list, tuple)):
+        size = v.get("image_size", 224)
+        image, last_stage = "resnet", int(size[0] if isinstance(size, (list, tuple)) else size) // RESNET_STRIDE
+    elif v.get("attentional_pool") or v.get("pool_type", "tok") != "tok" or v.get("final_ln_after_pool"):
+        image = "vit-pooled"
+    else:
+        image = "vit"
+    pool = t.get("pool_type", "argmax")
+    if t.get("hf_model_name") or t.get("embed_cls") or pool not in POOL_TYPES:
+        text = "other"
+    elif not cfg.get("custom_text") and not t.get("no_causal_mask") and pool == "argmax":
+        text = "clip"
+    else:
+        text = "open_clip"
+    return TowerKinds(image, text, last_stage)
+
+
 @contextlib.contextmanager
 def _without_random_init_warning() -> Iterator[None]:
     """Hide open_clip's "Model initialized randomly" warning while a model is built to receive weights loaded

@@ -1,6 +1,6 @@
 """`zaec-promptalign-stats`: PromptAlign's source statistics, the per-layer token means and variances of the
 MaPLe-prompted image encoder over a folder of images (ImageNet), written as the two files PromptAlign reads
-(`--set vis_means=... vis_vars=...`; docs/extract.md, "Files a method reads besides the CLIP checkpoint").
+(`--set vis_means=... --set vis_vars=...`; docs/extract.md, "Files a method reads besides the CLIP checkpoint").
 
     zaec-promptalign-stats --maple-weights seed1/MultiModalPromptLearner/model.pth.tar-2 \\
         --dataset imagenet --data-root /data --out stats/imagenet        # -> stats/imagenet_vis_{means,vars}.pt

@@ -110,7 +110,7 @@ CLIP_DATASET_TEMPLATES: dict[str, tuple[str, ...]] = {
 # CoOp's single template per dataset, as the TransCLIP/StatA repositories ship them (`datasets/*.py` there):
 # "a photo of a {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397; DTD's without a full stop; the six
 # others are TDA's own. OGA's "standard" prompts are `dataset.template` of a `datasets` package its repository does
-# not include; the OGA README names TransCLIP as its base (docs/methods.md, "OGA").
+# not include; the OGA README names TransCLIP as its base (docs/methods.md, "OGA (`oga`)").
 class PromptError(ValueError):
     """A user-side problem with prompts (unknown policy, unreadable CuPL file)."""
 

@@ -2,16 +2,23 @@
 
 `run_extraction(method, dataset, ...)` composes the steps of `extract.run` (docs/architecture.md, "The objects of
 a run"):
-    1. `plan`: resolve every name (method, dataset, config overrides, anchor, model name) before any image is read;
+    1. `plan`: resolve every name (method, dataset, config overrides, anchor, model name) before any image is read,
+       and refuse a method on a backbone it cannot run on (`TTAMethod.towers`) or a combination of settings it does
+       not support (`TTAMethod.config_refusal`);
     2. `load_run_data`: list the test set (split files only) and fingerprint its files; the stream is a permutation
        of sample_id per (dataset, seed) (an OOD run, `RunOptions.ood_for`: both sets in one mixed list,
        `extract.run.ood`, its dataset key `<ood>@<id>`);
     3. `build_prompts` (before the model: a bad prompt file stops the run at once); then, under the run folder's
        lock (`RunDir.lock`, held to the marker), `finished_run`: reuse a finished run with the same settings (unless
-       `force`), saying so; otherwise load the model, build the text prototypes (cached), the method and the shard
-       metadata;
+       `force`), saying so, and never replace a finished longer run with a shorter one it cannot serve
+       (`longer_run_refusal`); check the files the method reads beside the checkpoint (`check_external_files`:
+       RLCF's reward model, COSMIC's DINOv2, DiffTPT's pipeline, PromptAlign's prompts); load the model, build the
+       text prototypes (cached), the method and what it reads beyond a batch of cached features (a second image
+       encoder, `attach_second_encoder`; generated views, `attach_generated`; the views' pixels or a batch's
+       pixels, `attach_pixels`; class descriptions, read with the prompts), and the shard metadata;
     4. `scan_resume` / `apply_resume`: keep the valid parts of an interrupted run;
-    5. `encode_pass`: fill the missing chunks of the feature cache (view 0, plus views 1..63 if the method uses them);
+    5. `encode_pass`: fill the missing chunks of the feature cache (view 0, plus views 1..63 if the method uses them),
+       then a second encoder's or the generated views' own caches;
     6. `adapt_stream`: feed the cached features in stream order, `adapt_batch` samples per `method.adapt` call (a
        method that adapts over batches of pixels: its own batch, with the batch's pixels, `attach_pixels`),
        pair each adapted logit row with the zero-shot anchor (single prompt "a photo of a {}." on view 0, or the
@@ -158,6 +165,9 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
         options = dataclasses.replace(options, backbone=model.backbone, pretrained=model.pretrained)
     planned = plan(options)
     data = load_run_data(planned)
+    last_batch = planned.last_batch_refusal(data.n_total)  # a batch of one image the method cannot adapt
+    if last_batch is not None:
+        raise RunError(last_batch)
     # how its images are read (never part of its identity): the loaders refuse one over the pixel limit
     data = dataclasses.replace(data, testset=dataclasses.replace(data.testset,
                                                                  max_image_pixels=execution.max_image_pixels))

@@ -270,3 +270,14 @@ def test_episodic_table(methods_md, methods):
         assert float(r["C-TPT λ"]) == ctpt.lambda_term and float(r["O-TPT λ"]) == otpt.lambda_term, k
         assert r["A-TPT λ (script)"] == f"{atpt.lambda_term:g} ({atpt.script})", k
         assert float(r["TPS lr"]) == tps.lr, k
+
+
+def test_settings_for_unseen_data_lists_every_registered_method(methods_md):
+    """docs/methods.md "Settings for unseen data" has one row per registered method (a row may name several keys),
+    in the registry's order, each key once (`extract.method_keys.METHOD_KEYS`, torch-free)."""
+    from extract.method_keys import METHOD_KEYS
+
+    table = methods_md.split("### Settings for unseen data", 1)[1].split("\n### ", 1)[0]
+    listed = [k for line in table.splitlines() if line.startswith("| `")
+              for k in re.findall(r"`([^`]+)`", line.split("|")[1])]
+    assert listed == list(METHOD_KEYS)

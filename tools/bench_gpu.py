@@ -253,7 +253,7 @@ def method_rates(model: Any, work: Path, rates: "RateSettings", *, tiny: bool, s
             runs = RateRuns(model, root, work / f"rates-k{k}", keys, rates.limits, adapt_batch=DEFAULT_ADAPT_BATCH)
             for key in rates.methods:
                 r = run_rate(key, k, runs, run_overrides(get_method(key), rates.reward_dir, stand_ins),
-                             rates.limits, budget_s=rates.budget_s)
+                             rates.limits, budget_s=rates.budget_s, pretrained=model.pretrained)
                 out["by_method"].setdefault(key, {})[str(k)] = r
                 say(f"  {key} K = {k}: " + (f"skipped: {r.skipped}" if r.skipped
                                             else f"{r.samples_per_s:,.2f} samples/s over {r.samples} samples"))

@@ -131,13 +131,20 @@ def _one_line(e: BaseException) -> str:
 
 
 def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], limits: dict[str, int],
-               timer: contextlib.AbstractContextManager[Any]) -> tuple[str, str, Any]:
-    """Plan `key`'s view policy and run it over `limits[policy]` positions inside `timer`: (policy, why it failed
-    or "", what the timer recorded). A run the timer ends (`_Enough`) has not failed."""
-    from extract.run.options import RunOptions, plan
+               timer: contextlib.AbstractContextManager[Any], pretrained: str | None) -> tuple[str, str, Any]:
+    """Plan `key`'s view policy on the bench's model (`pretrained`; None: the default backbone) and run it over
+    `limits[policy]` positions inside `timer`: (policy, why it failed or "", what the timer recorded). A method
+    that cannot run on the model (`extract.run.options.backbone_refusal`, the method's `towers`) is not tried: the
+    refusal is why. A run the timer ends (`_Enough`) has not failed."""
+    from extract.run.options import RunOptions, backbone_refusal, plan
 
+    options = RunOptions.make(key, "dtd", overrides=overrides, **({} if pretrained is None else
+                                                                   {"backbone": None, "pretrained": pretrained}))
     try:
-        policy = plan(RunOptions.make(key, "dtd", overrides=overrides)).policy
+        refused = backbone_refusal(options)
+        if refused is not None:
+            return "", refused, None
+        policy = plan(options).policy
     except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
         return "", _one_line(e), None
     with timer as rec:
@@ -168,7 +175,8 @@ def method_cost(key: str, run: Callable[..., Any], model_dir: Path, limits: dict
 
     cls = get_method(key)
     overrides = {**bench_overrides(cls, model_dir, stand_ins), **batch_overrides(cls, limits["single"], adapt_batch)}
-    policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s))
+    policy, failed, calls = _timed_run(key, run, overrides, limits, _adapt_timer(cls, budget_s),
+                                       f"local-dir:{model_dir}")
     if failed:
         return MethodCost(key, policy, skipped=failed)
     if len(calls) < 2:
@@ -350,7 +358,7 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
 
 
 def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str], limits: dict[str, int], *,
-             budget_s: float | None, adapt_batch: int = 64) -> RunRate:
+             budget_s: float | None, adapt_batch: int = 64, pretrained: str | None = None) -> RunRate:
     """Time one registered method through `run(key, overrides=..., limit=...)` (a `run_extraction` with the
     bench's model, K-class set, caches and the runner's default adapt batch bound in): `RunRate` of its adapt loop
     after the first call, until `budget_s` seconds of it (None: the whole run) or the cached positions end.
@@ -362,12 +370,14 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
         limits: view policy -> stream positions cached for it (the run's `limit`).
         budget_s: seconds (`bench_clock`) after the first batch after which the run is ended.
         adapt_batch: the runner's samples per call (`batch_overrides`).
+        pretrained: the model the runs load (`LoadedModel.pretrained`): a method that cannot run on it is skipped
+            with the reason (None: the default backbone's).
     """
     from extract.methods import get_method
 
     cls = get_method(key)
     overrides = {**overrides, **batch_overrides(cls, limits["single"], adapt_batch)}
-    policy, failed, rec = _timed_run(key, run, overrides, limits, _wall_timer(cls, budget_s))
+    policy, failed, rec = _timed_run(key, run, overrides, limits, _wall_timer(cls, budget_s), pretrained)
     if failed:
         return RunRate(key, k, policy, skipped=failed)
     calls = rec["rows"]
@@ -413,14 +423,15 @@ def fill_caches(model: Any, root: Path, cache_dir: Path, limits: dict[str, int],
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _policies(keys: Sequence[str]) -> set[str]:
-    """The view policies the methods of `keys` read on the dtd layout (a method that cannot plan adds none)."""
+def _policies(keys: Sequence[str], pretrained: str) -> set[str]:
+    """The view policies the methods of `keys` read on the dtd layout with the model `pretrained` (a method that
+    cannot plan, or cannot run on the model, adds none)."""
     from extract.run.options import RunOptions, plan
 
     out = set()
     for key in keys:
         with contextlib.suppress(Exception):
-            out.add(plan(RunOptions.make(key, "dtd")).policy)
+            out.add(plan(RunOptions.make(key, "dtd", backbone=None, pretrained=pretrained)).policy)
     return out
 
 
@@ -437,7 +448,7 @@ class RateRuns:
         self.base_cache = work / "cache"
         self.descriptions = bench_descriptions(root, work / "descriptions")
         fill_caches(model, root, self.base_cache, limits, adapt_batch=adapt_batch, log=log,
-                    policies=[p for p in POLICY_OVERRIDES if p in _policies(keys)])
+                    policies=[p for p in POLICY_OVERRIDES if p in _policies(keys, model.pretrained)])
         self._ids = iter(range(1_000_000))
 
     def __call__(self, key: str, *, overrides: dict[str, str], limit: int) -> float:
@@ -506,7 +517,8 @@ def agreement(model: Any, root: Path, work: Path, keys: Sequence[str], k: int, *
         first = _call_width(key, overrides, adapt_batch)  # the first adapt call: the method's batch, if it has one
         rates, t_first, t_all = [], [], []
         for _ in range(max(1, repeat)):
-            rates.append(run_rate(key, k, runs, overrides, limits, budget_s=None, adapt_batch=adapt_batch))
+            rates.append(run_rate(key, k, runs, overrides, limits, budget_s=None, adapt_batch=adapt_batch,
+                                  pretrained=model.pretrained))
             if rates[-1].skipped:
                 break
             n = limits[rates[-1].policy]

@@ -86,11 +86,17 @@ METHOD_LABELS: dict[str, str] = {
     "calip": "CALIP", "tca": "TCA",
     # prompt tuning with history, averaging or descriptions (HisTPT, DART, AWT)
     "histpt": "HisTPT", "dart": "DART", "awt": "AWT",
+    # the field's training-free online methods (DOTA, OGA, BCA)
+    "dota": "DOTA", "oga": "OGA", "bca": "BCA",
+    # a second model (docs/methods.md, "Methods that need a second pretrained model (DiffTPT, PromptAlign, COSMIC)")
+    "difftpt": "DiffTPT", "promptalign": "PromptAlign", "cosmic": "COSMIC",
     # transductive (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")
     "stata": "StatA", "stata-online": "StatA-online", "transclip": "TransCLIP", "zlap": "ZLaP",
     "zlap-inductive": "ZLaP-inductive",
     # the methods that adapt the image encoder over batches (docs/methods.md, "The methods at a glance")
     "tent": "Tent", "sar": "SAR", "deyo": "DeYO", "batclip": "BATCLIP",
+    # per batch, reset before each batch (WATT, CLIPArTT)
+    "watt": "WATT", "clipartt": "CLIPArTT",
 }
 #: prompt-coupled calibration methods (TPT variants that calibrate while tuning the prompt): Figure 2b's statistic
 #: is over the paper's TTA methods, so these are left out of it by default

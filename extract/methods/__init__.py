@@ -56,7 +56,7 @@ REGISTRY: dict[str, type[TTAMethod]] = {
                              # the field's training-free online methods, each with its section in docs/methods.md
                              DOTA, OGA, BCA,
                              # methods that need a second pretrained model (docs/methods.md,
-                             # "Methods that need a second pretrained model (DiffTPT, PromptAlign)"; COSMIC: its own)
+                             # "Methods that need a second pretrained model (DiffTPT, PromptAlign, COSMIC)")
                              DiffTPT, PromptAlign, COSMIC,
                              # transductive: each row solved jointly with its unit
                              # (docs/methods.md, "Transductive methods (StatA, TransCLIP, ZLaP)")

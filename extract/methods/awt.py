@@ -1,7 +1,7 @@
 """AWT: augment, weight, then transport (NeurIPS'24, `MCG-NJU/AWT @b2b49a8`, `AWT_zero_shot/evaluate.py`,
 `pre_extract.py`, `data/datautils.py`, `data/cls_to_names.py`, `scripts/{pre_extract,evaluate}.sh`).
 
-Spec: docs/methods.md, "AWT (`extract/methods/awt.py`)".
+Spec: docs/methods.md, "AWT (`awt`)".
 
 Per sample, training-free and without state: the original view and 50 random crops (the first 51 of the run's 64
 crop + flip views) against P = 1 + 50 prompts per class - the dataset's template with the class name and ".", then

@@ -428,6 +428,78 @@ class ExternalFile:
     backbone_setting: str = ""
 
 
+@dataclass(frozen=True)
+class Towers:
+    """Which backbones a method runs on (`TTAMethod.towers`), by the kinds of their towers: the keys of
+    `extract.models.IMAGE_TOWERS` and `TEXT_TOWERS`, which `extract.models.tower_kinds` reads from an architecture's
+    config before any weight. `plan` checks it for `zaec-extract` before any file is read; the sweep leaves the
+    (method, backbone) pairs it refuses out of its grid; the demo and the benches skip them by it. The method's own
+    check on the loaded model stays as the last guard for an architecture whose config is unknown.
+
+    Attributes:
+        image: the image towers it runs on (None: every kind); image_use: what it does with the tower (the
+            refusal line says it).
+        text, text_use: the same for the text tower.
+        batch_statistics: it normalises a ResNet's BatchNorms with the statistics of each batch of images, so a batch
+            of one image through a ResNet whose last stage is 1x1 at its input size (< 64 px; RN50 at 224 px is 7x7)
+            leaves one value per channel: refused (a whole stream of such batches by `plan`, a last batch of one
+            by the run once it has listed the test set, both before the model loads).
+
+    Example:
+        >>> from extract.models import TowerKinds
+        >>> why = Towers(image=frozenset({"vit"}), image_use="condenses ViT tokens").refusal(
+        ...     "tca", "RN50", TowerKinds("resnet", "clip", 7), None)
+        >>> why.split(": ")[0], why.split("; ")[1]
+        ('tca condenses ViT tokens', "RN50's is a ResNet (CLIP's ModifiedResNet)")
+    """
+
+    image: frozenset[str] | None = None
+    image_use: str = ""
+    text: frozenset[str] | None = None
+    text_use: str = ""
+    batch_statistics: bool = False
+
+    @property
+    def restricted(self) -> bool:
+        """Whether some backbone can be refused (else the backbone's config need not be read)."""
+        return self.image is not None or self.text is not None or self.batch_statistics
+
+    def refusal(self, key: str, backbone: str, kinds: Any, width: int | None) -> str | None:
+        """Why method `key` cannot run on `backbone`, whose towers are `kinds` (`extract.models.TowerKinds`), with
+        `width` samples per `adapt` call (the method's batch); None when it can, or when the kinds are unknown."""
+        from extract.models import IMAGE_TOWERS, TEXT_TOWERS
+
+        for side, kind, allowed, use, names in (("image", kinds.image, self.image, self.image_use, IMAGE_TOWERS),
+                                                ("text", kinds.text, self.text, self.text_use, TEXT_TOWERS)):
+            if kind is not None and allowed is not None and kind not in allowed:
+                runs_on = " or ".join(names[k] for k in names if k in allowed)
+                return f"{key} {use}: it runs on {'an' if side == 'image' else 'a'} {side} tower that is " \
+                       f"{runs_on}; {backbone}'s is {names[kind]}"
+        if width == 1 and self.one_image_fails(kinds):
+            return f"{self.one_image_line(key, backbone)}: set batch_size >= 2"
+        return None
+
+    def one_image_fails(self, kinds: Any) -> bool:
+        """Whether a batch of one image cannot be adapted on towers `kinds` (`batch_statistics` on a ResNet whose
+        last stage is 1x1)."""
+        return self.batch_statistics and kinds.image == "resnet" and kinds.last_stage is not None \
+            and kinds.last_stage <= 1
+
+    @staticmethod
+    def one_image_line(key: str, backbone: str) -> str:
+        """The refusal of a batch of one image (`one_image_fails`), without what to change."""
+        return (f"{key} normalises the BatchNorms of a ResNet with the statistics of each batch of images, and "
+                f"{backbone}'s last stage is 1x1 at its input size: a batch of one image leaves them one value per "
+                "channel")
+
+
+#: the image towers a method that runs or alters a ViT's blocks itself runs on (TTL, DART: any open_clip ViT)
+VIT_TOWERS: frozenset[str] = frozenset({"vit", "vit-pooled"})
+#: what a method that learns a prompt in the text tower runs on (`extract.text_encoder.PromptTextEncoder`: the TPT
+#: family, DynaPrompt, HisTPT; DART adds its image side)
+PROMPT_TUNING = Towers(text=frozenset({"clip", "open_clip"}), text_use="learns a prompt in the text tower")
+
+
 class TTAMethod(abc.ABC):
     """Base class of every test-time adaptation method.
 
@@ -547,6 +619,13 @@ class TTAMethod(abc.ABC):
         return out.detach().float()
 
     @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        """The backbones the method runs on with `config` (`Towers`): every one, unless the method says otherwise
+        (a ViT's blocks, a learnable text prompt, batch statistics, or a setting that decides it: WATT's
+        `rn_batchnorm`)."""
+        return Towers()
+
+    @classmethod
     def consumes_for(cls, config: MethodConfig) -> Consumes:
         """What the run feeds the method with `config`: its `consumes`, unless a setting changes it (Panda on TPT,
         ZERO and DMN also reads the pixels of a batch of test images: `--set panda=true`)."""
@@ -586,6 +665,19 @@ class TTAMethod(abc.ABC):
             ['reward_pretrained']
         """
         return cls.external_files
+
+    @classmethod
+    def config_refusal(cls, config: MethodConfig) -> str | None:
+        """Why this method cannot run with `config` although every field lies in its range (a combination of settings
+        it does not support), or None; `plan` refuses such a run in one line before any file is read. None by default;
+        Panda's hosts override it (`extract.methods.panda.PandaPlugin`).
+
+        Example:
+            >>> from extract.methods import get_method
+            >>> get_method("tda").config_refusal(get_method("tda").default_config("dtd", "RN50")) is None
+            True
+        """
+        return None
 
     @classmethod
     def prefix_dependence(cls, config: MethodConfig) -> str | None:

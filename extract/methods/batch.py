@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from extract.methods.base import Consumes, MethodConfig, PromptSet, TTAMethod, setting
+from extract.methods.base import Consumes, MethodConfig, PromptSet, Towers, TTAMethod, setting
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class PixelBatchMethod(TTAMethod):
     @classmethod
     def adapt_width(cls, config: MethodConfig) -> int | None:
         return int(config.batch_size)  # type: ignore[attr-defined]
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        # a ResNet's BatchNorms on the statistics of each batch (`normtta.configure_norms`, `norm_tuning.TunedCLIP`)
+        return Towers(batch_statistics=True)
 
     def attach_pixels(self, reader: Callable[[int, int], torch.Tensor]) -> None:
         self._pixels = reader

@@ -1,7 +1,7 @@
 """BCA — Bayesian Class Adaptation (Zhou et al., CVPR'25, "Bayesian Test-Time Adaptation for Vision-Language
 Models"). The official repository (buerzlh/Bayesian-Test-Time-Adaptation-for-Vision-Language-Models) could not be
 read here; the reference is TTABC's re-implementation (walawalagoose/TTABC `ttabc/model_selection/bca.py`
-`BCAState`, settings `ttabc/configs/algorithms.py` bca). Online and training-free; docs/methods.md, "BCA".
+`BCAState`, settings `ttabc/configs/algorithms.py` bca). Online and training-free; docs/methods.md, "BCA (`bca`)".
 
 State: class centres μ_m (K, D, from the text prototypes), a likelihood-to-class table P(y|μ_m) (K×K, from the
 identity) and two per-class counts c1 (20000) and c2 (1). Per sample (`bca_step`):

@@ -80,6 +80,7 @@ class CALIP(EncoderMethod):
     key: ClassVar[str] = "calip"
     prefix_stable: ClassVar[bool] = True  # no state: each row reads its own sample only
     Config: ClassVar[type[MethodConfig]] = CALIPConfig
+    image_towers: ClassVar[frozenset[str]] = frozenset({"vit", "resnet"})  # `token_map_refusal` on the loaded model
     tower_need: ClassVar[str] = "reads the token map of a ViT or ResNet image encoder"
     # Unseen data (`EncoderMethod`): the one row, with the 80 CLIP templates
 

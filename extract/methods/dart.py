@@ -1,7 +1,7 @@
 """DART: dual-modal adaptive online prompting and knowledge retention (AAAI'24, `zhoujiahuan1991/AAAI2024-DART
 @dbdfa2b`, `main.py`, `clip/my_clip_CSTP.py`, `utils/ema.py`, `data/datautils.py`; the command of `readme.md`).
 
-Spec: docs/methods.md, "DART (`extract/methods/dart.py`)".
+Spec: docs/methods.md, "DART (`dart`)".
 
 Prompts: a class-specific text context (K, 4, W) - the token embeddings at positions 1..4 of each class's own prompt
 (`init_text_prompts`, CSTP) - and an image prompt: one key token and one value token added to the attention of
@@ -37,6 +37,7 @@ unused graph; the same numbers); ties of the view selection are broken by view i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
@@ -46,10 +47,13 @@ import torch.nn.functional as F
 
 from extract.methods.base import (
     IMAGENET_FAMILY,
+    PROMPT_TUNING,
+    VIT_TOWERS,
     Consumes,
     MethodConfig,
     PromptSet,
     Ref,
+    Towers,
     TTAMethod,
     check_hparams_key,
     check_ranges,
@@ -140,6 +144,10 @@ class DARTConfig(MethodConfig):
     text_shortcuts: bool = True
 
 
+#: what DART does with the image tower (its `towers` and the check on the loaded model say it)
+DART_USE = "prompts the attention of a ViT image encoder (a key and a value token in one block)"
+
+
 class DART(TTAMethod):
     """Online dual-modal prompting: per-sample tuning of class-specific text contexts and a visual prefix, both
     kept as per-class exponential averages that seed the next samples."""
@@ -155,6 +163,11 @@ class DART(TTAMethod):
     # unseen data: one setting for every set but the views; the fine-grained sets' AugMix views
     unseen_like: ClassVar[str] = "dtd"
 
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        # both towers: `vision_tower` and the `PromptTextEncoder` check the loaded model
+        return dataclasses.replace(PROMPT_TUNING, image=VIT_TOWERS, image_use=DART_USE)
+
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
         from extract.text_encoder import PromptTextEncoder
@@ -167,8 +180,7 @@ class DART(TTAMethod):
         if "CLS" not in cfg.template:
             raise ValueError(f"{self.key}: template {cfg.template!r} has no 'CLS' for the class name")
         model = getattr(text_encoder, "model", text_encoder)
-        self.visual = vision_tower(model, backbone, self.key, "prompts the attention of a ViT image encoder (a key "
-                                   "and a value token in one block)")
+        self.visual = vision_tower(model, backbone, self.key, DART_USE)
         blocks = self.visual.transformer.resblocks
         check_ranges(cfg, self.key, {"vision_blocks": len(blocks)})  # a model whose config the plan could not read
         self.prompts = PromptTextEncoder(model, text_encoder.tokenizer, class_names, truncate=cfg.text_shortcuts,

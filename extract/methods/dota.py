@@ -1,5 +1,5 @@
 """DOTA — DistributiOnal Test-time Adaptation (Han et al., 2024; official code `skylineeeeen/DOTA @bc67d44`,
-`dota.py`). Online and training-free; docs/methods.md, "DOTA".
+`dota.py`). Online and training-free; docs/methods.md, "DOTA (`dota`)".
 
 State: per class k a mean μ_k (D), a count c_k and a covariance Σ_k (D×D); the shared precision
 Λ = ((1-ε)·mean_k Σ_k + ε·I)⁻¹. Start (`dota.py` l.158-159 and `DOTA.__init__`): μ_k = 0.001 in every coordinate

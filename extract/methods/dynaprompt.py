@@ -1,5 +1,5 @@
 """DynaPrompt: an online buffer of prompts, tuned and selected per sample (`zzzx1224/DynaPrompt @acd33cf`,
-`dynap_classification.py` via `run_dynap.sh`; docs/methods.md, "DynaPrompt (`extract/methods/dynaprompt.py`)").
+`dynap_classification.py` via `run_dynap.sh`; docs/methods.md, "DynaPrompt (`dynaprompt`)").
 
 State carried over the whole stream (never reset): P = 12 residual contexts r_j (P, 4, W), starting at 0, each
 giving the prompt embed("a photo of a") + r_j; `ctx_order` (least recently used first) and `ctx_use` (times
@@ -39,8 +39,10 @@ import torch
 
 from extract.methods.base import (
     IMAGENET_FAMILY,
+    PROMPT_TUNING,
     MethodConfig,
     PromptSet,
+    Towers,
     TTAMethod,
     check_hparams_key,
     setting,
@@ -126,6 +128,10 @@ class DynaPrompt(TTAMethod):
     _state_fields: ClassVar[tuple[str, ...]] = ("residual", "ctx_order", "ctx_use", "loss_scale", "skipped_steps")
     # unseen data: the fine-grained views (AugMix); nothing else depends on the dataset
     unseen_like: ClassVar[str] = "dtd"
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        return PROMPT_TUNING  # `prompt_encoder` checks the loaded model's text tower
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """HisTPT: online prompt tuning with memory banks of past prompts (NeurIPS'24).
 
-Spec: docs/methods.md, "HisTPT (`extract/methods/histpt.py`)".
+Spec: docs/methods.md, "HisTPT (`histpt`)".
 
 The official repository (`jingyi0000/HisTPT`) holds only the authors' segmentation code (SEEM); the CLIP
 classification version is TTABC's `ttabc/model_selection/histpt.py` (walawalagoose/TTABC, the reference here), with
@@ -48,9 +48,11 @@ import torch
 
 from extract.methods.base import (
     IMAGENET_FAMILY,
+    PROMPT_TUNING,
     MethodConfig,
     PromptSet,
     Ref,
+    Towers,
     TTAMethod,
     check_hparams_key,
     setting,
@@ -144,6 +146,10 @@ class HisTPT(TTAMethod):
                                                 "memory_hard", "memory_global", "loss_scale", "skipped_steps")
     # unseen data: TTABC has one setting for every set
     unseen_like: ClassVar[str] = "dtd"
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        return PROMPT_TUNING  # `prompt_encoder` checks the loaded model's text tower
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """OGA — Online Gaussian Adaptation (Fuchs, Zanella & De Vleeschouwer, 2025; official code `cfuchs2023/OGA
 @b91d449`, `OGA/OGA_core.py` `GaussAdapt`, driven by `runner.py` l.155-271). Online and training-free;
-docs/methods.md, "OGA".
+docs/methods.md, "OGA (`oga`)".
 
 State: a memory of at most `shot_capacity` (8) features per class with their zero-shot entropies, class means μ_k
 (from the text prototypes) and one shared precision Λ (from d·I). Per batch of `batch_size` samples (runner.py

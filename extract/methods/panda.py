@@ -23,7 +23,7 @@ never depend on the batches before it (a resumed run, a longer --limit and a rep
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import numpy as np
@@ -33,14 +33,28 @@ import torch.nn.functional as F
 from extract.methods.base import Consumes, MethodConfig, setting
 
 
+#: The methods Panda plugs into: TTABC's hosts (`panda.py` on Tent, SAR, DeYO, TPT, ZERO, DMN) and DMN-weak (DMN on
+#: the original view, the same class). A config of another method inherits the fields (C-TPT, RLCF, DiffTPT from
+#: TPT's) but refuses `panda=true` (`PandaPlugin.config_refusal`): their own views or features (RLCF's reward
+#: features, DiffTPT's generated views) are not what Panda's shift was written for, and TTABC never runs them so.
+PANDA_HOSTS: tuple[str, ...] = ("tent", "sar", "deyo", "tpt", "zero", "dmn", "dmn-weak")
+#: Panda's fields are recorded in a run's `method_config` only with `panda=true` (`extract.run.options.config_dict`,
+#: field metadata `recorded_with`): a host's finished runs written before Panda existed keep matching their settings.
+_WITH_PANDA = {"recorded_with": "panda"}
+
+
 @dataclass(frozen=True)
 class PandaFields:
     """Panda's settings on a host method (TTABC `panda.py`: `panda_beta` 0.2, `panda_patch_size` 32)."""
 
-    panda: bool = False  # Panda's negative-augmentation offset on this method (`--set panda=true`)
-    panda_beta: float = setting(0.2, ge=0)  # β of z - β·mean(z(negatives)) (`getattr(args, "panda_beta", 0.2)`)
-    panda_patch_size: int = setting(32, ge=1)  # the patches' side in pixels (`batch_hedge_v6_images(patch_size=32)`)
-    panda_seed: int = setting(0, ge=0)  # seeds each batch's draws with its first stream position (module docstring)
+    # Panda's negative-augmentation offset on this method (`--set panda=true`)
+    panda: bool = field(default=False, metadata=_WITH_PANDA)
+    # β of z - β·mean(z(negatives)) (`getattr(args, "panda_beta", 0.2)`)
+    panda_beta: float = setting(0.2, ge=0, metadata=_WITH_PANDA)
+    # the patches' side in pixels (`batch_hedge_v6_images(patch_size=32)`)
+    panda_patch_size: int = setting(32, ge=1, metadata=_WITH_PANDA)
+    # seeds each batch's draws with its first stream position (module docstring)
+    panda_seed: int = setting(0, ge=0, metadata=_WITH_PANDA)
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,7 @@ class PandaBatchFields(PandaFields):
     """Panda on a method of one sample at a time (TPT, ZERO, DMN): the batch of test images its negatives are drawn
     from (the official `--batch_size`, whose configs are not released; TTABC's batch, 64)."""
 
-    panda_batch_size: int = setting(64, ge=1)
+    panda_batch_size: int = setting(64, ge=1, metadata=_WITH_PANDA)
 
 
 #: the draws of a batch a generator serves (`batch_generator`): Panda's negative images, DeYO's shuffles
@@ -110,9 +124,19 @@ class PandaPlugin:
     n_seen: int
     text_encoder: Any
 
+    key: ClassVar[str]
+
     @classmethod
     def consumes_for(cls, config: MethodConfig) -> Consumes:
         return "batch_pixels" if getattr(config, "panda", False) else cls.consumes
+
+    @classmethod
+    def config_refusal(cls, config: MethodConfig) -> str | None:
+        """`panda=true` on a method that inherits Panda's fields but is none of its hosts (`PANDA_HOSTS`)."""
+        if getattr(config, "panda", False) and cls.key not in PANDA_HOSTS:
+            return (f"{cls.key}: panda=true applies to {', '.join(PANDA_HOSTS)} (TTABC's hosts of Panda, and DMN-weak); "
+                    f"{cls.key} inherits the setting from its parent method but does not run with it")
+        return None
 
     @classmethod
     def adapt_width(cls, config: MethodConfig) -> int | None:

@@ -44,8 +44,8 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import (IMAGENET_FAMILY, Consumes, ExternalFile, MethodConfig, PromptSet, Ref, TTAMethod,
-                                  check_hparams_key, check_ranges, setting, text_setting)
+from extract.methods.base import (IMAGENET_FAMILY, Consumes, ExternalFile, MethodConfig, PromptSet, Ref, Towers,
+                                  TTAMethod, check_hparams_key, check_ranges, setting, text_setting)
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
 from extract.methods.tpt import amp_autocast, scaled_step
 
@@ -254,6 +254,11 @@ def load_stats(path: str, setting_name: str, shape: tuple[int, int, int]) -> tor
 
 # ---------------------------------------------------------------------------------------------- the MaPLe model
 
+#: what PromptAlign does with each tower (its `towers` and `maple_towers`, the check on the loaded model, say it)
+IMAGE_USE = "prompts the tokens of a ViT image encoder (MaPLe)"
+TEXT_USE = "prompts CLIP's causal text tower pooled at the end-of-text token (MaPLe)"
+
+
 def maple_towers(model: Any, backbone: str) -> tuple[Any, Any]:
     """(open_clip CLIP, its VisionTransformer), or a one-line error naming why PromptAlign cannot prompt them."""
     import open_clip
@@ -262,14 +267,13 @@ def maple_towers(model: Any, backbone: str) -> tuple[Any, Any]:
     visual = getattr(model, "visual", None)
     if not isinstance(visual, VisionTransformer):
         kind = type(visual).__name__ if visual is not None else "no"
-        raise ValueError(f"promptalign prompts the tokens of a ViT image encoder (MaPLe); {backbone} has a {kind} "
-                         "image encoder; use a ViT backbone such as ViT-B-16")
+        raise ValueError(f"promptalign {IMAGE_USE}; {backbone} has a {kind} image encoder; use a ViT backbone such "
+                         "as ViT-B-16")
     if visual.attn_pool is not None or getattr(visual, "pool_type", "tok") != "tok" or visual.final_ln_after_pool:
         raise ValueError(f"promptalign: {backbone}'s image encoder does not pool its class token as CLIP's does")
     if type(model) is not open_clip.CLIP or model.attn_mask is None or \
             getattr(model, "text_pool_type", "argmax") != "argmax":
-        raise ValueError(f"promptalign prompts CLIP's causal text tower pooled at the end-of-text token (MaPLe); "
-                         f"{backbone}'s text tower ({type(model).__name__}) is another")
+        raise ValueError(f"promptalign {TEXT_USE}; {backbone}'s text tower ({type(model).__name__}) is another")
     return model, visual
 
 
@@ -373,6 +377,11 @@ class PromptAlign(TTAMethod):
     _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale", "skipped_steps")
     # Unseen data: the fine-grained settings (lr 5e-4; finegrain config)
     unseen_like: ClassVar[str] = "dtd"
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        # CLIP's ViT and text tower as MaPLe builds them (`maple_towers` checks the loaded model)
+        return Towers(image=frozenset({"vit"}), image_use=IMAGE_USE, text=frozenset({"clip"}), text_use=TEXT_USE)
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:

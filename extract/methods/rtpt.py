@@ -1,5 +1,5 @@
 """R-TPT: TPT with a per-view entropy loss and a reliability-weighted ensemble of the tuned views
-(`TomSheng21/R-TPT @e085f13`, `rtpt.py`; docs/methods.md, "R-TPT (`extract/methods/rtpt.py`)").
+(`TomSheng21/R-TPT @e085f13`, `rtpt.py`; docs/methods.md, "R-TPT (`rtpt`)").
 
 Per test sample (reset before every sample, as TPT): the 4-token context initialised from "a photo of a" is tuned
 by one AdamW step (lr 5e-3, weight decay 0.01) on the mean *per-view* entropy of the int(64·0.1) = 6 lowest-entropy
@@ -123,7 +123,7 @@ class RTPTConfig(TPTConfig):
     # re-normalise in the compute dtype first (zaec before issue 31; on once-normalised fp32 features with CLIP-like
     # cosines 39-51 of 64 self-similarities reach 1.0 where the official reaches 34-41, and the weights move by up
     # to 0.55x the largest weight). Features cached in float16 reproduce neither
-    # (docs/methods.md, "R-TPT (`extract/methods/rtpt.py`)")
+    # (docs/methods.md, "R-TPT (`rtpt`)")
     view_normalisation: ViewNormalisation = "once"
     # n_views 64 (`-b 64`, README), lr 5e-3 (`--lr` default), weight decay 0.01 (AdamW default: only the lr is
     # passed), tta_steps 1, selection_p 0.1 (argparse defaults in rtpt.py), ctx_init "a photo of a" (README

@@ -203,6 +203,7 @@ class TCA(EncoderMethod):
     key: ClassVar[str] = "tca"
     prefix_stable: ClassVar[bool] = True  # online: a row reads its own and earlier samples only
     Config: ClassVar[type[MethodConfig]] = TCAConfig
+    image_towers: ClassVar[frozenset[str]] = frozenset({"vit"})  # `plain_vit_refusal` on the loaded model
     tower_need: ClassVar[str] = ("condenses the tokens of a ViT image encoder (the official code runs ViT-B/16 "
                                  "only)")
     _state_fields: ClassVar[tuple[str, ...]] = ("res_tokens", "res_entropy", "res_counts", "coreset_rng")

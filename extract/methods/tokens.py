@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import Consumes, MethodConfig, TTAMethod
+from extract.methods.base import Consumes, MethodConfig, Towers, TTAMethod
 
 
 def encoder_autocast(loaded: Any, device: torch.device) -> Any:
@@ -99,12 +99,14 @@ class EncoderMethod(TTAMethod):
     model (`needs_text_encoder`) and attaches a reader of the views' pixels (`consumes="view_pixels"`,
     `extract/run/pixels.py`); the tower is checked when the method is built, before any image is read.
 
-    Subclasses define `tower_refusal` (why a tower cannot be used, or None) and `tower_need` (what the method needs,
-    for the one-line error).
+    Subclasses define `image_towers` (the kinds of `extract.models.IMAGE_TOWERS` they run on: the plan's check,
+    `towers`), `tower_refusal` (why a loaded tower cannot be used, or None: the last guard) and `tower_need` (what
+    the method needs, for the one-line error).
     """
 
     needs_text_encoder: ClassVar[bool] = True
     consumes: ClassVar[Consumes] = "view_pixels"
+    image_towers: ClassVar[frozenset[str]]
     tower_need: ClassVar[str]
     # Unseen data: ImageNet's row; no per-dataset templates exist for a user's classes: the 80 CLIP templates
     unseen_like: ClassVar[str] = "imagenet"
@@ -119,6 +121,10 @@ class EncoderMethod(TTAMethod):
         if why is not None:  # one line, before any image is read
             raise ValueError(f"{self.key} {self.tower_need}; {backbone} has {why}")
         self._views: Callable[[int, int], torch.Tensor] | None = None
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        return Towers(image=cls.image_towers, image_use=cls.tower_need)
 
     @classmethod
     def tower_refusal(cls, visual: Any) -> str | None:

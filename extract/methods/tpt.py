@@ -54,8 +54,10 @@ import torch
 
 from extract.methods.base import (
     IMAGENET_FAMILY,
+    PROMPT_TUNING,
     MethodConfig,
     PromptSet,
+    Towers,
     TTAMethod,
     check_hparams_key,
     setting,
@@ -600,6 +602,10 @@ class TPT(PandaPlugin, EpisodicTuner):
     prefix_stable: ClassVar[bool] = True  # episodic (the run's loss scale follows the samples already seen)
     Config: ClassVar[type[MethodConfig]] = TPTConfig
     needs_text_encoder: ClassVar[bool] = True
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        return PROMPT_TUNING  # `prompt_encoder` checks the loaded model's text tower
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:

@@ -37,8 +37,8 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import (Consumes, MethodConfig, PromptSet, Ref, TTAMethod, check_hparams_key, check_ranges,
-                                  setting)
+from extract.methods.base import (VIT_TOWERS, Consumes, MethodConfig, PromptSet, Ref, Towers, TTAMethod,
+                                  check_hparams_key, check_ranges, setting)
 from extract.methods.tpt import scaled_step
 
 
@@ -72,8 +72,11 @@ class TTLConfig(MethodConfig):
     grad_scale_growth_interval: int = setting(2000, ge=1)  # GradScaler default
 
 
-def vision_tower(model: Any, backbone: str, key: str = "ttl",
-                 why: str = "adapts the attention of a ViT image encoder (LoRA on q, v of its last blocks)") -> Any:
+#: what TTL does with the image tower (its `towers` and the check on the loaded model say it)
+TTL_USE = "adapts the attention of a ViT image encoder (LoRA on q, v of its last blocks)"
+
+
+def vision_tower(model: Any, backbone: str, key: str = "ttl", why: str = TTL_USE) -> Any:
     """open_clip's VisionTransformer of `model`, or a one-line error naming why method `key` cannot adapt it (TTL;
     DART prompts the same blocks)."""
     from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
@@ -132,6 +135,10 @@ class TTL(TTAMethod):
     _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale", "skipped_steps")
     # Unseen data: TTL has one setting for every set
     unseen_like: ClassVar[str] = "dtd"
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        return Towers(image=VIT_TOWERS, image_use=TTL_USE)  # `vision_tower` checks the loaded model
 
     def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
                  dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:

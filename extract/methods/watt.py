@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import torch
 
-from extract.methods.base import MethodConfig, check_hparams_key, setting
+from extract.methods.base import MethodConfig, Towers, check_hparams_key, setting
 from extract.methods.batch import BatchConfig, PixelBatchMethod
 from extract.methods.normtta import open_clip_model
 from extract.methods.norm_tuning import (NormKind, TunedCLIP, WeightsDtype, adam, batch_statistics_hint,
@@ -205,6 +205,16 @@ class WATT(PixelBatchMethod):
         self.class_names = tuple(class_names) if class_names is not None else None
         self._clip: TunedCLIP | None = None
         self._texts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def towers(cls, config: MethodConfig) -> Towers:
+        if config.rn_batchnorm:  # type: ignore[attr-defined]
+            return super().towers(config)
+        from extract.models import IMAGE_TOWERS
+
+        return Towers(image=frozenset(IMAGE_TOWERS) - {"resnet"},
+                      image_use="adapts the LayerNorms of the image encoder (rn_batchnorm=false: the official code has "
+                                "no ResNet path; rn_batchnorm=true adapts a ResNet's BatchNorms as CLIPArTT does)")
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> WATTConfig:

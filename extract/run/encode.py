@@ -280,9 +280,23 @@ def _quiet_fd_server() -> None:
 
 def _ignore_sigint(worker_id: int) -> None:
     """A loader process ignores Ctrl-C: the terminal sends SIGINT to the whole process group, and an interrupted
-    loader process prints its own traceback; the main process alone stops the run and shuts them down."""
+    loader process prints its own traceback; the main process alone stops the run and shuts them down. Its
+    `_quiet_peer_gone` hook keeps the one traceback a loader process can still print then."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    threading.excepthook = _quiet_peer_gone
+
+
+def _quiet_peer_gone(args: threading.ExceptHookArgs, default: Any = threading.__excepthook__) -> None:
+    """A loader process's thread hook: the thread that hands a batch's shared memory to the main process
+    (`multiprocessing.resource_sharer`, serving torch's file-descriptor sharing) fails with a reset connection when
+    the main process was interrupted in the middle of taking one; the main process says so itself, so that thread's
+    traceback is dropped. Any other exception of any thread is printed as usual."""
+    gone = issubclass(args.exc_type, (ConnectionResetError, BrokenPipeError, EOFError))
+    if gone and args.exc_traceback is not None and any(
+            f.f_code.co_filename.endswith("resource_sharer.py") for f, _ in traceback.walk_tb(args.exc_traceback)):
+        return
+    default(args)
 
 
 def _start_loader(loader: torch.utils.data.DataLoader) -> Any:

@@ -23,7 +23,7 @@ SETTINGS_KEY = "external_files"
 
 def _usage(ext: ExternalFile) -> str:
     if ext.kind == "open_clip":
-        return f"{ext.backbone_setting}=NAME {ext.setting}=WEIGHTS"
+        return f"{ext.backbone_setting}=NAME --set {ext.setting}=WEIGHTS"
     return f"{ext.setting}={'DIR' if ext.kind == 'dir' else 'FILE'}"
 
 
@@ -31,7 +31,7 @@ def external_error(planned: PlannedRun, ext: ExternalFile, problem: str) -> RunE
     """One line: the method, the file (and its value), the setting that names it, the problem, where it comes from.
 
     Example (RLCF's reward model, absent offline):
-        rlcf: reward model ViT-L-14/openai (set by --set reward_backbone=NAME reward_pretrained=WEIGHTS): ...;
+        rlcf: reward model ViT-L-14/openai (set by --set reward_backbone=NAME --set reward_pretrained=WEIGHTS): ...;
         or --set reward_backbone=policy (the policy as its own reward model)
     """
     cfg = planned.config

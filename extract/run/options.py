@@ -58,6 +58,11 @@ class RunError(ValueError):
     """A user-side problem with a run (bad argument, shards on disk from a different configuration)."""
 
 
+class BackboneRefusal(RunError):
+    """A method that cannot run on the run's backbone (`TTAMethod.towers`), found by `plan` from the backbone's
+    config: `zaec-extract` stops with the line, the sweep leaves the run out of its grid with a note."""
+
+
 def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
     """["k=v", ...] -> {k: v}; raises RunError for an item without '='."""
     out: dict[str, str] = {}
@@ -219,8 +224,13 @@ class ExecOptions:
 
 
 def config_dict(config: Any) -> dict[str, Any]:
-    """A method config as plain JSON values (what shards and the finished-run check record)."""
-    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    """A method config as plain JSON values (what shards and the finished-run check record). A field whose metadata
+    names a bool field in `recorded_with` is recorded only while that field is true (Panda's settings on its hosts:
+    a run without Panda records what it recorded before Panda existed)."""
+    off = {f.name for f in dataclasses.fields(config)
+           if "recorded_with" in f.metadata and not getattr(config, f.metadata["recorded_with"])}
+    full = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    return {k: v for k, v in full.items() if k not in off}
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,8 @@ class PlannedRun:
             then `<ood_dataset>@<ood_for>`.
         model_notes: defaults lowered to fit the model (TTL's lora_blocks on a model with fewer vision blocks), one
             line each (printed and kept in the shards' `zaec:warnings`).
+        one_image: the refusal of a batch of one image on this backbone (`Towers.one_image_fails`: a method on batch
+            statistics over a ResNet whose last stage is 1x1), "" when any batch runs; `last_batch_refusal`.
     """
 
     options: RunOptions
@@ -251,6 +263,7 @@ class PlannedRun:
     ood_for: str | None = None
     ood_dataset: str | None = None
     model_notes: tuple[str, ...] = ()
+    one_image: str = ""
 
     @property
     def class_dataset(self) -> str:
@@ -309,6 +322,15 @@ class PlannedRun:
         """Stream positions the run covers out of `n_total`."""
         return n_total if self.options.limit is None else min(self.options.limit, n_total)
 
+    def last_batch_refusal(self, n_total: int) -> str | None:
+        """Why the run of `n_total` listed samples cannot end: its last batch holds one image, which `one_image`
+        refuses; None otherwise. The runner asks once it has listed the test set, before the model loads."""
+        n, width = self.n_run(n_total), self.adapt_width
+        if not self.one_image or width < 2 or n % width != 1:
+            return None
+        return (f"{self.one_image}; {n} samples in batches of {width} leave one in the last: choose a batch_size "
+                "that leaves no such batch (or another --limit)")
+
 
 def resolve_backbone_name(backbone: str | None, pretrained: str) -> str:
     """The backbone name a run records, without loading weights (for `local-dir:`, the folder's model decides:
@@ -324,8 +346,9 @@ def plan(options: RunOptions) -> PlannedRun:
     """Resolve method, dataset, backbone name, config (+ overrides) and the view policy; raises on any bad name.
 
     Raises:
-        RunError (bad anchor, limit, seed, view settings, prompts on a user's dataset), ValueError (unknown method
-        or config key), DatasetError (unknown dataset).
+        RunError (bad anchor, limit, seed, view settings, prompts on a user's dataset), BackboneRefusal (a method
+        that cannot run on the backbone: `TTAMethod.towers`), ValueError (unknown method or config key),
+        DatasetError (unknown dataset).
     """
     from extract.datasets import get_dataset
     from extract.methods import get_method
@@ -352,6 +375,10 @@ def plan(options: RunOptions) -> PlannedRun:
     config = cls.unseen_config(name) if unseen else cls.default_config(spec.hparams_from, name)
     overrides = o.overrides_dict()
     config, model_notes = _checked_config(o.method, config, overrides, name, o.pretrained)
+    one_image = _check_towers(o.method, cls, config, name, o.pretrained)
+    refusal = cls.config_refusal(config)
+    if refusal is not None:
+        raise RunError(refusal)
     try:
         policy = view_policy(int(config.n_views), bool(config.augmix), config.crop_scale)
     except ValueError as e:
@@ -360,12 +387,28 @@ def plan(options: RunOptions) -> PlannedRun:
     _check_part_size(o, cls.adapt_width(config))
     if ood is None:
         return PlannedRun(o, cls, config, spec.key, name, policy, RunKey(name, spec.key, o.method, int(o.seed)), note,
-                          model_notes=model_notes)
+                          model_notes=model_notes, one_image=one_image)
     from schemas.shard import ood_run_dataset
 
     key = ood_run_dataset(ood.key, spec.key)
     return PlannedRun(o, cls, config, key, name, policy, RunKey(name, key, o.method, int(o.seed)), note,
-                      ood_for=spec.key, ood_dataset=ood.key, model_notes=model_notes)
+                      ood_for=spec.key, ood_dataset=ood.key, model_notes=model_notes, one_image=one_image)
+
+
+def backbone_refusal(options: RunOptions) -> str | None:
+    """Why `options`' method cannot run on its backbone (the `BackboneRefusal` that `plan` raises, from the method's
+    `towers`), or None; any other problem of the options raises as `plan` does. What the demo and the benches ask
+    to skip such a method without trying it.
+
+    Example:
+        >>> backbone_refusal(RunOptions("tca", "dtd", backbone="RN50")).startswith("tca condenses")  # doctest: +SKIP
+        True
+    """
+    try:
+        plan(options)
+    except BackboneRefusal as e:
+        return str(e)
+    return None
 
 
 def _check_part_size(o: RunOptions, width: int | None) -> None:
@@ -408,6 +451,26 @@ def _checked_config(method: str, config: Any, overrides: Mapping[str, Any], back
     config, notes = fit_to_model(config, facts, keep=overrides)
     check_ranges(config, method, facts)
     return config, tuple(f"{method} on {backbone}: {n}" for n in notes)
+
+
+def _check_towers(method: str, cls: type, config: Any, backbone: str, pretrained: str) -> str:
+    """Refuse a backbone the method cannot run on (`TTAMethod.towers` against the towers of the backbone's config,
+    `extract.models.tower_kinds`; a config open_clip does not know passes, and the method's check on the loaded
+    model decides). Returns the refusal of a batch of one image on it (`PlannedRun.one_image`), "" when none.
+
+    Raises:
+        BackboneRefusal: one line naming the method, the backbone and what the method runs on.
+    """
+    towers = cls.towers(config)  # type: ignore[attr-defined]
+    if not towers.restricted:  # runs on every backbone: the config need not be read
+        return ""
+    from extract.models import tower_kinds
+
+    kinds = tower_kinds(backbone, pretrained)
+    why = towers.refusal(method, backbone, kinds, cls.adapt_width(config))  # type: ignore[attr-defined]
+    if why is not None:
+        raise BackboneRefusal(why)
+    return towers.one_image_line(method, backbone) if towers.one_image_fails(kinds) else ""
 
 
 def _architecture_facts(config_cls: type, backbone: str, pretrained: str) -> dict[str, int]:

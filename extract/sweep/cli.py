@@ -133,7 +133,7 @@ def _escape(text: str) -> str:
 
 
 def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Sequence[str], opts: ExecOptions,
-                out: Path, console: Any) -> None:
+                out: Path, console: Any, left_out: Sequence[str] = ()) -> None:
     from rich.table import Table
 
     df = plan_frame(groups, opts.cost())
@@ -150,6 +150,7 @@ def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Seq
                   highlight=False)
     for note in cost_notes([r for g in groups for r in g.runs]):
         console.print(f"note: {note}", markup=False, highlight=False)
+    say_left_out(left_out, console)
     if not groups:
         return
     if opts.executor == "slurm":
@@ -191,6 +192,12 @@ def wait_for(out: Path, run_ids: Sequence[str], live: Mapping[str, Any], console
         time.sleep(poll_s)
 
 
+def say_left_out(left_out: Sequence[str], console: Any) -> None:
+    """One note per (method, backbone) pair the grid left out (`expand_grid`: the method cannot run there)."""
+    for why in left_out:
+        console.print(f"note: left out of the grid: {why}", markup=False, highlight=False, soft_wrap=True)
+
+
 def _say_notes(notes: Sequence[str], said: set[str], console: Any) -> None:
     for note in notes:
         if note not in said:
@@ -199,8 +206,9 @@ def _say_notes(notes: Sequence[str], said: set[str], console: Any) -> None:
 
 
 def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run: bool, wait: bool,
-              console: Any) -> int:
-    """Skip complete and still-active runs, group the rest, submit, record; optionally wait. Returns an exit code."""
+              console: Any, left_out: Sequence[str] = ()) -> int:
+    """Skip complete and still-active runs, group the rest, submit, record; optionally wait. Returns an exit code.
+    `left_out`: the (method, backbone) pairs the grid left out (`expand_grid`), one note each."""
     out = Path(out).resolve()
     if dry_run:  # states refreshed in memory only; nothing is written
         manifest = Manifest.load(out)
@@ -209,7 +217,7 @@ def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run:
         check_finished_settings(skipped)
         if todo and opts.executor == "slurm":
             check_setup(opts.slurm_setup)  # what the submission refuses before sbatch runs
-        render_plan(group_runs(todo), skipped, active, opts, out, console)
+        render_plan(group_runs(todo), skipped, active, opts, out, console, left_out)
         return 0
     check_finished_settings([r for r in runs if is_complete(r)])
     with locked_manifest(out) as manifest:
@@ -220,6 +228,7 @@ def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run:
     console.print(f"{len(todo)} run(s) submitted in {len(groups)} job group(s) ({opts.executor}); "
                   f"{len(skipped)} complete (skipped); {len(active)} already submitted and still active",
                   highlight=False)
+    say_left_out(left_out, console)
     if not wait or not todo:
         if todo:
             console.print(f"follow with: zaec-sweep status --out {out}", highlight=False)
@@ -437,7 +446,8 @@ def run(
 def _run_grid(given: Mapping[str, Any], console: Any) -> int:
     """The `run` command on its options (`given`, by parameter name) over the config file's; returns the exit code."""
     cfg = load_config(given["config"]) if given["config"] is not None else {}
-    runs, opts, out_dir = grid_runs(given, cfg)
+    left_out: list[str] = []
+    runs, opts, out_dir = grid_runs(given, cfg, left_out)
     pending = [r for r in runs if not is_complete(r)]
     # a dry run checks what a submission checks: what this machine can check never waits for a job to fail on it
     check_backbones(pending)
@@ -448,13 +458,15 @@ def _run_grid(given: Mapping[str, Any], console: Any) -> int:
     do_wait = _pick(given["wait"], cfg, "wait")
     if do_wait is None:
         do_wait = opts.executor == "local"
-    return sweep_run(runs, opts, out_dir, dry_run=given["dry_run"], wait=bool(do_wait), console=console)
+    return sweep_run(runs, opts, out_dir, dry_run=given["dry_run"], wait=bool(do_wait), console=console,
+                     left_out=left_out)
 
 
-def grid_runs(given: Mapping[str, Any], cfg: Mapping[str, Any]) -> tuple[list[RunSpec], ExecOptions, Path]:
+def grid_runs(given: Mapping[str, Any], cfg: Mapping[str, Any], left_out: list[str] | None = None
+              ) -> tuple[list[RunSpec], ExecOptions, Path]:
     """(resolved runs, executor settings, shard root) of the `run` command's options (`given`, by parameter name;
     None or [] where not given) over the config file's `cfg`. Options not given anywhere are the extractor's
-    defaults (`extract.run.options`)."""
+    defaults (`extract.run.options`). `left_out` receives the (method, backbone) pairs left out (`expand_grid`)."""
 
     def pick(key: str, default: Any = None) -> Any:
         return _pick(given[key if key != "set" else "set_"], cfg, key, default)
@@ -474,7 +486,7 @@ def grid_runs(given: Mapping[str, Any], cfg: Mapping[str, Any]) -> tuple[list[Ru
                                "rates": str(given["rates"]) if given["rates"] is not None else None})
     settings = {field: pick(key) for field, key in {**sweep_run_fields(), **sweep_exec_fields()}.items()}
     out_dir = Path(settings["out"] if settings["out"] is not None else DEFAULT_OUT)
-    runs = expand_grid(grid, **settings)
+    runs = expand_grid(grid, left_out=left_out, **settings)
     return runs, opts, out_dir
 
 

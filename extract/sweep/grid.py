@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from extract.sweep.cost import Rates, estimate_hours, n_images, views_per_image
 from extract.sweep.errors import SweepError
 from extract.defaults import DEFAULT_BACKBONE
-from extract.run.options import DEFAULT_PRETRAINED, DEFAULT_SEED
+from extract.run.options import DEFAULT_PRETRAINED, DEFAULT_SEED, BackboneRefusal
 from extract.sweep.runspec import RunSpec, absolute_weights, is_local_dir, resolve_run, sweep_options
 
 
@@ -218,12 +218,18 @@ def ood_for_source(ood_for: str | None, class_names: Mapping[str, str]) -> dict[
     return {"ood_for": key, "ood_for_ref": ref, "ood_for_class_names_file": names}
 
 
-def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings: Any) -> list[RunSpec]:
+def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, left_out: list[str] | None = None,
+                **settings: Any) -> list[RunSpec]:
     """Resolve every run of the grid with the extractor's `plan`; raises on any unknown name or bad `--set`.
+
+    A run whose method cannot run on its backbone (`plan` raises `BackboneRefusal`: `TTAMethod.towers`) is left out
+    of the grid, never submitted to fail: `--methods all --backbones ViT-B-16,RN50` plans on RN50 only the methods
+    that run there.
 
     Args:
         grid: what to run.
         out: the shard root (None: `zaec-extract`'s default).
+        left_out: receives one line per (method, backbone) pair left out (the refusal, naming both), in grid order.
         settings: the options every run shares, by `RunOptions` / `ExecOptions` field name (`limit`, `anchor`,
             `sh_filter`, `fingerprint`, `data_root`, `cache_dir`, `device`, ...; None: the extractor's default),
             see `extract.sweep.runspec.sweep_options`. Folders are made absolute so a worker does not depend on its
@@ -233,7 +239,8 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings:
         RunSpecs in grid order (backbone, dataset, seed, method), duplicates removed.
 
     Raises:
-        SweepError: empty grid, duplicate shard paths (one backbone name with two different weights).
+        SweepError: empty grid (given so, or left empty by the pairs left out), duplicate shard paths (one backbone
+            name with two different weights).
         ValueError and its subclasses from the extractor (unknown method, dataset, config key, missing local-dir).
     """
     from extract.datasets import dataset_source
@@ -245,6 +252,7 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings:
     base = dataclasses.replace(base, **{k: v for k, v in ood.items() if k != "ood_for"})
     runs: dict[str, RunSpec] = {}
     weights_of: dict[str, str] = {}
+    refused: dict[str, None] = {}  # the refusals, once each, in order
     for entry in backbones:
         name, weights = _split_backbone(entry, grid.pretrained) if entry is not None else (None, grid.pretrained)
         weights = absolute_weights(weights)
@@ -256,12 +264,20 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, **settings:
                         base, method=method, dataset=dataset, backbone=name, pretrained=weights, seed=int(seed),
                         overrides=tuple(sorted(per_method[method].items())), dataset_ref=ref,
                         class_names_file=names)
-                    spec = resolve_run(options, execution)
+                    try:
+                        spec = resolve_run(options, execution)
+                    except BackboneRefusal as e:
+                        refused.setdefault(str(e))
+                        continue
                     if weights_of.setdefault(spec.backbone, weights) != weights:
                         raise SweepError(f"backbone {spec.backbone!r} appears with two weights "
                                          f"({weights_of[spec.backbone]} and {weights}); their shards would share "
                                          "one folder: run them into different --out roots")
                     runs.setdefault(spec.run_id, spec)
+    if refused and not runs:
+        raise SweepError(f"no run of the grid can run: {' | '.join(refused)}")
+    if left_out is not None:
+        left_out.extend(refused)
     return list(runs.values())
 
 

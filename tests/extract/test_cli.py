@@ -78,10 +78,13 @@ def test_cli_help_lists_options():
         assert opt in r.output
 
 
-#: methods that cannot run on a SigLIP model -> the reason their one-line error names (docs/methods.md, "SigLIP");
-#: every other registered method must run end to end on the tiny SigLIP-style model
+#: methods that cannot run on the tiny SigLIP-style model (a plain ViT image tower, SigLIP's text tower) -> the reason
+#: their one-line error names, said by the method's `towers` before the model loads (docs/methods.md, "SigLIP" and
+#: "Which backbones a method runs on"); every other registered method must run end to end on it
 SIGLIP_CANNOT_RUN: dict[str, str] = {
-    "promptalign": "promptalign prompts CLIP's causal text tower pooled at the end-of-text token (MaPLe)"}
+    "promptalign": "promptalign prompts CLIP's causal text tower pooled at the end-of-text token (MaPLe): it runs on "
+                   "a text tower that is CLIP's causal tower pooled at its end-of-text token; tiny-siglip's is another "
+                   "open_clip text transformer"}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ def siglip_cache(tmp_path_factory):
 
 @pytest.mark.parametrize("key", sorted(REGISTRY))
 def test_every_method_runs_on_a_siglip_model_or_says_why(key, tmp_path, data_root, tiny_siglip_dir,
-                                                         siglip_cache, tiny_externals):
+                                                         siglip_cache, tiny_externals, monkeypatch):
     """`zaec-extract` on a SigLIP-style model (bidirectional text tower pooled at the last token, logit bias,
     context length 64) loaded through local-dir:, for every registered method."""
     args = ["--method", key, "--dataset", "dtd", "--limit", "3"] + _base(tmp_path, data_root, tiny_siglip_dir)
@@ -109,6 +112,10 @@ def test_every_method_runs_on_a_siglip_model_or_says_why(key, tmp_path, data_roo
         (tmp_path / "desc" / "dtd.json").write_text(json.dumps({n: [f"{n} {i}." for i in range(50)] for n in names}))
         args += ["--descriptions-dir", str(tmp_path / "desc")]
     args[args.index("--cache-dir") + 1] = str(siglip_cache)
+    if key in SIGLIP_CANNOT_RUN:  # refused before the model loads
+        import extract.runner
+
+        monkeypatch.setattr(extract.runner, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
     r = _invoke(args)
     if key in SIGLIP_CANNOT_RUN:
         assert r.exit_code == 2 and SIGLIP_CANNOT_RUN[key] in r.output and "Traceback" not in r.output

@@ -15,7 +15,7 @@ from extract.run import encode as run_encode
 from extract.run import writer as run_writer
 from extract.datasets import imagenet_synsets, load_testset, open_image
 from extract.methods.base import apply_overrides
-from extract.run.options import RunError
+from extract.run.options import RunError, config_dict
 from extract.run.rundir import run_is_complete
 from extract.run.stream import stream_permutation
 from extract.runner import run_extraction
@@ -228,11 +228,10 @@ def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("shared-cache")
 
 
-@pytest.mark.parametrize("method", sorted(methods.REGISTRY))
-def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data_root, method,
-                                     shared_cache, tiny_externals):
-    # a method with a second model gets a tiny one (RLCF's reward model: the tiny model; the others': the tiny
-    # files of tests/support/second_models.py): their defaults cannot be had offline
+def _tiny_run_inputs(method: str, tmp_path, tiny_model_dir, data_root, tiny_externals) -> tuple[dict, dict]:
+    """(`--set` values, run keywords) that run `method` on the tiny model: a method with a second model gets a tiny
+    one (RLCF's reward model: the tiny model; the others': the tiny files of tests/support/second_models.py; their
+    defaults cannot be had offline), a batch method batches of 2, AWT a description file of the set's classes."""
     cls = methods.get_method(method)
     overrides = ({"reward_pretrained": f"local-dir:{tiny_model_dir}", "reward_backbone": ""}
                  if getattr(cls, "needs_reward_model", False)
@@ -240,7 +239,7 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
     if cls.adapt_width(cls.default_config("dtd", "tiny-clip")) is not None:  # adapts over batches: two of 2 here
         overrides["batch_size"] = "2"
     extra = {}
-    if cls.needs_descriptions:  # AWT: a description file for the test set's classes
+    if cls.needs_descriptions:
         from extract.datasets import load_testset
 
         names = load_testset("dtd", data_root).class_names
@@ -248,6 +247,13 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
         (tmp_path / "desc" / "dtd.json").write_text(json.dumps({n: [f"{n}, trait {i}." for i in range(50)]
                                                                 for n in names}))
         extra["descriptions_dir"] = tmp_path / "desc"
+    return overrides, extra
+
+
+@pytest.mark.parametrize("method", sorted(methods.REGISTRY))
+def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data_root, method,
+                                     shared_cache, tiny_externals):
+    overrides, extra = _tiny_run_inputs(method, tmp_path, tiny_model_dir, data_root, tiny_externals)
     paths = _run(method, tmp_path, tiny_model, data_root, limit=4, cache_dir=shared_cache, overrides=overrides,
                  **extra)
     t = _table(paths)
@@ -257,7 +263,7 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
     # a default above a bound of the model (TTL's 3 LoRA blocks; the tiny model has 1) is lowered to it, with a note
     cfg = with_views(default, default.n_views, {"vision_blocks": len(tiny_model.model.visual.transformer.resblocks)})
     meta = read_shard(paths[0]).meta
-    assert meta.method_config == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    assert meta.method_config == config_dict(cfg)  # Panda's fields only with panda=true
     lowered = [f"{method} on tiny-clip: {k}={v} (the default {getattr(default, k)} exceeds" for k, v in
                dataclasses.asdict(cfg).items() if v != getattr(default, k)]
     warnings = json.loads(meta.extra["zaec:warnings"])
@@ -268,6 +274,21 @@ def test_every_registered_method_runs(tmp_path, tiny_model, tiny_model_dir, data
     if kind == "log_probs":  # natural-log probabilities: each row sums to 1 after exp, within float32 rounding of
         # the stored logs (|log p| <= ~100 here, so exp carries up to 100 eps32 ~ 1.2e-5 relative error per entry)
         np.testing.assert_allclose(np.exp(t["tta_logits"].astype(np.float64)).sum(1), 1.0, rtol=100 * 2**-23 * 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the methods' CUDA paths run only on CUDA")
+@pytest.mark.parametrize("method", sorted(methods.REGISTRY))
+def test_every_registered_method_runs_on_cuda(tmp_path, tiny_model_dir, data_root, method, tiny_externals):
+    """Every method end to end on a CUDA device (autocast, loss scaling and the device-side views where the
+    method has them; `make gpu-check` runs it where a GPU is lent): finite rows and valid shards."""
+    from extract.models import load_model
+
+    model = load_model(None, f"local-dir:{tiny_model_dir}", "cuda")
+    overrides, extra = _tiny_run_inputs(method, tmp_path, tiny_model_dir, data_root, tiny_externals)
+    paths = _run(method, tmp_path, model, data_root, limit=4, overrides=overrides, device="cuda", **extra)
+    t = _table(paths)
+    assert t["tta_logits"].shape == (4, 3) and np.isfinite(t["tta_logits"]).all()
+    assert all(validate_shard(p) == [] for p in paths)
 
 
 def test_bad_run_arguments(tmp_path, tiny_model, data_root):

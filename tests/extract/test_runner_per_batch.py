@@ -15,7 +15,7 @@ from extract.run import writer as run_writer
 from extract.runner import run_extraction
 from schemas.shard import find_shards, read_shard
 
-from tests.support.extract import interrupt_nth_write, make_json_dataset, write_image
+from tests.support.extract import interrupt_nth_write, make_json_dataset, make_tiny_model_dir, write_image
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,10 +106,13 @@ def test_zaec_extract_on_a_folder_set(tmp_path, tiny_rn_model_dir, method):
     assert s.meta.method_config["batch_size"] == 4
 
 
-def test_batch_part_size_and_a_one_image_resnet_batch_on_the_command_line(tmp_path, tiny_rn_model_dir):
+def test_batch_part_size_and_a_one_image_resnet_batch_on_the_command_line(tmp_path, monkeypatch):
     """`--set batch_size=7 --part-size 7` is a valid run (the plan checks the part size given, not the default);
-    15 images leave a last batch of one, which the tiny ResNet's 1x1 last stage cannot normalise with batch
-    statistics: one line saying what to change, exit 2."""
+    15 images leave a last batch of one, which a tiny ResNet at 32 px (its last stage 1x1) cannot normalise with
+    batch statistics: one line saying what to change, exit 2, before the model loads (`Towers.batch_statistics`)."""
+    import extract.runner
+
+    model_dir = make_tiny_model_dir(tmp_path / "rn-32px", model_name="RN-32px", vision="rn")
     rng = np.random.default_rng(1)
     for cls in ("shirt", "shoe", "bag"):
         for i in range(5):
@@ -117,13 +120,17 @@ def test_batch_part_size_and_a_one_image_resnet_batch_on_the_command_line(tmp_pa
     def invoke(batch: int):
         args = ["--method", "clipartt", "--dataset", f"folder:{tmp_path / 'set'}", "--set", f"batch_size={batch}",
                 "--set", "steps=1", "--part-size", str(batch), "--out", str(tmp_path / f"out{batch}"),
-                "--cache-dir", str(tmp_path / "cache"), "--pretrained", f"local-dir:{tiny_rn_model_dir}",
+                "--cache-dir", str(tmp_path / "cache"), "--pretrained", f"local-dir:{model_dir}",
                 "--device", "cpu", "--quiet"]
         return CliRunner().invoke(app, args, catch_exceptions=False)
 
-    r = invoke(7)
-    assert r.exit_code == 2 and "Traceback" not in r.output
-    assert "clipartt: a batch of 1 image(s) gives a BatchNorm of the ResNet one value per channel" in r.output
+    with monkeypatch.context() as m:
+        m.setattr(extract.runner, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
+        r = invoke(7)
+    assert r.exit_code == 2 and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert "clipartt normalises the BatchNorms of a ResNet with the statistics of each batch of images, and " \
+           "RN-32px's last stage is 1x1 at its input size" in r.output
+    assert "15 samples in batches of 7 leave one in the last" in r.output
     r = invoke(5)
     assert r.exit_code == 0, r.output
     assert len(read_shard(find_shards([tmp_path / "out5"])[0])) == 5  # parts of one batch each

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from extract.cli import app
 from extract.methods import REGISTRY
 from extract.run import writer as run_writer
+from extract.run.options import RunError
 from extract.run.rundir import run_is_complete
 from extract.runner import run_extraction
 from schemas.shard import RunKey, find_shards, read_shard
@@ -90,16 +91,21 @@ def test_interrupted_run_rerun_equals_uninterrupted(tmp_path, tiny_model, data_r
 
 
 def test_a_limit_run_is_its_own_run(tmp_path, tiny_model, data_root):
-    """A finished 18-sample TransCLIP run never serves --limit 8: the 8-sample run is solved over its 8 samples."""
+    """A finished 18-sample TransCLIP run never serves --limit 8, and never gives way to it unforced (issue 35
+    item 1): the 8-sample run is refused there, naming the finished run and why; elsewhere, or forced, it is solved
+    over its 8 samples."""
     full = _table(_run("transclip", tmp_path, tiny_model, data_root))
-    lines: list[str] = []
-    limited = _table(_run("transclip", tmp_path, tiny_model, data_root, limit=8, log=lines.append))
+    with pytest.raises(RunError) as refused:
+        _run("transclip", tmp_path, tiny_model, data_root, limit=8)
+    msg = str(refused.value)
+    assert "holds 18 samples" in msg and "solves the whole run's features jointly" in msg and "--force" in msg
+    np.testing.assert_array_equal(_table(_run("transclip", tmp_path, tiny_model, data_root))["tta_logits"],
+                                  full["tta_logits"])  # the finished run is untouched (and served)
+    limited = _table(_run("transclip", tmp_path, tiny_model, data_root, limit=8, force=True))
     fresh = _table(_run("transclip", tmp_path / "fresh", tiny_model, data_root, limit=8))
     for k, v in fresh.items():
         np.testing.assert_array_equal(limited[k], v)
     assert not np.array_equal(full["tta_logits"][:8], fresh["tta_logits"])
-    said = [ln for ln in lines if "computing the 8-sample run" in ln]
-    assert len(said) == 1 and "solves the whole run's features jointly" in said[0]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from extract.datasets import PAPER_DATASETS, get_dataset
 from extract.methods import REGISTRY, get_method
 from extract.run.rundir import run_is_complete
 from extract.sweep import submit, track
-from extract.run.options import ExecOptions, RunOptions
+from extract.run.options import ExecOptions, RunOptions, backbone_refusal
 from extract.sweep.cost import (
     ADAPT_COSTS,
     ENCODE_S_PER_VIEW,
@@ -75,6 +75,11 @@ def _grid_args(model_dir, data_root, out, cache, *extra):
 # ---------------------------------------------------------------------------------------------------------------
 # grid expansion and grouping (pure; no image is read, no weights are loaded)
 
+def _runs_on(method: str, backbone: str) -> bool:
+    """Whether `method` runs on `backbone` (its `towers`: docs/methods.md, "Which backbones a method runs on")."""
+    return backbone_refusal(RunOptions(method, "dtd", backbone=backbone)) is None
+
+
 def _expected_policy(method: str, dataset: str, backbone: str) -> str:
     cfg = get_method(method).default_config(get_dataset(dataset).hparams_from, backbone)
     return view_policy(cfg.n_views, cfg.augmix, cfg.crop_scale)
@@ -82,8 +87,15 @@ def _expected_policy(method: str, dataset: str, backbone: str) -> str:
 
 @pytest.mark.parametrize("method", sorted(REGISTRY))
 def test_every_registered_method_expands(method, tmp_path):
-    runs = expand_grid(Grid((method,), ("all",), ("ViT-B-16", "RN50"), (1, 2)), out=tmp_path)
-    assert len(runs) == 2 * len(PAPER_DATASETS) * 2
+    """On every backbone it runs on; a backbone it cannot run on is left out with one line naming both."""
+    left_out: list[str] = []
+    runs = expand_grid(Grid((method,), ("all",), ("ViT-B-16", "RN50"), (1, 2)), out=tmp_path, left_out=left_out)
+    runs_on = [b for b in ("ViT-B-16", "RN50") if _runs_on(method, b)]
+    assert runs_on and len(runs) == len(runs_on) * len(PAPER_DATASETS) * 2
+    assert sorted({r.backbone for r in runs}) == sorted(runs_on)
+    assert left_out == [backbone_refusal(RunOptions(method, "dtd", backbone=b)) for b in ("ViT-B-16", "RN50")
+                        if b not in runs_on]
+    assert all(line.startswith(f"{method} ") and "RN50's is " in line for line in left_out)
     for r in runs:
         assert r.policy == _expected_policy(method, r.dataset, r.backbone)
         assert Path(r.out).is_absolute()
@@ -108,7 +120,7 @@ def test_grouping_puts_the_methods_of_one_cache_key_in_one_group(tmp_path):
     for b in ("ViT-B-16", "RN50"):
         for d in ("dtd", "imagenet_a", "eurosat"):
             for s in (1, 2):
-                for m in methods:
+                for m in (m for m in methods if _runs_on(m, b)):
                     expected.setdefault((b, d, _expected_policy(m, d, b), s), set()).add(m)
     got = {(g.runs[0].backbone, g.runs[0].dataset, g.runs[0].policy, g.runs[0].seed): set(g.methods)
            for g in groups}
@@ -183,7 +195,8 @@ def test_plan_frame_estimate_matches_the_documented_cost_model(tmp_path):
     runs = expand_grid(Grid(tuple(sorted(REGISTRY)), ("all",), ("ViT-B-16", "RN50")), out=tmp_path)
     groups = group_runs(runs)
     df = plan_frame(groups)
-    assert len(df) == len(groups) and int(df["runs"].sum()) == len(runs) == len(REGISTRY) * 15 * 2
+    pairs = sum(_runs_on(m, b) for m in REGISTRY for b in ("ViT-B-16", "RN50"))
+    assert len(df) == len(groups) and int(df["runs"].sum()) == len(runs) == pairs * 15
     assert set(df["dataset"]) == set(PAPER_DATASETS) == set(TEST_SIZES)
     for row, g in zip(df.iter_rows(named=True), groups):
         n = TEST_SIZES[row["dataset"]]
@@ -210,6 +223,82 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert res.exit_code == 0, res.output
     assert "120 run(s) to submit in 60 group(s)" in " ".join(res.output.split()) and "GPU-hours" in res.output
     assert not out.exists()
+
+
+def _left_out_notes(output: str) -> list[str]:
+    """The plan's notes on (method, backbone) pairs left out of the grid, one line each."""
+    head = "note: left out of the grid: "
+    return [line[len(head):] for line in output.splitlines() if line.startswith(head)]
+
+
+def _refusals(methods, backbones, overrides=None) -> list[str]:
+    """The refusal of each (method, backbone) pair that cannot run, in the grid's order (backbone, then method)."""
+    lines = [backbone_refusal(RunOptions.make(m, "dtd", backbone=b, overrides=(overrides or {}).get(m)))
+             for b in backbones for m in methods]
+    return [line for line in lines if line is not None]
+
+
+def test_methods_all_over_rn50_plans_only_the_runs_that_can_run(tmp_path, monkeypatch, tiny_externals):
+    """`--methods all --backbones ViT-B-16,RN50` (dry run): every method on ViT-B-16, on RN50 only those whose
+    `towers` take a ResNet; one note per pair left out, the refusal `zaec-extract` would print."""
+    real, captured = sweep.sweep_run, []
+    monkeypatch.setattr(sweep, "sweep_run", lambda runs, *a, **k: captured.extend(runs) or real(runs, *a, **k))
+    externals = {m: tiny_externals.overrides(m) for m, cls in REGISTRY.items() if cls.external_files}
+    res = _cli("run", "--dry-run", "--skip-data-check", "--methods", "all", "--datasets", "dtd", "--backbones",
+               "ViT-B-16,RN50", "--out", str(tmp_path / "o"),
+               *(a for m, ov in externals.items() for k, v in ov.items() for a in ("--set", f"{m}.{k}={v}")))
+    assert res.exit_code == 0, res.output
+    assert [(r.backbone, r.method) for r in captured] == [(b, m) for b in ("ViT-B-16", "RN50") for m in REGISTRY
+                                                          if _runs_on(m, b)]
+    assert {m for m in REGISTRY if not _runs_on(m, "RN50")} == {"ttl", "tca", "dart", "promptalign"}
+    notes = _left_out_notes(res.output)
+    assert notes == _refusals(REGISTRY, ("ViT-B-16", "RN50"), externals) and len(notes) == 4
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_grid_left_empty_by_the_pairs_left_out_is_one_error(tmp_path):
+    res = _cli("run", "--dry-run", "--skip-data-check", "--methods", "ttl,tca", "--datasets", "dtd", "--backbones",
+               "RN50", "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2 and "Traceback" not in res.output + res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line == f"zaec-sweep: error: no run of the grid can run: {' | '.join(_refusals(('ttl', 'tca'), ('RN50',)))}"
+
+
+class _Job:
+    def __init__(self, n: int) -> None:
+        self.job_id = str(n)
+
+
+def test_a_submission_leaves_the_pairs_out_and_says_so(tmp_path, monkeypatch):
+    """A real submission (submitit's local executor replaced by a recorder) submits no job for a pair that cannot
+    run; the manifest holds the others only; one note per pair left out."""
+    from extract.sweep import submit as submit_mod
+
+    submitted: list = []
+
+    class Recorder:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+        def update_parameters(self, **k) -> None:
+            pass
+
+        def submit(self, job):
+            submitted.append(job)
+            return _Job(len(submitted))
+
+    monkeypatch.setattr(submit_mod, "_import_submitit", lambda: type("stub", (), {"LocalExecutor": Recorder}))
+    out = tmp_path / "out"
+    res = _cli("run", "--skip-data-check", "--no-wait", "--methods", "zero-shot,ttl,calip", "--datasets", "dtd",
+               "--backbones", "ViT-B-16,RN50", "--out", str(out))
+    assert res.exit_code == 0, res.output + res.stderr
+    runs = [(r.backbone, r.method) for job in submitted for g in job.groups for r in g.runs]
+    assert sorted(runs) == sorted([("ViT-B-16", "zero-shot"), ("ViT-B-16", "ttl"), ("ViT-B-16", "calip"),
+                                   ("RN50", "zero-shot"), ("RN50", "calip")])
+    assert set(_manifest_states(out)) == {("dtd", m) for m in ("zero-shot", "ttl", "calip")}
+    assert len(manifest_frame(Manifest.load(out))) == 5
+    assert "5 run(s) submitted" in " ".join(res.output.split())
+    assert _left_out_notes(res.output) == _refusals(("ttl",), ("RN50",))
 
 
 # rates as `python -m tools.bench_gpu --json` writes them (tests/tools/test_bench_gpu.py checks that writer)

@@ -27,3 +27,21 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             out.append(int(stat.parent.name))
     return out
+
+
+def forked_children(pid: int) -> list[int]:
+    """Live members of `pid`'s process group that run `pid`'s own program (the same command line, as a forked
+    loader process does): a helper process the interpreter starts on its own while it imports (`ldconfig -p`,
+    which ctypes runs while torch loads) is not one of them."""
+    try:
+        own = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    out = []
+    for member in group_members(pid):
+        try:
+            if member != pid and Path(f"/proc/{member}/cmdline").read_bytes() == own:
+                out.append(member)
+        except OSError:
+            continue  # gone meanwhile
+    return out

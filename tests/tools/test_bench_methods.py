@@ -63,12 +63,30 @@ def test_timer_times_after_the_first_call_and_stops_at_the_budget():
     assert [n for n, _ in calls] == [1, 2, 3]
 
 
-def test_method_cost_reports_a_method_that_cannot_run(tmp_path):
+def test_method_cost_reports_a_method_that_cannot_run(tiny_model_dir):
     def run(key, *, overrides, limit):
         raise ValueError("no reward model here\nsecond line")
 
-    c = bench_methods.method_cost("tda", run, tmp_path, {"single": 4}, budget_s=1.0)
+    c = bench_methods.method_cost("tda", run, tiny_model_dir, {"single": 4}, budget_s=1.0)
     assert c.skipped == "ValueError: no reward model here" and c.samples == 0
+
+
+@pytest.mark.parametrize("key", ["ttl", "tca", "dart", "promptalign"])
+def test_a_method_that_cannot_run_on_the_bench_model_is_skipped_by_its_towers(key, tiny_rn_model_dir):
+    """The benches ask the method's `towers` (`backbone_refusal`, what `zaec-extract` refuses) before trying a run:
+    the line says why, and no run is started."""
+    from extract.run.options import RunOptions, backbone_refusal
+
+    def run(key, *, overrides, limit):
+        pytest.fail("a run was started")
+
+    pretrained = f"local-dir:{tiny_rn_model_dir}"
+    why = backbone_refusal(RunOptions.make(key, "dtd", backbone=None, pretrained=pretrained))
+    assert why is not None and why.startswith(f"{key} ") and "RN-tiny's is a ResNet" in why
+    c = bench_methods.method_cost(key, run, tiny_rn_model_dir, {"single": 4}, budget_s=1.0)
+    assert c.skipped == why and c.samples == 0
+    r = bench_methods.run_rate(key, 3, run, {}, {"single": 4}, budget_s=1.0, pretrained=pretrained)
+    assert r.skipped == why and r.samples == 0
 
 
 def _real_graph(n_samples: int, k: int, d: int):

@@ -603,6 +603,7 @@ def _extract(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], model_dirs: 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from extract.models import load_model
+    from extract.run.options import RunOptions, backbone_refusal
     from extract.runner import run_extraction
 
     say = console.print
@@ -634,6 +635,15 @@ def _extract(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], model_dirs: 
                     t_run = time.perf_counter()
                     if model is None:
                         model = load_model(None, pretrained, cfg.device)
+                    # a method that cannot run on this model (TTL, TCA, DART, PromptAlign need a ViT: the method's
+                    # `towers`, the check `zaec-extract` makes): said in one line, then skipped without trying it
+                    why = backbone_refusal(RunOptions.make(method, key, backbone=None, pretrained=pretrained,
+                                                           overrides=DEMO_OVERRIDES.get(method)))
+                    if why is not None:
+                        log(f"{method} skipped on {spec.name}: {why}")
+                        line.append(f"{method} skipped")
+                        progress.advance(task)
+                        continue
                     try:
                         paths = run_extraction(
                             method, key, backbone=None, pretrained=pretrained, data_root=cfg.data_root,
@@ -644,8 +654,8 @@ def _extract(cfg: DemoConfig, specs: Sequence[train_mod.DemoModel], model_dirs: 
                     except ValueError as e:
                         if method in DEMO_METHODS:  # the default methods run on both demo models: a real failure
                             raise
-                        # an opt-in method that cannot run here (TTL and DART need a ViT; AWT needs description
-                        # files, which the demo does not write): said in one line, then skipped
+                        # an opt-in method that cannot run here for another reason (AWT needs description files,
+                        # which the demo does not write): said in one line, then skipped
                         log(f"{method} skipped on {spec.name}: {str(e).splitlines()[0]}")
                         line.append(f"{method} skipped")
                         progress.advance(task)

@@ -1,6 +1,6 @@
 """AWT (extract/methods/awt.py) against a slow transcription of the official evaluation (AWT `evaluate.py`:
 `get_entropy_weight`, `Sinkhorn`, `optimal_transport`, `AWT_evaluation`) written here from docs/methods.md,
-"AWT (`extract/methods/awt.py`)"; the class descriptions the run reads (`--descriptions-dir`), each missing piece
+"AWT (`awt`)"; the class descriptions the run reads (`--descriptions-dir`), each missing piece
 one line before the model loads; a folder set end to end with description files the tests write."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DART (extract/methods/dart.py) on the tiny open_clip model, against a slow transcription of the official loop
 (DART `main.py`: `test_time_adapt_eval`, `test_time_tuning`; `clip/my_clip_CSTP.py`: `init_text_prompts`,
 `get_text_features`, `inference` with prefix tuning; `utils/ema.py`) written here from docs/methods.md,
-"DART (`extract/methods/dart.py`)"; the views' pixels through the run (`consumes = "view_pixels"`)."""
+"DART (`dart`)"; the views' pixels through the run (`consumes = "view_pixels"`)."""
 
 from __future__ import annotations
 

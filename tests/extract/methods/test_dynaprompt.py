@@ -1,6 +1,6 @@
 """DynaPrompt (extract/methods/dynaprompt.py) on the tiny open_clip model, against a slow transcription of the
 official online loop (DynaPrompt `dynap_classification.py`: `test_time_adapt_eval`, `test_time_tuning`;
-`clip/custom_clip_lessctx.py`) written here from docs/methods.md, "DynaPrompt (`extract/methods/dynaprompt.py`)".
+`clip/custom_clip_lessctx.py`) written here from docs/methods.md, "DynaPrompt (`dynaprompt`)".
 """
 
 from __future__ import annotations

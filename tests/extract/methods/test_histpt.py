@@ -1,7 +1,7 @@
 """HisTPT (extract/methods/histpt.py) on the tiny open_clip model, against a slow transcription of the reference
 loop (TTABC `ttabc/model_selection/histpt.py`: `HistoricalMemory`, `generate_pseudo_labels`, `test_time_tuning`,
 `test_time_adapt_eval`; the optimiser of `ttabc/utils/load_model.py:set_optimizer`) written here from
-docs/methods.md, "HisTPT (`extract/methods/histpt.py`)"."""
+docs/methods.md, "HisTPT (`histpt`)"."""
 
 from __future__ import annotations
 

@@ -119,3 +119,43 @@ def test_panda_is_off_by_default_and_changes_nothing_then(tiny_model):
         cfg = cls.default_config("dtd", "ViT-B-16")
         assert cfg.panda is False and cfg.panda_beta == 0.2 and cfg.panda_patch_size == 32
     assert get_method("tpt").consumes_for(get_method("tpt").default_config("dtd", "RN50")) == "features"
+
+
+def _panda_methods() -> list[str]:
+    from extract.methods import REGISTRY
+
+    return [k for k, cls in REGISTRY.items() if hasattr(cls.default_config("dtd", "ViT-B-16"), "panda")]
+
+
+@pytest.mark.parametrize("key", _panda_methods())
+def test_panda_plans_on_its_hosts_and_is_refused_on_the_methods_that_inherit_it(key):
+    """`--set panda=true` plans on Panda's hosts (TTABC's six and DMN-weak); a method that only inherits the fields
+    from its parent (C-TPT, O-TPT, A-TPT, R-TPT, RLCF, DiffTPT from TPT's config) refuses it in one line at plan
+    time, before any file is read (their extra features were never what Panda's shift was written for)."""
+    from extract.methods.panda import PANDA_HOSTS
+    from extract.run.options import RunError, RunOptions, plan
+
+    options = RunOptions.make(key, "dtd", backbone="ViT-B-16", overrides={"panda": "true"})
+    if key in PANDA_HOSTS:
+        assert plan(options).config.panda
+        return
+    with pytest.raises(RunError) as refused:
+        plan(options)
+    assert str(refused.value).startswith(f"{key}: panda=true applies to tent, sar, deyo, tpt, zero, dmn, dmn-weak")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("key", _panda_methods())
+def test_panda_settings_are_recorded_only_with_panda(key):
+    """A host's recorded `method_config` without Panda holds no `panda*` key (what its finished runs recorded before
+    Panda existed, so they still match); with `panda=true` it holds every one."""
+    import dataclasses
+
+    from extract.run.options import config_dict
+
+    cfg = get_method(key).default_config("dtd", "ViT-B-16")
+    names = {f.name for f in dataclasses.fields(cfg) if f.name.startswith("panda")}
+    recorded = config_dict(cfg)
+    assert not names & set(recorded) and set(recorded) == {f.name for f in dataclasses.fields(cfg)} - names
+    on = config_dict(dataclasses.replace(cfg, panda=True, panda_beta=0.3))
+    assert names <= set(on) and on["panda_beta"] == 0.3

@@ -1,6 +1,6 @@
 """R-TPT (extract/methods/rtpt.py) on the tiny open_clip model, against a slow transcription of the official
 per-sample loop (R-TPT `rtpt.py`: `test_time_tuning`, `get_top_sim`, `test_time_adapt_eval`) written here from
-docs/methods.md, "R-TPT (`extract/methods/rtpt.py`)".
+docs/methods.md, "R-TPT (`rtpt`)".
 
 The `>= 1.0` self-exclusion depends on how each self-similarity rounds. It is tested (1) on hand-built fp32
 similarity matrices whose diagonals are exactly 1.0, just below and just above it; (2) end to end on view features

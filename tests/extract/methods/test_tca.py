@@ -391,7 +391,9 @@ def test_zaec_extract_on_a_folder_set_and_a_resnet_refused(tmp_path, run_inputs)
     s = read_shard(path)
     assert len(s) == 6 and s.meta.method_config["prompts"] == "imagenet80" and s.meta.method_config["lambd"] == 3.0
     r = invoke(rn_dir, tmp_path / "b")
-    assert r.exit_code == 2 and "tiny-rn has a ModifiedResNet image encoder" in r.output
+    # refused by TCA's `towers` before the model loads (the loaded-model check above stays as the last guard)
+    assert r.exit_code == 2 and "it runs on an image tower that is a ViT pooled at its class token" in r.output
+    assert "tiny-rn's is a ResNet" in r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
     assert not list((tmp_path / "b").rglob("*.parquet"))
 

@@ -197,3 +197,14 @@ def test_docs_say_where_each_file_comes_from(key):
     section = text[text.index("## Files a method reads besides the CLIP checkpoint"):]
     for ext in REGISTRY[key].external_files:
         assert f"`{ext.setting}`" in section, f"docs/extract.md does not name {key}'s {ext.setting}"
+
+
+def test_the_usage_in_a_message_is_a_command_line_that_parses():
+    """Every `--set` form a refusal names is one `key=value` per `--set` (zaec-extract takes no `--set a=1 b=2`)."""
+    from extract.methods import REGISTRY
+    from extract.run.externals import _usage
+
+    for cls in REGISTRY.values():
+        for ext in cls.external_files:
+            words = f"--set {_usage(ext)}".split()
+            assert words[0::2] == ["--set"] * (len(words) // 2) and all("=" in w for w in words[1::2]), words

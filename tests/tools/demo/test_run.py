@@ -141,3 +141,30 @@ def test_selective_sentence_helps_hurts_and_undecided():
     s = summarise(_with_selective(_paper_like(), {"none": 0.30, "zaec": 0.25}, {"none": 0.70, "zaec": 0.75}))
     assert s.selective == helps and [f.key for f in s.findings][-1] == "accuracy_preserved"
     assert summary_markdown(s).rstrip().endswith(helps)
+
+
+def test_extraction_skips_a_method_the_model_cannot_run_by_its_declaration(tmp_path, tiny_rn_model_dir,
+                                                                          monkeypatch):
+    """The demo asks the method's `towers` (`backbone_refusal`, what `zaec-extract` refuses) before a run: TTL on a
+    ResNet is one note line and a "skipped" entry, and no run is started."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import extract.models
+    import extract.runner
+    from extract.run.options import RunOptions, backbone_refusal
+    from tools.demo import run as demo_run
+    from tools.demo.run import DemoConfig
+
+    monkeypatch.setattr(extract.models, "load_model", lambda *a, **k: object())
+    monkeypatch.setattr(extract.runner, "run_extraction", lambda *a, **k: pytest.fail("a run was started"))
+    cfg = DemoConfig(data_root=tmp_path / "data", work_dir=tmp_path / "work", progress=False)
+    notes: list[str] = []
+    out = io.StringIO()
+    demo_run._extract(cfg, [SimpleNamespace(name="fmnist-RN")], {"fmnist-RN": tiny_rn_model_dir}, ["dtd"], ["ttl"],
+                      Console(file=out, width=400, color_system=None), notes)
+    why = backbone_refusal(RunOptions.make("ttl", "dtd", backbone=None, pretrained=f"local-dir:{tiny_rn_model_dir}"))
+    assert why is not None and notes == [f"ttl skipped on fmnist-RN: {why}"]
+    assert "accuracy: ttl skipped" in out.getvalue() and f"note: ttl skipped on fmnist-RN: {why}" in out.getvalue()
