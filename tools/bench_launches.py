@@ -108,34 +108,35 @@ def _counter(cls: type, counted_call: int) -> Iterator[list[tuple[int, int]]]:
             del cls.adapt
 
 
-def _count_call(key: str, run: Any, overrides: dict[str, str], limits: dict[str, int], counted_call: int
-                ) -> tuple[str, list[tuple[int, int]]]:
+def _count_call(key: str, run: Any, overrides: dict[str, str], limits: dict[str, int], counted_call: int,
+                pretrained: str | None) -> tuple[str, list[tuple[int, int]]]:
     from tools.bench_methods import _timed_run
     from extract.methods import get_method
 
-    _, failed, rec = _timed_run(key, run, overrides, limits, _counter(get_method(key), counted_call))
+    _, failed, rec = _timed_run(key, run, overrides, limits, _counter(get_method(key), counted_call), pretrained)
     return failed or ("" if rec else "no adapt call was counted: raise the positions"), rec or []
 
 
 def method_launches(key: str, runs: Any, overrides: dict[str, str], limits: dict[str, int], *,
-                    widths: tuple[int, int] = (1, 2)) -> MethodLaunches:
-    """Count `key` through `runs` (a `RateRuns`): the second `adapt` call at each of the two `widths` (the
-    runner's `adapt_batch`; twice them as the `batch_size` of a method that adapts over batches of its own),
-    launches = per_call + per_sample x samples fitted through the two; a transductive method's first call (its
-    solve of the run)."""
+                    widths: tuple[int, int] = (1, 2), pretrained: str | None = None) -> MethodLaunches:
+    """Count `key` through `runs` (a `RateRuns` on the model `pretrained`; a method that cannot run on it is
+    skipped with its refusal): the second `adapt` call at each of the two `widths` (the runner's `adapt_batch`;
+    twice them as the `batch_size` of a method that adapts over batches of its own), launches = per_call +
+    per_sample x samples fitted through the two; a transductive method's first call (its solve of the run)."""
     from tools.bench_methods import solves_first
     from extract.methods import get_method
 
     cls = get_method(key)
     if solves_first(cls):
-        failed, rec = _count_call(key, runs, overrides, limits, 0)
+        failed, rec = _count_call(key, runs, overrides, limits, 0, pretrained)
         return MethodLaunches(key, skipped=failed) if failed else MethodLaunches(key, rec[0][1], 0.0, tuple(rec),
                                                                                   solve=True)
     own = cls.adapt_width(cls.default_config("dtd", "ViT-B-16"))  # type: ignore[attr-defined]
     calls = []
     for w in (2 * widths[0], 2 * widths[1]) if own else widths:
         runs.adapt_batch = w
-        failed, rec = _count_call(key, runs, {**overrides, **({"batch_size": str(w)} if own else {})}, limits, 1)
+        failed, rec = _count_call(key, runs, {**overrides, **({"batch_size": str(w)} if own else {})}, limits, 1,
+                                  pretrained)
         if failed:
             return MethodLaunches(key, skipped=failed)
         calls += rec
@@ -173,7 +174,8 @@ def count_methods(keys: list[str], k: int, work: Path, *, model_dir: Path, posit
         runs = RateRuns(model, root, work / "runs", keys, limits, adapt_batch=2, log=log)
         for key in keys:
             log(f"counting {key}")
-            out.append(method_launches(key, runs, run_overrides(get_method(key), None, stand_ins), limits))
+            out.append(method_launches(key, runs, run_overrides(get_method(key), None, stand_ins), limits,
+                                       pretrained=model.pretrained))
             done(out[-1])
     return out
 
