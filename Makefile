@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[extract,sweep,test,diffusion]'
+	$(PY) -m pip install -q -e '.[extract,sweep,test,diffusion,cosmic]'
 	touch $@
 
 venv: $(STAMP)
@@ -93,7 +93,8 @@ GPU_SITE ?= /tmp/zaec-site
 GPU_WHEELS := open_clip_torch ftfy wcwidth
 GPU_TESTS := tests/extract/methods/test_tpt.py tests/extract/methods/test_tps.py tests/extract/test_text_encoder.py \
              tests/extract/test_views.py tests/extract/test_runner.py tests/extract/test_augmix_device.py \
-             tests/extract/test_models.py tests/tools/test_check_shortcuts.py tests/tools/test_bench_gpu.py
+             tests/extract/test_models.py tests/tools/test_check_shortcuts.py tests/tools/test_bench_gpu.py \
+             tests/extract/methods/test_promptalign.py
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
