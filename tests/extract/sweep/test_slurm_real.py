@@ -120,7 +120,8 @@ def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm-data")
     make_json_dataset(root, "dtd", n_classes=3, per_class=2, seed=0)  # 6 images
     make_json_dataset(root, "eurosat", n_classes=3, per_class=3, seed=1)  # 9 images
-    make_json_dataset(root, SLOW_SET, n_classes=4, per_class=5, seed=2)  # 20 images, 10 parts of 2
+    # 40 images, 20 parts of 2: a run is suspended well before its last part, however fast the machine adapts
+    make_json_dataset(root, SLOW_SET, n_classes=4, per_class=10, seed=2)
     return root
 
 
@@ -393,9 +394,12 @@ def _kill_mid_run(kinds: dict[Path, dict[int, str]]) -> dict[Path, dict[int, dic
     before: dict[Path, dict[int, dict[str, tuple[int, int]]]] = {out: {} for out in kinds}
 
     def probe():
-        for out, seed in [k for k in todo if _parts(rows[k[0]][k[1]]["shard_dir"])]:
+        ready = [k for k in todo if _parts(rows[k[0]][k[1]]["shard_dir"])]
+        for out, seed in ready:  # every run seen with a part is suspended before any is killed (a kill takes long
+            # enough, a /proc scan and scontrol calls, for another run of this small set to finish meanwhile)
+            subprocess.run(["scontrol", "suspend", rows[out][seed]["job_id"]], check=True, timeout=60)
+        for out, seed in ready:
             job_id, shard_dir = rows[out][seed]["job_id"], rows[out][seed]["shard_dir"]
-            subprocess.run(["scontrol", "suspend", job_id], check=True, timeout=60)
             assert not (Path(shard_dir) / "_zaec_complete.json").exists(), f"{shard_dir} finished before its kill"
             before[out][seed] = _parts(shard_dir)
             _kill(todo.pop((out, seed)), job_id)
