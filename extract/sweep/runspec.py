@@ -254,28 +254,42 @@ def extract_run(run: RunSpec, model: Any, log: Callable[[str], None]) -> list[Pa
 
 def check_data(runs: Sequence[RunSpec]) -> None:
     """List every test set of the sweep once (split files and folders only, no image is opened), so a missing or
-    misnamed folder fails before submission with the extractor's expected-layout message; and read the class
-    descriptions of each run whose method needs them (AWT) as `zaec-extract` does before its model loads."""
+    misnamed folder fails before submission with the extractor's expected-layout message; read the class
+    descriptions of each run whose method needs them (AWT) as `zaec-extract` does before its model loads; and
+    refuse a run whose last batch would hold one image its method cannot adapt (`PlannedRun.last_batch_refusal`,
+    which depends on the set's size: a method on batch statistics over a ResNet whose last stage is 1x1).
+
+    Raises:
+        DatasetError: the extractor's line for a set it cannot list.
+        RunError: the extractor's line for a last batch of one, prefixed with the run it refuses.
+    """
     from extract.datasets import load_ood_images, load_testset
     from extract.methods import get_method
-    from extract.run.options import plan
+    from extract.run.options import RunError, plan
     from extract.run.settings import data_key
     from extract.run.setup import run_descriptions
 
     listed: dict[Any, Any] = {}
+    sizes: dict[Any, int] = {}  # samples in each run's stream (an OOD run's: both sets, as `load_mixed_data`)
     read = set()
     for r in runs:
         o = r.options
         if data_key(o) not in listed:
             if o.ood_for is None:
                 listed[data_key(o)] = load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
+                sizes[data_key(o)] = len(listed[data_key(o)])
             else:  # an OOD run: both of its sets; the classes are the in-distribution set's
                 listed[data_key(o)] = load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
-                load_ood_images(o.dataset, o.data_root, sh_filter=o.sh_filter)
+                sizes[data_key(o)] = len(listed[data_key(o)]) + len(load_ood_images(o.dataset, o.data_root,
+                                                                                     sh_filter=o.sh_filter))
+        r.register_dataset()
+        planned = plan(o)  # as `resolve_run` planned it
+        last_batch = planned.last_batch_refusal(sizes[data_key(o)])
+        if last_batch is not None:
+            raise RunError(f"{r.run_id}: {last_batch}")
         if get_method(o.method).needs_descriptions and (o.method, data_key(o), o.descriptions_dir) not in read:
             read.add((o.method, data_key(o), o.descriptions_dir))
-            r.register_dataset()
-            run_descriptions(plan(o), listed[data_key(o)])
+            run_descriptions(planned, listed[data_key(o)])
 
 
 def check_backbones(runs: Sequence[RunSpec]) -> None:

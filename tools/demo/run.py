@@ -54,7 +54,7 @@ NOTE = ("small CLIP-architecture models trained by this project on Fashion-MNIST
 class DemoConfig:
     """Where the demo reads and writes, and how large it is.
 
-    Defaults give the full demo, sized to finish in about 15 minutes on 2 CPU cores (see the README).
+    Defaults give the full demo, sized for a first run within 10 minutes on 2 idle CPU cores (see the README).
     """
 
     fmnist_dir: Path = Path("data/fashion-mnist")

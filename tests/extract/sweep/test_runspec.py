@@ -326,6 +326,31 @@ def test_the_refusals_cover_what_the_command_checks(tmp_path, tiny_model_dir, mo
     assert res.exit_code == 2 and "a job was submitted" in res.stderr, res.output
 
 
+def test_a_last_batch_of_one_image_is_refused_before_submitting(tmp_path, monkeypatch):
+    """`zaec-extract` refuses a run whose last batch holds one image a method on batch statistics cannot adapt
+    (a ResNet whose last stage is 1x1): the set's size decides it, so the sweep checks it once it has listed the
+    sets, dry run included, with the extractor's line and the run it refuses; a batch size that leaves no such
+    batch submits."""
+    from tests.support.extract import make_tiny_model_dir
+
+    _no_submission(monkeypatch)
+    make_json_dataset(tmp_path / "data", "dtd", n_classes=2, per_class=2)  # 4 images
+    rn = make_tiny_model_dir(tmp_path / "rn-32px", model_name="RN-32px", vision="rn")
+    args = ["run", "--methods", "clipartt", "--datasets", "dtd", "--pretrained", f"local-dir:{rn}",
+            "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--cache-dir",
+            str(tmp_path / "cache"), "--device", "cpu", "--no-wait", "--part-size", "6"]  # a multiple of 2 and 3
+    for mode in ([], ["--dry-run"]):
+        res = runner.invoke(sweep_cli.app, [*args, "--set", "clipartt.batch_size=3", *mode])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (mode, res.output)
+        said = " ".join(res.stderr.split())
+        assert "RN-32px/dtd/clipartt" in said and "clipartt normalises the BatchNorms of a ResNet" in said, said
+        assert "4 samples in batches of 3 leave one in the last" in said, said
+    assert runner.invoke(sweep_cli.app, [*args, "--set", "clipartt.batch_size=2", "--dry-run"]).exit_code == 0
+    res = runner.invoke(sweep_cli.app, [*args, "--set", "clipartt.batch_size=2"])
+    assert res.exit_code == 2 and "a job was submitted" in res.stderr, res.output
+    assert not list((tmp_path / "out").rglob("*.parquet"))
+
+
 def test_ood_for_a_folder_set_in_a_sweep(tmp_path, tiny_model_dir, monkeypatch):
     """`--ood-for NAME=folder:PATH` with `--class-names NAME=FILE`, as `zaec-extract --ood-for folder:PATH` takes
     it: the runs are keyed `<ood>@NAME`, carry the set's source, and a job in a fresh process (no dataset
