@@ -85,8 +85,8 @@ bench-gpu: $(STAMP)
 # $(GPU_SITE), runs the extraction tests (the CUDA ones included), the shortcut check and bench-gpu, and exits
 # non-zero if a step failed. docs/benchmarks.md says what to look at.
 GPU_PYTHON ?= python3
-# gpu-check's bench-gpu keeps to TPT and TPS (its 9 minutes); every method's rates: GPU_CHECK_BENCH_ARGS= (10-15 more
-# minutes per backbone, docs/benchmarks.md)
+# gpu-check's bench-gpu keeps to TPT and TPS (its 9 minutes); every method's rates: GPU_CHECK_BENCH_ARGS= (up to about 25
+# more minutes per backbone for the 42 methods, an estimate: docs/benchmarks.md)
 GPU_CHECK_BENCH_ARGS ?= --methods tpt,tps
 GPU_PY_VERSION ?= 3.12
 GPU_SITE ?= /tmp/zaec-site

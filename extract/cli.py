@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Mapping, Optional
 
 import typer
 
@@ -111,28 +111,14 @@ def extract(
     """Run METHOD over DATASET and write shards under OUT.
     \f
     Length: a typer command declares each of its options as a parameter (one per line, with its help); the body
-    resolves the names and hands them to `run_extraction`.
+    is a few lines handing them to `_run`.
     """
+    given = dict(locals())  # every option by its parameter name
     from rich.console import Console
 
     err = Console(stderr=True, emoji=False)
     try:
-        from extract.run.options import parse_overrides
-        from extract.runner import plan_run, run_extraction
-
-        overrides = parse_overrides(set_)
-        dataset, ood_for = resolve_sets(dataset, dataset_name, class_names, ood_for, ood_for_name)
-        # resolve every name before any file is read (run_extraction repeats it; it is cheap)
-        plan_run(method, dataset, backbone=backbone, pretrained=pretrained, seed=seed, overrides=overrides,
-                 anchor=anchor, limit=limit, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size)
-        paths = run_extraction(
-            method, dataset, backbone=backbone, pretrained=pretrained, data_root=data_root, out=out, seed=seed,
-            device=device, limit=limit, overrides=overrides, anchor=anchor, resume=resume, force=force,
-            cache_dir=cache_dir, cupl_dir=cupl_dir, descriptions_dir=descriptions_dir, sh_filter=tda_sh_filter,
-            fingerprint=fingerprint,
-            exif_transpose=exif_transpose, batch_size=batch_size, workers=workers, progress=not quiet,
-            wait_lock=wait_lock, ood_for=ood_for, adapt_batch=adapt_batch, part_size=part_size,
-            max_image_pixels=max_image_pixels)
+        paths = _run(given)
     except _user_errors() as e:
         from calibrate.cli_errors import fail  # the one user-error printer of every command (CPU-side, light)
 
@@ -140,8 +126,30 @@ def extract(
     except KeyboardInterrupt:
         err.print("interrupted; rerun the same command to resume")
         raise typer.Exit(130)
-    where = paths[0].parent if paths else out
+    where = paths[0].parent if paths else given["out"]
     print(f"{len(paths)} shard(s) in {where}")  # plain: never wrapped, so scripts can parse the path
+
+
+def _run(g: Mapping[str, Any]) -> list[Path]:
+    """The command on its options (`g`, by parameter name): every name resolved before any file is read, then
+    `run_extraction`; returns the shard paths."""
+    from extract.run.options import parse_overrides
+    from extract.runner import plan_run, run_extraction
+
+    overrides = parse_overrides(g["set_"])
+    dataset, ood_for = resolve_sets(g["dataset"], g["dataset_name"], g["class_names"], g["ood_for"],
+                                    g["ood_for_name"])
+    common = dict(backbone=g["backbone"], pretrained=g["pretrained"], seed=g["seed"], overrides=overrides,
+                  anchor=g["anchor"], limit=g["limit"], ood_for=ood_for, adapt_batch=g["adapt_batch"],
+                  part_size=g["part_size"])
+    # resolve every name before any file is read (run_extraction repeats it; it is cheap)
+    plan_run(g["method"], dataset, **common)
+    return run_extraction(
+        g["method"], dataset, **common, data_root=g["data_root"], out=g["out"], device=g["device"],
+        resume=g["resume"], force=g["force"], cache_dir=g["cache_dir"], cupl_dir=g["cupl_dir"],
+        descriptions_dir=g["descriptions_dir"], sh_filter=g["tda_sh_filter"], fingerprint=g["fingerprint"],
+        exif_transpose=g["exif_transpose"], batch_size=g["batch_size"], workers=g["workers"],
+        progress=not g["quiet"], wait_lock=g["wait_lock"], max_image_pixels=g["max_image_pixels"])
 
 
 def resolve_sets(dataset: str, dataset_name: str | None, class_names: Path | None, ood_for: str | None,

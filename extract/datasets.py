@@ -933,11 +933,6 @@ def load_ood_images(key: str, data_root: str | os.PathLike | None = None, *, sh_
     return _check_no_duplicates(ts, img_root)
 
 
-def check_no_duplicates(ts: TestSet, listing: Path) -> TestSet:
-    """`_check_no_duplicates` for callers outside this module (an OOD run's mixed list: a file in both sets)."""
-    return _check_no_duplicates(ts, listing)
-
-
 def shared_files(a: TestSet, b: TestSet) -> list[tuple[int, int]]:
     """(sample index in `a`, sample index in `b`) of every image file both sets list: the same file, also through a
     symlinked file or folder (`_FileKeys`), in `b`'s order."""

@@ -49,7 +49,7 @@ class RunningMoments:
 
     def update(self, x: Any) -> None:
         """Add a batch (B, T, W) of samples."""
-        x = x.detach().double().cpu()
+        x = x.detach().cpu().double()  # copied off the device in its own dtype (the conversion is exact)
         b = x.shape[0]
         mean_b = x.mean(0)
         m2_b = ((x - mean_b) ** 2).sum(0)
@@ -67,14 +67,13 @@ class RunningMoments:
         return self.m2 / self.n
 
 
-def compute_stats(model: Any, prompts: Any, images: Any, progress: Any = None) -> tuple[Any, Any]:
+def compute_stats(model: Any, prompts: Any, images: Any) -> tuple[Any, Any]:
     """(means, variances): (blocks, T, W) float32 over the images of `images` (an iterable of (B, 3, S, S)
     preprocessed batches), each block's input tokens under MaPLe's `prompts` (`maple_image_features`)."""
     import torch
 
     from extract.methods.promptalign import maple_image_features
-
-    import contextlib
+    from extract.methods.tpt import amp_autocast
 
     visual = model.model.visual
     blocks = range(len(visual.transformer.resblocks))
@@ -82,12 +81,10 @@ def compute_stats(model: Any, prompts: Any, images: Any, progress: Any = None) -
     amp = model.precision == "amp" and model.device.type == "cuda"  # the run's precision: autocast fp16 on CUDA
     with torch.no_grad():
         for x in images:
-            with torch.autocast(device_type="cuda", dtype=torch.float16) if amp else contextlib.nullcontext():
+            with amp_autocast(amp):
                 _, tokens = maple_image_features(visual, x.to(model.device), prompts, blocks)
             for m, t in zip(moments, tokens):
                 m.update(t)
-            if progress is not None:
-                progress(len(x))
     means = torch.stack([m.mean for m in moments]).float()
     variances = torch.stack([m.var for m in moments]).float()
     return means, variances

@@ -34,7 +34,7 @@ from typing import Literal, Sequence
 
 from extract.datasets import get_dataset
 from extract.defaults import CUPL_DIR_ENV as CUPL_ENV
-from extract.defaults import DESCRIPTIONS_DIR_ENV
+from extract.defaults import DESCRIPTIONS_DIR_ENV, default_descriptions_dir
 
 PromptPolicy = Literal["single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "transclip"]
 PROMPT_POLICIES: tuple[str, ...] = ("single", "dataset", "imagenet80", "dpe_cars", "clip_dataset", "transclip")
@@ -107,10 +107,6 @@ CLIP_DATASET_TEMPLATES: dict[str, tuple[str, ...]] = {
 }
 
 
-# CoOp's single template per dataset, as the TransCLIP/StatA repositories ship them (`datasets/*.py` there):
-# "a photo of a {}." for the ImageNet family, Caltech101, Stanford Cars and SUN397; DTD's without a full stop; the six
-# others are TDA's own. OGA's "standard" prompts are `dataset.template` of a `datasets` package its repository does
-# not include; the OGA README names TransCLIP as its base (docs/methods.md, "OGA (`oga`)").
 class PromptError(ValueError):
     """A user-side problem with prompts (unknown policy, unreadable CuPL file)."""
 
@@ -145,15 +141,14 @@ def _dataset_templates() -> dict[str, tuple[str, ...]]:
 
 def _transclip_templates() -> dict[str, tuple[str, ...]]:
     # MaxZanella/transduction-for-vlms and MaxZanella/StatA, `datasets/<set>.py` (`template`, or `imagenet_templates`
-    # for the ImageNet family): one template per dataset, the CoOp one except the ImageNet family's, Caltech101's,
-    # Stanford Cars' and SUN397's "a photo of a {}." and DTD's "{} texture" (no full stop)
+    # for the ImageNet family): one template per dataset, the CoOp one (TDA's, `_dataset_templates`) except the
+    # ImageNet family's, Caltech101's, Stanford Cars' and SUN397's "a photo of a {}." and DTD's "{} texture" (no full
+    # stop). OGA's "standard" prompts are `dataset.template` of a `datasets` package its repository does not include;
+    # the OGA README names TransCLIP as its base (docs/methods.md, "OGA (`oga`)").
     plain = ("a photo of a {}.",)
-    tables = {key: plain for key in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch",
-                                     "caltech101", "stanford_cars", "sun397")}
-    return {**tables, "dtd": ("{} texture",), "eurosat": ("a centered satellite photo of {}.",),
-            "fgvc_aircraft": ("a photo of a {}, a type of aircraft.",), "food101": ("a photo of {}, a type of food.",),
-            "flowers102": ("a photo of a {}, a type of flower.",), "oxford_pets": ("a photo of a {}, a type of pet.",),
-            "ucf101": ("a photo of a person doing {}.",)}
+    return {**_dataset_templates(), "dtd": ("{} texture",),
+            **{key: plain for key in ("imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch",
+                                      "caltech101", "stanford_cars", "sun397")}}
 
 
 def templates_for(dataset: str, policy: PromptPolicy) -> tuple[str, ...]:
@@ -360,9 +355,10 @@ class Descriptions:
 
 
 def resolve_descriptions_dir(descriptions_dir: str | os.PathLike | None) -> Path | None:
-    """`descriptions_dir`, else $ZAEC_DESCRIPTIONS_DIR, else None."""
-    raw = descriptions_dir if descriptions_dir is not None else os.environ.get(DESCRIPTIONS_DIR_ENV)
-    return Path(raw).expanduser() if raw else None
+    """`descriptions_dir`, else $ZAEC_DESCRIPTIONS_DIR (`default_descriptions_dir`), else None."""
+    if descriptions_dir is None:
+        return default_descriptions_dir()
+    return Path(descriptions_dir).expanduser() if descriptions_dir else None
 
 
 def load_descriptions(folder: str | os.PathLike | None, file_name: str, class_names: Sequence[str], *,

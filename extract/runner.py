@@ -178,7 +178,8 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
     run_dir = RunDir(Path(execution.out), planned.key)
     with run_dir.lock(execution.wait_lock, on_wait=lambda line: note(line, log)) as lock:
         force = execution.force
-        done = None if force else finished_run(run_dir, run_settings(planned, data), options.limit)
+        settings = run_settings(planned, data)  # once: it reads what the method reads beside the images
+        done = None if force else finished_run(run_dir, settings, options.limit)
         if done is not None and done.matches:
             note(reuse_note(planned, done, data.n_total), log)
             return list(done.parts)
@@ -189,20 +190,20 @@ def execute(options: RunOptions, execution: ExecOptions, *, model: LoadedModel |
             _recompute_or_refuse(done, execution.on_changed, log)
             force = True
         elif not force:
-            longer = longer_run_refusal(planned, run_dir, data)
+            longer = longer_run_refusal(planned, run_dir, data, settings)
             if longer is not None:
                 raise RunError(f"{longer}: write it elsewhere with --out (both are kept), or pass --force to "
                                "replace it")
         if model is None:
             model = load_model(options.backbone, options.pretrained, execution.device)
-        parts, marker = _compute(planned, data, prompts, run_dir, execution, model, force=force, log=log)
+        parts, marker = _compute(planned, data, prompts, run_dir, execution, model, settings, force=force, log=log)
         lock.check()  # taken over while silent (a network file system without flock): never mark it complete
         run_dir.write_marker(marker)
         return parts
 
 
 def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: RunDir, execution: ExecOptions,
-             model: LoadedModel, *, force: bool, log: Callable[[str], None] | None
+             model: LoadedModel, settings: Mapping[str, Any], *, force: bool, log: Callable[[str], None] | None
              ) -> tuple[list[Path], dict[str, Any]]:
     """Everything after the model loaded: text prototypes, feature cache, method, resume, encoding and the adapt
     loop (the caller holds the run's lock). Returns the parts in order and the marker's document, which the caller
@@ -246,7 +247,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
             workers = min(MAX_CUDA_WORKERS, os.cpu_count() or 1) if model.device.type == "cuda" else 0
         # [pixels] TTL's views, or the batches of a method that adapts the image encoder over them (run/pixels.py)
         pixels = attach_pixels(method, planned.consumes, model, data.testset, perm, planned.policy, options.seed,
-                               stop=n_run, width=planned.adapt_width, workers=workers)
+                               stop=n_run, workers=workers)
         inputs = StreamInputs(options.method, method, FeatureReader(cache, planned.policy), anchor_text,
                               model.logit_scale, model.device, perm, data.testset.labels, planned.adapt_width)
         writer = PartWriter(run_dir, meta, method, episodic=restore == "footer", part_size=options.part_size,
@@ -256,9 +257,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
                          labelled=labelled_counts(perm, data.testset.labels) if data.n_id is not None else None)
         _announce(planned, [*warnings, *([point.note] if point.note else [])], prog, log)
         if point.kept_note:
-            from rich.markup import escape
-
-            (log or prog.print)(point.kept_note if log is not None else escape(point.kept_note))
+            _say(point.kept_note, prog, log)
         encode_pass(model, data.testset, perm, cache, planned.policy, n_run, seed=options.seed,
                     batch_size=execution.batch_size, workers=workers, progress=prog)
         for extra in (reward, generated):  # [second encoder] its features of the same views; [generated views]
@@ -277,7 +276,7 @@ def _compute(planned: PlannedRun, data: RunData, prompts: RunPrompts, run_dir: R
             (log or prog.print)(f"{options.method} on {planned.dataset}: "
                                 + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return writer.written, marker_doc(n_run=n_run, n_total=data.n_total, limit=options.limit,
-                                      settings=run_settings(planned, data), parts=writer.written,
+                                      settings=settings, parts=writer.written,
                                       method_summary=method.summary(), accuracies=state.accuracies(n_run),
                                       prefix_dependence=scope.prefix_dependence, adapt_batch=planned.adapt_width)
 
@@ -335,16 +334,23 @@ def _announce(planned: PlannedRun, warnings: list[str], prog: Progress, log: Cal
     not apply to a method with its own batch, then every warning."""
     width = planned.width_note()
     if width is not None:
-        (log or prog.print)(width)
+        _say(width, prog, log)
     if planned.settings_note:
-        from rich.markup import escape
-
         fields = " ".join(f"{k}={v}" for k, v in planned.config_dict().items() if k != "episodic")
-        line = (f"{planned.dataset} has no official settings; {planned.settings_note}: {fields} "
-                "(change any with --set key=value)")
-        (log or prog.print)(line if log is not None else escape(line))
+        _say(f"{planned.dataset} has no official settings; {planned.settings_note}: {fields} "
+             "(change any with --set key=value)", prog, log)
     for w in warnings:
         warn(w, prog, log)
+
+
+def _say(line: str, prog: Progress, log: Callable[[str], None] | None) -> None:
+    """A plain line before the first image: through `log`, else the progress console (as text, not markup)."""
+    if log is not None:
+        log(line)
+    else:
+        from rich.markup import escape
+
+        prog.print(escape(line))
 
 
 def _restore_method(inputs: StreamInputs, point: ResumePoint, start_pos: int, n_run: int, restore: str,
@@ -358,8 +364,22 @@ def _restore_method(inputs: StreamInputs, point: ResumePoint, start_pos: int, n_
     if 0 < start_pos < n_run and restore == "replay":
         replay(inputs, start_pos, prog.task(f"replaying {start_pos} samples", start_pos))
     elif 0 < start_pos < n_run and restore == "file" and point.state_file is not None:
-        import torch
-
-        inputs.method.load_state_dict(torch.load(point.state_file, map_location="cpu", weights_only=True))
+        inputs.method.load_state_dict(_saved_state(point.state_file))
     elif start_pos and point.state is not None:
         inputs.method.load_state_dict(point.state)
+
+
+def _saved_state(path: Path) -> Any:
+    """The method state saved beside a kept part (its checksum already matched, `scan_resume`), read without
+    unpickling code; one line naming the file when this torch cannot read it (one of another version)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as e:
+        from schemas.shard import error_line
+
+        raise RunError(f"{path}: the method state saved with the interrupted run cannot be read ({error_line(e)}); "
+                       "--no-resume computes the run again") from None

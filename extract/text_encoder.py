@@ -323,10 +323,12 @@ class PromptTextEncoder:
         t = self._t
         b, k = ctx.shape[0], prefix.shape[0]
         cast = t.transformer.get_cast_dtype()
-        rows = ctx[:, classes] if self.per_class else ctx[:, None].expand(-1, k, -1, -1)
+        # cast before the shared context is expanded to the K_b classes (a cast of the view would copy it K_b times)
+        rows = (ctx[:, classes].to(prefix.dtype) if self.per_class
+                else ctx[:, None].to(prefix.dtype).expand(-1, k, -1, -1))
         x = torch.cat([
             prefix[None].expand(b, -1, -1, -1),
-            rows.to(prefix.dtype),
+            rows,
             suffix[None].expand(b, -1, -1, -1),
         ], dim=2).reshape(b * k, length, self.width).to(cast)  # as token_embedding(text).to(cast_dtype)
         x = x + t.positional_embedding[:length].to(cast)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from extract.models import AmpEncoding, ModelError, Precision, Preprocess, file_digest
+from schemas.shard import error_line
 
 #: the files a timm folder must hold (config, then weights: safetensors only)
 TIMM_FOLDER_FILES: tuple[str, ...] = ("config.json", "model.safetensors")
@@ -77,14 +78,15 @@ def load_timm_encoder(folder: str | Path, preprocess: Preprocess, device: torch.
         ModelError: an incomplete folder, a config timm cannot build, or weights that do not fit it (one line).
     """
     import timm
+    from safetensors import SafetensorError
 
     p = Path(folder).expanduser()
     problem = check_timm_folder(p)
     if problem is not None:
         raise ModelError(f"{p}: {problem}")
     try:
-        config = json.loads((p / "config.json").read_text(encoding="utf-8"))
-        arch = str(config["architecture"])
+        config_text = (p / "config.json").read_text(encoding="utf-8")
+        arch = str(json.loads(config_text)["architecture"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(f"{p / 'config.json'}: not a timm config with an 'architecture' ({e})") from None
     if preprocess.size[0] != preprocess.size[1]:
@@ -92,14 +94,16 @@ def load_timm_encoder(folder: str | Path, preprocess: Preprocess, device: torch.
     try:
         model = timm.create_model(f"local-dir:{p}", pretrained=True, img_size=int(preprocess.size[0]),
                                   num_classes=0)
-    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"{p}: timm cannot build {arch} from it ({first})") from None
+    except SafetensorError as e:  # as `extract.models` says it of the policy's weights
+        raise ModelError(f"{p / 'model.safetensors'}: not a readable safetensors file (truncated or corrupt?): "
+                         f"{error_line(e)}") from None
+    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError, OSError) as e:
+        raise ModelError(f"{p}: timm cannot build {arch} from it ({error_line(e)})") from None
     model = model.to(device).eval()
     for w in model.parameters():
         w.requires_grad_(False)
-    parts = [file_digest(p / "model.safetensors"), (p / "config.json").read_text(encoding="utf-8"),
-             f"precision={precision}", json.dumps(preprocess.__dict__, sort_keys=True), "timm-cls-token"]
+    parts = [file_digest(p / "model.safetensors"), config_text, f"precision={precision}",
+             json.dumps(preprocess.__dict__, sort_keys=True), "timm-cls-token"]
     fp = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return TimmEncoder(model=model, folder=str(p), architecture=arch, preprocess=preprocess,
                        dim=int(model.num_features), device=device, precision=precision, fingerprint=fp)

@@ -80,11 +80,10 @@ def _counter(cls: type, counted_call: int) -> Iterator[list[tuple[int, int]]]:
     """Wrap `cls.adapt`: call number `counted_call` (0-based) is counted (`count_launches`) and recorded as
     (samples, launches); the next call ends the run (`tools.bench_methods._Enough`)."""
     from tools.bench_extract import count_launches
-    from tools.bench_methods import _Enough
+    from tools.bench_methods import _Enough, patched_adapt
 
     rec: list[tuple[int, int]] = []
     calls = [0]
-    had_own = "adapt" in cls.__dict__
     original = cls.adapt
 
     def adapt(self: Any, view_feats: Any) -> Any:
@@ -98,14 +97,8 @@ def _counter(cls: type, counted_call: int) -> Iterator[list[tuple[int, int]]]:
         rec.append((int(view_feats.shape[0]), n))
         return out[0]
 
-    cls.adapt = adapt  # type: ignore[method-assign]
-    try:
+    with patched_adapt(cls, adapt):
         yield rec
-    finally:
-        if had_own:
-            cls.adapt = original  # type: ignore[method-assign]
-        else:
-            del cls.adapt
 
 
 def _count_call(key: str, run: Any, overrides: dict[str, str], limits: dict[str, int], counted_call: int,

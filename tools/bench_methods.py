@@ -72,15 +72,9 @@ def bench_descriptions(root: Path, folder: Path, dataset: str = "dtd", per_class
 
 
 def bench_overrides(cls: type, model_dir: Path, stand_ins: Any = None) -> dict[str, str]:
-    """The `--set` values a method needs to run in the bench: a method with a reward model (RLCF) gets the bench's
-    own small model as its reward model (a second load of the same weights; its features come from the same cache);
-    a method with other external files (DiffTPT, PromptAlign) the stand-ins of `stand_ins`
-    (`tools.second_models.StandIns`)."""
-    if getattr(cls, "needs_reward_model", False):
-        return {"reward_backbone": "", "reward_pretrained": f"local-dir:{model_dir}"}
-    if cls.external_files and stand_ins is not None:  # type: ignore[attr-defined]
-        return stand_ins.overrides(cls.key)  # type: ignore[attr-defined]
-    return {}
+    """The `--set` values a method needs to run in the bench (`run_overrides` with the bench's own small model as
+    RLCF's reward model: a second load of the same weights, its features from the same cache)."""
+    return run_overrides(cls, model_dir, stand_ins)
 
 
 def batch_overrides(cls: type, positions: int, adapt_batch: int) -> dict[str, str]:
@@ -100,11 +94,26 @@ class _Enough(BaseException):
 
 
 @contextlib.contextmanager
+def patched_adapt(cls: type, adapt: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """`cls.adapt` replaced by `adapt` for the duration (the wrappers of the benches: `adapt` calls the original,
+    read before); then the class's own `adapt` again, or the inherited one."""
+    had_own = "adapt" in cls.__dict__
+    original = cls.adapt
+    cls.adapt = adapt  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had_own:
+            cls.adapt = original  # type: ignore[method-assign]
+        else:
+            del cls.adapt
+
+
+@contextlib.contextmanager
 def _adapt_timer(cls: type, budget_s: float) -> Iterator[list[tuple[int, float]]]:
     """Wrap `cls.adapt` for the duration: each call appends (samples, CPU seconds of this thread); after the first
     call, once the timed calls passed `budget_s`, the next call ends the run with `_Enough`."""
     calls: list[tuple[int, float]] = []
-    had_own = "adapt" in cls.__dict__
     original = cls.adapt
 
     def adapt(self: Any, view_feats: Any) -> Any:
@@ -115,14 +124,8 @@ def _adapt_timer(cls: type, budget_s: float) -> Iterator[list[tuple[int, float]]
         calls.append((int(view_feats.shape[0]), time.thread_time() - t))
         return out
 
-    cls.adapt = adapt
-    try:
+    with patched_adapt(cls, adapt):
         yield calls
-    finally:
-        if had_own:
-            cls.adapt = original
-        else:
-            del cls.adapt
 
 
 def _one_line(e: BaseException) -> str:
@@ -136,15 +139,14 @@ def _timed_run(key: str, run: Callable[..., Any], overrides: dict[str, str], lim
     `limits[policy]` positions inside `timer`: (policy, why it failed or "", what the timer recorded). A method
     that cannot run on the model (`extract.run.options.backbone_refusal`, the method's `towers`) is not tried: the
     refusal is why. A run the timer ends (`_Enough`) has not failed."""
-    from extract.run.options import RunOptions, backbone_refusal, plan
+    from extract.run.options import BackboneRefusal, RunOptions, plan
 
     options = RunOptions.make(key, "dtd", overrides=overrides, **({} if pretrained is None else
                                                                    {"backbone": None, "pretrained": pretrained}))
     try:
-        refused = backbone_refusal(options)
-        if refused is not None:
-            return "", refused, None
         policy = plan(options).policy
+    except BackboneRefusal as e:  # the refusal is why (`extract.run.options.backbone_refusal`)
+        return "", str(e), None
     except Exception as e:  # noqa: BLE001  (any failure is reported on the method's line)
         return "", _one_line(e), None
     with timer as rec:
@@ -317,7 +319,6 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
     from extract.run.writer import PartWriter
 
     rec: dict[str, list[tuple[int, float]]] = {"rows": [], "encode": [], "start": []}
-    had_own = "adapt" in cls.__dict__
     original, encode, generate, add = cls.adapt, EncoderPass.encode, DiffusionPass.encode, PartWriter.add
 
     def adapt(self: Any, view_feats: Any) -> Any:
@@ -345,16 +346,13 @@ def _wall_timer(cls: type, budget_s: float | None) -> Iterator[dict[str, list[tu
             return n
         return timed
 
-    cls.adapt, PartWriter.add = adapt, timed_add  # type: ignore[method-assign]
+    PartWriter.add = timed_add  # type: ignore[method-assign]
     EncoderPass.encode, DiffusionPass.encode = timing(encode), timing(generate)  # type: ignore[method-assign]
     try:
-        yield rec
+        with patched_adapt(cls, adapt):
+            yield rec
     finally:
         EncoderPass.encode, DiffusionPass.encode, PartWriter.add = encode, generate, add  # type: ignore[method-assign]
-        if had_own:
-            cls.adapt = original
-        else:
-            del cls.adapt
 
 
 def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str], limits: dict[str, int], *,
@@ -384,7 +382,7 @@ def run_rate(key: str, k: int, run: Callable[..., Any], overrides: dict[str, str
     if len(calls) < 2:
         return RunRate(key, k, policy, skipped=f"only {len(calls)} adapt call(s): raise the cached positions")
     # a transductive method solves its first unit in the first call: timed from before it, every row counted
-    skip = 0 if solves_first(get_method(key)) else 1
+    skip = 0 if solves_first(cls) else 1
     n = sum(c for c, _ in calls[skip:])
     first = sum(c for c, _ in calls[:skip])
     begin = rec["start"][0][1] if not skip else calls[0][1]

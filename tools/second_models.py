@@ -157,8 +157,9 @@ class StandIns:
 
     DiffTPT gets the tiny pipeline with `steps` diffusion steps (2 by default: its generation costs nothing like the
     real one's whatever the steps, so the sweep prices DiffTPT with its estimate, extract/sweep/cost.py
-    `FIXED_PRICE`) and `views` generated views (None: the official 63, which its tuning's cost depends on). PromptAlign gets MaPLe prompts as deep as the model allows (3, the official depth, on a
-    ViT with 3 blocks or more) and statistics of its shapes: the official architecture, hence its cost.
+    `FIXED_PRICE`) and `views` generated views (None: the official 63, which its tuning's cost depends on).
+    PromptAlign gets MaPLe prompts as deep as the model allows (3, the official depth, on a ViT with 3 blocks or more)
+    and statistics of its shapes: the official architecture, hence its cost.
     RLCF: the policy as its own reward model. COSMIC gets a random DINOv2 folder (`write_dino_dir`): `dino="tiny"`
     (2 blocks: everything but the encoder's cost) or "official" (ViT-L/14 with registers: its cost too)."""
 

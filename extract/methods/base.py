@@ -637,13 +637,7 @@ class TTAMethod(abc.ABC):
 
         A method that adapts over batches of test images returns its batch size (a setting: the official batch); the
         run then cuts the stream into batches [k·B, (k+1)·B) (the last one shorter) and calls `adapt` once per batch,
-        so a batch's rows depend on the samples of the batch and on the batches before it, never on later ones.
-
-        Example:
-            >>> from extract.methods import get_method
-            >>> get_method("tda").adapt_width(get_method("tda").default_config("dtd", "RN50")) is None
-            True
-        """
+        so a batch's rows depend on the samples of the batch and on the batches before it, never on later ones."""
         return None
 
     def attach_pixels(self, reader: Any) -> None:
@@ -670,13 +664,7 @@ class TTAMethod(abc.ABC):
     def config_refusal(cls, config: MethodConfig) -> str | None:
         """Why this method cannot run with `config` although every field lies in its range (a combination of settings
         it does not support), or None; `plan` refuses such a run in one line before any file is read. None by default;
-        Panda's hosts override it (`extract.methods.panda.PandaPlugin`).
-
-        Example:
-            >>> from extract.methods import get_method
-            >>> get_method("tda").config_refusal(get_method("tda").default_config("dtd", "RN50")) is None
-            True
-        """
+        Panda's hosts override it (`extract.methods.panda.PandaPlugin`)."""
         return None
 
     @classmethod
@@ -694,13 +682,7 @@ class TTAMethod(abc.ABC):
     @classmethod
     def transductive_unit(cls, config: MethodConfig) -> int | None:
         """For a method that consumes "set_features": how many consecutive stream positions it solves jointly, 0 for
-        the whole run (recorded in the shards as `zaec:transductive_unit`); None for every other method.
-
-        Example:
-            >>> from extract.methods import get_method
-            >>> get_method("tda").transductive_unit(get_method("tda").default_config("dtd", "RN50")) is None
-            True
-        """
+        the whole run (recorded in the shards as `zaec:transductive_unit`); None for every other method."""
         return None
 
     def set_stream_length(self, n: int) -> None:

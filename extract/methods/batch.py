@@ -16,8 +16,9 @@ saved beside the part, and a resumed run loads it instead of replaying the kept 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
@@ -36,6 +37,23 @@ class BatchConfig(MethodConfig):
     episodic: bool = field(default=False, metadata={"fixed": True})
     # samples adapted together: the stream is cut into batches [k·B, (k+1)·B), recorded with the run
     batch_size: int = setting(64, ge=1)
+
+
+@contextlib.contextmanager
+def batch_statistics_hint(key: str, n: int) -> Iterator[None]:
+    """Turn torch's refusal of batch statistics over one value per channel (a forward of `n` images, one, through
+    a ResNet whose last stage is 1x1 at its input size; RN50 at 224 px is 7x7) into one line saying what to change.
+    The run refuses such a batch before the model loads (`Towers.batch_statistics`); this is the method's own guard.
+    """
+    try:
+        yield
+    except ValueError as e:
+        if "more than 1 value per channel" not in str(e):
+            raise
+        raise ValueError(f"{key}: the image encoder's BatchNorms normalise with the statistics of the batch they see, "
+                         f"and a batch of {n} image(s) leaves one value per channel in the ResNet's last stage (1x1 "
+                         "at this input size; RN50 at 224 px keeps 7x7), as in the official code; choose a batch_size "
+                         "that leaves no such batch at the end of the stream, or larger images") from None
 
 
 class PixelBatchMethod(TTAMethod):

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from extract.methods.base import MethodConfig, check_hparams_key, setting
+from extract.methods.batch import batch_statistics_hint
 from extract.methods.common import softmax_entropy
 from extract.methods.normtta import NormConfig, NormTTA, Optimizer
 from extract.prompts import SINGLE_TEMPLATE
@@ -106,13 +107,18 @@ class BATCLIP(NormTTA):
     def bimodal(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`ZeroShotCLIP.forward(return_features=True)` with the text encoder adapted: (logits (N, K), image
         features before normalisation (N, D), normalised text features (K, D))."""
-        img_pre = self.visual(images)
+        with batch_statistics_hint(self.key, images.shape[0]):
+            img_pre = self.visual(images)
         img = img_pre / img_pre.norm(dim=1, keepdim=True)
         text_pre = self.encoder.encode_text(self.tokens)
         text = text_pre / text_pre.norm(dim=1, keepdim=True)
         return self.logit_scale * img @ text.T, img_pre, text
 
-    def batclip_step(self, images: torch.Tensor) -> torch.Tensor:
+    def batch_logits(self, images: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """The logits a prediction uses (`predict`): both encoders' (`bimodal`; no Panda on BATCLIP)."""
+        return self.bimodal(images)[0]
+
+    def adapt_step(self, images: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         """`ours.py:forward_and_adapt`: the forward under autocast, the loss outside it, one scaled step; returns
         the logits, detached."""
         with self._autocast():
@@ -122,13 +128,3 @@ class BATCLIP(NormTTA):
         loss = loss - inter_mean_loss(logits, img_pre)
         self.scaled_step(loss)
         return logits.detach()
-
-    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        images = self.batch_images(view_feats.shape[0], self.device, self.params[0].dtype)
-        adapting = None
-        for _ in range(self.config.steps):  # type: ignore[attr-defined]
-            adapting = self.batclip_step(images)
-        if adapting is not None and self.config.predict == "adapting_forward":  # type: ignore[attr-defined]
-            return adapting
-        with torch.no_grad(), self._autocast():
-            return self.bimodal(images)[0]

@@ -22,10 +22,9 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from extract.methods.base import MethodConfig, check_hparams_key, setting, text_setting
-from extract.methods.batch import BatchConfig, PixelBatchMethod
-from extract.methods.normtta import open_clip_model
-from extract.methods.norm_tuning import (TargetMethod, TunedCLIP, WeightsDtype, adam, batch_statistics_hint,
-                                         fp16_weights, norm_kind, step, text_graph_loss, tokenize)
+from extract.methods.batch import BatchConfig
+from extract.methods.norm_tuning import (TargetMethod, TunedBatchMethod, TunedCLIP, WeightsDtype, adam, step,
+                                         text_graph_loss, tokenize)
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ def clipartt_predict(clip: TunedCLIP, images: torch.Tensor, class_text: torch.Te
     return scale * clip.image_features(images) @ class_text.T
 
 
-class CLIPArTT(PixelBatchMethod):
+class CLIPArTT(TunedBatchMethod):
     """CLIPArTT: per batch, norm-layer affine parameters tuned on pseudo-labels from the batch's text graph."""
 
     key: ClassVar[str] = "clipartt"
@@ -111,17 +110,13 @@ class CLIPArTT(PixelBatchMethod):
     # Unseen data: every row is the same (no per-dataset setting)
     unseen_like: ClassVar[str] = "imagenet"
 
-    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
-                 dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
-        super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
-                         text_encoder=text_encoder)
+    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, **kwargs: Any
+                 ) -> None:
+        super().__init__(config, text_features, logit_scale, **kwargs)
         cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
         if cfg.top_k > self.n_classes:
             self.warnings.append(f"clipartt: top_k={cfg.top_k} exceeds the dataset's {self.n_classes} classes: each "
                                  f"image's prompt names all {self.n_classes}")
-        self.kind = norm_kind(open_clip_model(text_encoder, self.key).visual)
-        self.class_names = tuple(class_names) if class_names is not None else tuple(map(str, range(self.n_classes)))
-        self._clip: TunedCLIP | None = None
         self._class_text: torch.Tensor | None = None
 
     @classmethod
@@ -129,28 +124,12 @@ class CLIPArTT(PixelBatchMethod):
         check_hparams_key(hparams_key)
         return CLIPArTTConfig()  # one setting for every set (argparse defaults)
 
-    def build(self, device: torch.device) -> TunedCLIP:
-        """The tuned copy on `device` and the classes' text features (once per run: they never change)."""
-        cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
-        if self._clip is None or self._clip.logit_scale.device != device:
-            model = open_clip_model(self.text_encoder, self.key)
-            clip = TunedCLIP.build(model, self.kind, fp16=fp16_weights(cfg.weights_dtype, device), device=device)
-            prompts = [cfg.template.format(c) for c in self.class_names]
-            self._class_text = clip.text_features(tokenize(self.text_encoder.tokenizer, prompts, device))
-            self._clip = clip
-        return self._clip
+    def prepare(self, clip: TunedCLIP) -> None:
+        """The classes' texts of `template` (the pseudo-labels' and the prediction's)."""
+        prompts = [self.config.template.format(c) for c in self.class_names]  # type: ignore[attr-defined]
+        self._class_text = clip.text_features(tokenize(self.text_encoder.tokenizer, prompts, clip.logit_scale.device))
 
-    def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
-        with batch_statistics_hint(self.key, len(images)):
-            cfg: CLIPArTTConfig = self.config  # type: ignore[assignment]
-            clip = self.build(images.device)
-            clipartt_adapt(clip, self.text_encoder.tokenizer, images, self._class_text, self.class_names, cfg,
-                           self.logit_scale)
-            out = clipartt_predict(clip, images, self._class_text, self.logit_scale).float()
-            clip.reset()
-        return out
-
-    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        """One batch: its pixels (positions [n_seen, n_seen + B)) adapted on; the cached features are unused."""
-        return self.adapt_images(self.batch_images(view_feats.shape[0], view_feats.device, torch.float32))
+    def tune_and_predict(self, clip: TunedCLIP, images: torch.Tensor) -> torch.Tensor:
+        clipartt_adapt(clip, self.text_encoder.tokenizer, images, self._class_text, self.class_names,
+                       self.config, self.logit_scale)  # type: ignore[arg-type]
+        return clipartt_predict(clip, images, self._class_text, self.logit_scale)  # type: ignore[arg-type]

@@ -52,12 +52,12 @@ from extract.methods.base import (
     text_setting,
 )
 from extract.methods.boostadapter import output_entropy
-from extract.methods.common import ClassCache
+from extract.methods.common import ClassCache, n_confident
+# the entropy epsilons of `select_confident_samples` and `DualMem.update_memory_bank`: DMN's (COSMIC builds on DMN)
+from extract.methods.dmn import MEMORY_ENTROPY_EPS, SELECT_ENTROPY_EPS
 from extract.methods.tda import TDA_ALPHA_BETA
 from extract.timm_encoder import TIMM_FOLDER_FILES
 
-SELECT_ENTROPY_EPS = 1e-6  # `select_confident_samples`
-MEMORY_ENTROPY_EPS = 1e-8  # `DualMem.update_memory_bank`
 GraphControl = Literal["degree", "threshold"]
 #: the timm architecture COSMIC's `--DINO_size l` loads (`clip/dinoV2.py`: `dinov2_vitl14_reg`)
 DINO_SOURCE = ("get the DINOv2 ViT-L/14 (registers) folder with `huggingface-cli download "
@@ -276,7 +276,7 @@ class COSMIC(TTAMethod):
         z = self.logit_scale * x @ t.T  # (B, U, K)
         p = z.softmax(-1)
         h_view = -(p * torch.log(p + SELECT_ENTROPY_EPS)).sum(-1)
-        sel = torch.argsort(h_view, dim=1, stable=True)[:, :max(1, int(u * c.selection_p))]  # (B, n)
+        sel = torch.argsort(h_view, dim=1, stable=True)[:, :n_confident(u, c.selection_p)]  # (B, n)
         init = torch.gather(p, 1, sel[..., None].expand(-1, -1, p.shape[-1])).mean(1)  # (B, K)
         stored = torch.gather(x, 1, sel[..., None].expand(-1, -1, x.shape[-1])).mean(1)  # (B, D) not re-normalised
         h = -(init * torch.log(init + MEMORY_ENTROPY_EPS)).sum(-1)

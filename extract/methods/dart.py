@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,6 @@ from extract.methods.base import (
     IMAGENET_FAMILY,
     PROMPT_TUNING,
     VIT_TOWERS,
-    Consumes,
     MethodConfig,
     PromptSet,
     Ref,
@@ -61,8 +60,9 @@ from extract.methods.base import (
     text_setting,
 )
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
-from extract.methods.tpt import amp_autocast, grad_scaler_update
+from extract.methods.tpt import MixedPrecision
 from extract.methods.ttl import vision_tower
+from extract.methods.view_pixels import ViewPixels
 
 
 def dart_prompt(template: str, name: str) -> str:
@@ -148,7 +148,7 @@ class DARTConfig(MethodConfig):
 DART_USE = "prompts the attention of a ViT image encoder (a key and a value token in one block)"
 
 
-class DART(TTAMethod):
+class DART(ViewPixels, MixedPrecision, TTAMethod):
     """Online dual-modal prompting: per-sample tuning of class-specific text contexts and a visual prefix, both
     kept as per-class exponential averages that seed the next samples."""
 
@@ -156,8 +156,8 @@ class DART(TTAMethod):
     prefix_stable: ClassVar[bool] = True  # the prompts and averages hold only samples already seen
     Config: ClassVar[type[MethodConfig]] = DARTConfig
     needs_text_encoder: ClassVar[bool] = True  # the runner passes the model (its image encoder is prompted)
-    #: the runner attaches a reader of the views' pixels (`attach_views`; extract/run/pixels.py)
-    consumes: ClassVar[Consumes] = "view_pixels"
+    # the runner attaches a reader of the views' pixels (`ViewPixels`: `consumes = "view_pixels"`)
+    pixels_use: ClassVar[str] = "prompts the image encoder"
     _state_fields: ClassVar[tuple[str, ...]] = ("image_prompt", "text_shadow", "image_shadow", "loss_scale",
                                                 "skipped_steps")
     # unseen data: one setting for every set but the views; the fine-grained sets' AugMix views
@@ -193,27 +193,14 @@ class DART(TTAMethod):
         self.image_prompt = (torch.rand(2, width, generator=g) * 2 - 1).to(self.prompts.device)
         self.text_shadow = self.text_init.clone()  # `Text_EMA` registers the initial context
         self.image_shadow = self.image_prompt[None].repeat(self.n_classes, 1, 1)  # `class_image_prompts`
-        self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
-        self.skipped_steps = 0
-        self._loss_scaling = False
-        self._views: Callable[[int, int], torch.Tensor] | None = None
+        self._init_loss_scale()
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> DARTConfig:
         check_hparams_key(hparams_key)
         return DARTConfig(augmix=hparams_key not in IMAGENET_FAMILY)
 
-    def attach_views(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, V, 3, S, S) preprocessed views of those stream positions."""
-        self._views = reader
-
     # -- pieces --------------------------------------------------------------------------------------------------
-    def _use_amp(self, device: torch.device) -> bool:
-        return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
-
-    def _autocast(self, device: torch.device) -> Any:
-        return amp_autocast(self._use_amp(device))
-
     def prefix_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, S, S) images -> (N, T, W) tokens entering the prompted block (frozen, no gradient)."""
         layer = self.config.image_prompt_layer  # type: ignore[attr-defined]
@@ -234,12 +221,6 @@ class DART(TTAMethod):
         if self.visual.proj is not None:
             pooled = pooled @ self.visual.proj
         return pooled / pooled.norm(dim=-1, keepdim=True)
-
-    def _logits(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """s · f̂ t̂ᵀ: image (N, D), text (K, D) -> (N, K)."""
-        if not self._use_amp(image.device):
-            text = text.to(image.dtype)
-        return self.logit_scale * image @ text.T
 
     def _confident(self, logits: torch.Tensor) -> torch.Tensor:
         """The int(V·p) views of lowest entropy (TPT's `select_confident_samples`): (n, K) of (V, K)."""
@@ -266,20 +247,10 @@ class DART(TTAMethod):
             with self._autocast(dev):
                 logits = self._logits(self.features(tokens, prompt), self.prompts(ctx))  # (V, K)
                 loss = marginal_entropy(self._confident(logits)).float()
-            scale = float(self.loss_scale["scale"]) if amp else 1.0
-            grads = [g.float() / scale for g in torch.autograd.grad(loss * scale, [ctx, prompt])]
-            finite = bool(torch.stack([torch.isfinite(loss.detach()), *(torch.isfinite(g).all() for g in grads)]
-                                      ).all())  # one host sync
-            if finite:
-                ctx.grad, prompt.grad = grads
-                opt.step()
-            else:
-                self.skipped_steps += 1
-            if amp:
-                grad_scaler_update(self.loss_scale, finite, cfg.grad_scale_growth_interval)
-            with torch.no_grad(), self._autocast(dev):
-                text = self.prompts(ctx)
-                mean = self._confident(self._logits(self.features(tokens, prompt), text)).mean(0)
+            self._scaled_step([ctx, prompt], loss, opt, amp)
+        with torch.no_grad(), self._autocast(dev):  # step 3's views again, after the last step
+            text = self.prompts(ctx)
+            mean = self._confident(self._logits(self.features(tokens, prompt), text)).mean(0)
         return ctx.detach(), prompt.detach(), text, mean
 
     def _adapt_one(self, images: torch.Tensor) -> torch.Tensor:
@@ -303,9 +274,6 @@ class DART(TTAMethod):
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         b, v, _ = view_feats.shape
-        if self._views is None:
-            raise ValueError("dart prompts the image encoder and needs the views' pixels; the runner attaches them "
-                             "(`attach_views`)")
         dev = view_feats.device
         dtype = self.visual.conv1.weight.dtype
         self._loss_scaling = self._use_amp(dev)
@@ -314,13 +282,5 @@ class DART(TTAMethod):
                 setattr(self, name, getattr(self, name).to(dev))
         out = []
         for i in range(b):  # one sample's views at a time: each sample starts from the averages the last one left
-            images = torch.as_tensor(self._views(self.n_seen + i, self.n_seen + i + 1))
-            if images.ndim != 5 or images.shape[:2] != (1, v):
-                raise ValueError(f"dart: view images of shape {tuple(images.shape)} for 1 sample of {v} views")
-            out.append(self._adapt_one(images[0].to(dev, dtype)))
+            out.append(self._adapt_one(self.views_of(self.n_seen + i, 1, v)[0].to(dev, dtype)))
         return torch.stack(out)
-
-    def summary(self) -> dict[str, Any]:
-        """Steps skipped for a non-finite loss or gradient, and the loss scale now (None without loss scaling)."""
-        scale = float(self.loss_scale["scale"]) if self._loss_scaling else None
-        return {"skipped_steps": int(self.skipped_steps), "loss_scale": scale}

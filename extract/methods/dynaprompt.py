@@ -49,7 +49,7 @@ from extract.methods.base import (
     text_setting,
 )
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
-from extract.methods.tpt import AdamWState, adamw_step, amp_autocast, grad_scaler_update, prompt_encoder
+from extract.methods.tpt import AdamWState, MixedPrecision, adamw_step, prompt_encoder, unscaled_grads
 
 
 def select_prompts(ent: torch.Tensor, plpd: torch.Tensor, init: int) -> list[int]:
@@ -117,7 +117,7 @@ class DynaPromptConfig(MethodConfig):
     text_shortcuts: bool = True
 
 
-class DynaPrompt(TTAMethod):
+class DynaPrompt(MixedPrecision, TTAMethod):
     """Online prompt buffer: per sample, reset the least recently used prompt, select prompts by entropy and
     prediction drop, one AdamW step on the selected prompts' marginal entropy, predict with their mean logits."""
 
@@ -148,9 +148,7 @@ class DynaPrompt(TTAMethod):
                                     device=self.prompts.device)
         self.ctx_order: list[int] = list(range(n))  # least recently used first
         self.ctx_use: list[int] = [0] * n
-        self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
-        self.skipped_steps = 0
-        self._loss_scaling = False
+        self._init_loss_scale()
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> DynaPromptConfig:
@@ -158,21 +156,13 @@ class DynaPrompt(TTAMethod):
         return DynaPromptConfig(augmix=hparams_key not in IMAGENET_FAMILY)
 
     # -- pieces --------------------------------------------------------------------------------------------------
-    def _use_amp(self, device: torch.device) -> bool:
-        return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
-
-    def _autocast(self, device: torch.device) -> Any:
-        return amp_autocast(self._use_amp(device))
-
     def _text(self, residual: torch.Tensor) -> torch.Tensor:
         """(n, n_ctx, W) residuals -> (n, K, D) L2-normalised class features of the prompts init + residual."""
         return self.prompts((self.prompts.ctx_init + residual).to(self.prompts.device))
 
     def _logits(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """s · f̂ t̂ᵀ: feats (V, D), text (n, K, D) -> (V, n, K)."""
-        if not self._use_amp(feats.device):
-            text = text.to(feats.dtype)
-        return (self.logit_scale * feats @ text.transpose(-1, -2)).transpose(0, 1)  # (n, V, K) -> (V, n, K)
+        return super()._logits(feats, text).transpose(0, 1)  # (n, V, K) -> (V, n, K)
 
     def _all_prompt_logits(self, feats: torch.Tensor) -> torch.Tensor:
         """(V, P, K) detached logits of every prompt; prompts with equal residuals are encoded once."""
@@ -210,16 +200,11 @@ class DynaPrompt(TTAMethod):
             views = torch.argsort(softmax_entropy(z.detach()).mean(-1), stable=True)[:n]
             # marginal entropy of the chosen views, per selected prompt, then the mean over prompts (`avg_entropy`)
             loss = marginal_entropy(z[views].transpose(0, 1)).float().mean()
-        scale = float(self.loss_scale["scale"]) if amp else 1.0
-        (grad,) = torch.autograd.grad(loss * scale, param)
-        grad = grad.float() / scale
-        finite = bool(torch.isfinite(grad).all() & torch.isfinite(loss.detach()))  # one host sync
+        (grad,), finite = unscaled_grads(loss, [param], self.loss_scale, amp=amp)
         self.residual = adamw_step(self.residual[None], grad[None], state, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                    active=torch.tensor([finite], device=dev))[0].detach()
-        self.skipped_steps += int(not finite)
-        if amp:
-            grad_scaler_update(self.loss_scale, finite, cfg.grad_scale_growth_interval)
+        self._count_step(finite, amp)
         return selected
 
     def _adapt_one(self, feats: torch.Tensor) -> torch.Tensor:
@@ -246,11 +231,6 @@ class DynaPrompt(TTAMethod):
         if self.residual.device != dev:  # (a state loaded on another device)
             self.residual = self.residual.to(dev)
         return torch.stack([self._adapt_one(f) for f in feats])
-
-    def summary(self) -> dict[str, Any]:
-        """Steps skipped for a non-finite loss or gradient, and the loss scale now (None without loss scaling)."""
-        scale = float(self.loss_scale["scale"]) if self._loss_scaling else None
-        return {"skipped_steps": int(self.skipped_steps), "loss_scale": scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """`TTAMethod.load_state_dict`, with the residuals checked against this buffer's shape and kept fp32."""

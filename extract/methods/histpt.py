@@ -59,7 +59,7 @@ from extract.methods.base import (
     text_setting,
 )
 from extract.methods.common import n_confident, softmax_entropy
-from extract.methods.tpt import amp_autocast, grad_scaler_update, prompt_encoder
+from extract.methods.tpt import MixedPrecision, prompt_encoder, unscaled_grads
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, *, lr: float, momentum: float,
@@ -135,7 +135,7 @@ class HisTPTConfig(MethodConfig):
     text_shortcuts: bool = True
 
 
-class HisTPT(TTAMethod):
+class HisTPT(MixedPrecision, TTAMethod):
     """Online prompt tuning towards a pseudo-label fused from three memories of past prompts."""
 
     key: ClassVar[str] = "histpt"
@@ -168,9 +168,7 @@ class HisTPT(TTAMethod):
         self.entropy_history: torch.Tensor | None = None
         self.memory_hard: torch.Tensor | None = None
         self.memory_global: torch.Tensor | None = None
-        self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
-        self.skipped_steps = 0
-        self._loss_scaling = False
+        self._init_loss_scale()
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> HisTPTConfig:
@@ -178,21 +176,9 @@ class HisTPT(TTAMethod):
         return HisTPTConfig(augmix=hparams_key not in IMAGENET_FAMILY)
 
     # -- pieces --------------------------------------------------------------------------------------------------
-    def _use_amp(self, device: torch.device) -> bool:
-        return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
-
-    def _autocast(self, device: torch.device) -> Any:
-        return amp_autocast(self._use_amp(device))
-
     def _text(self, ctx: torch.Tensor) -> torch.Tensor:
         """(n_ctx, W) context -> (K, D) L2-normalised class features (`get_text_features`)."""
         return self.prompts(ctx.to(self.prompts.device))
-
-    def _logits(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """s · f̂ t̂ᵀ: feats (V, D), text (..., K, D) -> (..., V, K)."""
-        if not self._use_amp(feats.device):
-            text = text.to(feats.dtype)
-        return self.logit_scale * feats @ text.transpose(-1, -2)
 
     def memory_prompts(self) -> list[torch.Tensor]:
         """The (K, D) prompts of the global, local and hard memories: each memory's mean (global: itself),
@@ -253,17 +239,11 @@ class HisTPT(TTAMethod):
                 n = n_confident(feats.shape[0], cfg.selection_p)
                 logits = logits[torch.argsort(softmax_entropy(logits.detach()), stable=True)[:n]]
             loss = self._loss(logits, target).float()
-        scale = float(self.loss_scale["scale"]) if amp else 1.0
-        (grad,) = torch.autograd.grad(loss * scale, ctx)
-        grad = grad.float() / scale
-        finite = bool(torch.isfinite(grad).all() & torch.isfinite(loss.detach()))  # one host sync
+        (grad,), finite = unscaled_grads(loss, [ctx], self.loss_scale, amp=amp)
         if finite:
             self.ctx, self.momentum_buffer = sgd_step(self.ctx, grad, self.momentum_buffer, lr=cfg.lr,
                                                       momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        else:
-            self.skipped_steps += 1
-        if amp:
-            grad_scaler_update(self.loss_scale, finite, cfg.grad_scale_growth_interval)
+        self._count_step(finite, amp)
         return logits.detach()
 
     def _adapt_one(self, feats: torch.Tensor) -> torch.Tensor:
@@ -297,8 +277,3 @@ class HisTPT(TTAMethod):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
-
-    def summary(self) -> dict[str, Any]:
-        """Steps skipped for a non-finite loss or gradient, and the loss scale now (None without loss scaling)."""
-        scale = float(self.loss_scale["scale"]) if self._loss_scaling else None
-        return {"skipped_steps": int(self.skipped_steps), "loss_scale": scale}

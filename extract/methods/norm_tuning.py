@@ -1,6 +1,6 @@
 """What the per-batch encoder methods (WATT, CLIPArTT) share: their own copy of CLIP at the precision the official
-`clip.load` gives it, the normalisation layers they tune on each backbone, the reset to the frozen values, and
-CLIPArTT's text-graph loss, which WATT reuses
+`clip.load` gives it, the normalisation layers they tune on each backbone, the reset to the frozen values,
+CLIPArTT's text-graph loss, which WATT reuses, and the batch loop (`TunedBatchMethod`: build, adapt, predict, reset)
 (docs/methods.md, "Methods that adapt the image encoder per batch (WATT, CLIPArTT)").
 
 The copy: `clip.load(name, device)` builds OpenAI CLIP with `convert_weights` (WATT and CLIPArTT `clip/model.py`):
@@ -21,13 +21,17 @@ with the statistics of the batch at hand.
 
 from __future__ import annotations
 
-import contextlib
+import abc
 import copy
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from extract.methods.base import MethodConfig
+from extract.methods.batch import PixelBatchMethod, batch_statistics_hint
+from extract.methods.normtta import configure_norms, open_clip_model
 
 NormKind = Literal["layernorm", "batchnorm"]
 # CLIPArTT `models/tent.py` forward_and_adapt, `--target-method`: how the soft targets of the batch graph are formed
@@ -107,8 +111,6 @@ class TunedCLIP:
             ValueError: the image encoder has no layer of `kind` (WATT on a ResNet: the official Adam gets an
                 empty parameter list).
         """
-        from extract.methods.normtta import configure_norms
-
         twin = official_copy(model, fp16=fp16)
         if device is not None:
             twin = twin.to(device)
@@ -190,20 +192,50 @@ def step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
     opt.zero_grad()
 
 
-@contextlib.contextmanager
-def batch_statistics_hint(key: str, n: int) -> Iterator[None]:
-    """Turn torch's refusal of batch statistics over one value per channel (a one-image batch through a ResNet
-    whose last stage is 1×1 at its input size; RN50 at 224 px is 7×7) into one line saying what to change."""
-    try:
-        yield
-    except ValueError as e:
-        if "more than 1 value per channel" not in str(e):
-            raise
-        raise ValueError(f"{key}: a batch of {n} image(s) gives a BatchNorm of the ResNet one value per channel "
-                         f"(its last stage is 1x1 at this input size), so no batch statistics; choose a batch_size "
-                         f"that leaves no such batch at the end of the stream") from None
-
-
 def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device) -> torch.Tensor:
     """The model's tokenizer on `texts`, on `device`."""
     return tokenizer(list(texts)).to(device)
+
+
+class TunedBatchMethod(PixelBatchMethod):
+    """A method that tunes its own `TunedCLIP` on each batch of pixels from the frozen values, reset before each
+    batch (WATT, CLIPArTT). Subclasses set `Config` (with `weights_dtype`), encode the texts they read once per copy
+    (`prepare`) and adapt on and predict one batch (`tune_and_predict`)."""
+
+    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
+                 dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
+        super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
+                         text_encoder=text_encoder)
+        self.kind: NormKind = norm_kind(open_clip_model(text_encoder, self.key).visual)
+        self.class_names = tuple(class_names) if class_names is not None else tuple(map(str, range(self.n_classes)))
+        self._clip: TunedCLIP | None = None
+
+    def build(self, device: torch.device) -> TunedCLIP:
+        """The tuned copy on `device` and the texts the method reads (`prepare`; once per run: they never change)."""
+        if self._clip is None or self._clip.logit_scale.device != device:
+            model = open_clip_model(self.text_encoder, self.key)
+            fp16 = fp16_weights(self.config.weights_dtype, device)  # type: ignore[attr-defined]
+            clip = TunedCLIP.build(model, self.kind, fp16=fp16, device=device)
+            self.prepare(clip)
+            self._clip = clip
+        return self._clip
+
+    @abc.abstractmethod
+    def prepare(self, clip: TunedCLIP) -> None:
+        """Encode with the copy `clip` (its text encoder never tuned) the text features the method reads."""
+
+    @abc.abstractmethod
+    def tune_and_predict(self, clip: TunedCLIP, images: torch.Tensor) -> torch.Tensor:
+        """From the frozen values: adapt `clip` on the batch `images` (B, 3, S, S), return its (B, K) logits."""
+
+    def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
+        with batch_statistics_hint(self.key, len(images)):
+            clip = self.build(images.device)
+            out = self.tune_and_predict(clip, images).float()
+            clip.reset()
+        return out
+
+    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
+        """One batch: its pixels (positions [n_seen, n_seen + B)) adapted on; the cached features are unused."""
+        return self.adapt_images(self.batch_images(view_feats.shape[0], view_feats.device, torch.float32))

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Iterator, Literal, Sequence
 import torch
 import torch.nn as nn
 
-from extract.methods.batch import BatchConfig, PixelBatchMethod
+from extract.methods.batch import BatchConfig, PixelBatchMethod, batch_statistics_hint
 from extract.methods.base import MethodConfig, setting
 from extract.methods.common import softmax_entropy
 from extract.methods.panda import batch_generator, negative_images
@@ -124,7 +124,8 @@ def _cpu(value: Any) -> Any:
 
 class NormTTA(PixelBatchMethod):
     """A copy of the image encoder whose normalisation layers adapt over batches. Subclasses set `Config`, choose
-    the layers (`trains`) and implement `_adapt` with `logits`, `scaled_step` and `predict`."""
+    the layers (`trains`) and implement the step (`adapt_step`, Tent's `entropy_step` by default) with `logits`
+    and `scaled_step`, or the whole batch (`_adapt`)."""
 
     _state_fields: ClassVar[tuple[str, ...]] = ("steps_done", "skipped_steps")
     #: the official loop scales its loss (`GradScaler`) under `amp`; SAR's does not
@@ -146,8 +147,8 @@ class NormTTA(PixelBatchMethod):
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cfg.grad_scale_init,
                                            growth_interval=cfg.grad_scale_growth_interval,
                                            enabled=self.loss_scaling and self._use_amp(self.device))
-        # the state a reset goes back to (SAR's model recovery): the parameters and optimiser as configured
-        self.initial = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
+        # the values SAR's model recovery goes back to: the parameters as configured
+        self.initial = [p.detach().clone() for p in self.params]
         self.steps_done = 0
         self.skipped_steps = 0
 
@@ -193,16 +194,8 @@ class NormTTA(PixelBatchMethod):
     def logits(self, images: torch.Tensor, text: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, 3, S, S) -> (logits (N, K), image features before normalisation (N, D)) through the adapted
         encoder: z = s · (f / ‖f‖) T̂ᵀ (`ClipTestTimeTuningNorm.forward`)."""
-        try:
+        with batch_statistics_hint(self.key, images.shape[0]):
             pre = self.visual(images)
-        except ValueError as e:  # torch's BatchNorm on batch statistics with one value per channel
-            if "value per channel" not in str(e):
-                raise
-            raise ValueError(f"{self.key}: the image encoder's BatchNorms normalise with the statistics of the "
-                             f"batch they see, and a batch of {images.shape[0]} image(s) leaves one value per "
-                             f"channel in its last stage ({self.backbone} at {tuple(images.shape[-2:])} px; RN50 at "
-                             "224 px keeps 7 x 7); the official code stops there too: use larger images or batches"
-                             ) from None
         feats = pre / pre.norm(dim=-1, keepdim=True)
         return self.logit_scale * (feats @ (self.text() if text is None else text).t()), pre
 
@@ -255,13 +248,26 @@ class NormTTA(PixelBatchMethod):
         with torch.no_grad(), self._autocast():
             return self.batch_logits(images, gen)
 
-    def reset(self) -> None:
-        """Back to the configured parameters and a fresh optimiser (SAR's model recovery, TTABC `reset`)."""
-        values, opt_state = self.initial
+    def adapt_step(self, images: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """One adapting step on the batch (`gen`: Panda's draws, None without Panda); returns the logits of its
+        forward, detached. Tent's `entropy_step`; SAR and BATCLIP take their own."""
+        return self.entropy_step(images, gen)
+
+    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
+        """One batch: `steps` adapting steps on its pixels, then its rows (`predict`); the cached features are
+        unused."""
+        images = self.batch_images(view_feats.shape[0], self.device, self.params[0].dtype)
+        gen = self.generator()  # Panda's draws for this batch (None without Panda)
+        adapting = None
+        for _ in range(self.config.steps):  # type: ignore[attr-defined]
+            adapting = self.adapt_step(images, gen)
+        return self.predict(images, adapting, gen)
+
+    def load_params(self, values: Sequence[torch.Tensor]) -> None:
+        """Copy `values` into the trained parameters (a loaded state, SAR's model recovery)."""
         with torch.no_grad():
             for p, v in zip(self.params, values):
                 p.copy_(v)
-        self.optimizer.load_state_dict(copy.deepcopy(opt_state))
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -276,12 +282,13 @@ class NormTTA(PixelBatchMethod):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        missing = [k for k in ("params", "optimizer", "scaler") if k not in state]
+        if missing:
+            raise ValueError(f"{self.key} state lacks {', '.join(missing)}")
         values = state["params"]
         if len(values) != len(self.params) or any(v.shape != p.shape for v, p in zip(values, self.params)):
             raise ValueError(f"{self.key}: the saved parameters do not fit this model's normalisation layers")
-        with torch.no_grad():
-            for p, v in zip(self.params, values):
-                p.copy_(v)
+        self.load_params(values)
         self.optimizer.load_state_dict(state["optimizer"])
         if state["scaler"] and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])

@@ -20,8 +20,9 @@ Output (`output_kind = "log_probs"`): log z; where the official float32 softmax 
 row holds the exact log computed in log space (finite, ordered).
 
 Numerics (`fp16`, default true, the official run): features and text prototypes are float16 (`clip.load` on CUDA,
-features cached as encoded), the zero-shot logits float16 stored in float64 (ŷ, H in float64), the memory, its
-entropies and soft labels float16, μ, Λ and the Gaussian scores float32, z float64.
+features cached as encoded), the zero-shot logits float16 stored in float64 (ŷ, H in float64), the memory and its
+entropies float16, μ, Λ and the Gaussian scores float32, z float64. The official memory also stores each item's ŷ
+(`memory_soft_labels`), which nothing reads: not kept here.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class OGA(TTAMethod):
     prefix_stable: ClassVar[bool] = True
     Config: ClassVar[type[MethodConfig]] = OGAConfig
     output_kind: ClassVar[OutputKind] = "log_probs"
-    _state_fields: ClassVar[tuple[str, ...]] = ("mus", "inv_sig", "memory", "mem_state", "mem_entropy", "mem_soft")
+    _state_fields: ClassVar[tuple[str, ...]] = ("mus", "inv_sig", "memory", "mem_state", "mem_entropy")
     # one setting for every dataset; a user's classes have no CoOp template: "a photo of a {}." (ImageNet's)
     unseen_like: ClassVar[str] = "imagenet"
     unseen_changes: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompts": "single"})
@@ -84,7 +85,6 @@ class OGA(TTAMethod):
         self.memory: torch.Tensor | None = None  # (K, capacity, d)
         self.mem_state: torch.Tensor | None = None  # (K, capacity) bool: slot filled
         self.mem_entropy: torch.Tensor | None = None  # (K, capacity) zero-shot entropy of each item (log K: empty)
-        self.mem_soft: torch.Tensor | None = None  # (K, capacity) ŷ of each item at its pseudo-class (kept, unused)
 
     def _dtypes(self, view_feats: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
         """(features/memory dtype, Gaussian dtype): float16/float32 under `fp16`, else the compute dtype twice."""
@@ -101,7 +101,6 @@ class OGA(TTAMethod):
         # `-torch.log(torch.tensor(1/K))`: float32, then met by the memory's dtype
         log_k = -torch.log(torch.tensor(1 / k, dtype=torch.float32))
         self.mem_entropy = torch.full((k, cap), float(log_k), device=device, dtype=torch.float32).to(low)
-        self.mem_soft = torch.zeros(k, cap, device=device, dtype=low)
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         c: OGAConfig = self.config  # type: ignore[assignment]
@@ -117,18 +116,17 @@ class OGA(TTAMethod):
         out = torch.empty_like(zs)
         for s in range(0, x.shape[0], c.batch_size):  # sequential by nature: the memory changes along the stream
             e = min(s + c.batch_size, x.shape[0])
-            updated = [self._offer(x[j], probs[j], entropy[j], labels[j]) for j in range(s, e)]
+            updated = [self._offer(x[j], entropy[j], labels[j]) for j in range(s, e)]
             if any(updated):
                 self._update_mu()
                 self._update_sigma()
-            out[s:e] = self._log_posterior(x[s:e], zs[s:e])
+            out[s:e] = self._log_posterior(x[s:e], zs[s:e], probs[s:e])
         return out
 
-    def _offer(self, x: torch.Tensor, probs: torch.Tensor, entropy: torch.Tensor, y: int) -> bool:
+    def _offer(self, x: torch.Tensor, entropy: torch.Tensor, y: int) -> bool:
         """`__update_memory_entropy`: replace class y's worst item if x's entropy is below it. The float64 entropy
         meets the float16 memory in the memory's dtype (the comparison, then the stored value)."""
         assert self.mem_entropy is not None and self.memory is not None and self.mem_state is not None
-        assert self.mem_soft is not None
         h = entropy.to(self.mem_entropy.dtype)
         row = self.mem_entropy[y]
         if not bool((h < row).any()):
@@ -137,7 +135,6 @@ class OGA(TTAMethod):
         self.memory[y, slot] = x
         self.mem_entropy[y, slot] = h
         self.mem_state[y, slot] = True
-        self.mem_soft[y, slot] = probs[y].to(self.mem_soft.dtype)
         return True
 
     def _update_mu(self) -> None:
@@ -173,8 +170,9 @@ class OGA(TTAMethod):
         else:
             self.inv_sig = torch.linalg.pinv(m)
 
-    def _log_posterior(self, x: torch.Tensor, zs: torch.Tensor) -> torch.Tensor:
-        """log z for a batch: `get_log_probs` then `get_MAP(ŷ, ., tau, simplex_p=True)`, z in float64."""
+    def _log_posterior(self, x: torch.Tensor, zs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """log z for a batch of zero-shot logits zs and their softmax ŷ = `probs`: `get_log_probs` then
+        `get_MAP(ŷ, ., tau, simplex_p=True)`, z in float64."""
         assert self.mus is not None and self.inv_sig is not None
         xf, mus, inv = x.to(self.mus.dtype), self.mus, self.inv_sig
         w = torch.einsum("nd,dc->cn", mus, inv)
@@ -182,7 +180,7 @@ class OGA(TTAMethod):
         q = -torch.einsum("nd,dc,nc->n", xf, inv, xf) / 2
         log_lik = xf @ w + b + q[:, None]  # (B, K)
         p = (self.config.tau * log_lik).softmax(-1)
-        z = zs.softmax(-1) * p  # float64: ŷ ** 1.0 · p
+        z = probs * p  # float64: ŷ ** 1.0 · p
         z = z / z.sum(-1, keepdim=True)
         # where z underflowed to 0: its exact log in log space
         exact = zs.log_softmax(-1) + (self.config.tau * log_lik).to(zs.dtype).log_softmax(-1)

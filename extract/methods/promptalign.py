@@ -36,18 +36,18 @@ differs from the run's is said in a warning).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import (IMAGENET_FAMILY, Consumes, ExternalFile, MethodConfig, PromptSet, Ref, Towers,
-                                  TTAMethod, check_hparams_key, check_ranges, setting, text_setting)
+from extract.methods.base import (IMAGENET_FAMILY, ExternalFile, MethodConfig, PromptSet, Ref, Towers, TTAMethod,
+                                  check_hparams_key, check_ranges, setting, text_setting)
 from extract.methods.common import marginal_entropy, n_confident, softmax_entropy
-from extract.methods.tpt import amp_autocast, scaled_step
+from extract.methods.tpt import MixedPrecision
+from extract.methods.view_pixels import ViewPixels
 
 #: where the three files come from (printed when one is missing; docs/extract.md)
 MAPLE_SOURCE = ("MaPLe's pre-trained ImageNet weights (muzairkhattak/multimodal-prompt-learning docs/RUN.md, "
@@ -359,15 +359,15 @@ def distr_align_loss(tokens: Sequence[torch.Tensor], sel: torch.Tensor, means: S
 
 # ---------------------------------------------------------------------------------------------- the method
 
-class PromptAlign(TTAMethod):
+class PromptAlign(ViewPixels, MixedPrecision, TTAMethod):
     """PromptAlign: per sample, MaPLe's prompts tuned on marginal entropy + token-statistics alignment, episodic."""
 
     key: ClassVar[str] = "promptalign"
     prefix_stable: ClassVar[bool] = True  # episodic; the views' pixels are read at the sample's own position
     Config: ClassVar[type[MethodConfig]] = PromptAlignConfig
     needs_text_encoder: ClassVar[bool] = True  # the runner passes the model (both towers are prompted)
-    #: the runner attaches a reader of the views' pixels (`attach_views`; extract/run/pixels.py)
-    consumes: ClassVar[Consumes] = "view_pixels"
+    # the runner attaches a reader of the views' pixels (`ViewPixels`: `consumes = "view_pixels"`)
+    pixels_use: ClassVar[str] = "prompts the image encoder"
     external_files: ClassVar[tuple[ExternalFile, ...]] = (
         ExternalFile("maple_weights", "MaPLe's prompts trained on ImageNet (a dassl checkpoint or safetensors)",
                      MAPLE_SOURCE),
@@ -401,9 +401,7 @@ class PromptAlign(TTAMethod):
         self.means = load_stats(cfg.vis_means, "vis_means", (layers, n_tokens, wv))
         self.vars = load_stats(cfg.vis_vars, "vis_vars", (layers, n_tokens, wv))
         self._text_inputs(text_encoder, class_names)
-        self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
-        self.skipped_steps = 0
-        self._views: Callable[[int, int], torch.Tensor] | None = None
+        self._init_loss_scale()
         self._on: tuple[Any, ...] | None = None  # the prompts and statistics on the adapting device
         self._check_clip_weights(cfg.maple_weights, state)
 
@@ -442,16 +440,6 @@ class PromptAlign(TTAMethod):
         # DG config (palign_dg.sh: ImageNet-A/-V2/-R/-Sketch; ImageNet itself taken with them) lr 4e-2; the
         # finegrain config (palign_finegrain.sh: the 10 cross-dataset sets) lr 5e-4
         return PromptAlignConfig(lr=4e-2 if hparams_key in IMAGENET_FAMILY else 5e-4)
-
-    def attach_views(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, V, 3, S, S) preprocessed views of those stream positions."""
-        self._views = reader
-
-    def _use_amp(self, device: torch.device) -> bool:
-        return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
-
-    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
-        return amp_autocast(self._use_amp(device))
 
     def _device_state(self, device: torch.device) -> tuple[Any, ...]:
         """(initial prompts, text inputs, statistics of the aligned layers) on `device`, copied there once."""
@@ -505,26 +493,17 @@ class PromptAlign(TTAMethod):
             with self._autocast(dev):
                 logits, tokens = self.logits(images, MaplePrompts.from_params(params), record)
                 loss, sel = self.loss(logits, tokens, sel)
-            if not scaled_step(params, loss, opt, self.loss_scale, amp=amp,
-                               growth_interval=cfg.grad_scale_growth_interval):
-                self.skipped_steps += 1
+            self._scaled_step(params, loss, opt, amp)
         with torch.no_grad(), self._autocast(dev):
             return self.logits(images[:1], MaplePrompts.from_params(params))[0][0].float()
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         b, v, _ = view_feats.shape
-        if self._views is None:
-            raise ValueError("promptalign prompts the image encoder and needs the views' pixels; the runner attaches "
-                             "them (`attach_views`)")
-        dev = view_feats.device
-        out = []
-        for i in range(b):  # one sample's 64 views at a time, as the official loop
-            images = torch.as_tensor(self._views(self.n_seen + i, self.n_seen + i + 1))
-            if images.ndim != 5 or images.shape[:2] != (1, v):
-                raise ValueError(f"promptalign: view images of shape {tuple(images.shape)} for 1 sample of {v} views")
-            out.append(self._adapt_one(images[0].to(dev, self.visual.conv1.weight.dtype)))
-        return torch.stack(out)
+        dev, dtype = view_feats.device, self.visual.conv1.weight.dtype
+        # one sample's 64 views at a time, as the official loop
+        return torch.stack([self._adapt_one(self.views_of(self.n_seen + i, 1, v)[0].to(dev, dtype))
+                            for i in range(b)])
 
     def summary(self) -> dict[str, Any]:
-        """Steps skipped for a non-finite loss or gradient, and the loss scale now."""
+        """Steps skipped for a non-finite loss or gradient, and the loss scale now (also on the CPU, as TTL's)."""
         return {"skipped_steps": int(self.skipped_steps), "loss_scale": float(self.loss_scale["scale"])}

@@ -131,7 +131,7 @@ class SAR(NormTTA):
         cfg: SARConfig = self.config  # type: ignore[assignment]
         return SAM(params, lr=cfg.lr, momentum=cfg.momentum, rho=cfg.rho)
 
-    def sar_step(self, images: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    def adapt_step(self, images: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         """TTABC `sar.py:test_time_tuning` for one step: returns the first forward's logits, detached."""
         cfg: SARConfig = self.config  # type: ignore[assignment]
         with self._autocast():
@@ -158,21 +158,10 @@ class SAR(NormTTA):
     def recover(self) -> None:
         """Model recovery (TTABC `sar.py:reset`): the trained parameters back to the loaded model's, SAM's saved
         parameters dropped (its SGD momentum kept: see `SAM`), ema forgotten."""
-        values, _ = self.initial
-        with torch.no_grad():
-            for p, v in zip(self.params, values):
-                p.copy_(v)
+        self.load_params(self.initial)
         self.optimizer.old = [None] * len(self.params)
         self.ema = None
         self.recoveries += 1
-
-    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        images = self.batch_images(view_feats.shape[0], self.device, self.params[0].dtype)
-        gen = self.generator()
-        adapting = None
-        for _ in range(self.config.steps):  # type: ignore[attr-defined]
-            adapting = self.sar_step(images, gen)
-        return self.predict(images, adapting, gen)
 
     def summary(self) -> dict[str, Any]:
         """Steps taken, model recoveries, the entropy EMA now."""

@@ -22,7 +22,8 @@ Output (`output_kind = "log_probs"`): log z, computed in log space where the flo
 
 Numerics: float32 as the official solver. Σ₀ reproduces the official `init_cov`, which divides its running sum by N
 after every chunk of 2500 samples (`init_cov_chunk`); the Gaussian and covariance sums are matrix products instead
-of the official (2500, K, D) difference tensors, the same sums in another order.
+of the official (2500, K, D) difference tensors, the same sums in another order. A class whose z all underflow to 0
+(a unit of a sample or two) has β_k = 0 and takes the anchor alone, where the official 0/0 gives NaN.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from extract.methods.base import MethodConfig, OutputKind, PromptSet, check_hparams_key, setting
-from extract.methods.transclip import affinity, keep_positive, unit_rows, z_update
+from extract.methods.transclip import affinity, keep_finite_rows, keep_positive, unit_rows, z_update
 from extract.methods.transductive import TransductiveMethod
 
 
@@ -136,8 +137,11 @@ def _update_gaussians(x: torch.Tensor, t: torch.Tensor, z: torch.Tensor, cov0: t
         beta = counts / (cfg.alpha + counts + 1e-12)
     b = beta[:, None]
     a = z.T @ x  # (K, D)
-    mu = unit_rows(b * unit_rows(a / s[:, None]) + (1 - b) * t)
+    # a class whose z underflowed to 0 in every sample (a unit of a sample or two) has β_k = 0: the anchor alone,
+    # its data terms 0 (the official 0/0 makes them NaN, and NaN·0 every row)
+    zero = torch.zeros_like(a)
+    mu = unit_rows(b * keep_finite_rows(unit_rows(a / s[:, None]), zero) + (1 - b) * t)
     # Σ_i z_ik (x_i - μ_k)² with the new μ, expanded (a true sum of squares: rounding never takes it below 0)
-    spread = ((z.T @ (x * x)) - 2 * mu * a + s[:, None] * mu * mu).clamp_min(0) / s[:, None]
+    spread = keep_finite_rows(((z.T @ (x * x)) - 2 * mu * a + s[:, None] * mu * mu).clamp_min(0) / s[:, None], zero)
     delta = t - mu
     return mu, b * spread + (1 - b) * (cov0 + delta * delta)

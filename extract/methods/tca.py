@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from extract.methods.base import MethodConfig, PromptSet, check_hparams_key, setting, text_setting
+from extract.methods.common import softmax_entropy
 from extract.methods.tokens import EncoderMethod, encoder_autocast, plain_vit_refusal
 
 
@@ -285,8 +286,7 @@ class TCA(EncoderMethod):
     def _step(self, feat: torch.Tensor, cls: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """Steps 2-5 for one sample: (D,) feature, (L, W) class tokens -> (K,) logits."""
         z = self.logit_scale * feat @ text.T
-        ent = -(z.softmax(-1) * z.log_softmax(-1)).sum()
-        self._store(int(torch.argmax(z)), cls, ent)
+        self._store(int(torch.argmax(z)), cls, softmax_entropy(z))
         return z + self._reservoir_logits(cls)
 
     def _store(self, c: int, cls: torch.Tensor, ent: torch.Tensor) -> None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from extract.methods.base import MethodConfig, check_hparams_key
 from extract.methods.normtta import NormConfig, NormTTA
 from extract.methods.panda import PandaFields
@@ -29,7 +27,8 @@ class TentConfig(PandaFields, NormConfig):
 
 
 class Tent(NormTTA):
-    """Tent: per batch, one entropy-minimisation step on the image encoder's normalisation layers, online."""
+    """Tent: per batch, one entropy-minimisation step on the image encoder's normalisation layers, online
+    (`NormTTA`'s batch loop with its `entropy_step`)."""
 
     key: ClassVar[str] = "tent"
     # a batch's rows read that batch and the ones before it; a --limit that ends inside a batch shortens it (the
@@ -43,11 +42,3 @@ class Tent(NormTTA):
     def default_config(cls, hparams_key: str, backbone: str) -> TentConfig:
         check_hparams_key(hparams_key)
         return TentConfig()
-
-    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        images = self.batch_images(view_feats.shape[0], self.device, self.params[0].dtype)
-        gen = self.generator()  # Panda's draws for this batch (None without Panda)
-        adapting = None
-        for _ in range(self.config.steps):  # type: ignore[attr-defined]
-            adapting = self.entropy_step(images, gen)
-        return self.predict(images, adapting, gen)

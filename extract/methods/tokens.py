@@ -1,7 +1,7 @@
 """What a method that works inside the image encoder needs from open_clip's towers (CALIP, TCA; docs/methods.md,
 "Methods inside the image encoder, training-free (CALIP, TCA)"): the token map before pooling, the checks that a
 loaded tower is one whose forward the method re-writes, the precision the run encodes in, and `EncoderMethod`, the
-base class of such a method (the model, the tower check, the reader of view 0's pixels).
+base class of such a method (the model, the tower check, view 0's pixels).
 
 The token map is each token of the last layer carried through the head as the pooled feature is:
 
@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import Consumes, MethodConfig, Towers, TTAMethod
+from extract.methods.base import MethodConfig, Towers, TTAMethod
+from extract.methods.view_pixels import ViewPixels
 
 
 def encoder_autocast(loaded: Any, device: torch.device) -> Any:
@@ -94,9 +95,9 @@ def token_map(visual: Any, images: torch.Tensor) -> torch.Tensor:
     return x @ visual.proj if visual.proj is not None else x
 
 
-class EncoderMethod(TTAMethod):
+class EncoderMethod(ViewPixels, TTAMethod):
     """A method that runs the frozen image encoder itself on view 0's pixels (CALIP, TCA): the runner passes the
-    model (`needs_text_encoder`) and attaches a reader of the views' pixels (`consumes="view_pixels"`,
+    model (`needs_text_encoder`) and attaches a reader of the views' pixels (`ViewPixels`: `consumes="view_pixels"`,
     `extract/run/pixels.py`); the tower is checked when the method is built, before any image is read.
 
     Subclasses define `image_towers` (the kinds of `extract.models.IMAGE_TOWERS` they run on: the plan's check,
@@ -105,7 +106,6 @@ class EncoderMethod(TTAMethod):
     """
 
     needs_text_encoder: ClassVar[bool] = True
-    consumes: ClassVar[Consumes] = "view_pixels"
     image_towers: ClassVar[frozenset[str]]
     tower_need: ClassVar[str]
     # Unseen data: ImageNet's row; no per-dataset templates exist for a user's classes: the 80 CLIP templates
@@ -120,7 +120,6 @@ class EncoderMethod(TTAMethod):
         why = self.tower_refusal(self.visual)
         if why is not None:  # one line, before any image is read
             raise ValueError(f"{self.key} {self.tower_need}; {backbone} has {why}")
-        self._views: Callable[[int, int], torch.Tensor] | None = None
 
     @classmethod
     def towers(cls, config: MethodConfig) -> Towers:
@@ -131,16 +130,6 @@ class EncoderMethod(TTAMethod):
         """Why the method cannot run on the image tower `visual`, or None."""
         raise NotImplementedError
 
-    def attach_views(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, V, 3, S, S) preprocessed views of those stream positions."""
-        self._views = reader
-
     def view0_pixels(self, start: int, n: int, v: int, device: torch.device) -> torch.Tensor:
         """View 0 of stream positions [start, start + n): (n, 3, S, S) on `device` in the encoder's dtype."""
-        if self._views is None:
-            raise ValueError(f"{self.key} runs the image encoder and needs the views' pixels; the runner attaches "
-                             "them (`attach_views`)")
-        images = torch.as_tensor(self._views(start, start + n))
-        if images.ndim != 5 or images.shape[:2] != (n, v):
-            raise ValueError(f"{self.key}: view images of shape {tuple(images.shape)} for {n} samples of {v} views")
-        return images[:, 0].to(device, self.visual.conv1.weight.dtype)
+        return self.views_of(start, n, v)[:, 0].to(device, self.visual.conv1.weight.dtype)

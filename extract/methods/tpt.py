@@ -32,8 +32,9 @@ the shard metadata and printed at the end of a run); both are also state, restor
 
 `EpisodicTuner` is the shared core; TPS (`tps.py`) reuses it with a per-class prototype shift instead of a context,
 R-TPT (`rtpt.py`) with its own loss and prediction (`_tuning_loss`, `_predict`). The online DynaPrompt
-(`dynaprompt.py`) reuses the pieces: `adamw_step`, `grad_scaler_update`, `amp_autocast`, `prompt_encoder`; TTL and
-PromptAlign, which tune one sample at a time with torch's AdamW, `scaled_step`; DiffTPT is TPT with more views.
+(`dynaprompt.py`) reuses the pieces: `adamw_step`, `MixedPrecision`, `prompt_encoder`; HisTPT, DART, TTL and
+PromptAlign, which tune one sample at a time, `MixedPrecision` (with `unscaled_grads`); DiffTPT is TPT with more
+views.
 
 Where this differs from the official loops (numerics only; the formulas are the same):
     * The C-TPT/O-TPT terms are computed in fp32 outside autocast from the text features of the entropy forward
@@ -210,24 +211,16 @@ def grad_scaler_update(scaler: dict[str, float | int], finite: bool, growth_inte
     return False
 
 
-def scaled_step(params: Sequence[torch.Tensor], loss: torch.Tensor, opt: torch.optim.Optimizer,
-                loss_scale: dict[str, float | int], *, amp: bool, growth_interval: int) -> bool:
-    """The official `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` on fp32 leaf tensors, the
-    GradScaler emulated by `loss_scale` (`grad_scaler_update`): the gradients of loss·scale, unscaled in fp32; the
-    step only when the loss and every gradient are finite; the scale updated after it (with `amp` only: no scaler
-    on the CPU). Returns whether the step was taken. (TTL and PromptAlign tune their tensors one sample at a time
-    with the real AdamW.)"""
+def unscaled_grads(loss: torch.Tensor, params: Sequence[torch.Tensor], loss_scale: dict[str, float | int], *,
+                   amp: bool) -> tuple[list[torch.Tensor], bool]:
+    """The gradients `scaler.scale(loss).backward()` leaves after `scaler.unscale_`, the GradScaler emulated by
+    `loss_scale`: those of loss·scale, unscaled in fp32 (scale 1 without `amp`: no scaler on the CPU), and whether
+    the loss and every gradient are finite (the step the scaler would take). One host sync for all the checks (a GPU
+    waits once per step, not once per tensor)."""
     scale = float(loss_scale["scale"]) if amp else 1.0
     grads = [g.float() / scale for g in torch.autograd.grad(loss * scale, list(params))]
-    # one host sync for all the checks (a GPU waits once per step, not once per tensor)
     finite = bool(torch.stack([torch.isfinite(loss.detach()).all(), *(torch.isfinite(g).all() for g in grads)]).all())
-    if finite:
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-    if amp:
-        grad_scaler_update(loss_scale, finite, growth_interval)
-    return finite
+    return grads, finite
 
 
 @contextlib.contextmanager
@@ -254,6 +247,60 @@ def prompt_encoder(key: str, text_encoder: Any, class_names: Sequence[str] | Non
         raise ValueError(f"{key}: text_encoder must carry its tokenizer (pass the LoadedModel)")
     return PromptTextEncoder(model, tokenizer, class_names, ctx_init=ctx_init, truncate=shortcuts,
                              share_prefix=shortcuts)
+
+
+class MixedPrecision:
+    """The official loops' precision on CUDA with `amp`, emulated for a method that tunes fp32 tensors: fp16 autocast
+    (`_autocast`) and the one `GradScaler(init_scale=grad_scale_init)` of the run as online state (`loss_scale`
+    {"scale", "growth_tracker"}: plain numbers, so `state_dict` saves them; `skipped_steps`: steps not taken for a
+    non-finite loss or gradient). fp32 at scale 1 on the CPU. The TPT family (`EpisodicTuner`), DynaPrompt, HisTPT,
+    DART, TTL and PromptAlign; put it before `TTAMethod` in the bases and call `_init_loss_scale` in `__init__`."""
+
+    config: MethodConfig
+    logit_scale: float
+
+    def _init_loss_scale(self) -> None:
+        self.loss_scale: dict[str, float | int] = {
+            "scale": float(self.config.grad_scale_init), "growth_tracker": 0}  # type: ignore[attr-defined]
+        self.skipped_steps = 0  # steps not taken because the loss or the gradient was not finite
+        self._loss_scaling = False  # whether the last `adapt` used the loss scale (for `summary`)
+
+    def _use_amp(self, device: torch.device) -> bool:
+        return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return amp_autocast(self._use_amp(device))
+
+    def _logits(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """s · f̂ t̂ᵀ: feats (..., V, D), text (..., K, D) -> (..., V, K); the text in the features' dtype unless
+        autocast decides it."""
+        if not self._use_amp(feats.device):
+            text = text.to(feats.dtype)
+        return self.logit_scale * feats @ text.transpose(-1, -2)
+
+    def _count_step(self, finite: bool, amp: bool) -> None:
+        """After a step, taken or skipped (`finite`): the skipped ones counted, then `scaler.update()` with `amp`."""
+        self.skipped_steps += int(not finite)
+        if amp:
+            grad_scaler_update(self.loss_scale, finite,
+                               self.config.grad_scale_growth_interval)  # type: ignore[attr-defined]
+
+    def _scaled_step(self, params: Sequence[torch.Tensor], loss: torch.Tensor, opt: torch.optim.Optimizer,
+                     amp: bool) -> None:
+        """The official `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` on fp32 leaf tensors with
+        a torch optimiser (`unscaled_grads`; the step only when they are finite)."""
+        grads, finite = unscaled_grads(loss, params, self.loss_scale, amp=amp)
+        if finite:
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+        self._count_step(finite, amp)
+
+    def summary(self) -> dict[str, Any]:
+        """Steps skipped for a non-finite loss or gradient, and the loss scale now (None when the last `adapt` did
+        not use loss scaling: the CPU, or `amp` off)."""
+        scale = float(self.loss_scale["scale"]) if self._loss_scaling else None
+        return {"skipped_steps": int(self.skipped_steps), "loss_scale": scale}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,7 +336,7 @@ class EpisodicConfig(MethodConfig):
     pass_memory_fraction: float = setting(0.7, ge=0, lt=1)
 
 
-class EpisodicTuner(TTAMethod):
+class EpisodicTuner(MixedPrecision, TTAMethod):
     """Core of the episodic methods: per sample, reset the parameter, select confident views at step 0, take
     `tta_steps` AdamW steps on marginal entropy + `regulariser`, predict on view 0.
 
@@ -311,11 +358,7 @@ class EpisodicTuner(TTAMethod):
         if self.class_names is not None and len(self.class_names) != self.n_classes:
             raise ValueError(f"{self.key}: {len(self.class_names)} class names but text_features has "
                              f"{self.n_classes} rows")
-        cfg: EpisodicConfig = self.config  # type: ignore[assignment]
-        # GradScaler state: {"scale", "growth_tracker"} (plain numbers, so `state_dict` can save them)
-        self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
-        self.skipped_steps = 0  # steps not taken because the loss or the gradient was not finite
-        self._loss_scaling = False  # whether the last `adapt` used the loss scale (for `summary`)
+        self._init_loss_scale()
         # pass sizing on CUDA (execution only, not state): peak bytes per sample of the last pass, and the largest
         # pass size known to fit after an out-of-memory error
         self._pass_bytes: float | None = None
@@ -404,12 +447,6 @@ class EpisodicTuner(TTAMethod):
         return max(1, min(g, left))
 
     # -- machinery -----------------------------------------------------------------------------------------------
-    def _use_amp(self, device: torch.device) -> bool:
-        return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
-
-    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
-        return amp_autocast(self._use_amp(device))
-
     def _scaler_step(self, scaler: dict[str, float | int], finite: bool) -> bool:
         """One `GradScaler.update` on `scaler` (backoff 0.5, growth 2); True when the scale changed."""
         return grad_scaler_update(scaler, finite, self.config.grad_scale_growth_interval)  # type: ignore[attr-defined]
@@ -418,12 +455,6 @@ class EpisodicTuner(TTAMethod):
         """GradScaler.update once per step, in the order given (stream order)."""
         for ok in finite.flatten().tolist():
             self._scaler_step(self.loss_scale, bool(ok))
-
-    def _logits(self, feats: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """s · f̂ t̂ᵀ: feats (G, V, D), text (G, K, D) -> (G, V, K)."""
-        if not self._use_amp(feats.device):
-            text = text.to(feats.dtype)
-        return self.logit_scale * feats @ text.transpose(-1, -2)
 
     def tune(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tune the parameter of G samples from scratch, every step at the loss scale in force now (the loss scale
@@ -567,12 +598,6 @@ class EpisodicTuner(TTAMethod):
             out.append(logits)
             i += param.shape[0]
         return torch.cat(out)
-
-    def summary(self) -> dict[str, Any]:
-        """Steps skipped for a non-finite loss or gradient, and the loss scale now (None when the run does not use
-        loss scaling: the CPU, or `amp` off)."""
-        scale = float(self.loss_scale["scale"]) if self._loss_scaling else None
-        return {"skipped_steps": int(self.skipped_steps), "loss_scale": scale}
 
 
 # ---------------------------------------------------------------------------------------------------------------

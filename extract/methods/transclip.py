@@ -17,8 +17,10 @@ Output (`output_kind = "log_probs"`): log z, computed in log space where the flo
 Numerics: float32 as the official solver (it casts the fp16 features to float32 on the GPU). The Gaussian terms are
 summed as matrix products (x·μ/σ² and Σ μ²/σ²: the official (2500, K, D) difference tensors are 5 GB per chunk at
 ImageNet's K = 1000) and the per-sample constant Σ x²/σ², which the update subtracts with the row maximum, is left
-out; the same sums in another order, within float32 rounding of them. `tests/extract/methods/test_transclip.py`
-checks the solve against a transcription of the official code in float64.
+out; the same sums in another order, within float32 rounding of them. Where the official solve divides by 0 (a small
+unit: a variance of 0, a class whose weights z all underflow to 0) and gives NaN, the previous value is kept, and a
+class with no weight to start from starts at its text prototype (`keep_positive`, `keep_finite_rows`).
+`tests/extract/methods/test_transclip.py` checks the solve against a transcription of the official code in float64.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class TransCLIP(TransductiveMethod):
         logits = self.logit_scale * x @ t.T
         y_hat, log_y = logits.softmax(1), logits.log_softmax(1)
         z = y_hat.clone()
-        mu = init_mu(x, z, cfg.n_most_confident)
+        mu = init_mu(x, z, cfg.n_most_confident, t)
         std = torch.full((x.shape[1],), 1.0 / x.shape[1], dtype=dt, device=x.device)  # std_init = 1/d
         graph = affinity(x, cfg.n_neighbors)
         coef = cfg.temperature / (2 * cfg.n_neighbors)
@@ -85,7 +87,8 @@ class TransCLIP(TransductiveMethod):
                 break
             a, s = z.T @ x, z.sum(0)  # (K, D), (K,)
             n = x.shape[0]
-            mu = unit_rows((a / n) / (s / n)[:, None])  # `update_mu`: the 1/n weights of the official code
+            # `update_mu`: the 1/n weights of the official code
+            mu = keep_finite_rows(unit_rows((a / n) / (s / n)[:, None]), mu)
             # `update_sigma`: Σ_ik z_ik (x_i - μ_k)² with the new μ, expanded
             num = z.sum(1) @ (x * x) - 2 * (mu * a).sum(0) + (s[:, None] * mu * mu).sum(0)
             std = keep_positive(num / z.sum(), std)
@@ -98,20 +101,26 @@ def keep_positive(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return torch.where(new > 0, new, old)
 
 
+def keep_finite_rows(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Each row of a refitted (K, D) matrix where it is finite, else that row of `old`: in a small unit a class's
+    weights z_ik can all underflow to 0 (no sample near it), and the official mean of them, 0/0, is NaN."""
+    return torch.where(torch.isfinite(new).all(dim=-1, keepdim=True), new, old)
+
+
 def unit_rows(m: torch.Tensor) -> torch.Tensor:
     """Each row divided by its norm (the official `mu /= mu.norm(dim=-1, keepdim=True)`, without an epsilon)."""
     return m / m.norm(dim=-1, keepdim=True)
 
 
-def init_mu(x: torch.Tensor, z: torch.Tensor, n_confident: int) -> torch.Tensor:
+def init_mu(x: torch.Tensor, z: torch.Tensor, n_confident: int, t: torch.Tensor) -> torch.Tensor:
     """(K, D) class means to start from (`init_mu`, zero-shot): for each class the mean of z_ik x_i over its
     `n_confident` samples of largest z_ik (all of them when the unit is smaller), summed in sample order, then
-    normalised."""
+    normalised; a class whose weights underflow to 0 (`keep_finite_rows`) starts at its text prototype t_k."""
     m = min(n_confident, z.shape[0])
     vals, idx = z.topk(m, dim=0)  # (m, K)
     idx, order = idx.sort(dim=0)  # the official code reads them through `nonzero`: in sample order
     vals = vals.gather(0, order)
-    return unit_rows((vals[..., None] * x[idx]).mean(0))
+    return keep_finite_rows(unit_rows((vals[..., None] * x[idx]).mean(0)), t)
 
 
 def affinity(x: torch.Tensor, n_neighbors: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,8 +79,8 @@ class TransductiveMethod(TTAMethod):
         super().__init__(config, text_features, logit_scale, **kwargs)
         self._read: SetReader | None = None
         self._n_run = 0
-        # the unit solved last: its first and end positions, its features and its rows
-        self._solved: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+        # the unit solved last: its first position, its features and its rows
+        self._solved: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.units_solved = 0
 
     @classmethod
@@ -125,9 +125,9 @@ class TransductiveMethod(TTAMethod):
                 self._solved = None  # the previous unit's rows and features are dropped before the next is read
                 # the solves read view 0 only: the other views of the unit (if the run has them) are not kept
                 feats = self._read(first, stop)[:, :1].clone().to(view_feats.device)
-                self._solved = (first, stop, feats, self._solve(feats))
+                self._solved = (first, feats, self._solve(feats))
                 self.units_solved += 1
-            _, _, feats, rows = self._solved
+            _, feats, rows = self._solved
             upto = min(end, stop)
             given = view_feats[pos - self.n_seen:upto - self.n_seen, :1]
             if not torch.equal(given, feats[pos - first:upto - first].to(given.dtype)):

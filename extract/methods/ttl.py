@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from extract.methods.base import (VIT_TOWERS, Consumes, MethodConfig, PromptSet, Ref, Towers, TTAMethod,
-                                  check_hparams_key, check_ranges, setting)
-from extract.methods.tpt import scaled_step
+from extract.methods.base import (VIT_TOWERS, MethodConfig, PromptSet, Ref, Towers, TTAMethod, check_hparams_key,
+                                  check_ranges, setting)
+from extract.methods.tpt import MixedPrecision
+from extract.methods.view_pixels import ViewPixels
 
 
 @dataclass(frozen=True)
@@ -123,15 +124,15 @@ def lora_attention_block(blk: Any, x: torch.Tensor, lora: Sequence[torch.Tensor]
     return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
 
 
-class TTL(TTAMethod):
+class TTL(ViewPixels, MixedPrecision, TTAMethod):
     """TTL: per sample, LoRA on the last vision blocks tuned on DeYO-weighted entropy of the 64 views, episodic."""
 
     key: ClassVar[str] = "ttl"
     prefix_stable: ClassVar[bool] = True  # episodic; the views' pixels are read at the sample's own position
     Config: ClassVar[type[MethodConfig]] = TTLConfig
     needs_text_encoder: ClassVar[bool] = True  # the runner passes the model (its image encoder is adapted)
-    #: the runner attaches a reader of the views' pixels (`attach_views`; extract/run/pixels.py)
-    consumes: ClassVar[Consumes] = "view_pixels"
+    # the runner attaches a reader of the views' pixels (`ViewPixels`: `consumes = "view_pixels"`)
+    pixels_use: ClassVar[str] = "adapts the image encoder"
     _state_fields: ClassVar[tuple[str, ...]] = ("loss_scale", "skipped_steps")
     # Unseen data: TTL has one setting for every set
     unseen_like: ClassVar[str] = "dtd"
@@ -158,29 +159,13 @@ class TTL(TTAMethod):
         self.lora_init = [(torch.randn(cfg.rank, width, generator=g) * std, torch.zeros(width, cfg.rank),
                            torch.randn(cfg.rank, width, generator=g) * std, torch.zeros(width, cfg.rank))
                           for _ in range(self.first_lora, len(blocks))]
-        self.loss_scale: dict[str, float | int] = {"scale": float(cfg.grad_scale_init), "growth_tracker": 0}
-        self.skipped_steps = 0
-        self._views: Callable[[int, int], torch.Tensor] | None = None
+        self._init_loss_scale()
         self._lora_dev: list[tuple[torch.Tensor, ...]] | None = None  # `lora_init` on the adapting device
 
     @classmethod
     def default_config(cls, hparams_key: str, backbone: str) -> TTLConfig:
         check_hparams_key(hparams_key)
         return TTLConfig()  # one setting for every set (scripts/test_ttl.sh)
-
-    def attach_views(self, reader: Callable[[int, int], torch.Tensor]) -> None:
-        """`reader(start, stop)` -> (stop − start, V, 3, S, S) preprocessed views of those stream positions."""
-        self._views = reader
-
-    def _use_amp(self, device: torch.device) -> bool:
-        return bool(self.config.amp) and device.type == "cuda"  # type: ignore[attr-defined]
-
-    def _autocast(self, device: torch.device) -> Any:
-        import contextlib
-
-        if self._use_amp(device):
-            return torch.autocast(device_type="cuda", dtype=torch.float16)
-        return contextlib.nullcontext()
 
     def prefix_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, S, S) images -> (N, T, W) tokens entering the first LoRA block (frozen, no gradient)."""
@@ -229,27 +214,18 @@ class TTL(TTAMethod):
                 loss = self.loss(logits)
             if loss is None:  # no view passed the filter: neither a step nor a scale update
                 continue
-            if not scaled_step(params, loss, opt, self.loss_scale, amp=amp,
-                               growth_interval=cfg.grad_scale_growth_interval):
-                self.skipped_steps += 1
+            self._scaled_step(params, loss, opt, amp)
         with torch.no_grad(), self._autocast(dev):
             return (self.logit_scale * self.features(tokens[:1], lora) @ text.T)[0].float()
 
     def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
         b, v, _ = view_feats.shape
-        if self._views is None:
-            raise ValueError("ttl adapts the image encoder and needs the views' pixels; the runner attaches them "
-                             "(`attach_views`)")
         dev = view_feats.device
         dtype = self.visual.conv1.weight.dtype
         text = self.text_features.to(dev, dtype)  # the encoder's dtype (float64 prototypes in exact tests)
-        out = []
-        for i in range(b):  # one sample's views at a time: a batch of 64 x 64 views at 224 px would be 2.5 GB
-            images = torch.as_tensor(self._views(self.n_seen + i, self.n_seen + i + 1))
-            if images.ndim != 5 or images.shape[:2] != (1, v):
-                raise ValueError(f"ttl: view images of shape {tuple(images.shape)} for 1 sample of {v} views")
-            out.append(self._adapt_one(images[0].to(dev, dtype), text))
-        return torch.stack(out)
+        # one sample's views at a time: a batch of 64 x 64 views at 224 px would be 2.5 GB
+        return torch.stack([self._adapt_one(self.views_of(self.n_seen + i, 1, v)[0].to(dev, dtype), text)
+                            for i in range(b)])
 
     def _lora_on(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         """`lora_init` on `device`, copied there once (not 12 small copies per sample)."""
@@ -258,5 +234,6 @@ class TTL(TTAMethod):
         return self._lora_dev
 
     def summary(self) -> dict[str, Any]:
-        """Steps skipped for a non-finite loss or gradient, and the loss scale now."""
+        """Steps skipped for a non-finite loss or gradient, and the loss scale now (also on the CPU, where it stays
+        at `grad_scale_init`)."""
         return {"skipped_steps": int(self.skipped_steps), "loss_scale": float(self.loss_scale["scale"])}

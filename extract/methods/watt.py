@@ -26,10 +26,9 @@ from typing import Any, ClassVar, Literal, Sequence
 import torch
 
 from extract.methods.base import MethodConfig, Towers, check_hparams_key, setting
-from extract.methods.batch import BatchConfig, PixelBatchMethod
-from extract.methods.normtta import open_clip_model
-from extract.methods.norm_tuning import (NormKind, TunedCLIP, WeightsDtype, adam, batch_statistics_hint,
-                                         fp16_weights, norm_kind, step, text_graph_loss, tokenize)
+from extract.methods.batch import BatchConfig
+from extract.methods.norm_tuning import (TunedBatchMethod, TunedCLIP, WeightsDtype, adam, step, text_graph_loss,
+                                         tokenize)
 
 # templates.yaml, in its order (the first and second without a full stop, as written there)
 WATT_TEMPLATES: tuple[str, ...] = (
@@ -181,7 +180,7 @@ def averaged_text_layernorms(clip: TunedCLIP, n_templates: int, rounds: int) -> 
     return out
 
 
-class WATT(PixelBatchMethod):
+class WATT(TunedBatchMethod):
     """WATT: per batch, LayerNorm (ViT) or BatchNorm (ResNet) affine parameters tuned per template and averaged."""
 
     key: ClassVar[str] = "watt"
@@ -192,18 +191,13 @@ class WATT(PixelBatchMethod):
     # Unseen data: every row is the same (no per-dataset setting)
     unseen_like: ClassVar[str] = "imagenet"
 
-    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, *, backbone: str,
-                 dataset: str, text_encoder: Any = None, class_names: Sequence[str] | None = None) -> None:
-        super().__init__(config, text_features, logit_scale, backbone=backbone, dataset=dataset,
-                         text_encoder=text_encoder)
-        cfg: WATTConfig = self.config  # type: ignore[assignment]
-        self.kind: NormKind = norm_kind(open_clip_model(text_encoder, self.key).visual)
-        if self.kind == "batchnorm" and not cfg.rn_batchnorm:
-            raise ValueError(f"watt adapts the LayerNorms of the image encoder; {backbone}'s is a ResNet without "
+    def __init__(self, config: MethodConfig, text_features: torch.Tensor, logit_scale: float, **kwargs: Any
+                 ) -> None:
+        super().__init__(config, text_features, logit_scale, **kwargs)
+        if self.kind == "batchnorm" and not self.config.rn_batchnorm:  # type: ignore[attr-defined]
+            raise ValueError(f"watt adapts the LayerNorms of the image encoder; {self.backbone}'s is a ResNet without "
                              f"any (the official code stops there); use a ViT backbone, or rn_batchnorm=true to adapt "
                              f"its BatchNorms as CLIPArTT does")
-        self.class_names = tuple(class_names) if class_names is not None else None
-        self._clip: TunedCLIP | None = None
         self._texts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -221,37 +215,23 @@ class WATT(PixelBatchMethod):
         check_hparams_key(hparams_key)
         return WATTConfig()  # no script for these sets: the natural-image scripts' settings everywhere
 
-    def build(self, device: torch.device) -> TunedCLIP:
-        """The tuned copy on `device` and the run's text features (once per run: they never change)."""
+    def prepare(self, clip: TunedCLIP) -> None:
+        """The per-template class texts the steps read and the prediction's mean texts, the latter encoded with the
+        text LayerNorms the official `evaluate` has (`averaged_text_layernorms`)."""
         cfg: WATTConfig = self.config  # type: ignore[assignment]
-        if self._clip is None or self._clip.logit_scale.device != device:
-            model = open_clip_model(self.text_encoder, self.key)
-            clip = TunedCLIP.build(model, self.kind, fp16=fp16_weights(cfg.weights_dtype, device), device=device)
-            tok = self.text_encoder.tokenizer
-            names = self.class_names or tuple(str(i) for i in range(self.n_classes))
-            per_template, _ = template_texts(clip, tok, names, cfg.templates)
-            eval_templates = (REFERENCE_TEMPLATE,) if cfg.ref_eval else cfg.templates
-            frozen = []
-            for p, v in averaged_text_layernorms(clip, len(cfg.templates), cfg.rounds):
-                frozen.append((p, p.detach().clone()))
-                p.data.copy_(v)
-            _, eval_text = template_texts(clip, tok, names, eval_templates)
-            for p, v in frozen:
-                p.data.copy_(v)
-            self._clip, self._texts = clip, (per_template, eval_text)
-        return self._clip
+        tok = self.text_encoder.tokenizer
+        per_template, _ = template_texts(clip, tok, self.class_names, cfg.templates)
+        eval_templates = (REFERENCE_TEMPLATE,) if cfg.ref_eval else cfg.templates
+        frozen = []
+        for p, v in averaged_text_layernorms(clip, len(cfg.templates), cfg.rounds):
+            frozen.append((p, p.detach().clone()))
+            p.data.copy_(v)
+        _, eval_text = template_texts(clip, tok, self.class_names, eval_templates)
+        for p, v in frozen:
+            p.data.copy_(v)
+        self._texts = (per_template, eval_text)
 
-    def adapt_images(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, S, S) one batch's preprocessed images -> (B, K) float32 logits: reset, adapt, predict, reset."""
-        with batch_statistics_hint(self.key, len(images)):
-            cfg: WATTConfig = self.config  # type: ignore[assignment]
-            clip = self.build(images.device)
-            per_template, eval_text = self._texts  # type: ignore[misc]
-            watt_adapt(clip, images, per_template, cfg, self.logit_scale)
-            out = watt_predict(clip, images, eval_text, self.logit_scale).float()
-            clip.reset()
-        return out
-
-    def _adapt(self, view_feats: torch.Tensor) -> torch.Tensor:
-        """One batch: its pixels (positions [n_seen, n_seen + B)) adapted on; the cached features are unused."""
-        return self.adapt_images(self.batch_images(view_feats.shape[0], view_feats.device, torch.float32))
+    def tune_and_predict(self, clip: TunedCLIP, images: torch.Tensor) -> torch.Tensor:
+        per_template, eval_text = self._texts  # type: ignore[misc]
+        watt_adapt(clip, images, per_template, self.config, self.logit_scale)  # type: ignore[arg-type]
+        return watt_predict(clip, images, eval_text, self.logit_scale)

@@ -41,6 +41,7 @@ import torch
 from extract.cache import FeatureCache
 from extract.datasets import TestSet, open_image
 from extract.models import LoadedModel
+from extract.run.externals import path_fingerprint
 from extract.run.options import PlannedRun, RunError
 from extract.run.progress import Progress
 from extract.views import ViewGenerator
@@ -105,7 +106,7 @@ def load_pipeline(path: str, device: torch.device, fp16: bool) -> Any:
             pipe = StableDiffusionImageVariationPipeline.from_pretrained(
                 str(Path(path).expanduser()), safety_checker=None, requires_safety_checker=False, dtype=dtype,
                 local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as e:
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:  # RuntimeError: weights unlike the config
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RunError(f"difftpt: --set sd_pipeline={path}: not a loadable image-variation pipeline ({first})") \
             from None
@@ -132,14 +133,6 @@ def _quiet_loading() -> Iterator[None]:
             lib.set_verbosity(level)
             if bar:
                 lib.enable_progress_bar()
-
-
-def pipeline_identity(path: str) -> str:
-    """Size and modification time of every file of the pipeline folder (`extract.fingerprint`)."""
-    from extract.fingerprint import files_fingerprint
-
-    p = Path(path).expanduser()
-    return files_fingerprint(sorted(f for f in p.rglob("*") if f.is_file()), p)
 
 
 @dataclass
@@ -239,7 +232,7 @@ def attach_generated(method: Any, planned: PlannedRun, model: LoadedModel, *, ca
         return None
     cfg = method.config
     pipe = load_pipeline(cfg.sd_pipeline, model.device, bool(cfg.diffusion_fp16))
-    key = generation_key(cfg, pipeline_identity(cfg.sd_pipeline), model.device)
+    key = generation_key(cfg, path_fingerprint(Path(cfg.sd_pipeline).expanduser()), model.device)
     cache = FeatureCache(Path(cache_root), f"{model.fingerprint}/difftpt-{key}", planned.dataset, testset_key,
                          int(seed), len(perm), int(method.dim), model.cache_dtype,
                          stream_fp=f"{zlib.crc32(perm.tobytes()):08x}", chunk_size=GEN_CHUNK,

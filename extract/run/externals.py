@@ -85,24 +85,26 @@ def _check_open_clip(planned: PlannedRun, ext: ExternalFile) -> None:
         raise external_error(planned, ext, str(e)) from None
 
 
-def _files_under(path: Path) -> list[Path]:
+def path_fingerprint(path: Path) -> str:
+    """The path, size and modification time of a file, or of every file under a folder
+    (`extract.fingerprint.files_fingerprint`, "stat", relative to the folder or the file's parent)."""
+    from extract.fingerprint import files_fingerprint
+
     if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file())
+        return files_fingerprint([path], path.parent)
+    return files_fingerprint(sorted(p for p in path.rglob("*") if p.is_file()), path)
 
 
 def external_identity(planned: PlannedRun) -> dict[str, str]:
-    """{setting: fingerprint} of the files and folders the run reads besides the CLIP checkpoint: the path, size and
-    modification time of every file (`extract.fingerprint.files_fingerprint`, "stat"), so that a finished run made
-    with other files is not reused (`extract.run.settings.run_settings`). "absent" for a path that does not exist;
-    an open_clip model is identified by its setting (and its features by the model's fingerprint) instead.
+    """{setting: fingerprint} of the files and folders the run reads besides the CLIP checkpoint (`path_fingerprint`:
+    the path, size and modification time of every file), so that a finished run made with other files is not reused
+    (`extract.run.settings.run_settings`). "absent" for a path that does not exist; an open_clip model is identified
+    by its setting (and its features by the model's fingerprint) instead.
 
     Example:
         >>> external_identity(planned)  # doctest: +SKIP
         {'maple_weights': 'stat:3f2a...'}
     """
-    from extract.fingerprint import files_fingerprint
-
     out = {}
     for ext in planned.method_cls.needed_files(planned.config):
         value = str(getattr(planned.config, ext.setting))
@@ -110,8 +112,7 @@ def external_identity(planned: PlannedRun) -> dict[str, str]:
             continue
         p = Path(value).expanduser()
         try:
-            out[ext.setting] = files_fingerprint(_files_under(p), p if p.is_dir() else p.parent) if p.exists() \
-                else "absent"
+            out[ext.setting] = path_fingerprint(p) if p.exists() else "absent"
         except OSError:  # vanished while listed
             out[ext.setting] = "absent"
     return out

@@ -17,14 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.datasets import (
-    DatasetError,
-    TestSet,
-    check_no_duplicates,
-    load_ood_images,
-    load_testset,
-    shared_files,
-)
+from extract.datasets import DatasetError, TestSet, load_ood_images, load_testset, shared_files
 from extract.run.options import PlannedRun
 from extract.run.rundata import RunData, resolved_root
 from schemas.shard import OOD_LABEL
@@ -34,7 +27,8 @@ def mixed_testset(id_set: TestSet, ood_set: TestSet, key: str) -> TestSet:
     """The mixed list of an OOD run: `id_set`'s samples, then `ood_set`'s with label -1 (see the module docstring).
 
     Args:
-        id_set: the in-distribution test set (N_id samples, K classes); ood_set: the OOD images (N_ood).
+        id_set: the in-distribution test set (N_id samples, K classes); ood_set: the OOD images (N_ood); each as
+            its loader returns it (`load_testset`, `load_ood_images`: no file listed twice in it).
         key: the run's dataset key `<ood>@<id>`.
 
     Returns:
@@ -55,10 +49,9 @@ def mixed_testset(id_set: TestSet, ood_set: TestSet, key: str) -> TestSet:
     root = Path(os.path.commonpath([id_set.dataset_dir, ood_set.dataset_dir]))
     labels = np.concatenate([id_set.labels, np.full(len(ood_set), OOD_LABEL, np.int64)])
     notes = {**id_set.notes, **{f"ood_{k}": v for k, v in ood_set.notes.items()}}
-    ts = TestSet(key=key, dataset_dir=root, layout=f"{id_set.layout}; out-of-distribution: {ood_set.layout}",
-                 paths=id_set.paths + ood_set.paths, labels=labels, class_names=id_set.class_names,
-                 imagenet_indices=id_set.imagenet_indices, notes=notes)
-    return check_no_duplicates(ts, ood_set.dataset_dir)
+    return TestSet(key=key, dataset_dir=root, layout=f"{id_set.layout}; out-of-distribution: {ood_set.layout}",
+                   paths=id_set.paths + ood_set.paths, labels=labels, class_names=id_set.class_names,
+                   imagenet_indices=id_set.imagenet_indices, notes=notes)
 
 
 def shared_images_message(id_set: TestSet, ood_set: TestSet, both: list[tuple[int, int]]) -> str:

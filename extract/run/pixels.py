@@ -58,13 +58,14 @@ class BatchPixels:
     Args:
         model: the run's model (its preprocessing and device). testset, perm: the test set and the stream.
         seed: the run's seed (view 0 draws nothing; kept for the generator's identity). stop: the run's last
-            position + 1. width: positions per item (the method's batch). workers: loader processes.
+            position + 1. workers: loader processes. An item holds the positions of one call (the method's batch),
+            the width of the call that started the loader.
     """
 
-    def __init__(self, model: LoadedModel, testset: TestSet, perm: np.ndarray, seed: int, *, stop: int, width: int,
+    def __init__(self, model: LoadedModel, testset: TestSet, perm: np.ndarray, seed: int, *, stop: int,
                  workers: int = 0):
         self.model, self.testset, self.perm = model, testset, perm
-        self.stop, self.width, self.workers = int(stop), int(width), int(workers)
+        self.stop, self.workers = int(stop), int(workers)
         self.gen = ViewGenerator(model.preprocess, "single", seed=seed)
         self._it: Any = None
         self._next = -1  # the first position of the loader's next item
@@ -102,13 +103,13 @@ class BatchPixels:
 
 
 def attach_pixels(method: Any, consumes: str, model: LoadedModel, testset: TestSet, perm: np.ndarray,
-                  policy: ViewPolicy, seed: int, *, stop: int, width: int, workers: int = 0) -> BatchPixels | None:
+                  policy: ViewPolicy, seed: int, *, stop: int, workers: int = 0) -> BatchPixels | None:
     """Give a method that reads pixels (`consumes`: "view_pixels" or "batch_pixels") its reader; nothing is read
     until it adapts. Returns the `BatchPixels` to close at the end of the run, else None."""
     if consumes == "view_pixels":
         method.attach_views(ViewImages(model, testset, perm, policy, seed).get)
     if consumes != "batch_pixels":
         return None
-    reader = BatchPixels(model, testset, perm, seed, stop=stop, width=width, workers=workers)
+    reader = BatchPixels(model, testset, perm, seed, stop=stop, workers=workers)
     method.attach_pixels(reader.get)
     return reader

@@ -31,21 +31,13 @@ from extract.run.progress import Progress
 from extract.text_encoder import class_prompt
 from extract.views import ViewPolicy
 
-#: `reward_backbone` value that makes the policy its own reward model (no second model)
-REWARD_POLICY = "policy"
 #: how messages about the reward model name its settings (not `--pretrained`: that is the policy's)
 REWARD_FLAGS = WeightFlags(backbone="--set reward_backbone=", pretrained="--set reward_pretrained=")
 
 
 def _needs_second_model(method_cls: type, config: Any) -> bool:
-    return bool(getattr(method_cls, "needs_reward_model", False)) and config.reward_backbone != REWARD_POLICY
-
-
-def _reward_error(planned: PlannedRun, e: ModelError) -> RunError:
-    """One line: which reward model, what is wrong (in `--set` terms), and the way to run without it
-    (`extract.run.externals.external_error` on the method's declared reward model)."""
-    (ext,) = planned.method_cls.external_files
-    return external_error(planned, ext, str(e))
+    """A reward model to load: none with `reward_backbone=policy` (RLCF's `needed_files`)."""
+    return bool(getattr(method_cls, "needs_reward_model", False)) and bool(method_cls.needed_files(config))
 
 
 @dataclass(frozen=True)
@@ -102,8 +94,9 @@ def _attach_reward(method: Any, planned: PlannedRun, policy_model: LoadedModel, 
     try:
         reward = load_model(cfg.reward_backbone or None, cfg.reward_pretrained, policy_model.device,
                             flags=REWARD_FLAGS)
-    except ModelError as e:
-        raise _reward_error(planned, e) from None
+    except ModelError as e:  # one line: the reward model, the problem, the way to run without it
+        (ext,) = planned.method_cls.external_files
+        raise external_error(planned, ext, str(e)) from None
     if reward.preprocess != policy_model.preprocess:
         raise RunError(f"{planned.options.method}: the reward model preprocesses images as {reward.preprocess}, the "
                        f"policy as {policy_model.preprocess}; the reward model must see the policy's views (choose "

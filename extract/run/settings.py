@@ -163,18 +163,22 @@ def finished_run_mismatch(planned: PlannedRun, run_dir: RunDir, data: RunData | 
     return done.changed()
 
 
-def longer_run_refusal(planned: PlannedRun, run_dir: RunDir, data: RunData) -> str | None:
+def longer_run_refusal(planned: PlannedRun, run_dir: RunDir, data: RunData,
+                       settings: Mapping[str, Any] | None = None) -> str | None:
     """One clause when computing `planned` here would replace a finished run of the same settings that holds more
     samples than it asks for and cannot serve it (`RunDir.shorter_refusal` says why its first rows are not this
     run's: the method reads the stream's length or a later sample, or the limit cuts an adapt call); None
     otherwise. A run never replaces such a run unless forced: hours of a full run are not lost to a quick look.
     A finished run with other settings is the finished-run check's and the resume scan's (refused, or recomputed
-    with `on_changed="recompute"`). The sweep asks the same before it submits."""
+    with `on_changed="recompute"`). The sweep asks the same before it submits. `settings`: `run_settings(planned,
+    data)` where the caller has them."""
     counts = run_dir.finished_counts()
     n_run = planned.n_run(data.n_total)
     if counts is None or counts[0] <= n_run:
         return None
-    if (run_dir.read_marker() or {}).get("settings") != run_settings(planned, data):
+    if settings is None:
+        settings = run_settings(planned, data)
+    if (run_dir.read_marker() or {}).get("settings") != settings:
         return None
     why = run_dir.shorter_refusal(n_run)
     if why is None:  # served by the finished-run check

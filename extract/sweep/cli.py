@@ -24,7 +24,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, NoReturn, Optional, Sequence
 
 import typer
 
@@ -134,8 +134,12 @@ def _escape(text: str) -> str:
 
 def render_plan(groups: Sequence[Group], skipped: Sequence[RunSpec], active: Sequence[str], opts: ExecOptions,
                 out: Path, console: Any, left_out: Sequence[str] = ()) -> None:
+    """The dry run of `run` and `retry`: refuses what the submission refuses before sbatch runs (`check_setup`),
+    then prints the plan table, its notes and the SLURM script or the local packing."""
     from rich.table import Table
 
+    if groups and opts.executor == "slurm":
+        check_setup(opts.slurm_setup)
     df = plan_frame(groups, opts.cost())
     t = Table(title=plan_title([r for g in groups for r in g.runs], opts.cost()))
     for h in ("group (backbone/dataset/views/seed)", "methods", "images", "views", "est. GPU-h"):
@@ -215,8 +219,6 @@ def sweep_run(runs: Sequence[RunSpec], opts: ExecOptions, out: Path, *, dry_run:
         refresh(manifest)
         skipped, active, todo = split_runs(runs, manifest)
         check_finished_settings(skipped)
-        if todo and opts.executor == "slurm":
-            check_setup(opts.slurm_setup)  # what the submission refuses before sbatch runs
         render_plan(group_runs(todo), skipped, active, opts, out, console, left_out)
         return 0
     check_finished_settings([r for r in runs if is_complete(r)])
@@ -341,6 +343,13 @@ def _console() -> Any:
 
 
 _EXEC_HELP = "executor setting (see `zaec-sweep run --help`)"
+_OOD_FOR_HELP = ("out-of-distribution runs: every dataset of --datasets is mixed into the stream of the "
+                 "in-distribution set KEY (e.g. imagenet), or of a folder:PATH / split:FILE.json set ([NAME=]..., its "
+                 "class names by --class-names NAME=FILE)")
+_WAIT_LOCK_HELP = ("while another process writes one of the runs: a job waits at most SECONDS, then fails that run "
+                   "(0: at once) [default: waits until it finishes]")
+_MAX_IMAGE_PIXELS_HELP = ("an image of more pixels fails its run with one line naming it (Pillow's decompression-bomb "
+                          f"guard); 0: no limit [default: {DEFAULT_MAX_IMAGE_PIXELS:,}]")
 
 
 @app.command()
@@ -373,11 +382,7 @@ def run(
     descriptions_dir: Optional[Path] = typer.Option(None, help="class-description files <dataset>.json (AWT) "
                                                                 f"[default: ${DESCRIPTIONS_DIR_ENV}]"),
     limit: Optional[int] = typer.Option(None, help="only the first N samples of each stream (quick looks)"),
-    ood_for: Optional[str] = typer.Option(None, "--ood-for", metavar="KEY",
-                                          help="out-of-distribution runs: every dataset of --datasets is mixed into "
-                                               "the stream of the in-distribution set KEY (e.g. imagenet), or of a "
-                                               "folder:PATH / split:FILE.json set ([NAME=]..., its class names by "
-                                               "--class-names NAME=FILE)"),
+    ood_for: Optional[str] = typer.Option(None, "--ood-for", metavar="KEY", help=_OOD_FOR_HELP),
     anchor: Optional[str] = typer.Option(None, help=f"zero-shot anchor: {' or '.join(ANCHORS)} "
                                                     f"[default: {DEFAULT_ANCHOR}]"),
     tda_sh_filter: Optional[bool] = typer.Option(None, "--tda-sh-filter/--no-tda-sh-filter",
@@ -395,14 +400,8 @@ def run(
     batch_size: Optional[int] = typer.Option(None, help=f"images per encoder call [default: {DEFAULT_BATCH_SIZE}]"),
     chunk_size: Optional[int] = typer.Option(None, help=f"samples per feature-cache chunk [default: "
                                                         f"{DEFAULT_CHUNK_SIZE}]"),
-    wait_lock: Optional[float] = typer.Option(None, metavar="SECONDS",
-                                              help="while another process writes one of the runs: a job waits at "
-                                                   "most SECONDS, then fails that run (0: at once) [default: waits "
-                                                   "until it finishes]"),
-    max_image_pixels: Optional[int] = typer.Option(None, metavar="N",
-                                                   help="an image of more pixels fails its run with one line naming "
-                                                        "it (Pillow's decompression-bomb guard); 0: no limit "
-                                                        f"[default: {DEFAULT_MAX_IMAGE_PIXELS:,}]"),
+    wait_lock: Optional[float] = typer.Option(None, metavar="SECONDS", help=_WAIT_LOCK_HELP),
+    max_image_pixels: Optional[int] = typer.Option(None, metavar="N", help=_MAX_IMAGE_PIXELS_HELP),
     executor: Optional[str] = typer.Option(None, help="local (this machine) or slurm [default: local]"),
     partition: Optional[str] = typer.Option(None, help="SLURM partition"),
     account: Optional[str] = typer.Option(None, help="SLURM account"),
@@ -425,12 +424,13 @@ def run(
                                          help="do not list the datasets before submitting (or in a dry run)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (runs, groups, GPU-hours); submit nothing"),
 ) -> None:
-    """Run a grid (the default command: `zaec-sweep --methods ...` is `zaec-sweep run --methods ...`).
-    \f
-    Length: a typer command declares each of its options as a parameter (one per line, with its help); the body
-    is a few lines handing them to `grid_runs` and `sweep_run`.
-    """
-    given = dict(locals())  # every option by its parameter name, None (or []) where not given
+    """Run a grid (the default command: `zaec-sweep --methods ...` is `zaec-sweep run --methods ...`)."""
+    _run_command(dict(locals()))  # every option by its parameter name, None (or []) where not given
+
+
+def _run_command(given: Mapping[str, Any]) -> NoReturn:
+    """The `run` command on its options (`given`, by parameter name): exits with `_run_grid`'s code, 2 and one
+    line for a user error, 130 with a note on resuming when interrupted."""
     console = _console()
     try:
         code = _run_grid(given, console)

@@ -628,7 +628,10 @@ def load_rates(path: str) -> Rates:
         enc[(bb, "augmix")] = 1.0 / _positive(r, "augmix_views_per_s", where)
         if isinstance(r.get("fixed_cost"), dict):
             over[bb] = _positive(r["fixed_cost"], "process_s", where)
-        for method, per_k in (r.get("adapt_samples_per_s") or {}).items():
+        per_method = r.get("adapt_samples_per_s") or {}
+        if not isinstance(per_method, dict):
+            raise SweepError(f"{where}: expected an object at 'adapt_samples_per_s', got {per_method!r}")
+        for method, per_k in per_method.items():
             if not isinstance(per_k, dict) or not per_k:
                 raise SweepError(f"{where}: expected {{K: samples/s}} for {method!r}, got {per_k!r}")
             try:
@@ -723,17 +726,16 @@ def adapt_seconds(method: str, dataset: str, n: int, policy: str, backbone: str 
     measured (`rates`, seconds per sample) where it holds the backbone and method, else `ADAPT_COSTS` (its work on
     `plan_card(rates)` with the backbone's figures)."""
     k = (_table_size(dataset) or (0, DEMO_NUM_CLASSES))[1]
-    cost = adapt_cost(method)
+    cost, views, card = adapt_cost(method), views_per_image(policy), plan_card(rates)
     measured = rates.adapt(backbone, method, k) if rates is not None and backbone is not None else None
     figures = backbone_figures(backbone, pretrained) if backbone is not None else REFERENCE_FIGURES
-    views = views_per_image(policy)
     if measured is None:
-        return cost.estimate(n, k, views, figures, plan_card(rates))
-    pos = rates.position.get((backbone, rates.measured(backbone, method) or method)) if rates is not None else None
+        return cost.estimate(n, k, views, figures, card)
+    pos = rates.position.get((backbone, rates.measured(backbone, method)))  # measured: `rates` holds the method
     if cost.solve and pos is not None:
         # one solve over the run, timed over every position of a run of `size` (mean position (size - 1) / 2): the
         # measured level, its work's growth from `size` to n on the plan's card
-        size, card = max(1, round(2 * pos + 1)), plan_card(rates)
+        size = max(1, round(2 * pos + 1))
         return size * measured * cost.estimate(n, k, views, figures, card) / cost.estimate(size, k, views, figures,
                                                                                            card)
     if cost.grows_with_stream and pos:

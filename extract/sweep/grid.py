@@ -247,7 +247,8 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, left_out: l
 
     grid = dataclasses.replace(grid, methods=expand_methods(grid.methods))
     ood = ood_for_source(settings.get("ood_for"), dict(grid.class_names))
-    datasets, backbones, per_method = _checked_grid(grid, settings.get("limit"), ood["ood_for"])
+    user_ood = ood["ood_for"] if "ood_for_ref" in ood else None  # a registered key has its own class names
+    datasets, backbones, per_method = _checked_grid(grid, settings.get("limit"), user_ood)
     base, execution = sweep_options({**settings, "out": out, "ood_for": ood["ood_for"]})
     base = dataclasses.replace(base, **{k: v for k, v in ood.items() if k != "ood_for"})
     runs: dict[str, RunSpec] = {}
@@ -281,13 +282,14 @@ def expand_grid(grid: Grid, *, out: str | os.PathLike | None = None, left_out: l
     return list(runs.values())
 
 
-def _checked_grid(grid: Grid, limit: Any, ood_for: str | None = None
+def _checked_grid(grid: Grid, limit: Any, user_ood: str | None = None
                   ) -> tuple[tuple[str, ...], tuple[str | None, ...], dict[str, dict[str, str]]]:
     """(dataset keys, backbone entries, per-method overrides) of a grid; SweepError for an empty dimension or a bad
-    `--limit` (checked in this order, so the first problem of the command line is the one named)."""
+    `--limit` (checked in this order, so the first problem of the command line is the one named). `user_ood`: the
+    key of a user's `--ood-for` set (`folder:`/`split:`), which `--class-names` may name too."""
     if not grid.methods:
         raise SweepError("no methods given (--methods tda,dpe,...)")
-    datasets = expand_datasets(grid.datasets or (), dict(grid.class_names), (ood_for,) if ood_for else ())
+    datasets = expand_datasets(grid.datasets or (), dict(grid.class_names), (user_ood,) if user_ood else ())
     if not datasets:
         raise SweepError("no datasets given (--datasets all, or a list: dtd,eurosat,...)")
     if not grid.seeds:

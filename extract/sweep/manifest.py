@@ -70,7 +70,7 @@ def error_line(exc: BaseException) -> str:
 
 #: a manifest row's fields and their JSON types (those the sweep reads: `record_submission` writes them all);
 #: `run_id`, the run key, `state` and `spec` are required
-ROW_FIELDS: dict[str, type | tuple[type, ...]] = {
+ROW_FIELDS: dict[str, type] = {
     "run_id": str, "backbone": str, "dataset": str, "method": str, "seed": int, "state": str, "spec": dict,
     "group": str, "policy": str, "job_id": str, "executor": str, "shard_dir": str, "error": str, "log": str,
     "token": str, "submitted": str, "updated": str, "attempts": int}

@@ -263,33 +263,37 @@ def check_data(runs: Sequence[RunSpec]) -> None:
         DatasetError: the extractor's line for a set it cannot list.
         RunError: the extractor's line for a last batch of one, prefixed with the run it refuses.
     """
-    from extract.datasets import load_ood_images, load_testset
-    from extract.methods import get_method
     from extract.run.options import RunError, plan
     from extract.run.settings import data_key
     from extract.run.setup import run_descriptions
 
-    listed: dict[Any, Any] = {}
-    sizes: dict[Any, int] = {}  # samples in each run's stream (an OOD run's: both sets, as `load_mixed_data`)
+    listed: dict[tuple[Any, ...], tuple[Any, int]] = {}  # data_key -> `_list_stream`
     read = set()
     for r in runs:
-        o = r.options
-        if data_key(o) not in listed:
-            if o.ood_for is None:
-                listed[data_key(o)] = load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
-                sizes[data_key(o)] = len(listed[data_key(o)])
-            else:  # an OOD run: both of its sets; the classes are the in-distribution set's
-                listed[data_key(o)] = load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
-                sizes[data_key(o)] = len(listed[data_key(o)]) + len(load_ood_images(o.dataset, o.data_root,
-                                                                                     sh_filter=o.sh_filter))
+        o, key = r.options, data_key(r.options)
+        if key not in listed:
+            listed[key] = _list_stream(o)
+        testset, n_total = listed[key]
         r.register_dataset()
         planned = plan(o)  # as `resolve_run` planned it
-        last_batch = planned.last_batch_refusal(sizes[data_key(o)])
+        last_batch = planned.last_batch_refusal(n_total)
         if last_batch is not None:
             raise RunError(f"{r.run_id}: {last_batch}")
-        if get_method(o.method).needs_descriptions and (o.method, data_key(o), o.descriptions_dir) not in read:
-            read.add((o.method, data_key(o), o.descriptions_dir))
-            run_descriptions(planned, listed[data_key(o)])
+        if planned.method_cls.needs_descriptions and (o.method, key, o.descriptions_dir) not in read:
+            read.add((o.method, key, o.descriptions_dir))
+            run_descriptions(planned, testset)  # its classes: an OOD run's in-distribution set's
+
+
+def _list_stream(o: RunOptions) -> tuple[Any, int]:
+    """(the listed test set whose classes the run predicts, the samples of its stream): an OOD run's are the
+    in-distribution set's classes and both sets' samples, as `load_mixed_data` mixes them."""
+    from extract.datasets import load_ood_images, load_testset
+
+    if o.ood_for is None:
+        testset = load_testset(o.dataset, o.data_root, sh_filter=o.sh_filter)
+        return testset, len(testset)
+    testset = load_testset(o.ood_for, o.data_root, sh_filter=o.sh_filter)
+    return testset, len(testset) + len(load_ood_images(o.dataset, o.data_root, sh_filter=o.sh_filter))
 
 
 def check_backbones(runs: Sequence[RunSpec]) -> None:

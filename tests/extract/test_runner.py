@@ -22,6 +22,7 @@ from extract.runner import run_extraction
 from schemas.shard import RunKey, find_shards, group_shards, read_shard, validate_shard
 
 from tests.support.extract import interrupt_nth_write, make_imagenet_folders, make_json_dataset, with_views
+from tests.support.extract import shard_columns as _table
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
 
@@ -49,12 +50,6 @@ def _whole_run_equals_a_fresh_one(method, tmp_path, tiny_model, data_root):
     for k, v in fresh.items():
         np.testing.assert_array_equal(got[k], v)
     return lines
-
-
-def _table(paths):
-    shards = [read_shard(p) for p in paths]
-    return {k: np.concatenate([getattr(s, k) for s in shards])
-            for k in ("sample_id", "label", "zs_logits", "tta_logits", "stream_pos")}
 
 
 # --------------------------------------------------------------------------------------------------------------

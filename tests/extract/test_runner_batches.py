@@ -17,7 +17,7 @@ from extract.run.rundir import RunDir
 from extract.runner import run_extraction
 from schemas.shard import RunKey, read_shard
 
-from tests.support.extract import interrupt_nth_write, make_json_dataset
+from tests.support.extract import interrupt_nth_write, make_json_dataset, shard_columns as table
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (tests/support/extract.py)
 
@@ -36,12 +36,6 @@ def run(tmp_path, model, data_root, method="tent", **kw):
     args = dict(SMALL, data_root=data_root, out=tmp_path / "out", cache_dir=tmp_path / "cache", model=model)
     args.update(kw)
     return run_extraction(method, "dtd", **args)
-
-
-def table(paths):
-    shards = [read_shard(p) for p in paths]
-    return {k: np.concatenate([getattr(s, k) for s in shards])
-            for k in ("sample_id", "label", "zs_logits", "tta_logits", "stream_pos")}
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_rn_model"])
@@ -90,6 +84,31 @@ def test_a_part_whose_state_file_is_gone_is_recomputed(tmp_path, data_root, tiny
     again = table(run(tmp_path / "r", tiny_model, data_root, log=lines.append))
     assert any("part-00001.parquet lacks the method state" in line and "parts 0..0 kept" in line for line in lines)
     np.testing.assert_array_equal(again["tta_logits"], full["tta_logits"])
+
+
+def test_a_saved_state_this_torch_cannot_read_is_one_line(tmp_path, data_root, tiny_model, monkeypatch):
+    """A state file whose bytes match its part but that this torch cannot unpickle (one written by another version)
+    stops the resumed run with one line naming it and what to do, not a traceback."""
+    import pickle
+
+    import torch
+
+    from extract.run.options import RunError
+
+    real_write = interrupt_nth_write(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "r", tiny_model, data_root)
+    monkeypatch.setattr(run_writer, "write_shard", real_write)
+
+    def refuse(*a, **k):
+        raise pickle.UnpicklingError("Weights only load failed. Unsupported global: GLOBAL x.y\nmore lines")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(RunError) as e:
+        run(tmp_path / "r", tiny_model, data_root)
+    line = str(e.value)
+    assert "\n" not in line and "state-00001.pt: the method state saved with the interrupted run cannot be read" in line
+    assert "Unsupported global: GLOBAL x.y" in line and line.endswith("--no-resume computes the run again")
 
 
 def test_zero_shot_rows_are_the_frozen_models(tmp_path, data_root, tiny_model):

@@ -15,7 +15,8 @@ from extract.run import writer as run_writer
 from extract.runner import run_extraction
 from schemas.shard import find_shards, read_shard
 
-from tests.support.extract import interrupt_nth_write, make_json_dataset, make_tiny_model_dir, write_image
+from tests.support.extract import (interrupt_nth_write, make_json_dataset, make_tiny_model_dir, shard_columns as table,
+                                   write_image)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,12 +36,6 @@ def run(out, model, data_root, method, **kw):
                 part_size=4, limit=10, overrides={"batch_size": "2", **CHEAP[method]})
     args.update(kw)
     return run_extraction(method, "dtd", **args)
-
-
-def table(paths):
-    shards = [read_shard(p) for p in paths]
-    return {k: np.concatenate([getattr(s, k) for s in shards])
-            for k in ("sample_id", "zs_logits", "tta_logits", "stream_pos")}
 
 
 @pytest.mark.parametrize("method", ["watt", "clipartt"])
@@ -78,7 +73,7 @@ def test_rows_are_the_method_on_the_runs_pixels(tmp_path, data_root, tiny_model)
     planned = plan(options)
     data = load_run_data(planned)
     perm = stream_permutation("dtd", 1, data.n_total)
-    pixels = BatchPixels(tiny_model, data.testset, perm, 1, stop=4, width=2)
+    pixels = BatchPixels(tiny_model, data.testset, perm, 1, stop=4)
     cfg = planned.config
     m = CLIPArTT(cfg, torch.zeros(3, 16), tiny_model.logit_scale, backbone="tiny-clip", dataset="dtd",
                  text_encoder=tiny_model, class_names=data.testset.class_names)

@@ -16,7 +16,7 @@ from extract.run.rundir import run_is_complete
 from extract.runner import run_extraction
 from schemas.shard import RunKey, find_shards, read_shard
 
-from tests.support.extract import interrupt_nth_write, make_json_dataset, write_image
+from tests.support.extract import interrupt_nth_write, make_json_dataset, shard_columns, write_image
 
 SMALL = dict(part_size=8, adapt_batch=4, chunk_size=5, batch_size=3, progress=False)
 TRANSDUCTIVE = sorted(k for k, cls in REGISTRY.items() if cls.consumes == "set_features")
@@ -35,12 +35,6 @@ def _run(method, out, model, data_root, **kw):
     return run_extraction(method, "dtd", **args)
 
 
-def _table(paths):
-    shards = [read_shard(p) for p in paths]
-    return {k: np.concatenate([getattr(s, k) for s in shards])
-            for k in ("sample_id", "label", "zs_logits", "tta_logits", "stream_pos")}
-
-
 def test_the_methods_are_registered():
     assert TRANSDUCTIVE == ["stata", "stata-online", "transclip", "zlap", "zlap-inductive"]
 
@@ -56,9 +50,9 @@ def test_shards_record_the_unit(tmp_path, tiny_model, data_root, method, unit, r
 def test_a_batch_unit_is_each_batch_solved_alone(tmp_path, tiny_model, data_root):
     """unit 8: the rows of positions 8..15 are those of a run whose stream is cut there (the same solve of the
     same 8 features), and differ from the whole run's."""
-    batch = _table(_run("stata", tmp_path / "b", tiny_model, data_root, overrides={"unit": "8"}))
-    whole = _table(_run("stata", tmp_path / "w", tiny_model, data_root))
-    first8 = _table(_run("stata", tmp_path / "f", tiny_model, data_root, limit=8))
+    batch = shard_columns(_run("stata", tmp_path / "b", tiny_model, data_root, overrides={"unit": "8"}))
+    whole = shard_columns(_run("stata", tmp_path / "w", tiny_model, data_root))
+    first8 = shard_columns(_run("stata", tmp_path / "f", tiny_model, data_root, limit=8))
     np.testing.assert_array_equal(batch["tta_logits"][:8], first8["tta_logits"])
     assert not np.allclose(batch["tta_logits"], whole["tta_logits"])
     np.testing.assert_array_equal(batch["zs_logits"], whole["zs_logits"])  # paired with the same zero-shot rows
@@ -72,7 +66,7 @@ def test_a_batch_unit_is_each_batch_solved_alone(tmp_path, tiny_model, data_root
 ])
 def test_interrupted_run_rerun_equals_uninterrupted(tmp_path, tiny_model, data_root, monkeypatch, method, overrides,
                                                     nth, kept_after):
-    full = _table(_run(method, tmp_path / "full", tiny_model, data_root, overrides=overrides))
+    full = shard_columns(_run(method, tmp_path / "full", tiny_model, data_root, overrides=overrides))
     real_write = interrupt_nth_write(monkeypatch, nth)
     with pytest.raises(KeyboardInterrupt):
         _run(method, tmp_path / "r", tiny_model, data_root, overrides=overrides)
@@ -81,7 +75,7 @@ def test_interrupted_run_rerun_equals_uninterrupted(tmp_path, tiny_model, data_r
     assert not run_is_complete(out, RunKey("tiny-clip", "dtd", method, 1))
     before = {p.name: p.stat().st_mtime_ns for p in out.rglob("part-*.parquet")}
     lines: list[str] = []
-    resumed = _table(_run(method, tmp_path / "r", tiny_model, data_root, overrides=overrides, log=lines.append))
+    resumed = shard_columns(_run(method, tmp_path / "r", tiny_model, data_root, overrides=overrides, log=lines.append))
     after = {p.name: p.stat().st_mtime_ns for p in out.rglob("part-*.parquet")}
     assert sorted(n for n in before if before[n] == after[n]) == kept_after  # the parts kept, untouched
     for k in full:
@@ -94,15 +88,15 @@ def test_a_limit_run_is_its_own_run(tmp_path, tiny_model, data_root):
     """A finished 18-sample TransCLIP run never serves --limit 8, and never gives way to it unforced (issue 35
     item 1): the 8-sample run is refused there, naming the finished run and why; elsewhere, or forced, it is solved
     over its 8 samples."""
-    full = _table(_run("transclip", tmp_path, tiny_model, data_root))
+    full = shard_columns(_run("transclip", tmp_path, tiny_model, data_root))
     with pytest.raises(RunError) as refused:
         _run("transclip", tmp_path, tiny_model, data_root, limit=8)
     msg = str(refused.value)
     assert "holds 18 samples" in msg and "solves the whole run's features jointly" in msg and "--force" in msg
-    np.testing.assert_array_equal(_table(_run("transclip", tmp_path, tiny_model, data_root))["tta_logits"],
+    np.testing.assert_array_equal(shard_columns(_run("transclip", tmp_path, tiny_model, data_root))["tta_logits"],
                                   full["tta_logits"])  # the finished run is untouched (and served)
-    limited = _table(_run("transclip", tmp_path, tiny_model, data_root, limit=8, force=True))
-    fresh = _table(_run("transclip", tmp_path / "fresh", tiny_model, data_root, limit=8))
+    limited = shard_columns(_run("transclip", tmp_path, tiny_model, data_root, limit=8, force=True))
+    fresh = shard_columns(_run("transclip", tmp_path / "fresh", tiny_model, data_root, limit=8))
     for k, v in fresh.items():
         np.testing.assert_array_equal(limited[k], v)
     assert not np.array_equal(full["tta_logits"][:8], fresh["tta_logits"])

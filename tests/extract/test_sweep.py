@@ -363,6 +363,9 @@ def test_measured_rates_price_the_plan(tmp_path):
     (json.dumps({"version": 1, "backbones": {"RN50": {**RATES_DOC["backbones"]["ViT-B-16"],
                                                       "adapt_samples_per_s": {"tpt": {"many": 3.0}}}}}),
      "class counts of 'tpt' must be integers"),
+    (json.dumps({"version": 1, "backbones": {"RN50": {**RATES_DOC["backbones"]["ViT-B-16"],
+                                                      "adapt_samples_per_s": [3.0]}}}),
+     "expected an object at 'adapt_samples_per_s', got [3.0]"),
 ])
 def test_a_bad_rates_file_is_one_line(doc, message, tmp_path):
     (tmp_path / "bad.json").write_text(doc)

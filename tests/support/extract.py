@@ -353,6 +353,18 @@ def interrupt_nth_write(monkeypatch, n: int):
     return real_write
 
 
+#: the row columns of a run's shards (`schemas.shard.Shard`), as the runner tests compare two runs
+SHARD_COLUMNS = ("sample_id", "label", "zs_logits", "tta_logits", "stream_pos")
+
+
+def shard_columns(paths: Sequence[Path], columns: Sequence[str] = SHARD_COLUMNS) -> dict[str, np.ndarray]:
+    """{column: the rows of the shards at `paths`, concatenated in order} (a run's parts as one table)."""
+    from schemas.shard import read_shard
+
+    shards = [read_shard(p) for p in paths]
+    return {k: np.concatenate([getattr(s, k) for s in shards]) for k in columns}
+
+
 @pytest.fixture(scope="session")
 def tiny_externals(tmp_path_factory, tiny_model):
     """`tests.support.second_models.TinyExternals`: `tiny_externals.overrides(key)` is the `--set` values that run a

@@ -27,7 +27,12 @@ def tiny_cfg(family: str) -> dict:
 
 def tiny_loaded(family: str, seed: int = 0):
     """A tiny CLIP as the run hands it to a method (`LoadedModel` on the CPU, fp32), random BatchNorm statistics
-    and affine parameters (so that batch statistics and the running ones differ)."""
+    and affine parameters (so that batch statistics and the running ones differ).
+
+    The ViT's class and positional embeddings are zero: random ones make its one block's class token nearly the
+    same for every image (cosine ~0.97), so every image gets the same pseudo-labels and prompts, the text-graph loss
+    is constant (ln B) and its gradient is rounding noise, which Adam scales up to lr-sized steps on some CPUs and
+    not on others. Zero, the images decide the features and the pseudo-labels differ."""
     import open_clip
 
     from extract.models import LoadedModel, Preprocess
@@ -36,6 +41,9 @@ def tiny_loaded(family: str, seed: int = 0):
     model = open_clip.CLIP(**tiny_cfg(family))
     with torch.no_grad():
         model.logit_scale.fill_(math.log(SCALE))
+        if family == "vit":
+            model.visual.class_embedding.zero_()
+            model.visual.positional_embedding.zero_()
         for m in model.modules():
             if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.LayerNorm)):
                 m.weight.uniform_(0.5, 1.5)

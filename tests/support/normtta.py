@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from tests.support.online import prototypes as text_prototypes  # noqa: F401  (imported from here by the tests)
 
 NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
 
@@ -154,11 +155,6 @@ def pixel_stream(n: int, size: int, seed: int = 3, dtype: torch.dtype = torch.fl
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def text_prototypes(k: int, d: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """(k, d) random L2-normalised class prototypes."""
-    return F.normalize(torch.randn(k, d, generator=torch.Generator().manual_seed(seed), dtype=dtype), dim=-1)
-
-
 def make_method(cls: type, model: nn.Module, pixels: torch.Tensor, text: torch.Tensor, scale: float,
                 **changes: Any) -> Any:
     """`cls` built on `model` (a bare open_clip model, float64 in exact tests) with its default config and
@@ -176,12 +172,6 @@ def run_batches(method: Any, n: int, batch: int, v: int = 1, dtype: torch.dtype 
     methods: zeros of the right shape)."""
     out = [method.adapt(torch.zeros(min(batch, n - s), v, method.dim, dtype=dtype)) for s in range(0, n, batch)]
     return torch.cat(out)
-
-
-def logit_tol(scale: float, steps: int, dtype: torch.dtype = torch.float64) -> float:
-    """Tolerance of adapted logits against the transcription: both run the same float64 operations except in
-    order-dependent reductions (a few eps per reduction, amplified through the steps and the logit scale)."""
-    return 1e3 * (1 + steps) * torch.finfo(dtype).eps * scale * math.sqrt(64)
 
 
 class RefSAM(torch.optim.Optimizer):

@@ -1,6 +1,7 @@
 """Shared by the online methods' tests (tests/extract/methods/test_dota.py, test_oga.py, test_bca.py,
-test_cosmic.py): random class prototypes and a stream of view features clustered around them, and the check that an
-interrupted run of the real runner resumes equal to an uninterrupted one."""
+test_cosmic.py): random class prototypes and a stream of view features clustered around them (the transductive
+methods' units too, tests/support/transductive.py), and the check that an interrupted run of the real runner resumes
+equal to an uninterrupted one."""
 
 from __future__ import annotations
 

@@ -9,16 +9,15 @@ TCA's condensed blocks 3, 6 and 9 and a ModifiedResNet with a 2 x 2 attention-po
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 
-from tests.support.extract import TINY_MEAN, TINY_STD
+from tests.support.extract import TINY_MEAN, TINY_STD, _build, tiny_model_cfg
 
-TEXT_CFG = {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}
+TEXT_CFG = tiny_model_cfg()["text_cfg"]  # the tiny model's one-layer text tower
 SIZE = 64  # pixels: a 8 x 8 patch grid (ViT) and a 2 x 2 attention-pool grid (ResNet)
-LOGIT_SCALE = 37.5  # not OpenAI's 100, so a hard-coded 100 shows
+LOGIT_SCALE = 37.5  # the tiny models' (`tests.support.extract._build`): not OpenAI's 100, so a hard-coded 100 shows
 
 
 def vit_cfg(layers: int = 10) -> dict:
@@ -35,12 +34,8 @@ def rn_cfg() -> dict:
 
 def build(cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32):
     """The open_clip CLIP of `cfg` with random weights (BatchNorm statistics randomised too), eval mode."""
-    import open_clip
-
-    torch.manual_seed(seed)
-    model = open_clip.CLIP(**cfg)
+    model = _build(cfg, seed)
     with torch.no_grad():
-        model.logit_scale.fill_(math.log(LOGIT_SCALE))
         for mod in model.modules():  # a ResNet's fresh BatchNorms are the identity: give them statistics
             if isinstance(mod, torch.nn.BatchNorm2d):
                 mod.running_mean.normal_(0, 0.1)

@@ -1,5 +1,6 @@
 """What the tests of the transductive methods (StatA, TransCLIP, ZLaP) share: small synthetic units (random text
-prototypes, features clustered around them) and one solve of a method over a whole unit."""
+prototypes, features clustered around them, drawn as the online methods' tests draw theirs), one solve of a method
+over a whole unit, and the official k-nearest-neighbour affinity the references build."""
 
 from __future__ import annotations
 
@@ -7,24 +8,34 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from tests.support.online import clustered_views, prototypes
 
 K, D = 5, 16
 
 
 def make_text(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """(K, D) L2-normalised random prototypes, drawn in float64 and cast."""
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(K, D, generator=g, dtype=torch.float64), dim=-1).to(dtype)
+    return prototypes(K, D, seed).to(dtype)
 
 
 def make_set(n: int, text: torch.Tensor, seed: int = 1, noise: float = 0.8, classes: int = K) -> torch.Tensor:
-    """(n, 1, D) normalised features around the prototypes of random classes among the first `classes`, in the
-    prototypes' dtype."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, classes, (n,), generator=g)
-    x = text.double()[y] + noise * torch.randn(n, D, generator=g, dtype=torch.float64) / D ** 0.5
-    return F.normalize(x, dim=-1).to(text.dtype)[:, None]
+    """(n, 1, D) normalised features around the prototypes of random classes among the first `classes`, drawn in
+    float64 and cast to the prototypes' dtype."""
+    return clustered_views(n, 1, text.double()[:classes], seed, noise)[0].to(text.dtype)
+
+
+def ref_affinity(x: torch.Tensor, n_neighbors: int) -> torch.Tensor:
+    """The official `build_affinity_matrix` (TransCLIP's `TransCLIP_utils.py`; StatA's solver builds the same) on
+    (N, D) features, line by line: the dense (N, N) matrix W whose row i holds the cosines to its `n_neighbors`
+    most similar other samples (the `n_neighbors + 1` largest without the first, the sample itself)."""
+    n = x.shape[0]
+    affinity = x.matmul(x.T)
+    knn_index = affinity.topk(n_neighbors + 1, -1, largest=True).indices[:, 1:]
+    rows = torch.arange(n).unsqueeze(1).repeat(1, n_neighbors).flatten()
+    cols = knn_index.flatten()
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), affinity[rows, cols], size=(n, n),
+                                   check_invariants=False).to_dense()
 
 
 def solve(cls: type, x: torch.Tensor, text: torch.Tensor, scale: float = 100.0, **changes: Any

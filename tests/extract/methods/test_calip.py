@@ -245,17 +245,16 @@ def test_resume_after_interruption_reads_only_the_rest(tmp_path, folder_set, mon
     from extract.models import load_model
     from extract.run import writer as run_writer
     from extract.runner import run_extraction
-    from schemas.shard import find_shards, read_shard
+    from schemas.shard import find_shards
 
-    from tests.support.extract import interrupt_nth_write
+    from tests.support.extract import interrupt_nth_write, shard_columns
 
     model = load_model(None, f"local-dir:{folder_set['vit']}", "cpu")
     args = dict(cache_dir=tmp_path / "cache", model=model, part_size=4, adapt_batch=2, progress=False)
     dataset = f"folder:{folder_set['set']}"
 
     def rows(out):
-        shards = [read_shard(p) for p in find_shards([out])]
-        return {k: np.concatenate([getattr(s, k) for s in shards]) for k in ("stream_pos", "zs_logits", "tta_logits")}
+        return shard_columns(find_shards([out]), ("stream_pos", "zs_logits", "tta_logits"))
 
     run_extraction("calip", dataset, out=tmp_path / "full", **args)
     real = interrupt_nth_write(monkeypatch, 2)

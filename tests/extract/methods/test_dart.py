@@ -247,15 +247,11 @@ def test_default_configs_and_errors(tiny_model):
         run(m, 1, 10)
 
 
-def test_resnet_backbone_is_refused_in_one_line():
-    import open_clip
-
-    rn = open_clip.CLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
-                        text_cfg={"context_length": 16, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1})
+def test_resnet_backbone_is_refused_in_one_line(tiny_rn_model):
     with pytest.raises(ValueError, match=r"dart prompts the attention of a ViT image encoder .* RN50 has a "
                                          r"ModifiedResNet image encoder; use a ViT backbone") as e:
         DART(DART.default_config("dtd", "RN50"), torch.eye(K, 16), 100.0, backbone="RN50", dataset="dtd",
-             text_encoder=rn, class_names=NAMES)
+             text_encoder=tiny_rn_model, class_names=NAMES)
     assert "\n" not in str(e.value)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from extract.methods.deyo import DeYO, DeYOConfig, shuffled
-from extract.methods.panda import SHUFFLE_DRAWS, batch_generator
+from extract.methods.panda import batch_generator
 from tests.support.normtta import resumed_rows, image_size, make_method, pixel_stream, ref_deyo, ref_shuffle, run_batches, text_prototypes
 
 pytestmark = pytest.mark.usefixtures("one_thread")

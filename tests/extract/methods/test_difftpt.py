@@ -11,7 +11,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 import torchvision.transforms as T
 from PIL import Image
 
@@ -208,6 +207,20 @@ def test_a_folder_that_is_no_pipeline_is_one_line(tmp_path):
     (tmp_path / "model_index.json").write_text("{not json")
     with pytest.raises(diffusion.RunError, match=r"difftpt: --set sd_pipeline=.*: not a loadable") as e:
         diffusion.load_pipeline(str(tmp_path), torch.device("cpu"), False)
+    assert "\n" not in str(e.value)
+
+
+def test_weights_unlike_their_config_are_one_line(sd_dir, tmp_path):
+    """A UNet whose weights do not fit its config.json (torch's RuntimeError from `load_state_dict`)."""
+    import json
+    import shutil
+
+    bad = tmp_path / "sd"
+    shutil.copytree(sd_dir, bad)
+    cfg = json.loads((bad / "unet" / "config.json").read_text())
+    (bad / "unet" / "config.json").write_text(json.dumps({**cfg, "block_out_channels": [16, 32]}))
+    with pytest.raises(diffusion.RunError, match=r"difftpt: --set sd_pipeline=.*: not a loadable") as e:
+        diffusion.load_pipeline(str(bad), torch.device("cpu"), False)
     assert "\n" not in str(e.value)
 
 

@@ -1,9 +1,9 @@
 """PromptAlign (extract/methods/promptalign.py, extract/promptalign_stats.py) on a tiny open_clip CLIP with 4
 vision blocks and 3 text layers, tiny random MaPLe prompts and statistics (tests/support/second_models.py), against
 a slow transcription of the official code written here from docs/methods.md,
-"PromptAlign: MaPLe prompts aligned to ImageNet's token statistics": MaPLe's towers in PromptAlign's clip/model.py (sequence-first, attention written out
-per head), `MultiModalPromptLearner`, `test_time_tuning`, `select_confident_samples`, `avg_entropy`,
-`distr_align_loss`."""
+"PromptAlign: MaPLe prompts aligned to ImageNet's token statistics": MaPLe's towers in PromptAlign's clip/model.py
+(sequence-first, attention written out per head), `MultiModalPromptLearner`, `test_time_tuning`,
+`select_confident_samples`, `avg_entropy`, `distr_align_loss`."""
 
 from __future__ import annotations
 
@@ -223,6 +223,29 @@ def test_cuda_mixed_precision_close_to_fp32(model, files):
     assert torch.isfinite(out).all() and m.loss_scale["growth_tracker"] + m.skipped_steps == 2
 
 
+def test_loss_scale_skips_non_finite_steps(model, files, monkeypatch):
+    """The CUDA GradScaler bookkeeping, emulated on the CPU: a non-finite step is skipped (MaPLe's prompts unchanged),
+    halves the scale and is counted; each finite step counts towards growth."""
+    pixels = torch.randn(3, 64, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+    m = make(model, files, pixels)
+    monkeypatch.setattr(m, "_use_amp", lambda device: True)
+    monkeypatch.setattr(m, "_autocast", lambda device: torch.autocast("cpu", enabled=False))
+    real, calls = m.loss, []
+
+    def poisoned(logits, tokens, sel):
+        calls.append(1)
+        loss, sel = real(logits, tokens, sel)
+        return loss + (float("nan") if len(calls) == 1 else 0.0), sel
+
+    monkeypatch.setattr(m, "loss", poisoned)
+    first = m.adapt(torch.zeros(1, 64, 16))
+    assert m.skipped_steps == 1 and m.loss_scale == {"scale": 500.0, "growth_tracker": 0}
+    still = make(model, files, pixels, lr=0.0, weight_decay=0.0).adapt(torch.zeros(1, 64, 16))
+    assert torch.equal(first, still)
+    m.adapt(torch.zeros(2, 64, 16))
+    assert m.summary() == {"skipped_steps": 1, "loss_scale": 500.0} and m.loss_scale["growth_tracker"] == 2
+
+
 def test_alignment_term_matters(model, files):
     pixels = torch.randn(1, 64, 3, 32, 32, generator=torch.Generator().manual_seed(4))
     with_align = make(model, files, pixels).adapt(torch.zeros(1, 64, 16))
@@ -307,18 +330,11 @@ def test_statistics_of_the_wrong_shape_are_one_line(model, files, tmp_path):
         load_stats(str(tmp_path / "bad.pt"), "vis_vars", (2, n_img + 2, wv))
 
 
-def test_rn_backbones_are_refused_in_one_line(files):
-    import open_clip
-
-    from extract.models import LoadedModel, Preprocess
-
-    rn = open_clip.CLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
-                        text_cfg={"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1})
-    m = LoadedModel(rn, open_clip.get_tokenizer("RN50"), "RN50", "none", "RN50", True,
-                    Preprocess((32, 32), (0.5,) * 3, (0.25,) * 3), 37.5, torch.device("cpu"), "fp32", "x")
+def test_rn_backbones_are_refused_in_one_line(files, tiny_rn_model):
     with pytest.raises(ValueError, match="promptalign prompts the tokens of a ViT image encoder"):
         PromptAlign(dataclasses.replace(PromptAlign.default_config("dtd", "RN50"), **files),
-                    torch.zeros(K, 16), 37.5, backbone="RN50", dataset="dtd", text_encoder=m, class_names=NAMES)
+                    torch.zeros(K, 16), 37.5, backbone="RN50", dataset="dtd", text_encoder=tiny_rn_model,
+                    class_names=NAMES)
 
 
 # ------------------------------------------------------------------------------------------ the statistics command

@@ -333,9 +333,9 @@ def test_resume_after_interruption_replays_the_prefix(tmp_path, run_inputs, monk
     from extract.models import load_model
     from extract.run import writer as run_writer
     from extract.runner import run_extraction
-    from schemas.shard import find_shards, read_shard
+    from schemas.shard import find_shards
 
-    from tests.support.extract import interrupt_nth_write
+    from tests.support.extract import interrupt_nth_write, shard_columns
 
     data, model_dir = run_inputs
     model = load_model(None, f"local-dir:{model_dir}", "cpu")
@@ -343,8 +343,7 @@ def test_resume_after_interruption_replays_the_prefix(tmp_path, run_inputs, monk
                 progress=False)
 
     def rows(out):
-        shards = [read_shard(p) for p in find_shards([out])]
-        return {k: np.concatenate([getattr(s, k) for s in shards]) for k in ("stream_pos", "zs_logits", "tta_logits")}
+        return shard_columns(find_shards([out]), ("stream_pos", "zs_logits", "tta_logits"))
 
     run_extraction("tca", "dtd", out=tmp_path / "full", **args)
     full = rows(tmp_path / "full")

@@ -19,9 +19,7 @@ N, B, K = 10, 4, 5  # 10 positions in batches of 4: the last batch holds 2
 
 
 def inputs(model):
-    size = model.visual.image_size
-    size = size[0] if isinstance(size, tuple) else size
-    return pixel_stream(N, size), text_prototypes(K, model.text_projection.shape[1])
+    return pixel_stream(N, image_size(model)), text_prototypes(K, model.text_projection.shape[1])
 
 
 @pytest.mark.parametrize("steps", [1, 2])
@@ -86,6 +84,16 @@ def test_state_resume_equals_uninterrupted(tiny_model64, tmp_path):
 
     _, _, rows = resumed_rows(build, N, B, 8, tmp_path / "state.pt")
     torch.testing.assert_close(rows, run_batches(build(), N, B), rtol=0, atol=0)
+
+
+def test_a_state_without_its_parameters_is_one_line(tiny_model64):
+    """A state file of Tent that lacks what `state_dict` saves (another version's) is refused in one line."""
+    pixels, text = inputs(tiny_model64)
+    m = make_method(Tent, tiny_model64, pixels, text, 37.5, batch_size=B)
+    state = m.state_dict()
+    del state["optimizer"], state["scaler"]
+    with pytest.raises(ValueError, match="^tent state lacks optimizer, scaler$"):
+        make_method(Tent, tiny_model64, pixels, text, 37.5, batch_size=B).load_state_dict(state)
 
 
 def test_a_call_wider_than_the_batch_is_refused(tiny_model):

@@ -158,6 +158,28 @@ def test_lora_init_and_loss_by_hand(deep_model):
     assert make(deep_model, text, pixels, n_views=4, entropy_filter=0.1).loss(z) is None  # no view passes
 
 
+def test_loss_scale_skips_non_finite_steps(deep_model, monkeypatch):
+    """The CUDA GradScaler bookkeeping, emulated on the CPU: a non-finite step is skipped (the LoRA factors keep their
+    start: the frozen encoder's row), halves the scale and is counted; each finite step counts towards growth."""
+    text, pixels = data(3, v=4, seed=5)
+    m = make(deep_model, text, pixels, n_views=4)
+    monkeypatch.setattr(m, "_use_amp", lambda device: True)
+    monkeypatch.setattr(m, "_autocast", lambda device: torch.autocast("cpu", enabled=False))
+    real, calls = m.loss, []
+
+    def poisoned(logits):
+        calls.append(1)
+        return real(logits) + (float("nan") if len(calls) == 1 else 0.0)
+
+    monkeypatch.setattr(m, "loss", poisoned)
+    first = m.adapt(torch.zeros(1, 4, 16))
+    assert m.skipped_steps == 1 and m.loss_scale == {"scale": 500.0, "growth_tracker": 0}
+    frozen = make(deep_model, text, pixels, n_views=4, lr=0.0, weight_decay=0.0).adapt(torch.zeros(1, 4, 16))
+    assert torch.equal(first, frozen)
+    m.adapt(torch.zeros(2, 4, 16))
+    assert m.summary() == {"skipped_steps": 1, "loss_scale": 500.0} and m.loss_scale["growth_tracker"] == 2
+
+
 def test_batched_calls_and_resume_read_their_own_positions(deep_model):
     text, pixels = data(5, v=4, seed=3)
     whole = make(deep_model, text, pixels, n_views=4).adapt(torch.zeros(5, 4, 16))
@@ -169,15 +191,11 @@ def test_batched_calls_and_resume_read_their_own_positions(deep_model):
     torch.testing.assert_close(torch.cat([head, rest]), whole, rtol=0, atol=0)
 
 
-def test_resnet_backbone_is_refused_in_one_line():
-    import open_clip
-
-    rn = open_clip.CLIP(embed_dim=16, vision_cfg={"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
-                        text_cfg={"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1})
+def test_resnet_backbone_is_refused_in_one_line(tiny_rn_model):
     with pytest.raises(ValueError, match=r"ttl adapts the attention of a ViT image encoder .* RN50 has a "
                                          r"ModifiedResNet image encoder") as e:
         TTL(TTL.default_config("dtd", "RN50"), torch.eye(K, 16), 100.0, backbone="RN50", dataset="dtd",
-            text_encoder=rn)
+            text_encoder=tiny_rn_model)
     assert "\n" not in str(e.value)
 
 

@@ -33,7 +33,7 @@ def want(model, testset, perm, start, stop):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batches_are_the_encoding_pass_views_in_stream_order(tiny_model, testset, workers):
     perm = stream_permutation("dtd", 1, len(testset.paths))
-    reader = BatchPixels(tiny_model, testset, perm, 1, stop=10, width=4, workers=workers)
+    reader = BatchPixels(tiny_model, testset, perm, 1, stop=10, workers=workers)
     try:
         got = [reader.get(s, min(s + 4, 10)) for s in range(0, 10, 4)]  # the last batch holds 2
     finally:
@@ -44,7 +44,7 @@ def test_batches_are_the_encoding_pass_views_in_stream_order(tiny_model, testset
 
 def test_a_call_that_does_not_continue_restarts_the_loader(tiny_model, testset):
     perm = stream_permutation("dtd", 1, len(testset.paths))
-    reader = BatchPixels(tiny_model, testset, perm, 1, stop=12, width=4)
+    reader = BatchPixels(tiny_model, testset, perm, 1, stop=12)
     assert torch.equal(reader.get(8, 12), want(tiny_model, testset, perm, 8, 12))  # a resumed run
     assert torch.equal(reader.get(0, 3), want(tiny_model, testset, perm, 0, 3))  # another width
     assert torch.equal(reader.get(3, 6), want(tiny_model, testset, perm, 3, 6))
@@ -60,4 +60,4 @@ def test_an_unreadable_image_is_named(tiny_model, testset, tmp_path):
     broken.write_bytes(b"not an image")
     bad = dataclasses.replace(testset, paths=(str(broken),) + tuple(testset.paths[1:]))
     with pytest.raises(DatasetError, match="broken.png"):
-        BatchPixels(tiny_model, bad, perm, 1, stop=4, width=4).get(0, 4)
+        BatchPixels(tiny_model, bad, perm, 1, stop=4).get(0, 4)

@@ -196,13 +196,12 @@ def test_the_field_grid_dry_run_prices_every_method_plausibly(tmp_path, monkeypa
                  for k, v in tiny_externals.overrides(m).items()]
     args = ["run", "--dry-run", "--skip-data-check", "--methods", "all", "--datasets", "all", "--backbones",
             "ViT-B-16", "--out", "o", *(a for e in externals for a in ("--set", e))]
+    real, captured = sweep.sweep_run, []  # the runs planned, and the plan printed: one dry run
+    monkeypatch.setattr(sweep, "sweep_run", lambda runs, *a, **kw: captured.extend(runs) or real(runs, *a, **kw))
     res = CliRunner().invoke(sweep.app, args)
     assert res.exit_code == 0, res.output
     flat = " ".join(res.output.split())
     assert "adaptation estimated from their work on an H100: " in flat and "no cost entry" not in flat
-    captured: list[RunSpec] = []
-    monkeypatch.setattr(sweep, "sweep_run", lambda runs, *a, **kw: captured.extend(runs) or 0)
-    assert CliRunner().invoke(sweep.app, args).exit_code == 0
     assert {r.method for r in captured} == set(REGISTRY) and {r.dataset for r in captured} == set(cost.TEST_SIZES)
     fig, card = cost.backbone_figures("ViT-B-16"), cost.CARDS["H100"]
     hours = {(r.method, r.dataset): cost.adapt_seconds(r.method, r.dataset, cost.n_images(r.dataset), r.policy,

@@ -314,6 +314,25 @@ def test_a_dry_run_refuses_what_the_submission_refuses(case, tmp_path, tiny_mode
     assert not list((tmp_path / "out").rglob("*.parquet"))
 
 
+def test_a_retry_dry_run_refuses_the_slurm_setup_its_submission_refuses(tmp_path, monkeypatch):
+    """`retry --dry-run` shares the dry run's plan (`render_plan`), so it refuses a `--slurm-setup` line that
+    sources a missing file, word for word as `retry` does, and submits nothing."""
+    _no_submission(monkeypatch)
+    out = tmp_path / "out"
+    manifest = Manifest(out)
+    manifest.executor = {"executor": "slurm", "slurm_setup": [f"source {tmp_path}/nope/activate"]}
+    run = RunSpec(RunOptions("tda", "dtd", backbone="RN50"), ExecOptions(out=str(out)), "single")
+    manifest.record_not_submitted(run, error="sbatch refused", executor="slurm")
+    manifest.save()
+    said = []
+    for mode in (["--dry-run"], []):
+        res = runner.invoke(sweep_cli.app, ["retry", "--out", str(out), "--no-wait", *mode])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (mode, res.output)
+        said.append(" ".join(res.stderr.split()))
+        assert "does not exist on this machine" in said[-1], (mode, res.stderr)
+    assert said[1].startswith(said[0]), said  # the submission adds the runs it recorded as failed
+
+
 def test_the_refusals_cover_what_the_command_checks(tmp_path, tiny_model_dir, monkeypatch):
     """The baseline of the cases above submits (to the stub): each case's refusal is its own option's."""
     _no_submission(monkeypatch)
@@ -383,3 +402,17 @@ def test_ood_for_a_folder_set_in_a_sweep(tmp_path, tiny_model_dir, monkeypatch):
 
     sh = read_shard(shard)
     assert sh.meta.class_names == ("ex", "why") and len(sh.sample_id) == 3
+
+
+def test_class_names_for_a_registered_ood_for_key_are_refused(tmp_path):
+    """`--class-names KEY=FILE` names a user's folder:/split: set; `--ood-for dtd` is a registered key with its own
+    class names, so the file would be dropped: one line, as `zaec-extract --ood-for dtd --class-names FILE` refuses
+    it."""
+    names = tmp_path / "names.txt"
+    names.write_text("ex\nwhy\n")
+    res = runner.invoke(sweep_cli.app, ["run", "--dry-run", "--skip-data-check", "--methods", "tda", "--datasets",
+                                        "ninco", "--ood-for", "dtd", "--class-names", f"dtd={names}", "--out",
+                                        str(tmp_path / "o")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("zaec-sweep: error: --class-names dtd=...: no folder:PATH or split:FILE.json dataset"), line

@@ -545,6 +545,11 @@ def test_a_refused_submission_is_one_line_and_recorded(without_accounting, tiny_
     # nothing ran (a request no node can satisfy leaves a FAILED record in the controller)
     new = {j: st for j, st in _squeue_all().items() if j not in queued}
     assert set(new.values()) <= {"FAILED"}, new
-    # `retry` would resubmit exactly those (here: only its plan)
+    # `retry` would resubmit exactly those (here: only its plan); a setup line that still sources a missing file is
+    # refused by retry's plan too, with the same line, as its submission would refuse it
     plan = _cli("retry", "--out", str(out), "--dry-run")
-    assert plan.exit_code == 0 and "2 run(s) to submit in 1 group(s)" in " ".join(plan.output.split()), plan.output
+    if "--slurm-setup" in extra:
+        assert plan.exit_code == 2 and answer in " ".join(plan.output.split()), plan.output
+    else:
+        assert plan.exit_code == 0 and "2 run(s) to submit in 1 group(s)" in " ".join(plan.output.split()), \
+            plan.output
